@@ -1,0 +1,108 @@
+"""Config loading: TOML + CLI precedence, and one clear line for each kind of user mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_moe.config import ConfigError, load_config, model_args_from_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_TOML = str(REPO / "configs" / "debug_cpu.toml")
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_toml_then_cli_precedence():
+    cfg = load_config(["--job.config_file", DEBUG_TOML, "--training.steps", "7", "--model.dim=96",
+                       "--checkpoint.enable"])
+    assert cfg.training.steps == 7
+    assert cfg.training.seq_len == 256  # from the TOML
+    assert cfg.checkpoint.enable is True
+    args = model_args_from_config(cfg)
+    assert args.dim == 96  # CLI override of one model field
+    assert args.n_layers == 4  # the debug flavor's preset
+
+
+def test_unknown_toml_key_names_key_and_file(tmp_path):
+    path = _write(tmp_path, "[training]\nstepz = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--job.config_file", path])
+    msg = str(e.value)
+    assert path in msg and "training.stepz" in msg and "steps" in msg  # suggests the close match
+    assert "\n" not in msg
+
+
+def test_unknown_section(tmp_path):
+    path = _write(tmp_path, "[trainingz]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="trainingz"):
+        load_config(["--job.config_file", path])
+
+
+@pytest.mark.parametrize(
+    "toml, key",
+    [
+        ('[training]\nsteps = "ten"\n', "training.steps"),
+        ("[checkpoint]\nenable = 3\n", "checkpoint.enable"),
+        ('[training]\ndtype = "float13"\n', "training.dtype"),
+        ('[model]\nmla_layers = ["a"]\n', "model.mla_layers"),
+    ],
+)
+def test_bad_toml_value_names_key_and_file(tmp_path, toml, key):
+    path = _write(tmp_path, toml)
+    with pytest.raises(ConfigError) as e:
+        load_config(["--job.config_file", path])
+    assert key in str(e.value) and path in str(e.value)
+
+
+def test_bad_model_value_is_reported_with_file(tmp_path):
+    path = _write(tmp_path, '[model]\nname = "titan_moe"\nflavor = "debug"\nkda_g_min = -7.0\n')
+    with pytest.raises(ConfigError, match=r"kda_g_min.*\[-5, 0\)"):
+        load_config(["--job.config_file", path])
+
+
+def test_bad_cli_key_and_value():
+    with pytest.raises(ConfigError, match="training.stepz"):
+        load_config(["--job.config_file", DEBUG_TOML, "--training.stepz", "3"])
+    with pytest.raises(ConfigError, match="--training.steps 'abc'"):
+        load_config(["--job.config_file", DEBUG_TOML, "--training.steps", "abc"])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(["--job.config_file", str(tmp_path / "nope.toml")])
+
+
+def test_invalid_toml_syntax(tmp_path):
+    path = _write(tmp_path, "[training\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(["--job.config_file", path])
+
+
+def _run_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "titan_moe.train", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--job.config_file", "configs/nope.toml"], "config file not found: configs/nope.toml"),
+        (["--job.config_file", DEBUG_TOML, "--training.stepz", "3"], "training.stepz"),
+        (["--job.config_file", DEBUG_TOML, "--training.steps", "x"], "training.steps"),
+        (["--job.config_file", DEBUG_TOML, "--data.tokenizer", "/nonexistent/tok.json"], "/nonexistent/tok.json"),
+    ],
+)
+def test_cli_errors_exit_nonzero_with_one_line(args, needle):
+    proc = _run_train(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("titan_moe.train: error:")]
+    assert len(error_lines) == 1 and needle in error_lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

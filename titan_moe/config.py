@@ -1,0 +1,336 @@
+"""Job configuration: torchtitan's JobConfig plus our sections, read from TOML and the CLI.
+
+torchtitan 0.2.2's `ConfigManager` merges a custom config dataclass into its JobConfig
+(`_merge_configs`), which we reuse. We do our own reading of the TOML file and of the
+`--section.key value` overrides because torchtitan passes TOML values through unchecked
+and reports CLI mistakes in a multi-line box; a user mistake here stops with one line that
+names the key and the file.
+
+Our additions:
+  [model]  every `ModelArgs` field, optional: a value overrides the flavor's preset.
+  [data]   tokenizer path, validation split fraction, data seed, Hugging Face text column.
+  [balance] logging of the expert balance metrics.
+torchtitan's own keys keep their meaning; `training.dataset` is one of "builtin", "text",
+"hf_disk" and `training.dataset_path` points at the user's files for the last two.
+"""
+
+# No `from __future__ import annotations`: torchtitan's merge reads field types as objects.
+
+import dataclasses
+import difflib
+import os
+import sys
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
+from typing import Any, Literal
+
+from torchtitan.config import ConfigManager, JobConfig
+
+from titan_moe.model.args import ModelArgs
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or on the command line; the message is one line."""
+
+
+def _model_overrides_class() -> type:
+    hints = typing.get_type_hints(ModelArgs)
+    specs = [(f.name, hints[f.name] | None, field(default=None)) for f in fields(ModelArgs)]
+    return make_dataclass("Model", specs)
+
+
+@dataclass
+class Data:
+    tokenizer: str = ""
+    """Path to a tokenizer.json (or a folder holding one); empty: the tokenizer shipped in the package."""
+
+    val_fraction: float = 0.02
+    """Fraction of the built-in corpus's documents held out for the eval loss."""
+
+    seed: int = 0
+    """Seed of the document shuffle (the data order)."""
+
+    hf_text_column: str = "text"
+    """Column holding the text when training.dataset = "hf_disk"."""
+
+
+@dataclass
+class Training:
+    dataset: str = "builtin"
+    """builtin (the Python standard library's sources), text (files at dataset_path) or
+    hf_disk (a Hugging Face dataset saved with save_to_disk at dataset_path)."""
+
+
+@dataclass
+class Validation:
+    dataset: str = ""
+    """Like training.dataset; empty: the held-out split of the training source."""
+
+
+_Model = _model_overrides_class()
+
+
+@dataclass
+class TitanJobConfig:
+    model: _Model = field(default_factory=_Model)  # type: ignore[valid-type]
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
+
+
+def job_config_class() -> type:
+    """torchtitan's JobConfig with our sections merged in (torchtitan's own merge)."""
+    return ConfigManager._merge_configs(JobConfig, TitanJobConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# type checking and coercion of values
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, *, from_cli: bool) -> Any:
+    """Return `value` converted to `tp`, or raise TypeError/ValueError with a short reason."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (from_cli and str(value).lower() == "none")):
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, from_cli=from_cli)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise ValueError(f"expected {' or '.join(_type_name(a) for a in args)}")
+    if origin is Literal:
+        for option in args:
+            if value == option or (from_cli and str(value) == str(option)):
+                return option
+        raise ValueError(f"expected one of {list(args)}")
+    if origin in (list, tuple):
+        (inner, *_) = args or (Any,)
+        if from_cli and isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("expected a list")
+        return [_coerce(v, inner, from_cli=from_cli) for v in value]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError("expected a table")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and str(value).lower() in ("true", "1", "yes"):
+            return True
+        if from_cli and str(value).lower() in ("false", "0", "no"):
+            return False
+        raise ValueError("expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError("expected an integer")
+        if isinstance(value, int):
+            return value
+        if from_cli:
+            return int(str(value))
+        raise ValueError("expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError("expected a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli:
+            return float(str(value))
+        raise ValueError("expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError("expected a string")
+    return value
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key_message(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key.split(".")[-1], [k.split(".")[-1] for k in known], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r}{hint}"
+
+
+def _check_table(table: dict[str, Any], cls: type, prefix: str, where: str) -> dict[str, Any]:
+    """Check a TOML table against dataclass `cls`; return it with values coerced."""
+    hints = _field_types(cls)
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            raise ConfigError(f"{where}: {_unknown_key_message(dotted, [prefix + k for k in hints])}")
+        tp = hints[key]
+        if is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: [{dotted}] must be a table, got {value!r}")
+            out[key] = _check_table(value, tp, dotted + ".", where)
+            continue
+        try:
+            out[key] = _coerce(value, tp, from_cli=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: bad value for {dotted} = {value!r}: {e}") from None
+    return out
+
+
+def _resolve_cli_key(cls: type, dotted: str) -> tuple[list[str], Any, bool]:
+    """Map 'section.key' (hyphens allowed, 'no_' prefix for booleans) to a path and type."""
+    parts = dotted.replace("-", "_").split(".")
+    path: list[str] = []
+    current = cls
+    for i, part in enumerate(parts):
+        hints = _field_types(current)
+        negate = False
+        if part not in hints and part.startswith("no_") and part[3:] in hints and i == len(parts) - 1:
+            part, negate = part[3:], True
+        if part not in hints:
+            known = [".".join(path + [k]) for k in hints]
+            raise ConfigError(f"command line: {_unknown_key_message('.'.join(parts), known)}")
+        path.append(part)
+        current = hints[part]
+        if i < len(parts) - 1 and not is_dataclass(current):
+            raise ConfigError(f"command line: {'.'.join(path)} is not a section")
+    if is_dataclass(current):
+        raise ConfigError(f"command line: --{'.'.join(path)} is a section, not a key")
+    return path, current, negate
+
+
+def _parse_cli(argv: list[str], cls: type) -> list[tuple[list[str], Any]]:
+    """Parse `--section.key value`, `--section.key=value` and boolean flags."""
+    overrides = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"command line: unexpected argument {arg!r} (options look like --section.key value)")
+        name, eq, raw = arg[2:].partition("=")
+        path, tp, negate = _resolve_cli_key(cls, name)
+        is_bool = tp is bool
+        if eq:
+            i += 1
+        elif is_bool and (i + 1 >= len(argv) or argv[i + 1].startswith("--")
+                          or argv[i + 1].lower() not in ("true", "false", "1", "0", "yes", "no")):
+            raw = "true"
+            i += 1
+        elif i + 1 < len(argv):
+            raw = argv[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"command line: --{name} needs a value")
+        try:
+            value = _coerce(raw, tp, from_cli=True)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"command line: bad value for --{'.'.join(path)} {raw!r}: {e}") from None
+        if negate:
+            value = not value
+        overrides.append((path, value))
+    return overrides
+
+
+def _config_file_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    rest: list[str] = []
+    path = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            if eq:
+                path = value
+                i += 1
+            elif i + 1 < len(argv):
+                path = argv[i + 1]
+                i += 2
+            else:
+                raise ConfigError("command line: --job.config_file needs a path")
+            continue
+        rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def _print_help(cls: type) -> None:
+    print("usage: python -m titan_moe.train --job.config_file FILE.toml [--section.key value ...]\n")
+    hints = _field_types(cls)
+    for section, sub in hints.items():
+        if not is_dataclass(sub):
+            continue
+        print(f"[{section}]")
+        defaults = sub()
+        for key, tp in _field_types(sub).items():
+            if is_dataclass(tp):
+                continue
+            print(f"  {key} = {getattr(defaults, key)!r}  ({_type_name(tp)})")
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from `--job.config_file FILE` and `--section.key value` overrides.
+
+    Precedence: command line > TOML file > defaults. Raises ConfigError (one line, naming the
+    key and the file) for a missing or unreadable file, an unknown key or a bad value.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cls = job_config_class()
+    if "--help" in argv or "-h" in argv:
+        _print_help(cls)
+        raise SystemExit(0)
+    path, rest = _config_file_arg(argv)
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        data = _check_table(raw, cls, "", path)
+    for key_path, value in _parse_cli(rest, cls):
+        table = data
+        for part in key_path[:-1]:
+            table = table.setdefault(part, {})
+        table[key_path[-1]] = value
+    data.setdefault("job", {})["config_file"] = path
+    try:
+        config = ConfigManager(cls)._dict_to_dataclass(cls, data)
+    except (AssertionError, ValueError, TypeError) as e:
+        raise ConfigError(f"{path or 'command line'}: {e}") from None
+    try:
+        model_args_from_config(config)
+    except ValueError as e:
+        raise ConfigError(f"{path or 'command line'}: {e}") from None
+    return config
+
+
+# ---------------------------------------------------------------------------------------
+# model settings
+
+
+def model_overrides(job_config: Any) -> dict[str, Any]:
+    """The `[model]` ModelArgs fields that the config sets (not None)."""
+    names = {f.name for f in fields(ModelArgs)}
+    return {k: v for k, v in dataclasses.asdict(job_config.model).items() if k in names and v is not None}
+
+
+def model_args_from_config(job_config: Any) -> ModelArgs:
+    """The flavor's preset with the config's `[model]` overrides applied (validated)."""
+    from titan_moe.flavors import FLAVORS
+
+    flavor = job_config.model.flavor
+    if flavor not in FLAVORS:
+        raise ValueError(f"model.flavor {flavor!r} is not one of {sorted(FLAVORS)}")
+    return dataclasses.replace(FLAVORS[flavor], **model_overrides(job_config))

@@ -1,0 +1,39 @@
+"""Named model presets (`model.flavor`); a TOML `[model]` section overrides single fields."""
+
+from __future__ import annotations
+
+from titan_moe.model.args import ModelArgs
+
+FLAVORS: dict[str, ModelArgs] = {
+    # Trains on two CPU cores in minutes; every feature on (KDA, MLA, AttnRes, QB, latent MoE, SiTU).
+    "debug": ModelArgs(
+        vocab_size=4096, dim=128, n_layers=4, n_dense_layers=1,
+        kda_n_heads=4, kda_head_dim=32,
+        mla_n_heads=4, mla_q_lora_rank=64, mla_kv_lora_rank=32, mla_qk_nope_head_dim=32,
+        mla_qk_shared_dim=16, mla_v_head_dim=32,
+        attn_res="block", attn_res_block_size=2,
+        n_routed_experts=8, top_k=2, n_shared_experts=1,
+        moe_latent_dim=64, moe_expert_hidden=128, moe_shared_hidden=128, dense_hidden=384,
+    ),
+    # About 1B total parameters; 8K context on one H200.
+    "small_1gpu": ModelArgs(
+        vocab_size=4096, dim=1024, n_layers=16, n_dense_layers=1,
+        kda_n_heads=8, kda_head_dim=128,
+        mla_n_heads=8, mla_q_lora_rank=512, mla_kv_lora_rank=256, mla_qk_nope_head_dim=128,
+        mla_qk_shared_dim=64, mla_v_head_dim=128,
+        attn_res="block", attn_res_block_size=4,
+        n_routed_experts=64, top_k=8, n_shared_experts=1,
+        moe_latent_dim=512, moe_expert_hidden=768, moe_shared_hidden=1536, dense_hidden=4096,
+    ),
+    # Kimi K3 at paper scale (SPEC §7). Build it on the meta device only.
+    "k3": ModelArgs(
+        vocab_size=163_840, dim=7168, n_layers=93, n_dense_layers=1,
+        kda_n_heads=96, kda_head_dim=128,
+        mla_n_heads=96, mla_q_lora_rank=1536, mla_kv_lora_rank=512, mla_qk_nope_head_dim=128,
+        mla_qk_shared_dim=64, mla_v_head_dim=128,
+        attn_res="block", attn_res_block_size=12,
+        n_routed_experts=896, top_k=16, n_shared_experts=2,
+        moe_latent_dim=3584, moe_expert_hidden=3072, moe_shared_hidden=3072, dense_hidden=33792,
+        qb_bins=1000,
+    ),
+}

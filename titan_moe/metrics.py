@@ -1,0 +1,50 @@
+"""torchtitan's metrics processor plus expert-balance metrics and a JSON-lines log.
+
+Every logged step (and every eval) is also appended, on rank 0, to
+`<dump_folder>/metrics.jsonl` as one JSON object with full-precision floats, so that
+scripts and tests can read losses without parsing the console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.tools.logging import logger
+
+
+class TitanMetricsProcessor(MetricsProcessor):
+    def __init__(self, job_config, parallel_dims, tag: str | None = None):
+        super().__init__(job_config, parallel_dims, tag)
+        self._jsonl_path = None
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == 0:
+            os.makedirs(job_config.job.dump_folder, exist_ok=True)
+            self._jsonl_path = os.path.join(job_config.job.dump_folder, "metrics.jsonl")
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._jsonl_path is not None:
+            with open(self._jsonl_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        balance = dict(getattr(self.optimizers, "expert_balance_metrics", None) or {})
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **balance})
+        loss = float(global_avg_loss)
+        self._append({"step": step, "loss": loss, "grad_norm": float(grad_norm), **balance})
+        if "moe/max_violation" in balance:
+            logger.info(
+                f"step: {step:2}  moe max_violation: {balance['moe/max_violation']:.3f}  "
+                f"dead experts: {int(balance.get('moe/dead_experts', 0))}"
+            )
+
+    def log_validation(self, loss, step, extra_metrics=None):
+        super().log_validation(loss, step, extra_metrics)
+        self._append({"step": step, "eval_loss": float(loss)})
+
+
+def build_titan_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
+    return TitanMetricsProcessor(job_config, parallel_dims, tag)

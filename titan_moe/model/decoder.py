@@ -1,0 +1,125 @@
+"""The hybrid decoder: KDA and gated MLA layers (3:1), dense-then-MoE FFNs, AttnRes stream.
+
+    tokens [B, T] -> embedding -> layers -> AttnRes final mix -> RMSNorm -> head -> logits [B, T, V]
+
+Each `DecoderLayer` has two sub-layers, attention then FFN. Before each, the layer's
+`AttnResMixer` turns the residual stream (SPEC §4) into the sub-layer's input; its output is
+added back to the stream. `layers` is an `nn.ModuleDict` keyed by layer index (as in
+torchtitan), so that parallelism and compile can wrap each layer on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan_moe.model.args import ModelArgs
+from titan_moe.model.attn_res import AttnResMixer, ResidualStream
+from titan_moe.model.ffn import SiTUGLUFeedForward
+from titan_moe.model.kda import KDACache, KimiDeltaAttention
+from titan_moe.model.mla import GatedMLA, MLACache
+from titan_moe.model.moe import LatentMoE
+from titan_moe.model.packing import cu_seqlens_from_doc_ids
+
+LayerCache = KDACache | MLACache
+
+
+class DecoderLayer(nn.Module):
+    """One layer: AttnRes mix -> RMSNorm -> attention (KDA or MLA); mix -> RMSNorm -> FFN."""
+
+    def __init__(self, layer_idx: int, args: ModelArgs):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.kind = args.layer_kinds()[layer_idx]
+        self.attention = KimiDeltaAttention(args) if self.kind == "kda" else GatedMLA(args)
+        self.is_moe = args.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.feed_forward = LatentMoE(args)
+        else:
+            self.feed_forward = SiTUGLUFeedForward(args.dim, args.dense_hidden, args.situ_beta1, args.situ_beta2)
+        self.attention_mix = AttnResMixer(args.dim, args.norm_eps)
+        self.ffn_mix = AttnResMixer(args.dim, args.norm_eps)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(
+        self,
+        stream: ResidualStream,
+        doc_ids_BT: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> ResidualStream:
+        x_BTD = self.attention_norm(self.attention_mix(stream))
+        if self.kind == "kda":
+            out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens, cache=cache)
+        else:
+            out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cache=cache)
+        stream = stream.add(out_BTD, self.layer_idx, 0)
+        out_BTD = self.feed_forward(self.ffn_norm(self.ffn_mix(stream)))
+        return stream.add(out_BTD, self.layer_idx, 1)
+
+    def init_weights(self, init_std: float) -> None:
+        # Deeper layers get smaller output projections, as torchtitan does.
+        self.attention.init_weights(init_std)
+        self.feed_forward.init_weights(init_std)
+        for module in (self.attention_mix, self.ffn_mix):
+            module.init_weights(init_std)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+
+class Decoder(nn.Module):
+    """The whole model. `forward(tokens [B,T], doc_ids [B,T] | None) -> logits [B,T,V]` (fp32)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(i, args) for i in range(args.n_layers)})
+        self.final_mix = AttnResMixer(args.dim, args.norm_eps)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        caches: list[LayerCache] | None = None,
+    ) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        if doc_ids is not None and doc_ids.shape != tokens.shape:
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} != tokens shape {tuple(tokens.shape)}")
+        if caches is not None and doc_ids is not None:
+            raise ValueError("packed documents (doc_ids) are not supported with decode caches")
+        cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if doc_ids is not None else None
+        x_BTD = self.tok_embeddings(tokens)
+        stream = ResidualStream.start(x_BTD, self.args.attn_res, self.args.n_layers, self.args.attn_res_block_size)
+        for i, layer in enumerate(self.layers.values()):
+            cache = caches[i] if caches is not None else None
+            stream = layer(stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache)
+        h_BTD = self.norm(self.final_mix(stream))
+        return self.output(h_BTD).float()
+
+    def new_caches(self, batch_size: int, max_len: int) -> list[LayerCache]:
+        """Empty decode caches, one per layer (constant size for KDA, `max_len` tokens for MLA)."""
+        device = self.output.weight.device
+        dtype = self.output.weight.dtype
+        caches: list[LayerCache] = []
+        for layer in self.layers.values():
+            if layer.kind == "kda":
+                caches.append(KDACache.empty(self.args, batch_size, device=device, dtype=dtype))
+            else:
+                caches.append(MLACache.empty(self.args, batch_size, max_len, device=device, dtype=dtype))
+        return caches
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        std = self.args.init_std
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+        for layer in self.layers.values():
+            layer.init_weights(std)
+        self.final_mix.init_weights(std)
+        self.norm.reset_parameters()
+        final_std = self.args.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)

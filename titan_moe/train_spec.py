@@ -1,0 +1,95 @@
+"""The torchtitan train spec that ties our model to parallelism, optimizers and data.
+
+Registered as "titan_moe"; selected by `[model] name = "titan_moe"` and `flavor` (a preset
+from `titan_moe.flavors`, overridable field by field in the TOML `[model]` section).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+
+from titan_moe.data import build_dataloader, load_tokenizer
+from titan_moe.flavors import FLAVORS
+from titan_moe.metrics import build_titan_metrics_processor
+from titan_moe.model.decoder import Decoder
+from titan_moe.model.moe import update_expert_biases
+from titan_moe.parallelize import parallelize_decoder
+from titan_moe.validate import build_titan_validator
+
+TRAIN_SPEC_NAME = "titan_moe"
+
+
+def build_tokenizer(job_config):
+    return load_tokenizer(job_config.data.tokenizer or None)
+
+
+def build_train_dataloader(*, dp_world_size: int, dp_rank: int, tokenizer, job_config):
+    return build_dataloader(
+        tokenizer=tokenizer,
+        source=job_config.training.dataset,
+        path=job_config.training.dataset_path,
+        split="train",
+        seq_len=job_config.training.seq_len,
+        local_batch_size=job_config.training.local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=job_config.data.seed,
+        val_fraction=job_config.data.val_fraction,
+        infinite=True,
+        hf_text_column=job_config.data.hf_text_column,
+    )
+
+
+def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel_dims, ft_manager=None):
+    """torchtitan's optimizers plus the expert-bias update (QB or sign rule) as a step pre-hook.
+
+    The update runs once per optimizer step, after all microbatches of the step have
+    accumulated their routing statistics; its counts are summed over the data-parallel ranks.
+    """
+    optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    group = None
+    if parallel_dims.dp_enabled:
+        group = parallel_dims.get_mesh("batch").get_group()
+
+    def _update(*args, **kwargs):
+        metrics: dict[str, float] = {}
+        for part in model_parts:
+            metrics.update(update_expert_biases(part, group=group))
+        optimizers.expert_balance_metrics = metrics
+
+    optimizers.expert_balance_metrics = {}
+    optimizers.register_step_pre_hook(_update)
+    return optimizers
+
+
+def get_titan_train_spec() -> TrainSpec:
+    return TrainSpec(
+        model_cls=Decoder,
+        # torchtitan mutates the chosen preset in place (update_from_config): hand it copies.
+        model_args={name: copy.deepcopy(args) for name, args in FLAVORS.items()},
+        parallelize_fn=parallelize_decoder,
+        pipelining_fn=None,
+        build_optimizers_fn=build_optimizers_with_expert_balance,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_train_dataloader,
+        build_tokenizer_fn=build_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+        build_validator_fn=build_titan_validator,
+        build_metrics_processor_fn=build_titan_metrics_processor,
+    )
+
+
+def register() -> None:
+    """Register the spec once (idempotent)."""
+    try:
+        get_train_spec(TRAIN_SPEC_NAME)
+    except ValueError:
+        register_train_spec(TRAIN_SPEC_NAME, get_titan_train_spec())
+
+
+__all__ = ["register", "get_titan_train_spec", "TRAIN_SPEC_NAME"]

@@ -1,0 +1,52 @@
+"""Eval loss on the held-out split, with torchtitan's Validator loop and our data."""
+
+from __future__ import annotations
+
+from torchtitan.components.validate import Validator
+
+from titan_moe.data import build_dataloader
+
+
+class TitanValidator(Validator):
+    """torchtitan's Validator, reading our held-out split from the start at every eval.
+
+    torchtitan's constructor builds its own C4 loader, so we set the same attributes
+    ourselves and keep its `validate` loop unchanged.
+    """
+
+    def __init__(self, *, job_config, dp_world_size, dp_rank, tokenizer, parallel_dims, loss_fn,
+                 validation_context, maybe_enable_amp, metrics_processor, **pp_kwargs):
+        self.job_config = job_config
+        self.tokenizer = tokenizer
+        self.parallel_dims = parallel_dims
+        self.loss_fn = loss_fn
+        self.validation_context = validation_context
+        self.maybe_enable_amp = maybe_enable_amp
+        self.metrics_processor = metrics_processor
+        self.pp_schedule = pp_kwargs.get("pp_schedule")
+        self.pp_has_first_stage = pp_kwargs.get("pp_has_first_stage")
+        self.pp_has_last_stage = pp_kwargs.get("pp_has_last_stage")
+        self._dp_world_size = dp_world_size
+        self._dp_rank = dp_rank
+
+    @property
+    def validation_dataloader(self):
+        cfg = self.job_config
+        return build_dataloader(
+            tokenizer=self.tokenizer,
+            source=cfg.validation.dataset or cfg.training.dataset,
+            path=cfg.validation.dataset_path or cfg.training.dataset_path,
+            split="val",
+            seq_len=cfg.validation.seq_len,
+            local_batch_size=cfg.validation.local_batch_size,
+            dp_rank=self._dp_rank,
+            dp_world_size=self._dp_world_size,
+            seed=cfg.data.seed,
+            val_fraction=cfg.data.val_fraction,
+            infinite=False,
+            hf_text_column=cfg.data.hf_text_column,
+        )
+
+
+def build_titan_validator(**kwargs) -> TitanValidator:
+    return TitanValidator(**kwargs)
