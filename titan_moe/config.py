@@ -62,6 +62,16 @@ class Training:
     """builtin (the Python standard library's sources), text (files at dataset_path) or
     hf_disk (a Hugging Face dataset saved with save_to_disk at dataset_path)."""
 
+    exit_at_step: int = -1
+    """Stop after this step (saving a full checkpoint when checkpointing is on), as a job whose
+    time slot ends would; the LR schedule still follows training.steps. -1: run to the end."""
+
+
+@dataclass
+class Checkpoint:
+    last_save_model_only: bool = False
+    """torchtitan defaults to a weights-only final save; we keep the final save resumable."""
+
 
 @dataclass
 class Validation:
@@ -77,6 +87,7 @@ class TitanJobConfig:
     model: _Model = field(default_factory=_Model)  # type: ignore[valid-type]
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
 
 

@@ -83,6 +83,20 @@ class TitanTrainer(Trainer):
         if kill_step:
             _install_kill_during_save(self, int(kill_step))
 
+    def should_continue_training(self) -> bool:
+        exit_at = self.job_config.training.exit_at_step
+        if 0 < exit_at <= self.step < self.job_config.training.steps:
+            if self.step % self.checkpointer.interval:
+                # The regular save after this step only fires on the interval; force one.
+                interval, self.checkpointer.interval = self.checkpointer.interval, 1
+                try:
+                    self.checkpointer.save(self.step)
+                finally:
+                    self.checkpointer.interval = interval
+            logger.info(f"training.exit_at_step = {exit_at}: stopping after step {self.step}")
+            return False
+        return super().should_continue_training()
+
     def state_dict(self):
         state = super().state_dict()
         state["rng_cpu"] = torch.get_rng_state()

@@ -54,12 +54,11 @@ class DecoderLayer(nn.Module):
             out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens, cache=cache)
         else:
             out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cache=cache)
-        stream = stream.add(out_BTD, self.layer_idx, 0)
+        stream = stream.add(out_BTD)
         out_BTD = self.feed_forward(self.ffn_norm(self.ffn_mix(stream)))
-        return stream.add(out_BTD, self.layer_idx, 1)
+        return stream.add(out_BTD)
 
     def init_weights(self, init_std: float) -> None:
-        # Deeper layers get smaller output projections, as torchtitan does.
         self.attention.init_weights(init_std)
         self.feed_forward.init_weights(init_std)
         for module in (self.attention_mix, self.ffn_mix):
@@ -97,7 +96,9 @@ class Decoder(nn.Module):
         stream = ResidualStream.start(x_BTD, self.args.attn_res, self.args.n_layers, self.args.attn_res_block_size)
         for i, layer in enumerate(self.layers.values()):
             cache = caches[i] if caches is not None else None
-            stream = layer(stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache)
+            # Closing an AttnRes block depends on the layer index, so it happens here, between
+            # the (separately compiled) layers, not inside them.
+            stream = layer(stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache).end_layer(i)
         h_BTD = self.norm(self.final_mix(stream))
         return self.output(h_BTD).float()
 

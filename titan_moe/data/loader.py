@@ -1,0 +1,223 @@
+"""Stateful, data-parallel-aware loader of packed token rows.
+
+One global stream of packed rows (titan_moe.data.packing) is cut into global batches of
+G = local_batch_size * dp_world_size rows: global batch i is rows [i*G, (i+1)*G), and
+dp rank r takes rows i*G + r*local_batch_size + j for j < local_batch_size. Every rank
+tokenizes the whole stream (lazily, one document at a time) and keeps only its rows, so
+a run on W ranks sees exactly the rows of a 1-rank run with W times the local batch.
+
+Document order: the split's documents (titan_moe.data.corpus), shuffled per epoch from
+(seed, epoch) for "train", in base order for "val". With infinite=True epochs follow one
+another and a row may span the boundary; with infinite=False iteration ends at the end
+of the split, dropping the leftover tokens and a last incomplete global batch (so all
+ranks run the same number of steps), and the next pass starts over.
+
+State: the stream position after the last batch handed out, which is the same on every
+rank: (epoch, doc_index in that epoch's order, token offset in that document), plus
+counters. After load_state_dict the next batches equal those of an uninterrupted run bit
+for bit; the position does not depend on seq_len or the batch size, so a run may also
+resume with another seq_len (a context-length stage) and continue the same document
+stream. Each rank stores its state under "dp_rank_{r}", as torchtitan's
+ParallelAwareDataloader does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+from tensordict import TensorDict
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.tokenizer import BaseTokenizer
+
+from titan_moe.data.corpus import DocumentSource, build_source, epoch_order
+from titan_moe.data.packing import PackedRow, collate_rows, pack_rows
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEYS = ("epoch", "doc_index", "token_offset", "batches", "rows")
+# documents tokenized per group: enough text to amortise a batched encode, little
+# enough that the first batch comes quickly
+_GROUP_DOCS = 64
+_GROUP_CHARS = 1 << 18
+
+
+class PackedTextDataLoader(BaseDataLoader):
+    """Iterates `(input_dict, labels_BT)` batches of packed documents for one dp rank.
+
+    input_dict: TensorDict, batch_size [B], "input" int64 [B, T], "doc_ids" int32 [B, T];
+    labels_BT: int64 [B, T]; B = local_batch_size, T = seq_len.
+
+    Each `iter(loader)` continues from the loader's current position, which advances as
+    batches are handed out; an iterator made before `load_state_dict` keeps its own place.
+    A finite loader (infinite=False) rewinds when a pass reaches the end of the split, so
+    every full pass yields the split once; `reset()` rewinds at any time.
+    """
+
+    def __init__(
+        self,
+        *,
+        documents: DocumentSource,
+        tokenizer: BaseTokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        infinite: bool = True,
+    ):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if local_batch_size < 1:
+            raise ValueError(f"local_batch_size must be >= 1, got {local_batch_size}")
+        if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_world_size, got {dp_rank=} {dp_world_size=}")
+        if len(documents) == 0:
+            raise ValueError(f"{documents!r} holds no documents")
+        self.documents = documents
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.infinite = infinite
+        self._rank_key = f"dp_rank_{dp_rank}"
+        self.reset()
+        self._order_cache: tuple[int, list[int]] | None = None
+
+    # ------------------------------------------------------------------ stream
+    def _order(self, epoch: int) -> list[int]:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            order = epoch_order(len(self.documents), seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """[bos] + tokens + [eos] per text; batched (multi-threaded) when the tokenizer can."""
+        encode_batch = getattr(self.tokenizer, "encode_batch", None)
+        if encode_batch is not None:
+            return encode_batch(texts, add_bos=True, add_eos=True)
+        return [self.tokenizer.encode(t, add_bos=True, add_eos=True) for t in texts]
+
+    def _tokenized_documents(self, epoch: int, doc_index: int, offset: int):
+        """(cursor=(epoch, doc_index), [bos]+tokens+[eos], start) from the given position on.
+
+        Documents are read and tokenized a small group at a time (lazily); empty ones are
+        skipped, since they would only add a bare [bos, eos].
+        """
+        while True:
+            order = self._order(epoch)
+            found_text = False
+            i = doc_index
+            while i < len(order):
+                group_index, group_text, chars = [], [], 0
+                while i < len(order) and len(group_index) < _GROUP_DOCS and chars < _GROUP_CHARS:
+                    text = self.documents[order[i]]
+                    if text:
+                        group_index.append(i)
+                        group_text.append(text)
+                        chars += len(text)
+                    i += 1
+                for j, tokens in zip(group_index, self._encode(group_text)):
+                    found_text = True
+                    yield (epoch, j), tokens, offset
+                    offset = 0
+            if not self.infinite:
+                return
+            if not found_text and doc_index == 0:
+                raise ValueError(f"{self.documents!r}: every document is empty")
+            epoch, doc_index, offset = epoch + 1, 0, 0
+
+    def __iter__(self) -> Iterator[tuple[TensorDict, torch.Tensor]]:
+        pos = dict(self._position)
+        rows = pack_rows(
+            self._tokenized_documents(pos["epoch"], pos["doc_index"], pos["token_offset"]),
+            row_len=self.seq_len + 1,
+        )
+        B = self.local_batch_size
+        first = self.dp_rank * B
+        while True:
+            mine: list[PackedRow] = []
+            last = None
+            for j in range(B * self.dp_world_size):
+                last = next(rows, None)
+                if last is None:
+                    # finite stream ended inside this global batch: drop it, and rewind
+                    # so that the next pass (the next validation round) starts over
+                    self.reset()
+                    return
+                if first <= j < first + B:
+                    mine.append(last)
+            (epoch, doc_index), offset = last.cursor, last.offset
+            pos = {
+                "epoch": epoch,
+                "doc_index": doc_index,
+                "token_offset": offset,
+                "batches": pos["batches"] + 1,
+                "rows": pos["rows"] + B * self.dp_world_size,
+            }
+            # position updated before the batch is handed out: state_dict() taken after
+            # next() describes the stream after that batch
+            self._position = pos
+            yield collate_rows(mine)
+
+    # ------------------------------------------------------------------- state
+    def reset(self) -> None:
+        """Go back to the start of the stream (epoch 0, first document)."""
+        self._position = dict.fromkeys(_STATE_KEYS, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self._position, seq_len=self.seq_len, seed=self.seed)
+        return {self._rank_key: state, "world_size": self.dp_world_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        state = state_dict.get(self._rank_key)
+        if state is None:
+            # positions are rank-independent, so another rank's state serves as well
+            others = [k for k in state_dict if str(k).startswith("dp_rank_")]
+            if not others:
+                logger.warning("dataloader state has no entry for %s; starting fresh", self._rank_key)
+                return
+            state = state_dict[others[0]]
+        if int(state.get("seed", self.seed)) != self.seed:
+            logger.warning("dataloader resumes with seed %d, saved with %s", self.seed, state["seed"])
+        self._position = {k: int(state[k]) for k in _STATE_KEYS}
+
+
+def build_dataloader(
+    *,
+    tokenizer: BaseTokenizer,
+    source: str,
+    path: str | None,
+    split: str,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    seed: int = 0,
+    val_fraction: float = 0.02,
+    infinite: bool = True,
+    hf_text_column: str = "text",
+) -> PackedTextDataLoader:
+    """A packed-row loader over one split ("train" shuffles per epoch, "val" does not).
+
+    source: "builtin" (path must be None), "text" or "hf_disk"; see titan_moe.data.corpus.
+    """
+    documents = build_source(source, path, split, val_fraction=val_fraction, hf_text_column=hf_text_column)
+    return PackedTextDataLoader(
+        documents=documents,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=seed,
+        shuffle=split == "train",
+        infinite=infinite,
+    )

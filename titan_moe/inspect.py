@@ -1,0 +1,60 @@
+"""Build the configured model on the meta device and print its parameter counts.
+
+    python -m titan_moe.inspect --job.config_file configs/k3.toml
+
+Prints per-component counts, then, as the last line, one JSON object with
+`total_params`, `active_params`, `active_params_excluding_embedding`, the layer mix and
+training FLOPs per token at the configured sequence length.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from titan_moe.config import ConfigError, load_config, model_args_from_config
+from titan_moe.model.decoder import Decoder
+from titan_moe.model.flops import count_params, flops_per_token
+
+
+def inspect_model(argv: list[str] | None = None) -> dict:
+    config = load_config(argv)
+    args = model_args_from_config(config)
+    with torch.device("meta"):
+        model = Decoder(args)
+    counts = count_params(model, args)
+    kinds = args.layer_kinds()
+    print(f"model: {config.model.name} flavor={config.model.flavor}  layers={args.n_layers} "
+          f"(kda={kinds.count('kda')}, mla={kinds.count('mla')}, dense ffn={args.n_dense_layers})")
+    width = max(len(k) for k in counts.by_component)
+    for name, n in sorted(counts.by_component.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<{width}}  {n:>20,}  {100 * n / counts.total:6.2f}%")
+    print(f"  {'total':<{width}}  {counts.total:>20,}")
+    print(f"  {'active':<{width}}  {counts.active:>20,}")
+    print(f"  {'active (no input embedding)':<{width}}  {counts.active_excluding_embedding:>20,}")
+    return {
+        "total_params": counts.total,
+        "active_params": counts.active,
+        "active_params_excluding_embedding": counts.active_excluding_embedding,
+        "embedding_params": counts.embedding,
+        "routed_expert_params": counts.routed_experts,
+        "n_kda_layers": kinds.count("kda"),
+        "n_mla_layers": kinds.count("mla"),
+        "flops_per_token": flops_per_token(args, config.training.seq_len),
+        "seq_len": config.training.seq_len,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        summary = inspect_model(argv)
+    except ConfigError as e:
+        print(f"titan_moe.inspect: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

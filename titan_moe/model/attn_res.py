@@ -1,0 +1,227 @@
+"""Block attention residuals (AttnRes, SPEC §4): a learned softmax over depth replaces x + f(x).
+
+Sources of the residual stream:
+
+* ``b_0``: the token embedding;
+* ``b_n``: the sum of the sub-layer outputs of finished block ``n`` (attention and FFN are
+  both sub-layers);
+* ``b_cur``: the partial sum of the current block so far.
+
+Before sub-layer ``l`` (and once more after the last layer, before the final norm) a mixer
+with its own pseudo-query ``w_l`` and key-norm weight aggregates the available sources::
+
+    alpha_i = softmax_i( w_l^T RMSNorm_l(v_i) )        h_l = sum_i alpha_i v_i     (fp32)
+
+Modes (``ModelArgs.attn_res``):
+
+* ``"block"``: a block is ``block_size`` layers; it closes after the FFN of its last layer.
+  The last block may be partial (K3: 93 layers, blocks of 12, the eighth has 9 layers).
+* ``"full"``: every sub-layer output is its own source (an ablation; see memory note below).
+* ``"none"``: the plain pre-norm residual stream ``x <- x + f(norm(x))``; the mixer returns
+  the running sum ``x`` and its parameters are unused.
+
+When is ``b_cur`` a source? Only once a sub-layer of the current block has written to it.
+An empty ``b_cur`` is the zero vector: as a source it would have logit ``w^T RMSNorm(0) = 0``,
+take probability mass (1/(n+1) at zero init) and pull ``h`` toward zero while carrying no
+information. The Attention Residuals paper's reference pseudo-code (``block_attn_res(blocks,
+partial_block, ...)``, arXiv 2603.15031) mixes ``blocks + [partial_block]`` and only starts a
+new, empty partial block after that mix, so the first sub-layer of block ``n+1`` sees
+``b_0 .. b_n`` and no empty partial sum. The stream here closes a block eagerly (moves
+``b_n`` into the buffer) and masks the empty ``b_cur`` out, which gives the same source set.
+The very first sub-layer therefore sees ``b_0`` alone and gets ``h = b_0``.
+
+Fixed shapes for compilation. Under regional compile (one compiled region per decoder
+layer, SPEC §4) the number of sources differs from layer to layer. `ResidualStream` keeps
+the finished sources in one stacked buffer of fixed size ``S_max`` plus a 0-dim count
+tensor, and ``b_cur`` plus a 0-dim "written" flag, so the same graph serves every layer:
+unused slots are zeros and get logit ``-inf``. Nothing that varies per layer may be a Python
+value read inside the compiled region (Dynamo specialises on Python ints and fails a
+``fullgraph=True`` compile after 8 recompiles): closing a block therefore happens in
+`ResidualStream.end_layer`, which the decoder calls between layers, outside the compiled
+layers. All stream methods are functional: they return a new stream and never write into a
+tensor that autograd may have saved.
+
+Memory: the buffer is copied when a source is pushed (out-of-place ``index_copy``). Block
+mode pushes once per block, so a block-mode model holds about ``n_blocks * S_max`` extra
+``[B, T, D]`` tensors; full mode pushes after every sub-layer and holds ``O(L^2)`` of them,
+fine for the small ablation models it is meant for, not for paper scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_moe.model.args import AttnResMode
+
+_MODES = ("block", "full", "none")
+
+
+def max_sources(mode: str, n_layers: int, block_size: int) -> int:
+    """Slots of the stacked source buffer: b_0 plus every source that can be pushed.
+
+    block: b_0 and each block that can close (``n_layers // block_size``; a trailing partial
+    block stays in ``b_cur``); full: b_0 and one per sub-layer; none: no buffer.
+    """
+    if mode == "block":
+        return 1 + n_layers // block_size
+    if mode == "full":
+        return 1 + 2 * n_layers
+    return 0
+
+
+@dataclass
+class ResidualStream:
+    """The residual stream between sub-layers, with fixed-size tensors (see module docstring).
+
+    Fields:
+        sources_SBTD: [S_max, B, T, D] finished sources (b_0, closed blocks or, in full mode,
+            sub-layer outputs) in slots ``[0, n_sources)``; the other slots are zeros.
+        n_sources: int64 0-dim tensor, number of filled slots.
+        partial_BTD: [B, T, D] b_cur in block mode; the running residual ``x`` in none mode;
+            unused in full mode. While ``partial_used`` is False its content is ignored (it
+            then holds the embedding or the last closed block, never a fresh zeros tensor, so
+            that its ``requires_grad`` does not change between layers: Dynamo guards on it).
+        partial_used: bool 0-dim tensor, True once a sub-layer of the current block wrote to
+            ``partial_BTD`` (always True in none mode, always False in full mode).
+        mode: "block" | "full" | "none".
+        block_size: layers per block (block mode; kept for `end_layer`).
+
+    All tensors share the dtype of the embedding passed to `start`; mixers compute in fp32.
+    """
+
+    sources_SBTD: torch.Tensor
+    n_sources: torch.Tensor
+    partial_BTD: torch.Tensor
+    partial_used: torch.Tensor
+    mode: str
+    block_size: int
+
+    @classmethod
+    def start(cls, embed_BTD: torch.Tensor, mode: AttnResMode, n_layers: int, block_size: int) -> ResidualStream:
+        """The stream before the first layer: ``b_0 = embed_BTD`` (or ``x = embed_BTD``)."""
+        if mode not in _MODES:
+            raise ValueError(f"attn_res mode must be one of {_MODES}, got {mode!r}")
+        if n_layers <= 0 or block_size <= 0:
+            raise ValueError(f"n_layers and block_size must be > 0, got {n_layers} and {block_size}")
+        if embed_BTD.dim() != 3:
+            raise ValueError(f"embedding must be [B, T, D], got shape {tuple(embed_BTD.shape)}")
+        S = max_sources(mode, n_layers, block_size)
+        device = embed_BTD.device
+        if mode == "none":
+            sources_SBTD = embed_BTD.new_zeros((0, *embed_BTD.shape))
+            partial_BTD, used, n = embed_BTD, True, 0
+        else:
+            zeros_SBTD = embed_BTD.new_zeros((S - 1, *embed_BTD.shape))
+            sources_SBTD = torch.cat([embed_BTD[None], zeros_SBTD], dim=0)
+            partial_BTD, used, n = embed_BTD, False, 1  # a placeholder while unused
+        return cls(
+            sources_SBTD=sources_SBTD,
+            n_sources=torch.tensor(n, dtype=torch.int64, device=device),
+            partial_BTD=partial_BTD,
+            partial_used=torch.tensor(used, dtype=torch.bool, device=device),
+            mode=mode,
+            block_size=block_size,
+        )
+
+    def _replace(self, **changes) -> ResidualStream:
+        fields = dict(
+            sources_SBTD=self.sources_SBTD,
+            n_sources=self.n_sources,
+            partial_BTD=self.partial_BTD,
+            partial_used=self.partial_used,
+            mode=self.mode,
+            block_size=self.block_size,
+        )
+        fields.update(changes)
+        return ResidualStream(**fields)
+
+    def _push(self, source_BTD: torch.Tensor) -> ResidualStream:
+        # Out-of-place write at a tensor index: one graph for every count.
+        sources_SBTD = self.sources_SBTD.index_copy(0, self.n_sources.reshape(1), source_BTD[None])
+        return self._replace(sources_SBTD=sources_SBTD, n_sources=self.n_sources + 1)
+
+    def add(self, out_BTD: torch.Tensor) -> ResidualStream:
+        """Record one sub-layer's output [B, T, D] (cast to the stream dtype).
+
+        block: ``b_cur += out``; full: push ``out`` as a new source; none: ``x += out``.
+        Safe inside a compiled region: nothing here depends on the layer index.
+        """
+        out_BTD = out_BTD.to(self.partial_BTD.dtype)
+        if self.mode == "full":
+            return self._push(out_BTD)
+        if self.mode == "none":
+            return self._replace(partial_BTD=self.partial_BTD + out_BTD)
+        partial_BTD = torch.where(self.partial_used, self.partial_BTD + out_BTD, out_BTD)
+        return self._replace(partial_BTD=partial_BTD, partial_used=torch.ones_like(self.partial_used))
+
+    def closes_block_after(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` (0-based) is the last layer of a block (block mode)."""
+        return self.mode == "block" and (layer_idx + 1) % self.block_size == 0
+
+    def close_block(self) -> ResidualStream:
+        """Block mode: push ``b_cur`` as a finished block ``b_n`` and start an empty one."""
+        if self.mode != "block":
+            raise ValueError(f"close_block is only defined in block mode, stream mode is {self.mode!r}")
+        # Only the flag resets: the old b_cur stays as the ignored placeholder.
+        return self._push(self.partial_BTD)._replace(partial_used=torch.zeros_like(self.partial_used))
+
+    def end_layer(self, layer_idx: int) -> ResidualStream:
+        """Call after layer ``layer_idx`` (both sub-layers) has added its outputs.
+
+        Closes the block when the layer is the block's last one (block mode only); otherwise
+        returns the stream unchanged. Call it outside a compiled layer: it branches on the
+        Python int ``layer_idx``.
+        """
+        return self.close_block() if self.closes_block_after(layer_idx) else self
+
+
+class AttnResMixer(nn.Module):
+    """One AttnRes aggregation: ``h = sum_i softmax_i(w^T RMSNorm(v_i)) v_i`` over the stream's sources.
+
+    Parameters: ``query`` [D] (the pseudo-query ``w``, zero init, so the first mix is uniform)
+    and ``key_norm`` (an RMSNorm whose weight scales the keys). ``forward(stream) -> h_BTD``
+    computes logits, softmax and the weighted sum in fp32 and returns ``h`` in the stream's
+    dtype. In none mode it returns the running residual sum.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.query = nn.Parameter(torch.zeros(dim))
+        self.key_norm = nn.RMSNorm(dim, eps=eps)
+
+    def forward(self, stream: ResidualStream) -> torch.Tensor:
+        if stream.mode == "none":
+            return stream.partial_BTD
+        D = self.dim
+        w_D = self.key_norm.weight.float()
+        q_D = self.query.float()
+        v_SBTD = stream.sources_SBTD.float()
+        S = v_SBTD.shape[0]
+        logit_SBT = F.rms_norm(v_SBTD, (D,), w_D, self.eps) @ q_D
+        valid_S = torch.arange(S, device=v_SBTD.device) < stream.n_sources
+        logit_SBT = logit_SBT.masked_fill(~valid_S[:, None, None], float("-inf"))
+        if stream.mode == "full":
+            p_SBT = torch.softmax(logit_SBT, dim=0)
+            h_BTD = torch.einsum("sbt,sbtd->btd", p_SBT, v_SBTD)
+        else:
+            cur_BTD = stream.partial_BTD.float()
+            logit_BT = F.rms_norm(cur_BTD, (D,), w_D, self.eps) @ q_D
+            logit_BT = logit_BT.masked_fill(~stream.partial_used, float("-inf"))
+            p_SBT = torch.softmax(torch.cat([logit_SBT, logit_BT[None]], dim=0), dim=0)
+            h_BTD = torch.einsum("sbt,sbtd->btd", p_SBT[:S], v_SBTD) + p_SBT[S, ..., None] * cur_BTD
+        return h_BTD.to(stream.sources_SBTD.dtype)
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float = 0.02) -> None:
+        """Zero pseudo-query (uniform mix, as SPEC §4 prescribes) and unit key-norm weight.
+
+        ``init_std`` is accepted for the common module interface and not used.
+        """
+        nn.init.zeros_(self.query)
+        nn.init.ones_(self.key_norm.weight)
