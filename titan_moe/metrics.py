@@ -35,10 +35,11 @@ class TitanMetricsProcessor(MetricsProcessor):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **balance})
         loss = float(global_avg_loss)
         self._append({"step": step, "loss": loss, "grad_norm": float(grad_norm), **balance})
-        if "moe/max_violation" in balance:
+        if "moe/max_violation_max" in balance:
             logger.info(
-                f"step: {step:2}  moe max_violation: {balance['moe/max_violation']:.3f}  "
-                f"dead experts: {int(balance.get('moe/dead_experts', 0))}"
+                f"step: {step:2}  experts: max_violation {balance['moe/max_violation_max']:.3f} "
+                f"(mean over layers {balance['moe/max_violation_mean']:.3f})  "
+                f"dead {int(balance.get('moe/dead_experts_total', 0))}"
             )
 
     def log_validation(self, loss, step, extra_metrics=None):

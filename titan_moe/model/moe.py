@@ -1,0 +1,447 @@
+"""Sparse MoE feed-forward: sigmoid router with a per-expert bias and quantile balancing
+(SPEC §5), and the Stable LatentMoE block with SiTU-GLU experts (SPEC §6).
+
+Routing (no auxiliary loss)::
+
+    s_ij = sigmoid(w_j^T x_i)                 full-width x, fp32
+    T_i  = top-k_j (s_ij + b_j)               b: fp32 buffer `expert_bias`, never trained
+    p_ij = routed_scale * s_ij / Σ_{r∈T_i} s_ir   (b never enters p)
+
+Balancing happens once per optimizer step, outside autograd, in
+:func:`update_expert_biases`. Quantile balancing (QB) sets every expert's bias to the
+value at which it would have won exactly its share ``q = m*k/n`` of the step's ``m``
+tokens, given the other experts' biases:
+
+* ``alpha_ij`` = k-th largest biased score of token i among the experts other than j
+  (the (k+1)-th largest overall when j is in T_i, else the k-th largest);
+* ``r_ij = alpha_ij - s_ij``: expert j wins token i iff ``b_j > r_ij``;
+* ``b_j`` = the value with exactly ``q`` of the ``r_ij`` below it, then ``b -= mean(b)``.
+
+At scale the quantile comes from a histogram of ``r`` over ``[min b - 1, max b + 1]``
+(``r`` always lies inside: scores are in (0, 1)), whose integer counts are all-reduced
+across data-parallel ranks. The DeepSeek-V3 rule ``b_j += γ sign(mean load - load_j)``
+is kept as the baseline.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titan_moe.model.args import ModelArgs
+from titan_moe.model.ffn import SiTUGLUFeedForward
+from titan_moe.model.situ import situ_glu
+from titan_moe.ops.grouped_gemm import grouped_mm
+
+
+def _trunc_normal_(weight: Tensor, std: float) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+# =========================================================================== routing
+def route(scores_Nn: Tensor, bias_n: Tensor, top_k: int, routed_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Top-k selection on biased scores, weights from the unbiased ones.
+
+    Args:
+        scores_Nn: [N, n] fp32 sigmoid scores.
+        bias_n: [n] per-expert bias (only moves the selection).
+        top_k: experts per token.
+        routed_scale: factor applied to the normalised weights.
+
+    Returns:
+        expert_idx_Nk [N, k] int64 (by decreasing biased score) and weights_Nk [N, k] fp32.
+    """
+    expert_idx_Nk = torch.topk(scores_Nn + bias_n.float(), top_k, dim=-1).indices
+    selected_Nk = scores_Nn.gather(-1, expert_idx_Nk)
+    weights_Nk = selected_Nk / selected_Nk.sum(-1, keepdim=True) * routed_scale
+    return expert_idx_Nk, weights_Nk
+
+
+class TopKRouter(nn.Module):
+    """Sigmoid router over ``n_experts`` on full-width tokens (SPEC §5)."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, routed_scale: float = 1.0):
+        super().__init__()
+        if not 0 < top_k <= n_experts:
+            raise ValueError(f"TopKRouter: need 0 < top_k <= n_experts, got {top_k}, {n_experts}")
+        self.n_experts, self.top_k, self.routed_scale = n_experts, top_k, routed_scale
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+
+    def forward(self, x_ND: Tensor, bias_n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x_ND [N, dim], bias_n [n] -> scores_Nn [N, n] fp32, expert_idx_Nk [N, k], weights_Nk [N, k] fp32."""
+        scores_Nn = torch.sigmoid(F.linear(x_ND.float(), self.weight.float()))
+        expert_idx_Nk, weights_Nk = route(scores_Nn, bias_n, self.top_k, self.routed_scale)
+        return scores_Nn, expert_idx_Nk, weights_Nk
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float = 0.02) -> None:
+        _trunc_normal_(self.weight, init_std)
+
+
+# =========================================================================== balancing
+def expert_counts(expert_idx: Tensor, n_experts: int) -> Tensor:
+    """Tokens routed to each expert: [n] int64 from expert ids of any shape (static shape, no sync)."""
+    flat = expert_idx.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
+def cutoff_margins(scores_mn: Tensor, bias_n: Tensor, top_k: int) -> Tensor:
+    """``r_ij = alpha_ij - s_ij``, the bias expert j needs to win token i. [m, n] fp32.
+
+    ``alpha_ij`` is the k-th largest biased score among the experts other than j. Needs
+    ``top_k < n``.
+    """
+    m, n = scores_mn.shape
+    if not 0 < top_k < n:
+        raise ValueError(f"cutoff_margins: need 0 < top_k < n_experts, got top_k={top_k}, n={n}")
+    scores_mn = scores_mn.float()
+    top_vals_mk1, top_idx_mk1 = torch.topk(scores_mn + bias_n.float(), top_k + 1, dim=-1)
+    selected_mn = torch.zeros_like(scores_mn, dtype=torch.bool).scatter_(1, top_idx_mk1[:, :top_k], True)
+    alpha_mn = torch.where(selected_mn, top_vals_mk1[:, top_k : top_k + 1], top_vals_mk1[:, top_k - 1 : top_k])
+    return alpha_mn - scores_mn
+
+
+def exact_quantiles(r_mn: Tensor, top_k: int) -> Tensor:
+    """Per expert, the value with exactly ``q = round(m*k/n)`` of its ``r`` below it. [n] fp32 (not centred).
+
+    It is the midpoint of the q-th and (q+1)-th smallest ``r``; outside the data (q = 0 or
+    q = m) it sits 0.5 beyond the extreme value.
+    """
+    m, n = r_mn.shape
+    q = min(max(round(m * top_k / n), 0), m)
+    sorted_mn = torch.sort(r_mn, dim=0).values
+    padded = torch.cat([sorted_mn[:1] - 1.0, sorted_mn, sorted_mn[-1:] + 1.0])
+    return 0.5 * (padded[q] + padded[q + 1])
+
+
+def qb_bin_range(bias_n: Tensor) -> tuple[Tensor, Tensor]:
+    """Histogram range ``[min b - 1, max b + 1]`` as 0-d fp32 tensors.
+
+    It depends only on the (replicated) bias, so every rank bins identically.
+    """
+    bias_n = bias_n.float()
+    return bias_n.min() - 1.0, bias_n.max() + 1.0
+
+
+def qb_histogram(scores_mn: Tensor, bias_n: Tensor, top_k: int, bins: int) -> Tensor:
+    """Counts of ``r_ij`` per expert in ``bins`` equal bins over :func:`qb_bin_range`. [n, bins] int64."""
+    if bins <= 0:
+        raise ValueError(f"qb_histogram: bins must be > 0, got {bins}")
+    n = scores_mn.shape[1]
+    r_mn = cutoff_margins(scores_mn, bias_n, top_k)
+    lo, hi = qb_bin_range(bias_n)
+    bin_mn = ((r_mn - lo) * (bins / (hi - lo))).floor().clamp(0, bins - 1).to(torch.int64)
+    flat = (bin_mn + torch.arange(n, device=r_mn.device) * bins).reshape(-1)
+    counts = torch.zeros(n * bins, dtype=torch.int64, device=r_mn.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat)).view(n, bins)
+
+
+def histogram_quantiles(counts_nB: Tensor, bias_n: Tensor, top_k: int) -> Tensor:
+    """Per-expert quantile ``q = total*k/n`` read from a histogram. [n] fp32 (not centred).
+
+    The first bin whose cumulative count reaches ``q``, linearly interpolated inside it:
+    at most one bin width from the exact quantile. ``total`` is each expert's count sum
+    (the step's token count), so counting every token twice, as an activation
+    checkpointing recompute does, leaves the result unchanged.
+    """
+    n, bins = counts_nB.shape
+    lo, hi = qb_bin_range(bias_n)
+    width = (hi - lo).double() / bins
+    counts = counts_nB.double()
+    q_n1 = counts.sum(-1, keepdim=True) * top_k / n
+    cum_nB = counts.cumsum(-1)
+    first_n1 = (cum_nB < q_n1).sum(-1, keepdim=True).clamp(max=bins - 1)
+    in_bin_n1 = counts.gather(-1, first_n1)
+    before_n1 = cum_nB.gather(-1, first_n1) - in_bin_n1
+    frac_n1 = ((q_n1 - before_n1) / in_bin_n1.clamp_min(1.0)).clamp(0.0, 1.0)
+    return (lo.double() + width * (first_n1 + frac_n1)).squeeze(-1).float()
+
+
+def sign_balance(load_n: Tensor, bias_n: Tensor, gamma: float) -> Tensor:
+    """DeepSeek-V3 rule: ``b_j + gamma * sign(mean load - load_j)`` (not centred). [n] fp32."""
+    load = load_n.double()
+    return bias_n.float() + gamma * torch.sign(load.mean() - load).float()
+
+
+def _all_gather_rows(x_mn: Tensor, group) -> Tensor:
+    """Concatenate every rank's [m, n] rows (all ranks must hold the same m)."""
+    world = dist.get_world_size(group)
+    out = x_mn.new_empty(world * x_mn.shape[0], *x_mn.shape[1:])
+    dist.all_gather_into_tensor(out, x_mn.contiguous(), group=group)
+    return out
+
+
+def _check_group(group) -> None:
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("a process group was given but torch.distributed is not initialized")
+
+
+def quantile_balance(scores: Tensor, bias: Tensor, top_k: int, bins: int | None = None, group=None) -> Tensor:
+    """New expert bias from one step's router scores by quantile balancing (SPEC §5).
+
+    Args:
+        scores: [m, n] fp32 sigmoid scores of this step's (local) tokens.
+        bias: [n] current bias (the one these scores were routed with).
+        top_k: experts per token (< n; with top_k == n every bias routes alike and
+            zeros are returned).
+        bins: None or 0 for the exact quantile; else the histogram resolution.
+        group: optional process group. Exact mode all-gathers the scores over it (every
+            rank must hold the same m); histogram mode all-reduces the integer counts.
+
+    Returns:
+        [n] fp32 bias, centred to mean zero, identical on every rank of ``group``.
+    """
+    if scores.dim() != 2 or bias.shape != (scores.shape[1],):
+        raise ValueError(
+            f"quantile_balance: expected scores [m, n], bias [n]; got {tuple(scores.shape)}, {tuple(bias.shape)}"
+        )
+    _check_group(group)
+    n = scores.shape[1]
+    if top_k == n:
+        return torch.zeros_like(bias, dtype=torch.float32)
+    if bins:
+        counts_nB = qb_histogram(scores, bias, top_k, bins)
+        if group is not None:
+            dist.all_reduce(counts_nB, group=group)
+        new_bias = histogram_quantiles(counts_nB, bias, top_k)
+    else:
+        r_mn = cutoff_margins(scores, bias, top_k)
+        if group is not None:
+            r_mn = _all_gather_rows(r_mn, group)
+        new_bias = exact_quantiles(r_mn, top_k)
+    return new_bias - new_bias.mean()
+
+
+def load_metrics(load_n: Tensor) -> tuple[Tensor, Tensor]:
+    """``max_violation = max load / mean load - 1`` and the number of experts with no token."""
+    load = load_n.double()
+    return load.max() / load.mean().clamp_min(1e-12) - 1.0, (load_n == 0).sum()
+
+
+# =========================================================================== LatentMoE
+class RoutedExperts(nn.Module):
+    """``n`` SiTU-GLU experts ``latent -> hidden -> latent`` as stacked weights (expert dim 0).
+
+    ``w_gate_up`` [E, latent, 2*hidden] (gate columns first, then up) and ``w_down``
+    [E, hidden, latent] are laid out ``[E, K, N]`` for :func:`grouped_mm`.
+    """
+
+    def __init__(self, n_experts: int, latent: int, hidden: int, beta1: float, beta2: float):
+        super().__init__()
+        self.n_experts, self.hidden = n_experts, hidden
+        self.beta1, self.beta2 = beta1, beta2
+        self.w_gate_up = nn.Parameter(torch.empty(n_experts, latent, 2 * hidden))
+        self.w_down = nn.Parameter(torch.empty(n_experts, hidden, latent))
+
+    def forward(self, x_ML: Tensor, offs_E: Tensor) -> Tensor:
+        """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent]."""
+        z_M2H = grouped_mm(x_ML, self.w_gate_up, offs_E)
+        hidden_MH = situ_glu(z_M2H[:, : self.hidden], z_M2H[:, self.hidden :], self.beta1, self.beta2)
+        return grouped_mm(hidden_MH, self.w_down, offs_E)
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float = 0.02) -> None:
+        _trunc_normal_(self.w_gate_up, init_std)
+        _trunc_normal_(self.w_down, init_std)
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE block (SPEC §6)::
+
+        u = Σ_{i∈T} p_i E_i(W_down x)            routed SiTU-GLU experts in the latent width
+        y = Σ_j E_shared_j(x) + W_up RMSNorm(u)   shared experts at full width
+
+    The ``n_shared_experts`` shared experts are held as one :class:`SiTUGLUFeedForward`
+    of hidden width ``n_shared_experts * moe_shared_hidden``: a sum of SiTU-GLU experts
+    equals one SiTU-GLU with their hidden units concatenated (the activation is
+    elementwise), so this is the same function with fewer launches.
+
+    Balancing state, accumulated by ``forward`` in training mode only (outside autograd):
+
+    * ``tokens_per_expert`` [n] int64: tokens routed per expert this step (metrics and
+      the sign rule);
+    * ``qb_counts`` [n, qb_bins] int64 (QB with ``qb_bins > 0``): histogram of ``r_ij``
+      over the bin range of the current bias, which stays fixed until the step ends;
+    * exact QB (``qb_bins == 0``) keeps the latest microbatch's scores as the plain
+      attribute ``step_scores`` ([N, n] fp32; replaced, not accumulated, each forward, so
+      its size is one microbatch's ``N x n``; with a process group the update
+      all-gathers it, so every rank must use the same ``N``). Exact mode is meant for
+      small configs; at scale use ``qb_bins > 0`` (SPEC: 1000).
+
+    An activation-checkpointing recompute adds each microbatch twice; the QB quantile
+    and the load ratios are invariant to that. ``expert_bias`` is only changed by
+    :func:`update_expert_biases`; in eval mode nothing is accumulated.
+    ``expert_bias`` must stay fp32: cast parameters, not the whole module, to bf16.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.n_shared_experts < 0:
+            raise ValueError(f"LatentMoE: n_shared_experts must be >= 0, got {args.n_shared_experts}")
+        if args.n_shared_experts > 0 and args.moe_shared_hidden <= 0:
+            raise ValueError(f"LatentMoE: moe_shared_hidden must be > 0, got {args.moe_shared_hidden}")
+        self.dim, self.latent = args.dim, args.moe_latent_dim
+        self.n_experts, self.top_k = args.n_routed_experts, args.top_k
+        self.norm_eps = args.norm_eps
+        self.balance_rule, self.qb_bins = args.balance_rule, args.qb_bins
+        self.qb_ema, self.sign_gamma = args.qb_ema, args.sign_gamma
+
+        self.router = TopKRouter(args.dim, args.n_routed_experts, args.top_k, args.routed_scale)
+        self.w_latent_down = nn.Linear(args.dim, args.moe_latent_dim, bias=False)
+        self.experts = RoutedExperts(
+            args.n_routed_experts, args.moe_latent_dim, args.moe_expert_hidden, args.situ_beta1, args.situ_beta2
+        )
+        self.latent_norm = nn.RMSNorm(args.moe_latent_dim, eps=args.norm_eps)
+        self.w_latent_up = nn.Linear(args.moe_latent_dim, args.dim, bias=False)
+        self.shared_experts = (
+            SiTUGLUFeedForward(
+                args.dim, args.n_shared_experts * args.moe_shared_hidden, args.situ_beta1, args.situ_beta2
+            )
+            if args.n_shared_experts > 0
+            else None
+        )
+
+        n = args.n_routed_experts
+        self.register_buffer("expert_bias", torch.zeros(n, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(n, dtype=torch.int64), persistent=False)
+        if self._uses_histogram:
+            self.register_buffer(
+                "qb_counts", torch.zeros(n, args.qb_bins, dtype=torch.int64), persistent=False
+            )
+        self.step_scores: Tensor | None = None
+
+    @property
+    def _uses_histogram(self) -> bool:
+        return self.balance_rule == "qb" and self.qb_bins > 0 and self.top_k < self.n_experts
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        """x [..., dim] (normally [B, T, dim]) -> y of the same shape and dtype."""
+        x_ND = x_BTD.reshape(-1, self.dim)
+        n_tokens, k = x_ND.shape[0], self.top_k
+        scores_Nn, expert_idx_Nk, weights_Nk = self.router(x_ND, self.expert_bias)
+        counts_E = expert_counts(expert_idx_Nk, self.n_experts)
+        if self.training:
+            self._accumulate(scores_Nn.detach(), counts_E)
+
+        # Dispatch: sort the N*k token copies by expert so that each expert's rows are contiguous.
+        flat_expert = expert_idx_Nk.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+        latent_NL = self.w_latent_down(x_ND)
+        out_sorted = self.experts(latent_NL[order // k], offs_E)
+
+        # Combine: unsort with the inverse permutation (a gather, deterministic), weight, sum over k.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        out_NkL = out_sorted[inverse].view(n_tokens, k, self.latent)
+        u_NL = (out_NkL.float() * weights_Nk.unsqueeze(-1)).sum(1)
+        u_NL = F.rms_norm(u_NL, (self.latent,), self.latent_norm.weight.float(), self.norm_eps)
+        y_ND = self.w_latent_up(u_NL.to(latent_NL.dtype))
+        if self.shared_experts is not None:
+            y_ND = y_ND + self.shared_experts(x_ND)
+        return y_ND.view(x_BTD.shape).to(x_BTD.dtype)
+
+    @torch.no_grad()
+    def _accumulate(self, scores_Nn: Tensor, counts_E: Tensor) -> None:
+        self.tokens_per_expert.add_(counts_E)
+        if self._uses_histogram:
+            self.qb_counts.add_(qb_histogram(scores_Nn, self.expert_bias, self.top_k, self.qb_bins))
+        elif self.balance_rule == "qb":
+            self.step_scores = scores_Nn
+
+    # ------------------------------------------------------------------ balancing
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> tuple[Tensor, Tensor]:
+        """Apply the balance rule to this step's statistics, then reset them.
+
+        Returns 0-d tensors (max_violation, dead_experts) of the step's global load. When
+        no token was seen since the last update both are 0 and the bias is kept. No host
+        sync except inside the collectives.
+        """
+        _check_group(group)
+        load_n = self.tokens_per_expert.clone()
+        if group is not None:
+            dist.all_reduce(load_n, group=group)
+        seen = load_n.sum() > 0
+        max_violation, dead = load_metrics(load_n)
+        max_violation = torch.where(seen, max_violation, torch.zeros_like(max_violation))
+        dead = torch.where(seen, dead, torch.zeros_like(dead))
+
+        old_bias = self.expert_bias.float()
+        new_bias = None
+        if self.balance_rule == "sign":
+            new_bias = sign_balance(load_n, old_bias, self.sign_gamma)
+        elif self._uses_histogram:
+            counts_nB = self.qb_counts.clone()
+            if group is not None:
+                dist.all_reduce(counts_nB, group=group)
+            new_bias = histogram_quantiles(counts_nB, old_bias, self.top_k)
+            new_bias = new_bias - new_bias.mean()
+        elif self.step_scores is not None:
+            new_bias = quantile_balance(self.step_scores, old_bias, self.top_k, None, group)
+        if new_bias is not None:
+            if self.balance_rule == "qb" and self.qb_ema > 0:
+                new_bias = self.qb_ema * old_bias + (1.0 - self.qb_ema) * new_bias
+            self.expert_bias.copy_(torch.where(seen, new_bias, old_bias))
+        self.reset_balance_stats()
+        return max_violation, dead
+
+    @torch.no_grad()
+    def reset_balance_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        if self._uses_histogram:
+            self.qb_counts.zero_()
+        self.step_scores = None
+
+    @torch.no_grad()
+    def init_weights(self, init_std: float = 0.02) -> None:
+        self.router.init_weights(init_std)
+        _trunc_normal_(self.w_latent_down.weight, init_std)
+        self.experts.init_weights(init_std)
+        nn.init.ones_(self.latent_norm.weight)
+        _trunc_normal_(self.w_latent_up.weight, init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        self.expert_bias.zero_()
+        self.reset_balance_stats()
+
+
+_WRAPPER_PREFIXES = re.compile(r"(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, group=None) -> dict[str, float]:
+    """Update the bias of every :class:`LatentMoE` in ``model`` from this step's statistics.
+
+    Call once per optimizer step (e.g. as an optimizer step pre-hook) with the
+    data-parallel process group (``None`` for a single process); the statistics of all
+    microbatches since the last call are used and then reset.
+
+    Returns:
+        ``moe/<layer>/max_violation`` (max load / mean load - 1) and
+        ``moe/<layer>/dead_experts`` per layer, plus ``moe/max_violation_max``,
+        ``moe/max_violation_mean`` and ``moe/dead_experts_total``. Empty without MoE layers.
+    """
+    names, values = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, LatentMoE):
+            max_violation, dead = module.update_expert_bias(group)
+            names.append(_WRAPPER_PREFIXES.sub("", name) or "root")
+            values.append(torch.stack([max_violation.double(), dead.double()]))
+    if not names:
+        return {}
+    stats = torch.stack(values).cpu().tolist()  # one host transfer for all layers
+    metrics: dict[str, float] = {}
+    for name, (max_violation, dead) in zip(names, stats):
+        metrics[f"moe/{name}/max_violation"] = max_violation
+        metrics[f"moe/{name}/dead_experts"] = dead
+    metrics["moe/max_violation_max"] = max(s[0] for s in stats)
+    metrics["moe/max_violation_mean"] = sum(s[0] for s in stats) / len(stats)
+    metrics["moe/dead_experts_total"] = sum(s[1] for s in stats)
+    return metrics

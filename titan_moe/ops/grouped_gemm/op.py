@@ -1,0 +1,201 @@
+"""Grouped expert GEMM as ``torch.library`` custom ops (namespace ``titan_moe``).
+
+``grouped_mm(x_MK, w_EKN, offs_E) -> out_MN`` multiplies each group of rows of ``x`` by
+its own weight matrix; the contract (sorted rows, int32 cumulative ends, zero rows past
+``offs[-1]``) is stated in :mod:`titan_moe.ops.grouped_gemm.reference`.
+
+Three ops are registered so that ``torch.compile(fullgraph=True)`` sees them as opaque
+nodes in both the forward and the backward graph:
+
+* ``titan_moe::grouped_mm``    (x [M,K], w [E,K,N], offs [E]) -> [M,N]
+* ``titan_moe::grouped_mm_dx`` (grad [M,N], w [E,K,N], offs [E]) -> [M,K] = grad @ w[e]^T per group
+* ``titan_moe::grouped_mm_dw`` (x [M,K], grad [M,N], offs [E]) -> [E,K,N] = x^T @ grad per group
+
+Backends, chosen per call:
+
+* ``torch._grouped_mm`` (fp32 accumulation inside) when it supports the case: bf16 on a
+  CUDA device of compute capability >= 9.0, or fp32/bf16 on CPU with torch >= 2.13.
+  It needs 16-byte aligned operands, i.e. ``K`` and ``N`` multiples of
+  ``16 / element_size`` (8 for bf16, 4 for fp32) and 16-byte aligned data pointers.
+  It places no constraint on group sizes: empty groups and sizes that are not
+  multiples of 16 gave correct results on CPU (torch 2.13) and on an H200 (torch
+  2.11). The rows past ``offs[-1]`` and the weight gradient of empty groups are not
+  guaranteed to be written (on CPU the rows past ``offs[-1]`` hold garbage), so both
+  are zeroed explicitly here.
+* otherwise the per-group loop of the reference (fp32 matmuls, one host read of
+  ``offs``). We fall back rather than pad: padding ``K``/``N`` would copy the weights
+  on every call, and the model's widths are multiples of 8 anyway.
+
+The offsets contract is checked on the host in the loop path and on CPU; on CUDA the
+native path does not check it (that would cost a device sync) and violating it is
+undefined behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from titan_moe.ops.grouped_gemm.reference import (
+    group_bounds,
+    grouped_mm_dw_reference,
+    grouped_mm_reference,
+)
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> None:
+    """Shape/dtype checks that need no data (safe under tracing and in fake impls)."""
+    if x_MK.dim() != 2 or w_EKN.dim() != 3 or offs_E.dim() != 1:
+        raise ValueError(
+            "grouped_mm expects x [M,K], w [E,K,N], offs [E]; got "
+            f"x {tuple(x_MK.shape)}, w {tuple(w_EKN.shape)}, offs {tuple(offs_E.shape)}"
+        )
+    if x_MK.shape[1] != w_EKN.shape[1]:
+        raise ValueError(f"grouped_mm: K mismatch, x {tuple(x_MK.shape)} vs w {tuple(w_EKN.shape)}")
+    if offs_E.shape[0] != w_EKN.shape[0] or w_EKN.shape[0] == 0:
+        raise ValueError(
+            f"grouped_mm: offs must have one entry per group (E={w_EKN.shape[0]} >= 1), got {tuple(offs_E.shape)}"
+        )
+    if offs_E.dtype != torch.int32:
+        raise ValueError(f"grouped_mm: offs must be int32, got {offs_E.dtype}")
+    if x_MK.dtype != w_EKN.dtype or x_MK.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(
+            f"grouped_mm: x and w must share a dtype in {_SUPPORTED_DTYPES}, got {x_MK.dtype} and {w_EKN.dtype}"
+        )
+    if not (x_MK.device == w_EKN.device == offs_E.device):
+        raise ValueError(
+            f"grouped_mm: x, w, offs must be on one device, got {x_MK.device}, {w_EKN.device}, {offs_E.device}"
+        )
+
+
+@functools.cache
+def _cuda_native_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _aligned(t: Tensor, align: int) -> bool:
+    """Row- or column-major in the last two dims with 16-byte aligned strides and data pointer."""
+    rows, cols = t.shape[-2], t.shape[-1]
+    if t.stride(-1) == 1 and t.stride(-2) >= max(1, cols):
+        lead = t.stride(-2)
+    elif t.stride(-2) == 1 and t.stride(-1) >= max(1, rows):
+        lead = t.stride(-1)
+    else:
+        return False
+    batch_ok = t.dim() == 2 or t.stride(0) % align == 0
+    return lead % align == 0 and batch_ok and t.data_ptr() % 16 == 0
+
+
+def _native_ok(a: Tensor, b: Tensor) -> bool:
+    """Whether ``torch._grouped_mm(a, b, offs=...)`` handles this call (see the module docstring)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dtype, device = a.dtype, a.device
+    if device.type == "cuda":
+        if dtype != torch.bfloat16 or not _cuda_native_ok(device.index or 0):
+            return False
+    elif device.type == "cpu":
+        if dtype not in (torch.float32, torch.bfloat16) or torch.__version__ < "2.13":
+            return False
+    else:
+        return False
+    align = 16 // a.element_size()
+    return _aligned(a, align) and _aligned(b, align)
+
+
+def _group_sizes(offs_E: Tensor) -> Tensor:
+    return torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+
+
+# --------------------------------------------------------------------------- forward
+def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    """``w_EKN`` may be row-major or a transposed (column-major) view; both suit ``_grouped_mm``."""
+    x_MK = x_MK.contiguous()
+    if w_EKN.stride(2) != 1 and w_EKN.stride(1) != 1:
+        w_EKN = w_EKN.contiguous()
+    m = x_MK.shape[0]
+    if not _native_ok(x_MK, w_EKN):
+        return grouped_mm_reference(x_MK, w_EKN, offs_E)
+    if x_MK.device.type == "cpu":
+        group_bounds(offs_E, m)
+    out_MN = torch._grouped_mm(x_MK, w_EKN, offs=offs_E)
+    owned_M1 = (torch.arange(m, device=x_MK.device) < offs_E[-1]).unsqueeze(1)
+    return out_MN.masked_fill_(~owned_M1, 0)
+
+
+@torch.library.custom_op("titan_moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    return _forward_impl(x_MK, w_EKN, offs_E)
+
+
+@_grouped_mm_op.register_fake
+def _(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    _check_args(x_MK, w_EKN, offs_E)
+    return x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
+
+
+# --------------------------------------------------------------------------- backward: dx
+@torch.library.custom_op("titan_moe::grouped_mm_dx", mutates_args=())
+def _grouped_mm_dx_op(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    # dx[rows of e] = grad[rows of e] @ w[e]^T: the forward op on the transposed weights.
+    return _forward_impl(grad_MN, w_EKN.transpose(1, 2), offs_E)
+
+
+@_grouped_mm_dx_op.register_fake
+def _(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    return grad_MN.new_empty(grad_MN.shape[0], w_EKN.shape[1])
+
+
+# --------------------------------------------------------------------------- backward: dw
+@torch.library.custom_op("titan_moe::grouped_mm_dw", mutates_args=())
+def _grouped_mm_dw_op(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor) -> Tensor:
+    x_MK, grad_MN = x_MK.contiguous(), grad_MN.contiguous()
+    if not _native_ok(x_MK.t(), grad_MN):
+        return grouped_mm_dw_reference(x_MK, grad_MN, offs_E)
+    if x_MK.device.type == "cpu":
+        group_bounds(offs_E, x_MK.shape[0])
+    dw_EKN = torch._grouped_mm(x_MK.t(), grad_MN, offs=offs_E)
+    empty_E11 = (_group_sizes(offs_E) == 0).view(-1, 1, 1)
+    return dw_EKN.masked_fill_(empty_E11, 0)
+
+
+@_grouped_mm_dw_op.register_fake
+def _(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor) -> Tensor:
+    return x_MK.new_empty(offs_E.shape[0], x_MK.shape[1], grad_MN.shape[1])
+
+
+# --------------------------------------------------------------------------- autograd
+def _setup_context(ctx, inputs, output) -> None:
+    x_MK, w_EKN, offs_E = inputs
+    ctx.save_for_backward(x_MK, w_EKN, offs_E)
+
+
+def _backward(ctx, grad_MN: Tensor):
+    x_MK, w_EKN, offs_E = ctx.saved_tensors
+    grad_MN = grad_MN.contiguous()
+    dx_MK = _grouped_mm_dx_op(grad_MN, w_EKN, offs_E) if ctx.needs_input_grad[0] else None
+    dw_EKN = _grouped_mm_dw_op(x_MK, grad_MN, offs_E) if ctx.needs_input_grad[1] else None
+    return dx_MK, dw_EKN, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    """Grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, differentiable in ``x`` and ``w``.
+
+    Args:
+        x_MK: [M, K] rows sorted by group.
+        w_EKN: [E, K, N] per-group weights, same dtype as ``x_MK`` (fp32, bf16 or fp16).
+        offs_E: [E] int32 cumulative group ends, non-decreasing, ``offs[-1] <= M``.
+
+    Returns:
+        [M, N] in ``x_MK.dtype`` (fp32 accumulation); rows ``offs[-1]:`` are zero and
+        receive zero gradient.
+    """
+    _check_args(x_MK, w_EKN, offs_E)
+    return torch.ops.titan_moe.grouped_mm(x_MK, w_EKN, offs_E)
