@@ -14,6 +14,7 @@ What we change in torchtitan 0.2.2's Trainer, and why (everything else is theirs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -79,6 +80,12 @@ class TitanTrainer(Trainer):
         super().__init__(job_config)
         if self.device.type == "cpu":
             _use_plain_sum_for_gloo(self.model_parts)
+        if job_config.training.mixed_precision_param == "float32":
+            # torchtitan would wrap an unsharded fp32 run in autocast(float32), which CPU
+            # autocast rejects with a warning; there is nothing to cast.
+            self.maybe_enable_amp = contextlib.nullcontext()
+        if job_config.debug.seed is not None:
+            _init_independent_of_layout(self.model_parts, self.model_args, job_config.debug.seed)
         kill_step = os.environ.get(KILL_DURING_SAVE_ENV)
         if kill_step:
             _install_kill_during_save(self, int(kill_step))
@@ -110,6 +117,28 @@ class TitanTrainer(Trainer):
             torch.set_rng_state(state_dict["rng_cpu"])
         if "rng_cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["rng_cuda"])
+
+
+def _init_independent_of_layout(model_parts, model_args, seed: int) -> None:
+    """Give every layout (1 process, FSDP over N, ...) the same initial weights.
+
+    torchtitan initialises each rank's shard with that rank's random stream, so the weights
+    depend on the layout. With `debug.seed` set we instead initialise the full model on the
+    CPU from the seed, on every rank alike, and load it into the (possibly sharded) model.
+    This costs one full CPU copy of the model: meant for debugging and parity checks.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from titan_moe.model.decoder import Decoder
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            full = Decoder(model_args)
+        full.init_weights()
+    (model,) = model_parts
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+    logger.info(f"Initialised weights on CPU from debug.seed = {seed} (identical across layouts)")
 
 
 def _install_kill_during_save(trainer: TitanTrainer, step: int) -> None:

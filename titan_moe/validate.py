@@ -29,6 +29,12 @@ class TitanValidator(Validator):
         self._dp_world_size = dp_world_size
         self._dp_rank = dp_rank
 
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        # Document boundaries travel as `doc_ids` in input_dict; no attention-mask objects.
+        inputs = input_dict["input"]
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        return inputs, labels, extra_inputs, {}
+
     @property
     def validation_dataloader(self):
         cfg = self.job_config
