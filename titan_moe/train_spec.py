@@ -45,13 +45,33 @@ def build_train_dataloader(*, dp_world_size: int, dp_rank: int, tokenizer, job_c
     )
 
 
+def no_weight_decay(name: str, param) -> bool:
+    """SPEC §1: no decay on the KDA decay parameters; none on vectors (norm weights, AttnRes
+    queries) either, as usual for AdamW."""
+    return name.endswith(("A_log", "dt_bias")) or param.ndim < 2
+
+
+def _split_weight_decay(optimizers, model_parts) -> None:
+    """Move the no-decay parameters of each optimizer into a second group with weight_decay 0."""
+    for optimizer, model in zip(optimizers, model_parts):
+        exempt = {id(p) for name, p in model.named_parameters() if no_weight_decay(name, p)}
+        (group,) = optimizer.param_groups
+        kept = [p for p in group["params"] if id(p) not in exempt]
+        moved = [p for p in group["params"] if id(p) in exempt]
+        if moved:
+            group["params"] = kept
+            optimizer.add_param_group({"params": moved, "weight_decay": 0.0})
+
+
 def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel_dims, ft_manager=None):
-    """torchtitan's optimizers plus the expert-bias update (QB or sign rule) as a step pre-hook.
+    """torchtitan's optimizers (no weight decay on the exempt parameters) plus the expert-bias
+    update (QB or sign rule) as a step pre-hook.
 
     The update runs once per optimizer step, after all microbatches of the step have
     accumulated their routing statistics; its counts are summed over the data-parallel ranks.
     """
     optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    _split_weight_decay(optimizers, model_parts)
     group = None
     if parallel_dims.dp_enabled:
         group = parallel_dims.get_mesh("batch").get_group()

@@ -1,0 +1,50 @@
+"""The train spec's optimizer: weight-decay groups and the expert-bias step hook."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.distributed import ParallelDims
+
+from titan_moe.flavors import FLAVORS
+from titan_moe.model.decoder import Decoder
+from titan_moe.train_spec import build_optimizers_with_expert_balance
+
+
+def _model() -> Decoder:
+    args = dataclasses.replace(FLAVORS["debug"], dim=64, kda_head_dim=16, mla_q_lora_rank=32, moe_latent_dim=32)
+    torch.manual_seed(0)
+    model = Decoder(args)
+    model.init_weights()
+    return model
+
+
+def test_no_weight_decay_on_kda_decay_params_and_vectors():
+    model = _model()
+    dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    optimizers = build_optimizers_with_expert_balance([model], OptimizerConfig(weight_decay=0.1), dims)
+    (opt,) = optimizers.optimizers
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    exempt = {names[id(p)] for p in no_decay["params"]}
+    assert any(n.endswith("A_log") for n in exempt) and any(n.endswith("dt_bias") for n in exempt)
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert not any(names[id(p)].endswith(("A_log", "dt_bias")) for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_step_updates_expert_bias_and_reports_balance():
+    model = _model()
+    dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    optimizers = build_optimizers_with_expert_balance([model], OptimizerConfig(lr=1e-3), dims)
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    assert biases
+    logits = model(torch.randint(0, 4096, (2, 64)))
+    logits.logsumexp(-1).mean().backward()
+    optimizers.step()
+    after = dict(model.named_buffers())
+    assert any(not torch.equal(after[n], b) for n, b in biases.items())
+    assert "moe/max_violation_max" in optimizers.expert_balance_metrics
