@@ -102,3 +102,22 @@ def test_killed_during_save_resumes_from_previous_checkpoint(tmp_path):
     reference, resumed = losses(full), losses(crashed)
     for step in (3, 4, 5, 6):
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])
+
+
+@pytest.mark.slow
+def test_trains_on_user_text_files_with_tensorboard(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 20)
+    dump = tmp_path / "run"
+    proc = run_train(dump, "--training.steps", "2", "--training.dataset", "text",
+                     "--training.dataset_path", str(corpus), "--metrics.enable_tensorboard",
+                     "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
+                     "--validation.local_batch_size", "1", "--validation.seq_len", "64",
+                     "--data.val_fraction", "0.2")
+    _ok(proc)
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert any("eval_loss" in r for r in records)
+    assert list(dump.rglob("events.out.tfevents.*")), "no TensorBoard event file written"

@@ -241,9 +241,11 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x_ML: Tensor, offs_E: Tensor) -> Tensor:
         """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent]."""
-        z_M2H = grouped_mm(x_ML, self.w_gate_up, offs_E)
+        # Under autocast the activations arrive in bf16 while the weights stay fp32; a custom
+        # op is not autocast-aware, so cast the weights the way autocast would for a matmul.
+        z_M2H = grouped_mm(x_ML, self.w_gate_up.to(x_ML.dtype), offs_E)
         hidden_MH = situ_glu(z_M2H[:, : self.hidden], z_M2H[:, self.hidden :], self.beta1, self.beta2)
-        return grouped_mm(hidden_MH, self.w_down, offs_E)
+        return grouped_mm(hidden_MH, self.w_down.to(hidden_MH.dtype), offs_E)
 
     @torch.no_grad()
     def init_weights(self, init_std: float = 0.02) -> None:
