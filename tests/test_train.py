@@ -121,3 +121,30 @@ def test_trains_on_user_text_files_with_tensorboard(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert any("eval_loss" in r for r in records)
     assert list(dump.rglob("events.out.tfevents.*")), "no TensorBoard event file written"
+
+
+@pytest.mark.slow
+def test_generate_cli_samples_from_a_training_checkpoint(tmp_path):
+    import torch
+
+    from titan_moe.config import load_config
+    from titan_moe.generate import load_model
+
+    dump = tmp_path / "run"
+    _ok(run_train(dump, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2"))
+    ckpt = dump / "checkpoint" / "step-2"
+    config = load_config(["--job.config_file", CONFIG, *TINY])
+    torch.manual_seed(0)
+    fresh = load_model(config, None, "cpu")
+    torch.manual_seed(0)
+    trained = load_model(config, str(ckpt), "cpu")
+    # Two optimizer steps moved every routed expert weight away from the same-seed init.
+    name = "layers.1.feed_forward.experts.w_gate_up"
+    assert not torch.equal(fresh.state_dict()[name], trained.state_dict()[name])
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_moe.generate", "--job.config_file", CONFIG, *TINY,
+         "--checkpoint", str(ckpt), "--prompt", "import os", "--max_new_tokens", "8"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("import os")
