@@ -13,7 +13,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
-from titan_moe.data import build_dataloader, load_tokenizer
+from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config
 from titan_moe.flavors import FLAVORS
 from titan_moe.metrics import build_titan_metrics_processor
 from titan_moe.model.decoder import Decoder
@@ -24,25 +24,9 @@ from titan_moe.validate import build_titan_validator
 TRAIN_SPEC_NAME = "titan_moe"
 
 
-def build_tokenizer(job_config):
-    return load_tokenizer(job_config.data.tokenizer or None)
-
-
 def build_train_dataloader(*, dp_world_size: int, dp_rank: int, tokenizer, job_config):
-    return build_dataloader(
-        tokenizer=tokenizer,
-        source=job_config.training.dataset,
-        path=job_config.training.dataset_path,
-        split="train",
-        seq_len=job_config.training.seq_len,
-        local_batch_size=job_config.training.local_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        seed=job_config.data.seed,
-        val_fraction=job_config.data.val_fraction,
-        infinite=True,
-        hf_text_column=job_config.data.hf_text_column,
-    )
+    return dataloader_from_config(job_config, tokenizer=tokenizer, split="train", dp_rank=dp_rank,
+                                  dp_world_size=dp_world_size)
 
 
 def no_weight_decay(name: str, param) -> bool:
@@ -97,7 +81,7 @@ def get_titan_train_spec() -> TrainSpec:
         build_optimizers_fn=build_optimizers_with_expert_balance,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_train_dataloader,
-        build_tokenizer_fn=build_tokenizer,
+        build_tokenizer_fn=tokenizer_from_config,
         build_loss_fn=build_cross_entropy_loss,
         build_validator_fn=build_titan_validator,
         build_metrics_processor_fn=build_titan_metrics_processor,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchtitan.components.validate import Validator
 
-from titan_moe.data import build_dataloader
+from titan_moe.data.from_config import dataloader_from_config
 
 
 class TitanValidator(Validator):
@@ -37,21 +37,8 @@ class TitanValidator(Validator):
 
     @property
     def validation_dataloader(self):
-        cfg = self.job_config
-        return build_dataloader(
-            tokenizer=self.tokenizer,
-            source=cfg.validation.dataset or cfg.training.dataset,
-            path=cfg.validation.dataset_path or cfg.training.dataset_path,
-            split="val",
-            seq_len=cfg.validation.seq_len,
-            local_batch_size=cfg.validation.local_batch_size,
-            dp_rank=self._dp_rank,
-            dp_world_size=self._dp_world_size,
-            seed=cfg.data.seed,
-            val_fraction=cfg.data.val_fraction,
-            infinite=False,
-            hf_text_column=cfg.data.hf_text_column,
-        )
+        return dataloader_from_config(self.job_config, tokenizer=self.tokenizer, split="val",
+                                      dp_rank=self._dp_rank, dp_world_size=self._dp_world_size)
 
 
 def build_titan_validator(**kwargs) -> TitanValidator:

@@ -1,0 +1,34 @@
+"""Build the tokenizer and the train / held-out loaders from a job config."""
+
+from __future__ import annotations
+
+from titan_moe.data.loader import build_dataloader
+from titan_moe.data.tokenizer import load_tokenizer
+
+
+def tokenizer_from_config(job_config):
+    return load_tokenizer(job_config.data.tokenizer or None)
+
+
+def dataloader_from_config(job_config, *, tokenizer, split: str, dp_rank: int, dp_world_size: int):
+    """The training stream (`split="train"`, endless) or the held-out split (`"val"`, one pass).
+
+    The held-out split reads `validation.dataset`/`dataset_path` when set, else the training
+    source's own held-out documents.
+    """
+    train = split == "train"
+    section = job_config.training if train else job_config.validation
+    return build_dataloader(
+        tokenizer=tokenizer,
+        source=job_config.training.dataset if train else (section.dataset or job_config.training.dataset),
+        path=job_config.training.dataset_path if train else (section.dataset_path or job_config.training.dataset_path),
+        split=split,
+        seq_len=section.seq_len,
+        local_batch_size=section.local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        seed=job_config.data.seed,
+        val_fraction=job_config.data.val_fraction,
+        infinite=train,
+        hf_text_column=job_config.data.hf_text_column,
+    )
