@@ -74,6 +74,12 @@ class Checkpoint:
 
 
 @dataclass
+class Profiling:
+    nvtx: bool = False
+    """Emit NVTX ranges (train step, forward, backward, optimizer, blocks, ops) for nsys."""
+
+
+@dataclass
 class Validation:
     dataset: str = ""
     """Like training.dataset; empty: the held-out split of the training source."""
@@ -88,6 +94,7 @@ class TitanJobConfig:
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
 
 
