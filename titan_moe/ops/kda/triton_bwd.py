@@ -1,0 +1,400 @@
+"""Triton backward kernels for chunked bounded-decay delta attention (KDA, SPEC §1).
+
+Forward per chunk (notation of `triton_fwd`; G = chunk-local cumsum of g, C = 64):
+
+    A_qk = scale tril(Q e^{G_i - G_j} K^T),   A_kk = Diag(beta) strict_tril(K e^{G_i - G_j} K^T)
+    X = (I + A_kk)^{-1},   W = X Diag(beta) (e^G ⊙ K),   U = X Diag(beta) V
+    V~ = U - W S,   O = scale (Q ⊙ e^G) S + A_qk V~,   S' = Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~
+
+Backward, given dO and dS_final (`dht`), the forward's intermediates recomputed by
+`triton_fwd.kda_fwd_states`:
+
+    stage 1  `_bwd_state_scan_kernel`  per sequence, chunks in reverse: store dS' (gradient of
+             the state after the chunk), dV~ = A_qk^T dO + (e^{G_last - G} ⊙ K) dS',
+             dS = Diag(e^{G_last}) dS' + scale (Q ⊙ e^G)^T dO - W^T dV~  (ends at dh0)
+    stage 2  `_bwd_chunk_kernel`  per chunk, everything that needs whole-chunk matrices:
+             dA_qk = dO V~^T;  dU = dV~, dW = -dV~ S^T;  dv = beta ⊙ X^T dU;
+             dK, dQ, dG from the state terms and from W = X (beta e^G K);
+             dX = dU (beta V)^T + dW (beta e^G K)^T;  dA_kk = -X^T dX X^T (strictly lower)
+    stage 3  `_bwd_intra_kernel`  per 16-token tile, the gradients of A_qk and A_kk into
+             q, k, beta and G, with the same anchored dense tile dots as the forward
+    stage 4  `_bwd_reverse_cumsum_kernel`  dg = reverse cumsum of dG inside each chunk
+
+Stage 3 and the tile anchors: tile T of a chunk, anchor c = G at its middle row. As rows
+(tiles J <= T): dq_T = Σ_J (dA_qk[T,J] @ (K_J ⊙ e^{c - G_J})) ⊙ e^{G_T - c}, and likewise
+R_T from dA_kk. As columns (tiles I >= T): dk_T += Σ_I (dA[I,T]^T @ (x_I ⊙ e^{G_I - c})) ⊙ e^{c - G_T}.
+Every factor is at most e^40 (see `triton_fwd`), and dA is already zero above the
+diagonal, so the diagonal tile is the same dense dot with nothing to mask. The G
+gradients follow from d e^{G_i - G_j} = e^{G_i - G_j} (dG_i - dG_j):
+dG_i += q_i ⊙ dq_i + k_i ⊙ dk_i(row part), dG_j -= k_j ⊙ dk_j(column part).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from titan_moe.ops.kda.triton_fwd import (
+    CHUNK,
+    N_TILES,
+    TILE,
+    _chunk_location,
+    _interpreted,
+    kda_fwd_states,
+)
+
+
+# ----------------------------------------------------------------------------------------
+# stage 1: reverse state scan
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_scan_chunk(q, k, G, W, Aqk, do, dh, dv_new, b_dS, i_t, bos, T, boc, i_h, o_k, o_v, scale,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """One chunk of the reverse recurrence: store dS', write dV~, return dS at the chunk start."""
+    tl.store(dh + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_dS)
+    o_t = tl.arange(0, BT)
+    rows = i_t * BT + o_t
+    m_r = (rows < T)[:, None]
+    tok = (bos + rows) * H + i_h
+    p_k = tok[:, None] * K + o_k[None, :]
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+    b_G = tl.load(G + p_k, mask=m_r, other=0.0)
+    b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_w = tl.load(W + p_k, mask=m_r, other=0.0)
+    b_A = tl.load(Aqk + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
+    b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0).to(tl.float32)
+
+    b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
+    b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PRECISION)
+    b_dvn += tl.dot(b_k_to_end, b_dS, input_precision=PRECISION)
+    tl.store(dv_new + tok[:, None] * V + o_v[None, :], b_dvn, mask=m_r)
+    b_q_decay = b_q * tl.exp(b_G) * scale
+    b_dS = b_dS * tl.exp(b_G_last)[:, None] + tl.dot(tl.trans(b_q_decay), b_do, input_precision=PRECISION)
+    return b_dS - tl.dot(tl.trans(b_w), b_dvn, input_precision=PRECISION)
+
+
+@triton.jit
+def _bwd_state_scan_kernel(
+    q, k, G, W, Aqk, do, dh, dv_new, dht, dh0, scale, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Walk one sequence's chunks backwards for one head and BV state columns.
+
+    q, k, G, W: `[TT, H, K]`; Aqk `[TT, H, BT]`; do `[TT, H, V]`; dh `[chunks, H, K, V]`
+    fp32 receives dS' (gradient of each chunk's final state); dv_new `[TT, H, V]` fp32
+    receives dV~; dht, dh0 `[N, H, K, V]` fp32. Grid: (V // BV, N * H).
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_S = i_h * K * V + o_k[:, None] * V + o_v[None, :]
+
+    if HAS_DHT:
+        b_dS = tl.load(dht + i_n * H * K * V + p_S)
+    else:
+        b_dS = tl.zeros([K, BV], dtype=tl.float32)
+    n_chunks = tl.cdiv(T, BT)
+    if INTERPRETED:  # see `triton_fwd._state_scan_kernel`
+        i_t = n_chunks - 1
+        while i_t >= 0:
+            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, do, dh, dv_new, b_dS, i_t, bos, T, boc, i_h, o_k, o_v,
+                                   scale, H, K, V, BT, PRECISION)
+            i_t -= 1
+    else:
+        for i_r in range(0, n_chunks):
+            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, do, dh, dv_new, b_dS, n_chunks - 1 - i_r, bos, T, boc, i_h,
+                                   o_k, o_v, scale, H, K, V, BT, PRECISION)
+    if STORE_DH0:
+        tl.store(dh0 + i_n * H * K * V + p_S, b_dS)
+
+
+# ----------------------------------------------------------------------------------------
+# stage 2: whole-chunk gradients (state terms, WY factors, dA_qk, dA_kk)
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_chunk_kernel(
+    q, k, v, G, beta, Ainv, h, dh, v_new, dv_new, do,
+    dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dv, scale, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One chunk: dv, dA_qk, dA_kk, and the non-intra parts of dq, dk, dG, dbeta.
+
+    Inputs as in the forward (`[TT, H, ·]`, h/dh `[chunks, H, K, V]`), dv_new = dV~ from
+    stage 1. Writes dAqk (= dO V~^T, lower incl. diagonal), dAkk (= -X^T dX X^T,
+    strictly lower), both `[TT, H, BT]` fp32; dq_part, dk_part, dG_part `[TT, H, K]`,
+    dbeta_part `[TT, H]` fp32; dv `[TT, H, V]` (v's dtype). Grid: (chunks, H).
+    """
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = tl.arange(0, BT)
+    rows = i_t * BT + o_t
+    m_t = rows < T
+    m_r = m_t[:, None]
+    tok = (bos + rows) * H + i_h
+    m_tril = o_t[:, None] >= o_t[None, :]
+    b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & m_tril, other=0.0)
+    b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
+    b_dX = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+
+    # value columns: dA_qk = dO V~^T; U = X (beta V) gives dv, dbeta and dX
+    for i_v in range(0, V // BV):
+        p_v = tok[:, None] * V + (i_v * BV + tl.arange(0, BV))[None, :]
+        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
+        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
+        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
+        b_v = tl.load(v + p_v, mask=m_r, other=0.0).to(tl.float32)
+        b_dAqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PRECISION)
+        b_dX += tl.dot(b_dvn, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
+        b_z = tl.dot(tl.trans(b_X), b_dvn, input_precision=PRECISION)  # X^T dU
+        tl.store(dv + p_v, (b_z * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_r)
+        b_dbeta += tl.sum(b_z * b_v, axis=1)
+    tl.store(dAqk + tok[:, None] * BT + o_t[None, :], tl.where(m_tril, b_dAqk * scale, 0.0), mask=m_r)
+
+    # key columns: O's state term, the state update, and W = X (beta e^G K)
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    is_last = (rows == last)[:, None]
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_dq_state = tl.zeros([BT, BK], dtype=tl.float32)  # dO S^T
+        b_dk_state = tl.zeros([BT, BK], dtype=tl.float32)  # V~ dS'^T
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # -dV~ S^T
+        b_s_ds = tl.zeros([BK], dtype=tl.float32)  # Σ_v S ⊙ dS'
+        for i_v in range(0, V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            p_v = tok[:, None] * V + o_v[None, :]
+            p_S = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            b_S = tl.load(h + p_S)
+            b_dS = tl.load(dh + p_S)
+            b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
+            b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
+            b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
+            b_dq_state += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
+            b_dk_state += tl.dot(b_vn, tl.trans(b_dS), input_precision=PRECISION)
+            b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PRECISION)
+            b_s_ds += tl.sum(b_S * b_dS, axis=1)
+
+        p_k = tok[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
+        b_G = tl.load(G + p_k, mask=m_r, other=0.0)
+        b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+        b_eG = tl.exp(b_G)
+        b_dq = b_dq_state * b_eG * scale
+        b_dk_state = tl.where(m_r, b_dk_state * tl.exp(b_G_last[None, :] - b_G), 0.0)
+        b_kg = b_k * b_eG * b_beta[:, None]  # beta e^G K
+        b_y = tl.dot(tl.trans(b_X), b_dw, input_precision=PRECISION)  # X^T dW
+        b_dk = b_dk_state + b_y * b_eG * b_beta[:, None]
+        b_dbeta += tl.sum(b_y * b_eG * b_k, axis=1)
+        b_dX += tl.dot(b_dw, tl.trans(b_kg), input_precision=PRECISION)
+        b_dG = b_q * b_dq - b_k * b_dk_state + b_kg * b_y
+        # G_last = G at the chunk's last token: its gradient lands on that row
+        b_dG_last = tl.exp(b_G_last) * b_s_ds + tl.sum(b_k * b_dk_state, axis=0)
+        b_dG += tl.where(is_last, b_dG_last[None, :], 0.0)
+        tl.store(dq_part + p_k, b_dq, mask=m_r)
+        tl.store(dk_part + p_k, b_dk, mask=m_r)
+        tl.store(dG_part + p_k, b_dG, mask=m_r)
+    tl.store(dbeta_part + tok, b_dbeta, mask=m_t)
+
+    # X = (I + A_kk)^{-1}  =>  dA_kk = -X^T dX X^T, only its strictly lower part is used
+    b_dA = -tl.dot(tl.dot(tl.trans(b_X), b_dX, input_precision="ieee"), tl.trans(b_X), input_precision="ieee")
+    tl.store(dAkk + tok[:, None] * BT + o_t[None, :], tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
+
+
+# ----------------------------------------------------------------------------------------
+# stage 3: gradients of the intra-chunk tiles
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_intra_kernel(
+    q, k, G, beta, dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dq, dk, dbeta,
+    cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Tile T of one chunk: add the A_qk / A_kk gradients to its rows' dq, dk, dG, dbeta.
+
+    As rows of A (tiles J <= T): dq_T = Σ_J dAqk[T,J] (K_J e^{G_T - G_J}),
+    R_T = Σ_J dAkk[T,J] (K_J e^{G_T - G_J}), giving dk += beta R, dbeta += Σ_c k ⊙ R and
+    dG += q ⊙ dq + beta k ⊙ R. As columns (tiles I >= T):
+    dk_T += Σ_I dAqk[I,T]^T (Q_I e^{G_I - G_T}) + dAkk[I,T]^T (beta_I K_I e^{G_I - G_T}),
+    dG -= k ⊙ (that). One anchor c = G at the tile's middle row serves both sides; every
+    tile, the diagonal one included, is one dense dot (dA is zero above the diagonal).
+    Final dq, dk (input dtype) and dbeta (beta's dtype) are written; dG_part is
+    completed in place. Grid: (chunks * BT // BC, H).
+    """
+    NC: tl.constexpr = BT // BC
+    i_ci, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_ci // NC, i_ci % NC
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    row0 = i_t * BT + i_i * BC
+    if row0 >= T:
+        return
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    rows = row0 + o_r
+    m_r = rows < T
+    tok = (bos + rows) * H + i_h
+    p_r = tok[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
+    b_G = tl.load(G + p_r, mask=m_r[:, None], other=0.0)
+    b_beta = tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32)
+    anchor = row0 + tl.minimum(T - row0, BC) // 2  # middle of the valid rows
+    b_c = tl.load(G + ((bos + anchor) * H + i_h) * K + o_k)
+
+    # this tile as rows: tiles J <= T
+    b_dq = tl.zeros([BC, K], dtype=tl.float32)
+    b_R = tl.zeros([BC, K], dtype=tl.float32)
+    for i_j in tl.static_range(NC):
+        if i_j <= i_i:
+            cols = i_t * BT + i_j * BC + o_r
+            m_c = cols < T
+            p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
+            b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
+            b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
+            b_k_col = b_kc * tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf")))  # <= e^40
+            p_a = tok[:, None] * BT + (i_j * BC + o_r)[None, :]
+            b_dAqk = tl.load(dAqk + p_a, mask=m_r[:, None], other=0.0)
+            b_dAkk = tl.load(dAkk + p_a, mask=m_r[:, None], other=0.0)
+            b_dq += tl.dot(b_dAqk, b_k_col, input_precision=PRECISION)
+            b_R += tl.dot(b_dAkk, b_k_col, input_precision=PRECISION)
+    b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))  # <= e^40
+    b_dq *= b_row_decay
+    b_R *= b_row_decay
+
+    # this tile as columns: tiles I >= T
+    b_dk_col = tl.zeros([BC, K], dtype=tl.float32)
+    for i_r in tl.static_range(NC):
+        if i_r >= i_i:
+            rows_r = i_t * BT + i_r * BC + o_r
+            m_rr = rows_r < T
+            tok_r = (bos + rows_r) * H + i_h
+            p_rr = tok_r[:, None] * K + o_k[None, :]
+            b_qr = tl.load(q + p_rr, mask=m_rr[:, None], other=0.0).to(tl.float32)
+            b_kr = tl.load(k + p_rr, mask=m_rr[:, None], other=0.0).to(tl.float32)
+            b_Gr = tl.load(G + p_rr, mask=m_rr[:, None], other=0.0)
+            b_br = tl.load(beta + tok_r, mask=m_rr, other=0.0).to(tl.float32)
+            b_e = tl.exp(tl.where(m_rr[:, None], b_Gr - b_c[None, :], float("-inf")))  # <= e^40
+            p_a = tok_r[:, None] * BT + (i_i * BC + o_r)[None, :]
+            b_dAqk = tl.load(dAqk + p_a, mask=m_rr[:, None], other=0.0)
+            b_dAkk = tl.load(dAkk + p_a, mask=m_rr[:, None], other=0.0)
+            b_dk_col += tl.dot(tl.trans(b_dAqk), b_qr * b_e, input_precision=PRECISION)
+            b_dk_col += tl.dot(tl.trans(b_dAkk), b_kr * b_e * b_br[:, None], input_precision=PRECISION)
+    b_dk_col *= tl.exp(tl.where(m_r[:, None], b_c[None, :] - b_G, float("-inf")))  # <= e^40
+
+    m_rk = m_r[:, None]
+    b_dG = tl.load(dG_part + p_r, mask=m_rk, other=0.0)
+    b_dG += b_q * b_dq + b_beta[:, None] * b_k * b_R - b_k * b_dk_col
+    b_dq += tl.load(dq_part + p_r, mask=m_rk, other=0.0)
+    b_dk = tl.load(dk_part + p_r, mask=m_rk, other=0.0) + b_beta[:, None] * b_R + b_dk_col
+    b_db = tl.load(dbeta_part + tok, mask=m_r, other=0.0) + tl.sum(b_k * b_R, axis=1)
+    tl.store(dq + p_r, b_dq.to(dq.dtype.element_ty), mask=m_rk)
+    tl.store(dk + p_r, b_dk.to(dk.dtype.element_ty), mask=m_rk)
+    tl.store(dG_part + p_r, b_dG, mask=m_rk)
+    tl.store(dbeta + tok, b_db.to(dbeta.dtype.element_ty), mask=m_r)
+
+
+# ----------------------------------------------------------------------------------------
+# stage 4: dg from dG
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_reverse_cumsum_kernel(dG, dg, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                               BT: tl.constexpr):
+    """dg[t] = Σ_{s >= t, s in t's chunk} dG[s] (G is the chunk-local cumsum of g).
+
+    dG `[TT, H, K]` fp32, dg `[TT, H, K]` (g's dtype). Grid: (chunks, H).
+    """
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = (o_t < T)[:, None]
+    offs = ((bos + o_t) * H + i_h)[:, None] * K + tl.arange(0, K)[None, :]
+    b_dG = tl.load(dG + offs, mask=m_t, other=0.0)
+    tl.store(dg + offs, tl.cumsum(b_dG, axis=0, reverse=True).to(dg.dtype.element_ty), mask=m_t)
+
+
+# ----------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------
+def chunk_kda_bwd_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    do: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    dht: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of `chunk_kda_fwd_triton` (recomputes the forward's intermediates).
+
+    Args: the forward's inputs (same contract), `do [B, T, H, dv]` (gradient of o) and
+    `dht [N, H, dk, dv]` fp32 (gradient of the final state) or None.
+
+    Returns:
+        `(dq, dk, dv, dg, dbeta, dh0)` in the dtypes of q, k, v, g, beta; dh0
+        `[N, H, dk, dv]` fp32, or None without an initial state.
+    """
+    st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state=False)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = st.cu_seqlens.shape[0] - 1
+    if do.shape != v.shape:
+        raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
+    if dht is not None and (tuple(dht.shape) != (N, H, K, V) or dht.dtype != torch.float32):
+        raise ValueError(f"dht must be float32 [N, H, dk, dv] = {(N, H, K, V)}, got {dht.dtype} {tuple(dht.shape)}")
+    q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+    dht = dht.contiguous() if dht is not None else None
+    n_chunks = st.chunk_indices.shape[0]
+    TT = B * T
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dh = torch.empty(n_chunks, H, K, V, **f32)
+    dv_new = torch.empty(TT, H, V, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if initial_state is not None else None
+    interp = _interpreted()
+
+    BV = min(V, 32)
+    _bwd_state_scan_kernel[(V // BV, N * H)](
+        q, k, st.G, st.W, st.Aqk, do, dh, dv_new, dht, dh0, scale, st.cu_seqlens, st.chunk_offsets,
+        H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        PRECISION=st.precision, INTERPRETED=interp, num_warps=4 if K <= 64 else 8,
+        num_stages=2 if K <= 64 else 1,  # 2 stages need 226 KB of shared memory at dk=128
+    )
+
+    dAqk = torch.empty(TT, H, CHUNK, **f32)
+    dAkk = torch.empty(TT, H, CHUNK, **f32)
+    dq_part = torch.empty(TT, H, K, **f32)
+    dk_part = torch.empty(TT, H, K, **f32)
+    dG = torch.empty(TT, H, K, **f32)
+    dbeta_part = torch.empty(TT, H, **f32)
+    dv = torch.empty_like(v)
+    _bwd_chunk_kernel[(n_chunks, H)](
+        q, k, v, st.G, beta, st.Ainv, st.h, dh, st.v_new, dv_new, do,
+        dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices,
+        H=H, K=K, V=V, BT=CHUNK, BK=min(K, 32), BV=min(V, 32), PRECISION=st.precision, num_warps=8,
+        num_stages=2,
+    )
+
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dbeta = torch.empty_like(beta)
+    _bwd_intra_kernel[(n_chunks * N_TILES, H)](
+        q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta,
+        st.cu_seqlens, st.chunk_indices, H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=st.precision, num_warps=4,
+    )
+
+    dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    _bwd_reverse_cumsum_kernel[(n_chunks, H)](dG, dg, st.cu_seqlens, st.chunk_indices, H=H, K=K, BT=CHUNK)
+    return dq, dk, dv.view_as(v), dg, dbeta, dh0

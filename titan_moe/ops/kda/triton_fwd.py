@@ -1,0 +1,602 @@
+"""Triton forward kernels for chunked bounded-decay delta attention (KDA, SPEC §1).
+
+Per head, with state `S ∈ R^{dk×dv}` (fp32):
+
+    S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t
+
+Chunked evaluation (chunk C = 64 tokens, cut into NC = 4 tiles of 16; G = cumsum of g
+inside the chunk):
+
+    stage 1  `_chunk_cumsum_kernel`   G = chunk-local cumsum(g)
+    stage 2  `_intra_tiles_kernel`    A_qk[i,j] = scale Σ_c q_ic k_jc e^{G_ic - G_jc}   (j <= i)
+                                      A_kk[i,j] = beta_i Σ_c k_ic k_jc e^{G_ic - G_jc}  (j <  i)
+             `_wy_kernel`             X = (I + A_kk)^{-1},  W = X (beta e^G ⊙ K),  U = X (beta V)
+    stage 3  `_state_scan_kernel`     per sequence, chunk by chunk: store S (the chunk's
+                                      initial state), V~ = U - W S,
+                                      S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~
+    stage 4  `_output_kernel`         O = scale (Q ⊙ e^G) S + A_qk V~
+
+Why every 16x16 tile of A is one dense dot (the kernel's contract, SPEC §1): the caller
+guarantees `g >= g_min = -5` per token, so inside a 16-token tile G spans less than
+16 * 5 = 80. Row tile I gets one anchor `c_I` = G at its middle row (row 8, or the middle
+of the valid rows of a sequence's last tile). For rows i of tile I and columns j of any
+tile J <= I,
+
+    e^{G_i - G_j} = e^{G_i - c_I} * e^{c_I - G_j},
+    G_i - c_I in [-35, 40]               (i is at most 8 rows before / 7 after the anchor)
+    c_I - G_j in [-40, 35] if J == I,    <= 0 if J < I (j lies before the whole tile)
+
+so both factors stay below e^40 ~ 2.4e17, far inside fp32 (max ~e^88.7): the tile is
+`(x_I ⊙ e^{G_I - c_I}) @ (k_J ⊙ e^{c_I - G_J})^T`, one `tl.dot`, for the diagonal tile as
+for the others. The diagonal tile differs only in the causal mask applied to the dot's
+result (see `_intra_tiles_kernel`); there is no per-position path. Factors that underflow
+(c_I - G_j < -87 for distant tiles) flush entries whose true value is below e^{40-87}, i.e.
+negligible next to the O(1) entries. e^80 would overflow fp16, so exp-scaled operands are always fp32 here.
+
+All intermediates (G, A, W, U, the chunk states, V~) are fp32; inputs may be fp32, bf16 or
+fp16 and are upcast on load; `o` is written in v's dtype. Dots run in `ieee` fp32 for fp32
+inputs and in tf32 otherwise (tf32 keeps 10 mantissa bits, more than the bf16 inputs carry);
+the 16x16 tile inverses always use ieee.
+
+Token layout: every kernel sees the inputs as one flat token stream `[TT, H, d]`
+(`TT = B*T`), cut into sequences by `cu_seqlens` (fixed-length batches get
+`cu_seqlens = [0, T, 2T, ...]`). `chunk_indices [NCH, 2]` lists (sequence, chunk-in-sequence)
+for every chunk; `chunk_offsets [N+1]` is the index of each sequence's first chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from titan_moe.ops.kda.chunk_torch import check_kda_inputs, seqlens_bounds
+
+CHUNK = 64  # BT: tokens per chunk
+TILE = 16  # BC: tokens per sub-chunk tile; the span exponentiated directly
+N_TILES = CHUNK // TILE
+_SUPPORTED_DIMS = (16, 32, 64, 128)
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------
+# shared index helpers
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _chunk_location(cu_seqlens, chunk_indices, i_c):
+    """(bos, T, i_t) of flat chunk `i_c`: first token and length of its sequence, chunk-in-sequence."""
+    i_n = tl.load(chunk_indices + 2 * i_c)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return bos, eos - bos, i_t
+
+
+# ----------------------------------------------------------------------------------------
+# stage 1: chunk-local cumulative decay
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _chunk_cumsum_kernel(g, G, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """G[t] = Σ_{s <= t, s in t's chunk} g[s], per channel.
+
+    g: `[TT, H, K]` (any float dtype), G: `[TT, H, K]` fp32. Grid: (chunks, H).
+    """
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = (o_t < T)[:, None]
+    offs = ((bos + o_t) * H + i_h)[:, None] * K + tl.arange(0, K)[None, :]
+    b_g = tl.load(g + offs, mask=m_t, other=0.0).to(tl.float32)
+    tl.store(G + offs, tl.cumsum(b_g, axis=0), mask=m_t)
+
+
+# ----------------------------------------------------------------------------------------
+# stage 2a: A_qk and A_kk, one dense dot per 16x16 tile
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _intra_tiles_kernel(
+    q, k, G, beta, Aqk, Akk, scale, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Row tile I of one chunk: tiles (I, J) of A_qk and A_kk for every J <= I.
+
+    q, k, G: `[TT, H, K]`; beta `[TT, H]`; Aqk, Akk: `[TT, H, BT]` fp32, row t holding
+    its chunk's row (columns are chunk positions). Only tiles J <= I are written, and in
+    written tiles only rows of valid tokens; readers mask accordingly.
+    Grid: (chunks * BT // BC, H).
+    """
+    NC: tl.constexpr = BT // BC
+    i_ci, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_ci // NC, i_ci % NC
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    row0 = i_t * BT + i_i * BC
+    if row0 >= T:
+        return
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    rows = row0 + o_r
+    m_r = rows < T
+    p_r = ((bos + rows) * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
+    b_G = tl.load(G + p_r, mask=m_r[:, None], other=0.0)
+    b_beta = tl.load(beta + (bos + rows) * H + i_h, mask=m_r, other=0.0).to(tl.float32)
+
+    # anchor c_I: G at the tile's middle row (the middle of the valid rows if cut short)
+    anchor = row0 + tl.minimum(T - row0, BC) // 2
+    b_c = tl.load(G + ((bos + anchor) * H + i_h) * K + o_k)
+    # e^{G_i - c_I} <= e^40; invalid rows get exp(-inf) = 0
+    b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))
+    b_q_row = b_q * b_row_decay * scale
+    b_k_row = b_k * b_row_decay
+
+    # tiles J = 0..I (a static loop with a uniform branch: the interpreter cannot take
+    # range(i_i + 1), see `_state_scan_kernel`)
+    for i_j in tl.static_range(NC):
+        if i_j <= i_i:
+            cols = i_t * BT + i_j * BC + o_r
+            m_c = cols < T
+            p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
+            b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
+            b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
+            b_col_decay = tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf")))  # <= e^40
+            b_k_col_t = tl.trans(b_kc * b_col_decay)  # [K, BC]
+            b_aqk = tl.dot(b_q_row, b_k_col_t, input_precision=PRECISION)
+            b_akk = tl.dot(b_k_row, b_k_col_t, input_precision=PRECISION) * b_beta[:, None]
+            # Diagonal tile (i_j == i_i): the same dense dot as every other tile; only the
+            # causal mask differs: keep j <= i for A_qk and j < i for A_kk. Discarded entries
+            # (j > i inside the tile) are finite: each factor is at most e^40.
+            off_diag = i_j < i_i
+            keep_qk = off_diag | (o_r[:, None] >= o_r[None, :])
+            keep_kk = off_diag | (o_r[:, None] > o_r[None, :])
+            p_a = ((bos + rows) * H + i_h)[:, None] * BT + (i_j * BC + o_r)[None, :]
+            tl.store(Aqk + p_a, tl.where(keep_qk, b_aqk, 0.0), mask=m_r[:, None])
+            tl.store(Akk + p_a, tl.where(keep_kk, b_akk, 0.0), mask=m_r[:, None])
+
+
+# ----------------------------------------------------------------------------------------
+# stage 2b: (I + A_kk)^{-1} and the WY factors W, U
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _invert_unit_lower_tile(b_A, BC: tl.constexpr):
+    """(I + A)^{-1} of a strictly lower-triangular `[BC, BC]` tile, by forward substitution.
+
+    Row r of X = (I + A)^{-1} is `e_r - Σ_{m<r} A[r, m] X[m, :]`; rows are filled in
+    order, so the rows it reads are final. (The log-depth product (I - A)(I + A^2)(I + A^4)...
+    is shorter but sums terms far larger than the result; substitution is stable.)
+    """
+    o = tl.arange(0, BC)
+    b_X = (o[:, None] == o[None, :]).to(tl.float32)
+    for r in range(1, BC):
+        is_r = o[:, None] == r
+        b_a_r = tl.sum(tl.where(is_r, b_A, 0.0), axis=0)  # A[r, :], indexed by m
+        b_x_r = -tl.sum(b_a_r[:, None] * b_X, axis=0)  # -Σ_m A[r, m] X[m, :]
+        b_X = tl.where(is_r, b_X + b_x_r[None, :], b_X)
+    return b_X
+
+
+@triton.jit
+def _load_a_tile(Akk, bos, T, i_t, i_h, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr):
+    """Tile (I, J) of a chunk's A_kk (`[BC, BC]` fp32), zero on rows of invalid tokens."""
+    o = tl.arange(0, BC)
+    rows = i_t * BT + I * BC + o
+    p = ((bos + rows) * H + i_h)[:, None] * BT + (J * BC + o)[None, :]
+    return tl.load(Akk + p, mask=(rows < T)[:, None], other=0.0)
+
+
+@triton.jit
+def _load_rows(x, bos, T, i_t, i_h, I: tl.constexpr, o_d, H: tl.constexpr, D: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr):
+    """Rows of tile I of a chunk from a `[TT, H, D]` tensor, columns `o_d`, as fp32 (0 if invalid)."""
+    rows = i_t * BT + I * BC + tl.arange(0, BC)
+    p = ((bos + rows) * H + i_h)[:, None] * D + o_d[None, :]
+    return tl.load(x + p, mask=(rows < T)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_beta(beta, bos, T, i_t, i_h, I: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """beta for the rows of tile I of a chunk (`[BC]` fp32, 0 if invalid)."""
+    rows = i_t * BT + I * BC + tl.arange(0, BC)
+    return tl.load(beta + (bos + rows) * H + i_h, mask=rows < T, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(x, b_x, bos, T, i_t, i_h, I: tl.constexpr, o_d, H: tl.constexpr, D: tl.constexpr,
+                BT: tl.constexpr, BC: tl.constexpr):
+    """Store `b_x [BC, len(o_d)]` into the rows of tile I of a chunk (valid tokens only)."""
+    rows = i_t * BT + I * BC + tl.arange(0, BC)
+    p = ((bos + rows) * H + i_h)[:, None] * D + o_d[None, :]
+    tl.store(x + p, b_x.to(x.dtype.element_ty), mask=(rows < T)[:, None])
+
+
+@triton.jit
+def _store_tril_product(out, b_X00, b_X10, b_X11, b_X20, b_X21, b_X22, b_X30, b_X31, b_X32, b_X33,
+                        b_y0, b_y1, b_y2, b_y3, bos, T, i_t, i_h, o_d, H: tl.constexpr, D: tl.constexpr,
+                        BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr):
+    """out[chunk rows, o_d] = X @ Y for block lower-triangular X (4x4 blocks of 16), Y given
+    as its 4 row blocks `[BC, len(o_d)]`; out is `[TT, H, D]`."""
+    b_r0 = tl.dot(b_X00, b_y0, input_precision=PRECISION)
+    b_r1 = tl.dot(b_X10, b_y0, input_precision=PRECISION) + tl.dot(b_X11, b_y1, input_precision=PRECISION)
+    b_r2 = tl.dot(b_X20, b_y0, input_precision=PRECISION) + tl.dot(b_X21, b_y1, input_precision=PRECISION)
+    b_r2 += tl.dot(b_X22, b_y2, input_precision=PRECISION)
+    b_r3 = tl.dot(b_X30, b_y0, input_precision=PRECISION) + tl.dot(b_X31, b_y1, input_precision=PRECISION)
+    b_r3 += tl.dot(b_X32, b_y2, input_precision=PRECISION) + tl.dot(b_X33, b_y3, input_precision=PRECISION)
+    _store_rows(out, b_r0, bos, T, i_t, i_h, 0, o_d, H, D, BT, BC)
+    _store_rows(out, b_r1, bos, T, i_t, i_h, 1, o_d, H, D, BT, BC)
+    _store_rows(out, b_r2, bos, T, i_t, i_h, 2, o_d, H, D, BT, BC)
+    _store_rows(out, b_r3, bos, T, i_t, i_h, 3, o_d, H, D, BT, BC)
+
+
+@triton.jit
+def _wy_kernel(
+    k, v, G, beta, Akk, Ainv, W, U, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """X = (I + A_kk)^{-1} for one chunk, then W = X (beta e^G ⊙ K) and U = X (beta V).
+
+    Akk: `[TT, H, BT]` from `_intra_tiles_kernel`; Ainv: `[TT, H, BT]` fp32 receives X
+    (lower block triangle only); W `[TT, H, K]`, U `[TT, H, V]` fp32. The chunk is 4 tiles
+    of 16 (BT == 4 * BC). X is block lower triangular: diagonal blocks by forward
+    substitution, then X_IJ = -X_II Σ_{J<=M<I} A_IM X_MJ. e^G <= 1 here (G <= 0).
+    Grid: (chunks, H).
+    """
+    tl.static_assert(BT == 4 * BC)
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+
+    # blocks of A_kk (strictly lower inside diagonal blocks)
+    b_A00 = _load_a_tile(Akk, bos, T, i_t, i_h, 0, 0, H, BT, BC)
+    b_A10 = _load_a_tile(Akk, bos, T, i_t, i_h, 1, 0, H, BT, BC)
+    b_A11 = _load_a_tile(Akk, bos, T, i_t, i_h, 1, 1, H, BT, BC)
+    b_A20 = _load_a_tile(Akk, bos, T, i_t, i_h, 2, 0, H, BT, BC)
+    b_A21 = _load_a_tile(Akk, bos, T, i_t, i_h, 2, 1, H, BT, BC)
+    b_A22 = _load_a_tile(Akk, bos, T, i_t, i_h, 2, 2, H, BT, BC)
+    b_A30 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 0, H, BT, BC)
+    b_A31 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 1, H, BT, BC)
+    b_A32 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 2, H, BT, BC)
+    b_A33 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 3, H, BT, BC)
+
+    # diagonal blocks of X
+    b_X00 = _invert_unit_lower_tile(b_A00, BC)
+    b_X11 = _invert_unit_lower_tile(b_A11, BC)
+    b_X22 = _invert_unit_lower_tile(b_A22, BC)
+    b_X33 = _invert_unit_lower_tile(b_A33, BC)
+    # off-diagonal blocks, one block diagonal at a time
+    b_X10 = -tl.dot(tl.dot(b_X11, b_A10, input_precision="ieee"), b_X00, input_precision="ieee")
+    b_X21 = -tl.dot(tl.dot(b_X22, b_A21, input_precision="ieee"), b_X11, input_precision="ieee")
+    b_X32 = -tl.dot(tl.dot(b_X33, b_A32, input_precision="ieee"), b_X22, input_precision="ieee")
+    b_X20 = -tl.dot(
+        b_X22,
+        tl.dot(b_A20, b_X00, input_precision="ieee") + tl.dot(b_A21, b_X10, input_precision="ieee"),
+        input_precision="ieee",
+    )
+    b_X31 = -tl.dot(
+        b_X33,
+        tl.dot(b_A31, b_X11, input_precision="ieee") + tl.dot(b_A32, b_X21, input_precision="ieee"),
+        input_precision="ieee",
+    )
+    b_X30 = -tl.dot(
+        b_X33,
+        tl.dot(b_A30, b_X00, input_precision="ieee")
+        + tl.dot(b_A31, b_X10, input_precision="ieee")
+        + tl.dot(b_A32, b_X20, input_precision="ieee"),
+        input_precision="ieee",
+    )
+
+    # keep X for the backward pass
+    o_c = tl.arange(0, BC)
+    _store_rows(Ainv, b_X00, bos, T, i_t, i_h, 0, o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X10, bos, T, i_t, i_h, 1, o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X11, bos, T, i_t, i_h, 1, BC + o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X20, bos, T, i_t, i_h, 2, o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X21, bos, T, i_t, i_h, 2, BC + o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X22, bos, T, i_t, i_h, 2, 2 * BC + o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X30, bos, T, i_t, i_h, 3, o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X31, bos, T, i_t, i_h, 3, BC + o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X32, bos, T, i_t, i_h, 3, 2 * BC + o_c, H, BT, BT, BC)
+    _store_rows(Ainv, b_X33, bos, T, i_t, i_h, 3, 3 * BC + o_c, H, BT, BT, BC)
+
+    b_b0 = _load_beta(beta, bos, T, i_t, i_h, 0, H, BT, BC)[:, None]
+    b_b1 = _load_beta(beta, bos, T, i_t, i_h, 1, H, BT, BC)[:, None]
+    b_b2 = _load_beta(beta, bos, T, i_t, i_h, 2, H, BT, BC)[:, None]
+    b_b3 = _load_beta(beta, bos, T, i_t, i_h, 3, H, BT, BC)[:, None]
+
+    # W = X (beta e^G ⊙ K), one block of K columns at a time
+    for i_k in range(0, K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_y0 = b_b0 * tl.exp(_load_rows(G, bos, T, i_t, i_h, 0, o_k, H, K, BT, BC)) \
+            * _load_rows(k, bos, T, i_t, i_h, 0, o_k, H, K, BT, BC)
+        b_y1 = b_b1 * tl.exp(_load_rows(G, bos, T, i_t, i_h, 1, o_k, H, K, BT, BC)) \
+            * _load_rows(k, bos, T, i_t, i_h, 1, o_k, H, K, BT, BC)
+        b_y2 = b_b2 * tl.exp(_load_rows(G, bos, T, i_t, i_h, 2, o_k, H, K, BT, BC)) \
+            * _load_rows(k, bos, T, i_t, i_h, 2, o_k, H, K, BT, BC)
+        b_y3 = b_b3 * tl.exp(_load_rows(G, bos, T, i_t, i_h, 3, o_k, H, K, BT, BC)) \
+            * _load_rows(k, bos, T, i_t, i_h, 3, o_k, H, K, BT, BC)
+        _store_tril_product(W, b_X00, b_X10, b_X11, b_X20, b_X21, b_X22, b_X30, b_X31, b_X32, b_X33,
+                            b_y0, b_y1, b_y2, b_y3, bos, T, i_t, i_h, o_k, H, K, BT, BC, PRECISION)
+
+    # U = X (beta V)
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_y0 = b_b0 * _load_rows(v, bos, T, i_t, i_h, 0, o_v, H, V, BT, BC)
+        b_y1 = b_b1 * _load_rows(v, bos, T, i_t, i_h, 1, o_v, H, V, BT, BC)
+        b_y2 = b_b2 * _load_rows(v, bos, T, i_t, i_h, 2, o_v, H, V, BT, BC)
+        b_y3 = b_b3 * _load_rows(v, bos, T, i_t, i_h, 3, o_v, H, V, BT, BC)
+        _store_tril_product(U, b_X00, b_X10, b_X11, b_X20, b_X21, b_X22, b_X30, b_X31, b_X32, b_X33,
+                            b_y0, b_y1, b_y2, b_y3, bos, T, i_t, i_h, o_v, H, V, BT, BC, PRECISION)
+
+
+# ----------------------------------------------------------------------------------------
+# stage 3: the inter-chunk state recurrence
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _scan_chunk(k, W, U, G, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk of the state recurrence: store S, write V~ = U - W S, return the next S."""
+    tl.store(h + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_S)
+    rows = i_t * BT + tl.arange(0, BT)
+    m_r = (rows < T)[:, None]
+    tok = (bos + rows) * H + i_h
+    b_w = tl.load(W + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
+    b_u = tl.load(U + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0)
+    b_vn = b_u - tl.dot(b_w, b_S, input_precision=PRECISION)
+    tl.store(v_new + tok[:, None] * V + o_v[None, :], b_vn, mask=m_r)
+
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+    b_G = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
+    b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0).to(tl.float32)
+    b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
+    return b_S * tl.exp(b_G_last)[:, None] + tl.dot(tl.trans(b_k_to_end), b_vn, input_precision=PRECISION)
+
+
+@triton.jit
+def _state_scan_kernel(
+    k, W, U, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Walk one sequence's chunks for one head and one block of BV state columns.
+
+    k, G, W: `[TT, H, K]`; U, v_new: `[TT, H, V]` fp32; h: `[chunks, H, K, V]` fp32
+    receives each chunk's initial state; h0, ht: `[N, H, K, V]` fp32. Per chunk:
+    V~ = U - W S, then S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~, where G_last is
+    G at the chunk's last valid token (all exponents <= 0). Grid: (V // BV, N * H).
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_S = i_h * K * V + o_k[:, None] * V + o_v[None, :]  # within one [H, K, V] state
+
+    if HAS_H0:
+        b_S = tl.load(h0 + i_n * H * K * V + p_S)
+    else:
+        b_S = tl.zeros([K, BV], dtype=tl.float32)
+    n_chunks = tl.cdiv(T, BT)
+    if INTERPRETED:
+        # Triton 3.6's interpreter cannot take a runtime bound in range() (it calls int()
+        # on a 1-element array), so it walks the chunks with a while loop.
+        i_t = tl.zeros([], dtype=tl.int64)
+        while i_t < n_chunks:
+            b_S = _scan_chunk(k, W, U, G, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v, H, K, V, BT, PRECISION)
+            i_t += 1
+    else:
+        # compiled: a for loop, which the compiler software-pipelines (loads of the next
+        # chunk overlap this chunk's dots)
+        for i_t in range(0, n_chunks):
+            b_S = _scan_chunk(k, W, U, G, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v, H, K, V, BT, PRECISION)
+    if STORE_HT:
+        tl.store(ht + i_n * H * K * V + p_S, b_S)
+
+
+# ----------------------------------------------------------------------------------------
+# stage 4: outputs
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _output_kernel(
+    q, G, Aqk, h, v_new, o, scale, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """O = scale (Q ⊙ e^G) S + A_qk V~ for one chunk, head and block of BV outputs.
+
+    q, G: `[TT, H, K]`; Aqk: `[TT, H, BT]` (scale included, lower triangle incl. the
+    diagonal is valid); h: `[chunks, H, K, V]`; v_new `[TT, H, V]` fp32; o `[TT, H, V]`.
+    Grid: (V // BV, chunks, H).
+    """
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    rows = i_t * BT + o_t
+    m_r = (rows < T)[:, None]
+    tok = (bos + rows) * H + i_h
+
+    b_q = tl.load(q + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0).to(tl.float32)
+    b_G = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
+    b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+    b_o = tl.dot(b_q * tl.exp(b_G) * scale, b_S, input_precision=PRECISION)
+
+    m_a = m_r & (o_t[:, None] >= o_t[None, :])
+    b_A = tl.load(Aqk + tok[:, None] * BT + o_t[None, :], mask=m_a, other=0.0)
+    b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0)
+    b_o += tl.dot(b_A, b_vn, input_precision=PRECISION)
+    tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_r)
+
+
+# ----------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------
+def _interpreted() -> bool:
+    """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(_state_scan_kernel, InterpretedFunction)
+
+
+def _chunk_layout(bounds: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cu_seqlens int32 `[N+1]`, chunk_indices int32 `[chunks, 2]`, chunk_offsets int32 `[N+1]`."""
+    n_chunks = [-(-(e - s) // CHUNK) for s, e in zip(bounds[:-1], bounds[1:])]
+    indices = [(n, t) for n, nt in enumerate(n_chunks) for t in range(nt)]
+    offsets = [0]
+    for nt in n_chunks:
+        offsets.append(offsets[-1] + nt)
+    return (
+        torch.tensor(bounds, dtype=torch.int32, device=device),
+        torch.tensor(indices, dtype=torch.int32, device=device).view(-1, 2),
+        torch.tensor(offsets, dtype=torch.int32, device=device),
+    )
+
+
+@dataclass
+class KDAForwardState:
+    """fp32 intermediates of the chunked forward (stages 1-3), kept for the output stage
+    and the backward pass (`TT = B*T` tokens, `C = 64`).
+
+    G `[TT, H, dk]`; Aqk, Ainv `[TT, H, C]` (row t holds its chunk's row; the lower
+    triangle incl. the diagonal is valid, A_qk includes `scale`); W `[TT, H, dk]`;
+    U, v_new `[TT, H, dv]`; h `[chunks, H, dk, dv]` (each chunk's initial state);
+    final_state `[N, H, dk, dv]` or None; the chunk layout; the dot precision used.
+    """
+
+    G: torch.Tensor
+    Aqk: torch.Tensor
+    Ainv: torch.Tensor
+    W: torch.Tensor
+    U: torch.Tensor
+    h: torch.Tensor
+    v_new: torch.Tensor
+    final_state: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
+    precision: str
+
+
+def check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, list[int]]:
+    """The operator contract (`check_kda_inputs`) plus what these kernels need.
+
+    Returns N and the sequence boundaries as a host list (reading cu_seqlens syncs).
+    """
+    N = check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, _, K = q.shape
+    V = v.shape[-1]
+    if q.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"the Triton KDA kernels take fp32/bf16/fp16 q, k, v, got {q.dtype}")
+    if K not in _SUPPORTED_DIMS or V not in _SUPPORTED_DIMS:
+        raise ValueError(f"dk and dv must be one of {_SUPPORTED_DIMS}, got dk={K}, dv={V}")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError(f"initial_state must be float32, got {initial_state.dtype}")
+    if g.dtype == torch.float16:
+        raise ValueError("g must be fp32 or bf16: fp16 rounds the log decay too coarsely")
+    bounds = list(range(0, B * T + 1, T)) if cu_seqlens is None else seqlens_bounds(cu_seqlens, T)
+    return N, bounds
+
+
+def kda_fwd_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> KDAForwardState:
+    """Stages 1-3 of the forward: chunk cumsum, A_qk / WY factors, the state scan.
+
+    Arguments as for `chunk_kda_fwd_triton`. The backward pass calls this to recompute
+    what it needs instead of keeping it from the forward.
+    """
+    N, bounds = check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cu, chunk_indices, chunk_offsets = _chunk_layout(bounds, q.device)
+    n_chunks = chunk_indices.shape[0]
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    TT = B * T
+    f32 = dict(dtype=torch.float32, device=q.device)
+    G = torch.empty(TT, H, K, **f32)
+    Aqk = torch.empty(TT, H, CHUNK, **f32)
+    Akk = torch.empty(TT, H, CHUNK, **f32)
+    Ainv = torch.empty(TT, H, CHUNK, **f32)
+    W = torch.empty(TT, H, K, **f32)
+    U = torch.empty(TT, H, V, **f32)
+    h = torch.empty(n_chunks, H, K, V, **f32)
+    v_new = torch.empty(TT, H, V, **f32)
+    ht = torch.empty(N, H, K, V, **f32) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+
+    _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
+    _intra_tiles_kernel[(n_chunks * N_TILES, H)](
+        q, k, G, beta, Aqk, Akk, scale, cu, chunk_indices,
+        H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, num_warps=4,
+    )
+    _wy_kernel[(n_chunks, H)](
+        k, v, G, beta, Akk, Ainv, W, U, cu, chunk_indices,
+        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=min(K, 64), BV=min(V, 64), PRECISION=precision, num_warps=4,
+    )
+    BV = min(V, 32)
+    _state_scan_kernel[(V // BV, N * H)](
+        k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets,
+        H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
+        PRECISION=precision, INTERPRETED=_interpreted(), num_warps=4 if K <= 64 else 8,
+        num_stages=2,  # one chunk of loads in flight; 3 stages need 255 KB of shared memory at dk=128
+    )
+    return KDAForwardState(
+        G=G, Aqk=Aqk, Ainv=Ainv, W=W, U=U, h=h, v_new=v_new, final_state=ht,
+        cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, precision=precision,
+    )
+
+
+def chunk_kda_fwd_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA forward with Triton kernels.
+
+    Args:
+        q, k: `[B, T, H, dk]`; v: `[B, T, H, dv]`; fp32, bf16 or fp16, one dtype.
+        g: `[B, T, H, dk]` log decay (fp32 or bf16), already bounded: `-5 <= g <= 0`
+            (not checked here; below -5 the tile exponents may overflow).
+        beta: `[B, T, H]`.
+        scale: query scale.
+        initial_state: `[N, H, dk, dv]` fp32, or None (zeros).
+        cu_seqlens: int `[N+1]` packed-sequence boundaries (B must be 1), or None (N = B).
+            Read on the host (one device sync).
+        output_final_state: also return the state after each sequence's last token.
+
+    dk and dv must be 16, 32, 64 or 128.
+
+    Returns:
+        `o [B, T, H, dv]` in v's dtype and `final_state [N, H, dk, dv]` fp32 (None unless
+        `output_final_state`).
+    """
+    st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
+    BV = min(V, 64)
+    _output_kernel[(V // BV, st.chunk_indices.shape[0], H)](
+        q.contiguous(), st.G, st.Aqk, st.h, st.v_new, o, scale, st.cu_seqlens, st.chunk_indices,
+        H=H, K=K, V=V, BT=CHUNK, BV=BV, PRECISION=st.precision, num_warps=4,
+    )
+    return o, st.final_state
