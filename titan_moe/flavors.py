@@ -14,6 +14,9 @@ FLAVORS: dict[str, ModelArgs] = {
         attn_res="block", attn_res_block_size=2,
         n_routed_experts=8, top_k=2, n_shared_experts=1,
         moe_latent_dim=64, moe_expert_hidden=128, moe_shared_hidden=128, dense_hidden=384,
+        # Each debug step routes only 2K tokens from one or two documents, so the best bias
+        # for one batch over-fits it; averaging the QB bias over steps halves that noise.
+        qb_ema=0.5,
     ),
     # About 1B total parameters; 8K context on one H200.
     "small_1gpu": ModelArgs(
@@ -24,6 +27,7 @@ FLAVORS: dict[str, ModelArgs] = {
         attn_res="block", attn_res_block_size=4,
         n_routed_experts=64, top_k=8, n_shared_experts=1,
         moe_latent_dim=512, moe_expert_hidden=768, moe_shared_hidden=1536, dense_hidden=4096,
+        qb_ema=0.5,
     ),
     # Kimi K3 at paper scale (SPEC §7). Build it on the meta device only.
     "k3": ModelArgs(
