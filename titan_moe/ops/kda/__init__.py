@@ -11,6 +11,9 @@ from titan_moe.ops.kda.gate import kda_gate
 from titan_moe.ops.kda.naive import naive_recurrent_kda
 from titan_moe.ops.kda.op import chunk_kda
 from titan_moe.ops.kda.recurrent import kda_decode_step
+from titan_moe.ops.kda.triton_op import register_cuda_kernels
+
+register_cuda_kernels()  # Triton kernels for CUDA tensors when TITAN_MOE_KDA_BACKEND=triton
 
 __all__ = [
     "chunk_kda",

@@ -10,13 +10,10 @@ compiler by its fake (meta) implementation.
     kda_chunk_bwd(q, k, v, g, beta, scale, initial_state?, cu_seqlens?, do, dht?)
         -> (dq, dk, dv, dg, dbeta, dh0 [N,H,dk,dv], or [0] without initial_state)
 
-The implementations registered here serve every device (CPU, and CUDA until kernels
-exist). A device kernel replaces them later under the same names, e.g.
-
-    torch.library.register_kernel(FWD_OP, "cuda", triton_kda_chunk_fwd)
-    torch.library.register_kernel(BWD_OP, "cuda", triton_kda_chunk_bwd)
-
-with no change to the schemas, fake implementations, autograd wiring or callers.
+The plain-PyTorch implementations here (`kda_chunk_fwd_torch`, `kda_chunk_bwd_torch`)
+serve every device. `triton_op.register_cuda_kernels` puts the Triton kernels under the
+same names for CUDA tensors (`TITAN_MOE_KDA_BACKEND=triton`), with no change to the
+schemas, fake implementations, autograd wiring or callers.
 
 The L2 norm of q/k and the bounded gate stay outside the ops, as differentiable PyTorch
 (see `chunk_kda`), so the ops' contract is the bare recurrence of SPEC §1.
@@ -32,6 +29,7 @@ import torch
 from torch import Tensor
 
 from titan_moe.ops.kda.chunk_torch import check_kda_inputs, chunk_kda_torch, prepare_qkg
+from titan_moe.runtime.nvtx import nvtx_range
 
 FWD_OP = "titan_moe::kda_chunk_fwd"
 BWD_OP = "titan_moe::kda_chunk_bwd"
@@ -45,8 +43,7 @@ def _state_dtype(q: Tensor) -> torch.dtype:
 # ----------------------------------------------------------------------------------------
 # forward op
 # ----------------------------------------------------------------------------------------
-@torch.library.custom_op(FWD_OP, mutates_args=())
-def kda_chunk_fwd(
+def kda_chunk_fwd_torch(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -63,13 +60,17 @@ def kda_chunk_fwd(
     bounded). The final state is an empty `[0]` tensor when `output_final_state` is False
     (custom ops cannot return None).
     """
-    o, final_state = chunk_kda_torch(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-    )
+    with nvtx_range("op.kda_chunk_fwd"):
+        o, final_state = chunk_kda_torch(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )
     if final_state is None:
         final_state = q.new_empty(0, dtype=_state_dtype(q))
     return o, final_state
+
+
+kda_chunk_fwd = torch.library.custom_op(FWD_OP, kda_chunk_fwd_torch, mutates_args=())
 
 
 @kda_chunk_fwd.register_fake
@@ -107,8 +108,7 @@ def _autograd_below_dispatcher() -> Iterator[None]:
         yield
 
 
-@torch.library.custom_op(BWD_OP, mutates_args=())
-def kda_chunk_bwd(
+def kda_chunk_bwd_torch(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -132,7 +132,7 @@ def kda_chunk_bwd(
     inputs = [x.detach() for x in (q, k, v, g, beta)]
     if initial_state is not None:
         inputs.append(initial_state.detach())
-    with _autograd_below_dispatcher():
+    with nvtx_range("op.kda_chunk_bwd"), _autograd_below_dispatcher():
         leaves = [x.requires_grad_() for x in inputs]
         h0 = leaves[5] if initial_state is not None else None
         o, ht = chunk_kda_torch(
@@ -147,6 +147,9 @@ def kda_chunk_bwd(
     dq, dk, dv, dg, dbeta = d_inputs[:5]
     dh0 = d_inputs[5] if initial_state is not None else q.new_empty(0, dtype=_state_dtype(q))
     return dq, dk, dv, dg, dbeta, dh0
+
+
+kda_chunk_bwd = torch.library.custom_op(BWD_OP, kda_chunk_bwd_torch, mutates_args=())
 
 
 @kda_chunk_bwd.register_fake

@@ -1,0 +1,78 @@
+"""CUDA kernels for the `titan_moe::kda_chunk_fwd/bwd` ops, from the Triton launchers.
+
+    TITAN_MOE_KDA_BACKEND=triton   register the Triton kernels for CUDA tensors
+    TITAN_MOE_KDA_BACKEND=torch    keep the plain-PyTorch chunked path (the default for now)
+
+The adapters translate between the ops' contract (an empty `[0]` tensor stands for "no
+final state" / "no initial-state gradient", gradients in the inputs' dtypes) and the
+launchers' (None). Shapes the kernels do not cover (float64, head dims outside
+{16, 32, 64, 128}) go to the PyTorch implementation, so registering never narrows the op.
+
+The default stays `torch` until the registered op has been checked end to end on a GPU
+(the launchers themselves are checked on the H200 and under the Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from titan_moe.ops.kda import op as kda_op
+
+BACKEND_ENV = "TITAN_MOE_KDA_BACKEND"
+_SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _kernels_cover(q: Tensor, v: Tensor, g: Tensor) -> bool:
+    return (
+        q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and g.dtype != torch.float16
+        and q.shape[-1] in _SUPPORTED_HEAD_DIMS
+        and v.shape[-1] in _SUPPORTED_HEAD_DIMS
+    )
+
+
+def kda_chunk_fwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+    """`titan_moe::kda_chunk_fwd` contract on top of `chunk_kda_fwd_triton`."""
+    if not _kernels_cover(q, v, g):
+        return kda_op.kda_chunk_fwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+    from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton
+
+    o, final_state = chunk_kda_fwd_triton(
+        q, k, v, g, beta, scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        output_final_state=output_final_state,
+    )
+    if final_state is None:
+        final_state = q.new_empty(0, dtype=torch.float32)
+    return o, final_state
+
+
+def kda_chunk_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+    """`titan_moe::kda_chunk_bwd` contract on top of `chunk_kda_bwd_triton`."""
+    if not _kernels_cover(q, v, g):
+        return kda_op.kda_chunk_bwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
+    from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton
+
+    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_triton(
+        q, k, v, g, beta, scale, do, initial_state=initial_state, cu_seqlens=cu_seqlens, dht=dht
+    )
+    dh0 = q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0.to(initial_state.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+
+
+def selected_backend() -> str:
+    backend = os.environ.get(BACKEND_ENV, "torch")
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {backend!r}")
+    return backend
+
+
+def register_cuda_kernels() -> bool:
+    """Register the Triton kernels for CUDA when selected; return whether they were."""
+    if selected_backend() != "triton" or not torch.cuda.is_available():
+        return False
+    torch.library.register_kernel(kda_op.FWD_OP, "cuda", kda_chunk_fwd_triton)
+    torch.library.register_kernel(kda_op.BWD_OP, "cuda", kda_chunk_bwd_triton)
+    return True
