@@ -1,0 +1,140 @@
+"""Benchmark: our KDA operator vs fla-core's `chunk_kda`, forward and forward+backward.
+
+    python profiling/bench_kda.py                      # H200: the issue's shapes, bf16
+    python profiling/bench_kda.py --device cpu --tiny  # plumbing check only, no speed claim
+
+Both sides get the same raw inputs and the same semantics: q/k L2-normalised, the bounded
+gate g = -5 * sigmoid(exp(A_log) * (z + dt_bias)) applied to raw z, beta given. fla fuses
+norm and gate into its kernels (`use_qk_l2norm_in_kernel`, `use_gate_in_kernel`,
+`safe_gate`, `lower_bound=-5`); ours runs them as PyTorch ops before the custom op.
+Our side uses the Triton kernels (TITAN_MOE_KDA_BACKEND=triton is set by this script)
+unless `--backend torch`.
+
+Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
+CPU), tokens/s, and TFLOP/s by Kimi Linear's forward FLOP count per head
+6*T*dk^2 + 3*T*C*dk + T*C^2 (C = 64), backward counted as twice the forward.
+The last line is one JSON object with every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+SHAPES_GPU = [  # (B, T, H, dk)
+    (1, 8192, 16, 128),
+    (1, 32768, 16, 128),
+    (1, 131072, 16, 128),
+    (8, 4096, 16, 128),
+]
+SHAPES_TINY = [(1, 128, 2, 16), (2, 64, 2, 16)]
+CHUNK = 64
+
+
+def kda_flops(B: int, T: int, H: int, dk: int, backward: bool) -> float:
+    forward = B * H * (6 * T * dk * dk + 3 * T * CHUNK * dk + T * CHUNK * CHUNK)
+    return forward * (3 if backward else 1)
+
+
+def make_inputs(B, T, H, dk, device, dtype, seed=0):
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    return dict(
+        q=randn(B, T, H, dk), k=randn(B, T, H, dk), v=randn(B, T, H, dk),
+        z=randn(B, T, H, dk), beta=torch.rand(B, T, H, generator=gen).to(device=device, dtype=dtype),
+        A_log=torch.zeros(H, device=device, dtype=torch.float32),
+        dt_bias=(torch.randn(H * dk, generator=gen) * 0.5).to(device=device, dtype=torch.float32),
+    )
+
+
+def run_ours(inp, backward: bool):
+    from titan_moe.ops.kda import chunk_kda
+
+    o, _ = chunk_kda(inp["q"], inp["k"], inp["v"], inp["z"], inp["beta"], use_qk_l2norm=True,
+                     gate_in_kernel=True, A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=-5.0)
+    if backward:
+        o.backward(inp["do"])
+    return o
+
+
+def run_fla(inp, backward: bool):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    o, _ = fla_chunk_kda(inp["q"], inp["k"], inp["v"], inp["z"], inp["beta"], A_log=inp["A_log"],
+                         dt_bias=inp["dt_bias"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         safe_gate=True, lower_bound=-5.0)
+    if backward:
+        o.backward(inp["do"])
+    return o
+
+
+def median_ms(fn, device: str, reps: int) -> float:
+    if device == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=5, rep=reps * 10, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def bench(args) -> list[dict]:
+    import torch
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    shapes = SHAPES_TINY if args.tiny else SHAPES_GPU
+    peers = {"ours": run_ours}
+    if args.device == "cuda" and not args.no_fla:
+        peers["fla"] = run_fla
+    rows = []
+    for B, T, H, dk in shapes:
+        for backward in (False, True):
+            for name, runner in peers.items():
+                inp = make_inputs(B, T, H, dk, args.device, dtype)
+                for key in ("q", "k", "v", "z", "beta"):
+                    inp[key].requires_grad_(backward)
+                inp["do"] = torch.randn_like(inp["v"])
+
+                def step(runner=runner, inp=inp, backward=backward):
+                    if backward:
+                        for key in ("q", "k", "v", "z", "beta"):
+                            inp[key].grad = None
+                    return runner(inp, backward)
+
+                ms = median_ms(step, args.device, args.reps)
+                flops = kda_flops(B, T, H, dk, backward)
+                rows.append(dict(impl=name, B=B, T=T, H=H, dk=dk, direction="fwd+bwd" if backward else "fwd",
+                                 ms=ms, tokens_per_s=B * T / (ms / 1e3), tflops=flops / (ms / 1e3) / 1e12))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (plumbing check)")
+    parser.add_argument("--backend", default="triton", choices=["triton", "torch"])
+    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    os.environ["TITAN_MOE_KDA_BACKEND"] = args.backend if args.device == "cuda" else "torch"
+    rows = bench(args)
+    print(f"{'impl':6} {'pass':8} {'B':>3} {'T':>7} {'H':>3} {'dk':>4} {'ms':>9} {'Mtok/s':>8} {'TFLOP/s':>8}")
+    for r in rows:
+        print(f"{r['impl']:6} {r['direction']:8} {r['B']:>3} {r['T']:>7} {r['H']:>3} {r['dk']:>4} "
+              f"{r['ms']:9.3f} {r['tokens_per_s'] / 1e6:8.3f} {r['tflops']:8.2f}")
+    print(json.dumps({"device": args.device, "backend": os.environ["TITAN_MOE_KDA_BACKEND"], "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""profiling/bench_kda.py runs end to end (CPU, tiny shapes: a plumbing check, no speed claim)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_kda_tiny_cpu_reports_every_row():
+    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--reps", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = report["rows"]
+    assert {(r["B"], r["T"], r["direction"]) for r in rows} == {
+        (1, 128, "fwd"), (1, 128, "fwd+bwd"), (2, 64, "fwd"), (2, 64, "fwd+bwd")}
+    for r in rows:
+        assert r["ms"] > 0 and r["tokens_per_s"] == r["B"] * r["T"] / (r["ms"] / 1e3)
