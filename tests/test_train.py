@@ -148,3 +148,13 @@ def test_generate_cli_samples_from_a_training_checkpoint(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("import os")
+
+
+@pytest.mark.slow
+def test_torch_profiler_traces_on_cpu(tmp_path):
+    dump = tmp_path / "run"
+    _ok(run_train(dump, "--training.steps", "3", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                  "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1"))
+    traces = list(dump.rglob("rank0_trace.json"))
+    assert traces, "torchtitan's profiler wrote no trace"
+    assert json.loads(traces[0].read_text())["traceEvents"]

@@ -10,6 +10,7 @@ Our additions:
   [model]  every `ModelArgs` field, optional: a value overrides the flavor's preset.
   [data]   tokenizer path, validation split fraction, data seed, Hugging Face text column.
   [balance] logging of the expert balance metrics.
+  [quantize.linear.float8] min_features, next to torchtitan's float8 keys (titan_moe.float8).
 torchtitan's own keys keep their meaning; `training.dataset` is one of "builtin", "text",
 "hf_disk" and `training.dataset_path` points at the user's files for the last two.
 """
@@ -28,6 +29,7 @@ from typing import Any, Literal
 
 from torchtitan.config import ConfigManager, JobConfig
 
+from titan_moe.float8.config import QuantizeExtras  # also registers the float8 converters
 from titan_moe.model.args import ModelArgs
 
 
@@ -78,6 +80,14 @@ class Profiling:
     nvtx: bool = False
     """Emit NVTX ranges (train step, forward, backward, optimizer, blocks, ops) for nsys."""
 
+    nvtx_start_step: int = 0
+    """On CUDA, call cudaProfilerStart before this step (nsys --capture-range=cudaProfilerApi
+    records from here); 0: never."""
+
+    nvtx_stop_step: int = 0
+    """On CUDA, call cudaProfilerStop after this step (>= nvtx_start_step); 0: never (the
+    capture then runs to the end of the process)."""
+
 
 @dataclass
 class Validation:
@@ -96,6 +106,7 @@ class TitanJobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    quantize: QuantizeExtras = field(default_factory=QuantizeExtras)
 
 
 def job_config_class() -> type:
@@ -108,6 +119,10 @@ def job_config_class() -> type:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

@@ -10,6 +10,9 @@ What we change in torchtitan 0.2.2's Trainer, and why (everything else is theirs
     reduce with a plain sum (the trainer already scales the loss by the global token count).
   * RNG state joins the checkpointed train state, so a resumed run draws the same numbers.
   * a run started without torchrun gets the single-process rendezvous variables.
+  * `[profiling] nvtx`: NVTX ranges around the step, forward, backward and optimizer step
+    (`ops.nvtx`), and a cudaProfilerStart/Stop window (`nvtx_start_step`/`nvtx_stop_step`)
+    for `nsys --capture-range=cudaProfilerApi` (see profiling/nsys_launch.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torchtitan.train import Trainer  # noqa: E402
 
 from titan_moe import train_spec  # noqa: E402
 from titan_moe.config import ConfigError, load_config  # noqa: E402
+from titan_moe.ops import nvtx  # noqa: E402
 
 # Test hook: SIGKILL this process while it writes the checkpoint of this step, after the
 # data files and before the metadata that makes a checkpoint loadable.
@@ -59,15 +63,19 @@ def _use_plain_sum_for_gloo(model_parts) -> None:
 
 
 def _fit_local_batch_to_global(config) -> None:
-    """Treat `training.local_batch_size` as a cap: when local x data-parallel degree exceeds
-    `training.global_batch_size`, shrink the local batch so one config serves any rank count."""
+    """Let one config give the same global batch on any number of data-parallel ranks.
+
+    Training: when `local_batch_size x ranks` exceeds `training.global_batch_size`, the local
+    batch shrinks to `global / ranks`. Validation has no global size in torchtitan; we read
+    `validation.local_batch_size` as the eval batch over all ranks, split the same way.
+    """
     p = config.parallelism
     non_dp = max(1, p.tensor_parallel_degree) * max(1, p.context_parallel_degree) * max(1, p.pipeline_parallel_degree)
     dp = max(1, int(os.environ.get("WORLD_SIZE", "1")) // non_dp)
-    for section in (config.training, config.validation):
-        global_batch = getattr(section, "global_batch_size", -1)
-        if section is config.validation:
-            global_batch = section.local_batch_size
+    if dp == 1:
+        return
+    for section, global_batch in ((config.training, config.training.global_batch_size),
+                                  (config.validation, config.validation.local_batch_size)):
         if global_batch > 0 and section.local_batch_size * dp > global_batch:
             if global_batch % dp:
                 raise ConfigError(f"batch size {global_batch} is not divisible by the {dp} data-parallel ranks")
@@ -76,8 +84,16 @@ def _fit_local_batch_to_global(config) -> None:
 
 class TitanTrainer(Trainer):
     def __init__(self, job_config):
+        _check_capture_window(job_config.profiling)
+        self._cuda_capturing = False
+        if job_config.profiling.nvtx:
+            nvtx.enable(True)
         train_spec.register()
         super().__init__(job_config)
+        if job_config.profiling.nvtx:
+            # "forward" ends once the loss is computed, "backward" covers loss.backward().
+            self.loss_fn = _loss_ends_forward_range(self.loss_fn)
+            self.optimizers.step = nvtx.nvtx_wrap("optimizer")(self.optimizers.step)
         if self.device.type == "cpu":
             _use_plain_sum_for_gloo(self.model_parts)
         if job_config.training.mixed_precision_param == "float32":
@@ -89,6 +105,46 @@ class TitanTrainer(Trainer):
         kill_step = os.environ.get(KILL_DURING_SAVE_ENV)
         if kill_step:
             _install_kill_during_save(self, int(kill_step))
+
+    def train_step(self, data_iterator):
+        self._cuda_profiler_window(before_step=True)
+        with nvtx.nvtx_range("train_step"):
+            super().train_step(data_iterator)
+        self._cuda_profiler_window(before_step=False)
+
+    def forward_backward_step(self, **kwargs):
+        if not nvtx.is_enabled():
+            return super().forward_backward_step(**kwargs)
+        nvtx.push("forward")  # the wrapped loss function switches it to "backward"
+        try:
+            return super().forward_backward_step(**kwargs)
+        finally:
+            nvtx.pop()
+
+    def _cuda_profiler_window(self, before_step: bool) -> None:
+        """cudaProfilerStart before step `nvtx_start_step`, cudaProfilerStop after `nvtx_stop_step`."""
+        start, stop = self.job_config.profiling.nvtx_start_step, self.job_config.profiling.nvtx_stop_step
+        if self.device.type != "cuda" or start <= 0:
+            return
+        if before_step and not self._cuda_capturing and start <= self.step and (stop == 0 or self.step <= stop):
+            logger.info(f"cudaProfilerStart before step {self.step}")
+            torch.cuda.profiler.start()
+            self._cuda_capturing = True
+        elif not before_step and self._cuda_capturing and self.step == stop:
+            self._stop_cuda_profiler()
+
+    def _stop_cuda_profiler(self) -> None:
+        torch.cuda.synchronize()  # let the last step's kernels land inside the capture
+        torch.cuda.profiler.stop()
+        self._cuda_capturing = False
+        logger.info(f"cudaProfilerStop after step {self.step}")
+
+    def close(self) -> None:
+        if self._cuda_capturing:
+            self._stop_cuda_profiler()
+        super().close()
+        if self.job_config.profiling.nvtx:
+            nvtx.enable(False)
 
     def should_continue_training(self) -> bool:
         exit_at = self.job_config.training.exit_at_step
@@ -117,6 +173,29 @@ class TitanTrainer(Trainer):
             torch.set_rng_state(state_dict["rng_cpu"])
         if "rng_cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["rng_cuda"])
+
+
+def _check_capture_window(profiling) -> None:
+    start, stop = profiling.nvtx_start_step, profiling.nvtx_stop_step
+    if start < 0 or stop < 0 or (stop > 0 and not 0 < start <= stop):
+        raise ValueError(
+            f"profiling.nvtx_start_step = {start}, nvtx_stop_step = {stop}: need 1 <= start <= stop, "
+            "stop = 0 (capture to the end) or both 0 (no capture window)"
+        )
+
+
+def _loss_ends_forward_range(loss_fn):
+    """Wrap the training loss: once it is computed, close the "forward" NVTX range and open
+    "backward" (closed by `TitanTrainer.forward_backward_step` after `loss.backward()`)."""
+
+    def loss_then_backward(pred, labels):
+        loss = loss_fn(pred, labels)
+        if nvtx.innermost() == "forward":
+            nvtx.pop()
+            nvtx.push("backward")
+        return loss
+
+    return loss_then_backward
 
 
 def _init_independent_of_layout(model_parts, model_args, seed: int) -> None:

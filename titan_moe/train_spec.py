@@ -89,7 +89,10 @@ def get_titan_train_spec() -> TrainSpec:
 
 
 def register() -> None:
-    """Register the spec once (idempotent)."""
+    """Register the spec and our model converters once (idempotent)."""
+    from titan_moe import float8
+
+    float8.register()
     try:
         get_train_spec(TRAIN_SPEC_NAME)
     except ValueError:

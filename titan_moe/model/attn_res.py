@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_moe.model.args import AttnResMode
+from titan_moe.ops.nvtx import nvtx_wrap
 
 _MODES = ("block", "full", "none")
 
@@ -195,6 +196,7 @@ class AttnResMixer(nn.Module):
         self.query = nn.Parameter(torch.zeros(dim))
         self.key_norm = nn.RMSNorm(dim, eps=eps)
 
+    @nvtx_wrap("attn_res.mix")
     def forward(self, stream: ResidualStream) -> torch.Tensor:
         if stream.mode == "none":
             return stream.partial_BTD

@@ -20,6 +20,7 @@ from titan_moe.model.kda import KDACache, KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA, MLACache
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.packing import cu_seqlens_from_doc_ids
+from titan_moe.ops.nvtx import nvtx_range
 
 LayerCache = KDACache | MLACache
 
@@ -33,6 +34,7 @@ class DecoderLayer(nn.Module):
         self.kind = args.layer_kinds()[layer_idx]
         self.attention = KimiDeltaAttention(args) if self.kind == "kda" else GatedMLA(args)
         self.is_moe = args.is_moe_layer(layer_idx)
+        self.ffn_range = "moe" if self.is_moe else "ffn"
         if self.is_moe:
             self.feed_forward = LatentMoE(args)
         else:
@@ -50,12 +52,15 @@ class DecoderLayer(nn.Module):
         cache: LayerCache | None = None,
     ) -> ResidualStream:
         x_BTD = self.attention_norm(self.attention_mix(stream))
-        if self.kind == "kda":
-            out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens, cache=cache)
-        else:
-            out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cache=cache)
+        with nvtx_range(self.kind):
+            if self.kind == "kda":
+                out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens, cache=cache)
+            else:
+                out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cache=cache)
         stream = stream.add(out_BTD)
-        out_BTD = self.feed_forward(self.ffn_norm(self.ffn_mix(stream)))
+        x_BTD = self.ffn_norm(self.ffn_mix(stream))
+        with nvtx_range(self.ffn_range):
+            out_BTD = self.feed_forward(x_BTD)
         return stream.add(out_BTD)
 
     def init_weights(self, init_std: float) -> None:
@@ -78,6 +83,8 @@ class Decoder(nn.Module):
         self.final_mix = AttnResMixer(args.dim, args.norm_eps)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # NVTX range names (titan_moe.ops.nvtx), built once rather than in every forward.
+        self.layer_ranges = tuple(f"layer{i}.{kind}" for i, kind in enumerate(args.layer_kinds()))
 
     def forward(
         self,
@@ -98,9 +105,11 @@ class Decoder(nn.Module):
             cache = caches[i] if caches is not None else None
             # Closing an AttnRes block depends on the layer index, so it happens here, between
             # the (separately compiled) layers, not inside them.
-            stream = layer(stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache).end_layer(i)
-        h_BTD = self.norm(self.final_mix(stream))
-        return self.output(h_BTD).float()
+            with nvtx_range(self.layer_ranges[i]):
+                stream = layer(stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache).end_layer(i)
+        with nvtx_range("head"):
+            h_BTD = self.norm(self.final_mix(stream))
+            return self.output(h_BTD).float()
 
     def new_caches(self, batch_size: int, max_len: int) -> list[LayerCache]:
         """Empty decode caches, one per layer (constant size for KDA, `max_len` tokens for MLA)."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.ops.kda import chunk_kda, kda_decode_step
+from titan_moe.ops.nvtx import nvtx_wrap
 
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
 
@@ -150,6 +151,7 @@ class KimiDeltaAttention(nn.Module):
         new_state = x_ext[:, x_ext.shape[1] - (K - 1) :].to(x_BTC.dtype)
         return F.silu(y_BTC).to(x_BTC.dtype), new_state
 
+    @nvtx_wrap("kda.inputs")
     def attention_inputs(
         self,
         x_BTD: torch.Tensor,
@@ -171,6 +173,7 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.w_beta(x_BTD).float())
         return q, k, v, z, beta, new_conv_state
 
+    @nvtx_wrap("kda.output")
     def output_projection(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
         """`W_o [sigmoid(W_g x) ⊙ RMSNorm_head(o)]`, norm and gate in fp32."""
         B, T, H, dv = o_BTHV.shape

@@ -35,6 +35,7 @@ from torch import nn
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.packing import same_doc_causal_mask
+from titan_moe.ops.nvtx import nvtx_wrap
 
 
 @dataclass
@@ -117,6 +118,7 @@ class GatedMLA(nn.Module):
         c_kv_BTR, k_s_BTS = self.w_dkv(x_BTD).split([self.kv_lora_rank, self.qk_shared_dim], dim=-1)
         return self.kv_norm(c_kv_BTR), k_s_BTS
 
+    @nvtx_wrap("mla.attend")
     def _attend(
         self,
         q_BTHK: torch.Tensor,

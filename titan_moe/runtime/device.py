@@ -9,6 +9,8 @@ rebind the names in each of those modules rather than copying the trainer.
 
 `CPUDeviceModule` adds to `torch.cpu` the few functions torchtitan calls on a device
 module (name, capacity, memory stats); memory on CPU is the process's resident set.
+On CPU, `torch.profiler.profile` also learns to skip the missing accelerator activity that
+torchtitan's profiler setup passes as None.
 """
 
 from __future__ import annotations
@@ -80,6 +82,19 @@ def accelerator_type() -> str:
     return "cpu"
 
 
+class _ProfileSkippingMissingDevice(torch.profiler.profile):
+    """torch.profiler.profile that ignores `None` in `activities`.
+
+    torchtitan's `maybe_enable_profiling` lists `[CPU, <accelerator activity or None>]`;
+    torch 2.13 rejects the None on a CPU-only machine.
+    """
+
+    def __init__(self, *args, activities=None, **kwargs):
+        if activities is not None:
+            activities = [a for a in activities if a is not None]
+        super().__init__(*args, activities=activities, **kwargs)
+
+
 def configure_torchtitan_device() -> str:
     """Rebind torchtitan's device globals to the device this process will use; return its type.
 
@@ -94,4 +109,5 @@ def configure_torchtitan_device() -> str:
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = CPUDeviceModule
+    torch.profiler.profile = _ProfileSkippingMissingDevice
     return device_type

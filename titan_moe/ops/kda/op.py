@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from titan_moe.ops.kda.chunk_torch import check_kda_inputs, chunk_kda_torch, prepare_qkg
-from titan_moe.runtime.nvtx import nvtx_range
+from titan_moe.ops.nvtx import nvtx_range
 
 FWD_OP = "titan_moe::kda_chunk_fwd"
 BWD_OP = "titan_moe::kda_chunk_bwd"

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from titan_moe.ops.kda import op as kda_op
+from titan_moe.ops.nvtx import nvtx_range
 
 BACKEND_ENV = "TITAN_MOE_KDA_BACKEND"
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -40,10 +41,11 @@ def kda_chunk_fwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, out
         return kda_op.kda_chunk_fwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
     from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton
 
-    o, final_state = chunk_kda_fwd_triton(
-        q, k, v, g, beta, scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-        output_final_state=output_final_state,
-    )
+    with nvtx_range("op.kda_chunk_fwd"):
+        o, final_state = chunk_kda_fwd_triton(
+            q, k, v, g, beta, scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state,
+        )
     if final_state is None:
         final_state = q.new_empty(0, dtype=torch.float32)
     return o, final_state
@@ -55,9 +57,10 @@ def kda_chunk_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do,
         return kda_op.kda_chunk_bwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
     from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton
 
-    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_triton(
-        q, k, v, g, beta, scale, do, initial_state=initial_state, cu_seqlens=cu_seqlens, dht=dht
-    )
+    with nvtx_range("op.kda_chunk_bwd"):
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_triton(
+            q, k, v, g, beta, scale, do, initial_state=initial_state, cu_seqlens=cu_seqlens, dht=dht
+        )
     dh0 = q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0.to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
 

@@ -1,6 +1,6 @@
 """NVTX ranges for Nsight Systems, off by default and free when off.
 
-    from titan_moe.runtime.nvtx import nvtx_range, nvtx_wrap
+    from titan_moe.ops.nvtx import nvtx_range, nvtx_wrap
 
     with nvtx_range("moe.router"):      # a context manager
         ...
@@ -20,7 +20,7 @@ aggregate them across steps and layers):
     train_step, forward, backward,       TitanTrainer (titan_moe.train)     yes   yes
       optimizer
     layer{i}.{kda|mla}, head             Decoder.forward, between layers    yes   yes
-    attn_res.mix                         AttnResMixer.forward               yes   no
+    attn_res.mix                         AttnResMixer.forward               yes   final mix only
     kda, mla, moe, ffn                   DecoderLayer sub-layers            yes   no
     kda.inputs, kda.output               KimiDeltaAttention                 yes   no
     mla.attend                           GatedMLA (SDPA path)               yes   no

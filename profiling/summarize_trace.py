@@ -1,0 +1,189 @@
+"""Per-range time table from torch.profiler Chrome traces.
+
+    python profiling/summarize_trace.py outputs/run/profile_traces/iteration_10/rank0_trace.json
+    python profiling/summarize_trace.py outputs/run/profile_traces --top 40      # every *trace.json* below
+    python profiling/summarize_trace.py TRACE.json --category gpu_user_annotation  # GPU-side spans
+
+torchtitan writes these traces with `[profiling] enable_profiling = true` (under
+`<dump_folder>/<save_traces_folder>/iteration_N/rank{R}_trace.json`). With `[profiling]
+nvtx = true` our NVTX ranges (`titan_moe.ops.nvtx`) are also torch.profiler
+`record_function`s, so they appear in the trace as `user_annotation` events, next to
+torch.profiler's own `ProfilerStep#N`.
+
+For each range name (events of one category, `user_annotation` by default): number of
+calls, total (inclusive) time, self time (minus the ranges nested inside it on the same
+thread), mean time, and total as a percentage of the step time. The step time is, in this
+order of preference: the events named by `--step-name`; torch.profiler's `ProfilerStep#N`
+events; our `train_step` ranges; else the span from the first to the last event. Several
+trace files (e.g. all ranks) are pooled. Nested ranges overlap, so the percentages do not
+add up to 100.
+
+The table is printed first; the last line is the same summary as JSON.
+
+Nsight Systems reports are not read here: the GPU machine used for development has no
+working nsys, so `nsys_launch.py`'s command line is checked by tests and the ranges
+themselves are checked through torch.profiler traces like these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+STEP_MARKER = re.compile(r"^ProfilerStep#\d+$")
+STEP_RANGE = "train_step"
+
+
+def load_events(path: str | Path) -> list[dict]:
+    """The `traceEvents` of one Chrome trace (`.json` or `.json.gz`)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no traceEvents list")
+    return events
+
+
+def trace_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Files as given; a directory contributes every `*trace.json` / `*trace.json.gz` below it."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(q for q in p.rglob("*trace.json*") if q.suffix in (".json", ".gz"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no such trace file or folder: {p}")
+    if not files:
+        raise FileNotFoundError(f"no trace files under {', '.join(map(str, paths))}")
+    return files
+
+
+def _complete_events(events: Iterable[dict], category: str) -> list[dict]:
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") == category and "dur" in e]
+
+
+def _self_times(spans: list[dict]) -> list[float]:
+    """Per span, its duration minus that of the spans directly nested in it on the same thread."""
+    self_us = [float(e["dur"]) for e in spans]
+    by_thread: dict[tuple, list[int]] = {}
+    for i, e in enumerate(spans):
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(i)
+    for indices in by_thread.values():
+        indices.sort(key=lambda i: (float(spans[i]["ts"]), -float(spans[i]["dur"])))
+        stack: list[tuple[int, float]] = []  # (index, end time)
+        for i in indices:
+            start = float(spans[i]["ts"])
+            end = start + float(spans[i]["dur"])
+            while stack and stack[-1][1] <= start:
+                stack.pop()
+            if stack:
+                parent, parent_end = stack[-1]
+                self_us[parent] -= min(end, parent_end) - start
+            stack.append((i, end))
+    return self_us
+
+
+def summarize(events: list[dict], category: str = "user_annotation", step_name: str | None = None,
+              top: int = 25) -> dict:
+    """Summary of one category of complete ('X') events; times in milliseconds.
+
+    Returns {"category", "step_time_ms", "step_source", "n_steps", "n_ranges", "ranges": [
+    {"name", "count", "total_ms", "self_ms", "mean_ms", "pct_of_step"}, ...]} with ranges
+    sorted by total time, the `top` largest (all when top <= 0). `ProfilerStep#N` events are
+    pooled under the name "ProfilerStep".
+    """
+    spans = _complete_events(events, category)
+    if step_name is not None:
+        steps = [e for e in spans if e["name"] == step_name]
+        if not steps:
+            raise ValueError(f"no {category!r} events named {step_name!r}")
+        source = step_name
+    else:
+        steps = [e for e in spans if STEP_MARKER.match(e["name"])]
+        source = "ProfilerStep"
+        if not steps:
+            steps, source = [e for e in spans if e["name"] == STEP_RANGE], STEP_RANGE
+    if steps:
+        step_us = sum(float(e["dur"]) for e in steps)
+    else:
+        timed = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+        step_us = (max(float(e["ts"]) + float(e["dur"]) for e in timed) - min(float(e["ts"]) for e in timed)
+                   if timed else 0.0)
+        source = "trace span"
+
+    totals: dict[str, list[float]] = {}  # name -> [count, total us, self us]
+    for e, self_us in zip(spans, _self_times(spans)):
+        name = "ProfilerStep" if STEP_MARKER.match(e["name"]) else e["name"]
+        row = totals.setdefault(name, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += float(e["dur"])
+        row[2] += self_us
+    ranked = sorted(totals.items(), key=lambda kv: (-kv[1][1], kv[0]))
+    if top > 0:
+        ranked = ranked[:top]
+    ranges = [
+        {
+            "name": name,
+            "count": int(count),
+            "total_ms": total / 1e3,
+            "self_ms": self_us / 1e3,
+            "mean_ms": total / count / 1e3,
+            "pct_of_step": 100.0 * total / step_us if step_us > 0 else None,
+        }
+        for name, (count, total, self_us) in ranked
+    ]
+    return {
+        "category": category,
+        "step_time_ms": step_us / 1e3,
+        "step_source": source,
+        "n_steps": len(steps),
+        "n_ranges": len(totals),
+        "ranges": ranges,
+    }
+
+
+def format_table(summary: dict) -> str:
+    width = max([len("range")] + [len(r["name"]) for r in summary["ranges"]])
+    lines = [
+        f"{summary['category']} ranges; step time {summary['step_time_ms']:.3f} ms over "
+        f"{summary['n_steps']} step(s) (from {summary['step_source']})",
+        f"{'range':<{width}}  {'count':>7}  {'total ms':>11}  {'self ms':>11}  {'mean ms':>10}  {'% step':>7}",
+    ]
+    for r in summary["ranges"]:
+        pct = "-" if r["pct_of_step"] is None else f"{r['pct_of_step']:.1f}"
+        lines.append(f"{r['name']:<{width}}  {r['count']:>7}  {r['total_ms']:>11.3f}  {r['self_ms']:>11.3f}  "
+                     f"{r['mean_ms']:>10.3f}  {pct:>7}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", help="Chrome trace files (.json / .json.gz) or folders holding them")
+    parser.add_argument("--category", default="user_annotation",
+                        help="event category to summarise (user_annotation, gpu_user_annotation, cpu_op, kernel)")
+    parser.add_argument("--step-name", default=None, help="range whose total is the step time")
+    parser.add_argument("--top", type=int, default=25, help="rows to show (0: all)")
+    args = parser.parse_args(argv)
+    try:
+        files = trace_files(args.traces)
+        events = [e for f in files for e in load_events(f)]
+        summary = summarize(events, args.category, args.step_name, args.top)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"summarize_trace: error: {e}", file=sys.stderr)
+        return 2
+    summary["files"] = [str(f) for f in files]
+    print(format_table(summary))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""profiling/nsys_launch.py (the command line, and a run through torchrun with a stand-in
+nsys) and profiling/summarize_trace.py (synthetic traces and a real torch.profiler trace)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_moe.flavors import FLAVORS
+from titan_moe.model.decoder import Decoder
+from titan_moe.ops import nvtx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "profiling" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+launch = _load("nsys_launch")
+summary_tool = _load("summarize_trace")
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+
+
+def test_build_command_runs_one_nsys_per_rank_with_a_capture_window():
+    cmd = launch.build_command(
+        "configs/small_1gpu.toml", output_dir="out/nsys", nproc_per_node=2, start_step=4, stop_step=6,
+        train_args=["--training.steps", "6"], torchrun_args=["--nnodes=1"], python="py",
+    )
+    assert cmd == [
+        "py", "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1", "--no-python",
+        "nsys", "profile", "-t", "cuda,nvtx,osrt", "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
+        "--force-overwrite=true", "-o", os.path.join("out/nsys", "rank%q{RANK}"),
+        "py", "-m", "titan_moe.train", "--job.config_file", "configs/small_1gpu.toml", "--profiling.nvtx",
+        "--profiling.nvtx_start_step", "4", "--profiling.nvtx_stop_step", "6", "--training.steps", "6",
+    ]
+    assert launch.report_paths("out/nsys", 2) == [os.path.join("out/nsys", "rank0.nsys-rep"),
+                                                  os.path.join("out/nsys", "rank1.nsys-rep")]
+
+
+@pytest.mark.parametrize("kwargs", [dict(start_step=0), dict(start_step=5, stop_step=4), dict(nproc_per_node=0)])
+def test_build_command_rejects_bad_windows(kwargs):
+    with pytest.raises(ValueError):
+        launch.build_command("c.toml", output_dir="o", **kwargs)
+
+
+# Stands in for nsys: writes its own options, RANK and the command it would profile to the
+# file named by -o (with %q{RANK} expanded as nsys does), then exits without running it.
+_FAKE_NSYS = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+out = args[args.index("-o") + 1].replace("%q{{RANK}}", os.environ["RANK"])
+profiled = args.index("-m") - 1
+with open(out + ".json", "w") as f:
+    json.dump({{"nsys": args[:profiled], "rank": os.environ["RANK"], "command": args[profiled:]}}, f)
+"""
+
+
+def test_launcher_runs_each_rank_under_its_own_nsys(tmp_path, capsys):
+    fake = tmp_path / "nsys"
+    fake.write_text(_FAKE_NSYS.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "reports"
+    rc = launch.main(["--config", "configs/debug_cpu.toml", "--nproc-per-node", "2", "--output-dir", str(out),
+                      "--start-step", "2", "--stop-step", "3", "--nsys", str(fake),
+                      "--torchrun-args", "--master-addr=127.0.0.1 --master-port=0",
+                      "--", "--training.steps", "3"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert str(out / "rank0.nsys-rep") in printed and str(out / "rank1.nsys-rep") in printed
+    for rank in ("0", "1"):
+        seen = json.loads((out / f"rank{rank}.json").read_text())
+        assert seen["rank"] == rank
+        assert seen["nsys"][0] == "profile" and "--capture-range=cudaProfilerApi" in seen["nsys"]
+        assert seen["command"][:3] == [sys.executable, "-m", "titan_moe.train"]
+        assert seen["command"][-6:] == ["--profiling.nvtx_start_step", "2", "--profiling.nvtx_stop_step", "3",
+                                        "--training.steps", "3"]
+
+
+def test_launcher_dry_run_prints_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert launch.main(["--config", "c.toml", "--output-dir", str(out), "--dry-run", "--nsys", "no-such-nsys"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "no-such-nsys profile" in lines[0] and "--profiling.nvtx" in lines[0]
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+
+def _x(name, ts, dur, tid=1, cat="user_annotation"):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+
+def _synthetic_trace():
+    """Two profiler steps of 100 and 120 us; nested ranges; noise of other kinds."""
+    events = [{"ph": "M", "name": "process_name", "pid": 7}, {"ph": "i", "name": "mark", "ts": 3}]
+    durations = {}
+    for step, (t0, length) in enumerate([(0.0, 100.0), (200.0, 120.0)]):
+        fwd, layer, op, bwd = 0.4 * length, 0.25 * length, 0.1 * length, 0.5 * length
+        events += [
+            _x(f"ProfilerStep#{step}", t0, length),
+            _x("forward", t0 + 1, fwd),
+            _x("layer0.kda", t0 + 2, layer),
+            _x("op.kda_chunk_fwd", t0 + 3, op),
+            _x("backward", t0 + 1 + fwd, bwd),
+            _x("op.kda_chunk_bwd", t0 + 2 + fwd, op, tid=2),  # another thread: not a child of backward
+            _x("aten::mm", t0 + 3, 1.0, cat="cpu_op"),
+        ]
+        for name, d in [("forward", fwd), ("layer0.kda", layer), ("op.kda_chunk_fwd", op), ("backward", bwd),
+                        ("op.kda_chunk_bwd", op), ("ProfilerStep", length)]:
+            durations.setdefault(name, []).append(d)
+    return events, durations
+
+
+def test_summary_of_a_synthetic_trace():
+    events, durations = _synthetic_trace()
+    summary = summary_tool.summarize(events, top=0)
+    step_us = sum(durations["ProfilerStep"])
+    assert summary["step_source"] == "ProfilerStep" and summary["n_steps"] == 2
+    assert summary["step_time_ms"] == pytest.approx(step_us / 1e3)
+    rows = {r["name"]: r for r in summary["ranges"]}
+    assert set(rows) == set(durations)  # cpu_op and non-'X' events left out
+    children = {"ProfilerStep": ["forward", "backward"], "forward": ["layer0.kda"], "layer0.kda": ["op.kda_chunk_fwd"]}
+    for name, ds in durations.items():
+        total = sum(ds)
+        nested = sum(sum(durations[c]) for c in children.get(name, []))
+        assert rows[name]["count"] == len(ds)
+        assert rows[name]["total_ms"] == pytest.approx(total / 1e3)
+        assert rows[name]["self_ms"] == pytest.approx((total - nested) / 1e3)
+        assert rows[name]["mean_ms"] == pytest.approx(total / len(ds) / 1e3)
+        assert rows[name]["pct_of_step"] == pytest.approx(100 * total / step_us)
+    totals = [r["total_ms"] for r in summary["ranges"]]
+    assert totals == sorted(totals, reverse=True)
+    top_two = summary_tool.summarize(events, top=2)["ranges"]
+    assert [r["name"] for r in top_two] == [r["name"] for r in summary["ranges"][:2]]
+
+
+def test_summary_step_time_fallbacks():
+    events, durations = _synthetic_trace()
+    without_markers = [e for e in events if not e["name"].startswith("ProfilerStep")]
+    spans = [e for e in without_markers if e.get("ph") == "X"]
+    span_us = max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)
+    summary = summary_tool.summarize(without_markers)
+    assert summary["step_source"] == "trace span" and summary["step_time_ms"] == pytest.approx(span_us / 1e3)
+    with_train_step = without_markers + [_x("train_step", 0, 90), _x("train_step", 200, 110)]
+    summary = summary_tool.summarize(with_train_step)
+    assert summary["step_source"] == "train_step" and summary["step_time_ms"] == pytest.approx(0.2)
+    summary = summary_tool.summarize(events, step_name="forward")
+    assert summary["step_time_ms"] == pytest.approx(sum(durations["forward"]) / 1e3)
+    with pytest.raises(ValueError, match="no-such-range"):
+        summary_tool.summarize(events, step_name="no-such-range")
+
+
+def test_summary_of_a_real_torch_profiler_trace_of_the_decoder(tmp_path, capsys):
+    args = dataclasses.replace(
+        FLAVORS["debug"], dim=64, kda_n_heads=2, kda_head_dim=16, mla_n_heads=2, mla_q_lora_rank=32,
+        mla_kv_lora_rank=16, mla_qk_nope_head_dim=16, mla_qk_shared_dim=8, mla_v_head_dim=16,
+        moe_latent_dim=32, moe_expert_hidden=32, moe_shared_hidden=32, dense_hidden=96, vocab_size=512,
+    )
+    torch.manual_seed(0)
+    model = Decoder(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (1, 16))
+    trace = tmp_path / "rank0_trace.json"
+    averages = {}
+
+    def on_trace_ready(prof):  # as torchtitan's trace handler does
+        prof.export_chrome_trace(str(trace))
+        averages.update({e.key: e for e in prof.key_averages()})
+
+    # one warm-up step (recorded, not traced), then two traced steps: torchtitan's schedule
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=2)
+    nvtx.enable(True)
+    try:
+        with torch.no_grad(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule, on_trace_ready=on_trace_ready
+        ) as prof:
+            with nvtx.record_ranges() as names:
+                model(tokens)
+            prof.step()
+            for _ in range(2):
+                model(tokens)
+                prof.step()
+    finally:
+        nvtx.enable(False)
+    per_forward = Counter(names)
+
+    assert summary_tool.main([str(tmp_path), "--top", "0"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert summary["files"] == [str(trace)] and summary["step_source"] == "ProfilerStep"
+    assert summary["n_steps"] == 2
+    rows = {r["name"]: r for r in summary["ranges"]}
+    # every range the model enters is in the trace, twice as often as in one forward
+    assert {name: rows[name]["count"] for name in per_forward} == {n: 2 * c for n, c in per_forward.items()}
+    assert {"layer0.kda", "layer3.mla", "moe.router", "moe.dispatch", "op.grouped_mm", "head"} <= set(per_forward)
+    # totals agree with torch.profiler's own aggregation of the same events
+    for name in ("layer0.kda", "moe.experts", "head"):
+        assert rows[name]["total_ms"] == pytest.approx(averages[name].cpu_time_total / 1e3, rel=1e-3)
+    for r in summary["ranges"]:
+        assert 0 <= r["self_ms"] <= r["total_ms"] + 1e-9
+        assert r["total_ms"] <= summary["step_time_ms"] * (1 + 1e-6)
+
+
+def test_summary_cli_reports_a_missing_file(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "profiling" / "summarize_trace.py"), str(tmp_path / "nope.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "summarize_trace: error:" in proc.stderr

@@ -1,0 +1,181 @@
+"""fp8 routed experts: the "titan_float8_experts" converter (needs a GPU; not benchmarked yet).
+
+    [model]
+    converters = ["titan_float8", "titan_float8_experts"]
+    [quantize.grouped_mm.float8]     # torchtitan's table
+    fqns = ["experts"]               # substrings of RoutedExperts module names; empty: all of them
+
+The converter swaps each matching `RoutedExperts` for a `Float8RoutedExperts` holding the
+same Parameters (state dict and checkpoints unchanged). Its two expert GEMMs go through
+torchao's `_to_fp8_rowwise_then_scaled_grouped_mm` (dynamic rowwise e4m3 scaling of
+tokens and weights, fp32 accumulation in `torch._scaled_grouped_mm`) instead of
+`titan_moe.ops.grouped_gemm.grouped_mm`.
+
+Constraints and what this module does about them:
+* `torch._scaled_grouped_mm` needs a CUDA GPU of compute capability >= 8.9. The converter
+  raises ValueError at construction without one; on CPU there is no fp8 grouped GEMM (and
+  no emulation of it), so the experts stay in high precision there.
+* fp8 group sizes must be multiples of 16 (torchao's contract). torchao's own padding
+  path (`pad_token_groups_for_grouped_mm=True`) is not implemented in 0.18 for this
+  function, so we pass False and pad here instead: `pad_groups` scatters each group's rows
+  into 16-aligned slots of a buffer with a static upper bound on its size (no host sync),
+  `unpad_groups` gathers them back. Both are differentiable gathers/scatters.
+* torchao wants the weight column-major per group (`[E, K, N]` with strides `(K*N, 1, K)`);
+  ours are row-major `[E, K, N]`, so each call makes a transposed copy of the (cast)
+  weights.
+* K and N (latent width, expert hidden width) must be multiples of 16: checked at conversion.
+
+Open (GPU) work: numerics and speed of this path on an H200 have not been measured; the
+weight re-layout and the padding copies are candidates to remove.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import has_cuda_capability
+
+from titan_moe.model.moe import RoutedExperts
+from titan_moe.model.situ import situ_glu
+
+CONVERTER_NAME = "titan_float8_experts"
+GROUP_ALIGNMENT = 16
+
+
+def _fp8_rowwise_grouped_mm(x_MK: Tensor, w_t_EKN: Tensor, offs_E: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """torchao's differentiable fp8 rowwise grouped GEMM; offsets must be 16-aligned."""
+    if x_MK.device.type != "cuda":
+        raise RuntimeError(
+            "Float8RoutedExperts: fp8 grouped GEMM needs a CUDA GPU with compute capability >= 8.9, "
+            f"got a tensor on {x_MK.device}"
+        )
+    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    # bf16 out is torchao's default and the case its kernels are built for; cast after.
+    out_MN = _to_fp8_rowwise_then_scaled_grouped_mm(
+        x_MK, w_t_EKN, offs_E, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+    )
+    return out_MN.to(out_dtype)
+
+
+def pad_groups(x_MK: Tensor, offs_E: Tensor, alignment: int = GROUP_ALIGNMENT) -> tuple[Tensor, Tensor, Tensor]:
+    """Copy each group's rows into slots whose starts are multiples of `alignment`.
+
+    Args:
+        x_MK: [M, K] rows sorted by group; rows at or past `offs_E[-1]` belong to no group.
+        offs_E: [E] int32 cumulative group ends.
+
+    Returns:
+        x_PK: [P, K] with `P = M + E * (alignment - 1)` rounded up to `alignment` (a static
+            bound); padding rows are zero.
+        offs_pad_E: [E] int32 cumulative ends of the padded groups (multiples of `alignment`).
+        dest_M: [M] int64 row of `x_PK` that holds row m of `x_MK` (rows without a group
+            go to the last row of `x_PK`, which no padded group reaches).
+    """
+    M, K = x_MK.shape
+    E = offs_E.shape[0]
+    P = -(-(M + E * (alignment - 1) + 1) // alignment) * alignment
+    offs = offs_E.long()
+    sizes_E = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded_sizes_E = (sizes_E + alignment - 1) // alignment * alignment
+    offs_pad = torch.cumsum(padded_sizes_E, 0)
+    rows_M = torch.arange(M, device=x_MK.device)
+    group_M = torch.searchsorted(offs, rows_M, right=True)  # E for rows past offs[-1]
+    in_group_M = group_M < E
+    group_M = group_M.clamp(max=E - 1)
+    dest_M = rows_M - (offs - sizes_E)[group_M] + (offs_pad - padded_sizes_E)[group_M]
+    dest_M = torch.where(in_group_M, dest_M, torch.full_like(dest_M, P - 1))
+    x_PK = x_MK.new_zeros(P, K).index_copy(0, dest_M, x_MK * in_group_M.unsqueeze(1).to(x_MK.dtype))
+    return x_PK, offs_pad.to(torch.int32), dest_M
+
+
+def unpad_groups(out_PN: Tensor, dest_M: Tensor, offs_E: Tensor) -> Tensor:
+    """Inverse of `pad_groups` on a result: [P, N] -> [M, N], rows past `offs_E[-1]` zero."""
+    out_MN = out_PN.index_select(0, dest_M)
+    owned_M1 = (torch.arange(dest_M.shape[0], device=out_PN.device) < offs_E[-1]).unsqueeze(1)
+    return out_MN * owned_M1.to(out_MN.dtype)
+
+
+def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    """Same contract as `titan_moe.ops.grouped_gemm.grouped_mm`, through the fp8 rowwise GEMM.
+
+    x_MK [M, K] (bf16 or fp32), w_EKN [E, K, N] same dtype, offs_E [E] int32 -> [M, N] in x's dtype.
+    """
+    x_PK, offs_pad_E, dest_M = pad_groups(x_MK, offs_E)
+    w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group
+    out_PN = _fp8_rowwise_grouped_mm(x_PK, w_t_EKN, offs_pad_E, x_MK.dtype)
+    return unpad_groups(out_PN, dest_M, offs_E)
+
+
+class Float8RoutedExperts(RoutedExperts):
+    """`RoutedExperts` whose two grouped GEMMs run in fp8 (CUDA, compute capability >= 8.9)."""
+
+    @classmethod
+    def from_experts(cls, experts: RoutedExperts) -> Float8RoutedExperts:
+        """A Float8RoutedExperts sharing `experts`' Parameters (works on the meta device)."""
+        E, latent, _ = experts.w_gate_up.shape
+        with torch.device("meta"):
+            new = cls(E, latent, experts.hidden, experts.beta1, experts.beta2)
+        new.w_gate_up = experts.w_gate_up
+        new.w_down = experts.w_down
+        return new
+
+    def forward(self, x_ML: Tensor, offs_E: Tensor) -> Tensor:
+        """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent]."""
+        z_M2H = fp8_grouped_mm(x_ML, self.w_gate_up.to(x_ML.dtype), offs_E)
+        hidden_MH = situ_glu(z_M2H[:, : self.hidden], z_M2H[:, self.hidden :], self.beta1, self.beta2)
+        return fp8_grouped_mm(hidden_MH, self.w_down.to(hidden_MH.dtype), offs_E)
+
+
+def convert_routed_experts(model: nn.Module, fqns: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Swap the `RoutedExperts` of `model` whose name contains one of `fqns` (all when empty)
+    for `Float8RoutedExperts`, in place. Returns the swapped names. No device check here.
+
+    Raises ValueError when a swapped module's widths are not multiples of 16.
+    """
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is RoutedExperts and (not fqns or any(f in name for f in fqns))
+    ]
+    for name, module in targets:
+        _, latent, two_hidden = module.w_gate_up.shape
+        if latent % 16 or module.hidden % 16:
+            raise ValueError(
+                f"{name}: fp8 grouped GEMM needs the latent width ({latent}) and expert hidden width "
+                f"({module.hidden}) to be multiples of 16"
+            )
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, Float8RoutedExperts.from_experts(module))
+    return [name for name, _ in targets]
+
+
+class TitanFloat8ExpertsConverter:
+    """torchtitan model converter "titan_float8_experts" (reads `quantize.grouped_mm.float8.fqns`)."""
+
+    def __init__(self, job_config, parallel_dims):
+        if not has_cuda_capability(8, 9):
+            found = (
+                f"compute capability {torch.cuda.get_device_capability()}"
+                if torch.cuda.is_available()
+                else "no CUDA device"
+            )
+            raise ValueError(
+                f"model.converters: {CONVERTER_NAME!r}: fp8 grouped GEMM for the routed experts needs a CUDA GPU "
+                f"with compute capability >= 8.9 ({found}); remove it to keep the experts in high precision"
+            )
+        fqns = job_config.quantize.grouped_mm.float8.fqns
+        self.fqns = [fqns] if isinstance(fqns, str) else list(fqns)
+
+    def convert(self, model: nn.Module) -> None:
+        names = convert_routed_experts(model, self.fqns)
+        if not names:
+            raise ValueError(
+                f"quantize.grouped_mm.float8.fqns = {self.fqns} matches no routed experts of the model"
+            )
+        logger.info("float8: %d routed-expert modules use the fp8 rowwise grouped GEMM", len(names))
+
+    def post_optimizer_hook(self, model) -> None:
+        pass
