@@ -11,7 +11,17 @@ nodes in both the forward and the backward graph:
 * ``titan_moe::grouped_mm_dx`` (grad [M,N], w [E,K,N], offs [E]) -> [M,K] = grad @ w[e]^T per group
 * ``titan_moe::grouped_mm_dw`` (x [M,K], grad [M,N], offs [E]) -> [E,K,N] = x^T @ grad per group
 
-Backends, chosen per call:
+Backends, chosen per call by the ``backend`` argument of the ops, else the environment
+variable ``TITAN_MOE_GROUPED_MM_BACKEND``, else ``"native"``:
+
+* ``"native"`` (default): ``torch._grouped_mm`` where it supports the case (below), else
+  the per-group loop.
+* ``"triton"``: our persistent Triton kernels (:mod:`.triton_kernel`; any dtype, width and
+  alignment) on CUDA, or on CPU when ``TRITON_INTERPRET=1`` was set before the kernel
+  module was first imported (tests); elsewhere a ``ValueError``.
+* ``"loop"``: always the per-group loop of the reference.
+
+``"native"`` in detail:
 
 * ``torch._grouped_mm`` (fp32 accumulation inside) when it supports the case: bf16 on a
   CUDA device of compute capability >= 9.0, or fp32/bf16 on CPU with torch >= 2.13.
@@ -27,13 +37,15 @@ Backends, chosen per call:
   on every call, and the model's widths are multiples of 8 anyway.
 
 The offsets contract is checked on the host in the loop path and on CPU; on CUDA the
-native path does not check it (that would cost a device sync) and violating it is
-undefined behaviour.
+native and Triton paths do not check it (that would cost a device sync) and violating it
+is undefined behaviour (the Triton kernels clamp group bounds into ``[0, M]``, so at least
+they never access memory out of bounds).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -43,8 +55,28 @@ from titan_moe.ops.grouped_gemm.reference import (
     grouped_mm_dw_reference,
     grouped_mm_reference,
 )
+from titan_moe.ops.nvtx import nvtx_range
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = ("native", "triton", "loop")
+BACKEND_ENV = "TITAN_MOE_GROUPED_MM_BACKEND"
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """The backend a call uses: ``backend`` if given, else ``$TITAN_MOE_GROUPED_MM_BACKEND``, else "native"."""
+    name = backend or os.environ.get(BACKEND_ENV) or "native"
+    if name not in BACKENDS:
+        source = "backend argument" if backend else BACKEND_ENV
+        raise ValueError(f"grouped_mm: {source} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def _triton_kernels():
+    # Imported on first use: the module decides at import time whether its kernels are
+    # compiled or interpreted (TRITON_INTERPRET), and the other backends never need it.
+    from titan_moe.ops.grouped_gemm import triton_kernel
+
+    return triton_kernel
 
 
 def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> None:
@@ -112,13 +144,18 @@ def _group_sizes(offs_E: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- forward
-def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
-    """``w_EKN`` may be row-major or a transposed (column-major) view; both suit ``_grouped_mm``."""
+def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None) -> Tensor:
+    """``w_EKN`` may be row-major or a transposed (column-major) view; every backend takes both."""
+    name = resolve_backend(backend)
+    m = x_MK.shape[0]
+    if name == "triton":
+        if x_MK.device.type == "cpu":
+            group_bounds(offs_E, m)
+        return _triton_kernels().grouped_mm_triton(x_MK, w_EKN, offs_E)
     x_MK = x_MK.contiguous()
     if w_EKN.stride(2) != 1 and w_EKN.stride(1) != 1:
         w_EKN = w_EKN.contiguous()
-    m = x_MK.shape[0]
-    if not _native_ok(x_MK, w_EKN):
+    if name == "loop" or not _native_ok(x_MK, w_EKN):
         return grouped_mm_reference(x_MK, w_EKN, offs_E)
     if x_MK.device.type == "cpu":
         group_bounds(offs_E, m)
@@ -128,74 +165,88 @@ def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("titan_moe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
-    return _forward_impl(x_MK, w_EKN, offs_E)
+def _grouped_mm_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
+    with nvtx_range("op.grouped_mm"):
+        return _forward_impl(x_MK, w_EKN, offs_E, backend)
 
 
 @_grouped_mm_op.register_fake
-def _(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+def _(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     _check_args(x_MK, w_EKN, offs_E)
     return x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
 
 
 # --------------------------------------------------------------------------- backward: dx
 @torch.library.custom_op("titan_moe::grouped_mm_dx", mutates_args=())
-def _grouped_mm_dx_op(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+def _grouped_mm_dx_op(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     # dx[rows of e] = grad[rows of e] @ w[e]^T: the forward op on the transposed weights.
-    return _forward_impl(grad_MN, w_EKN.transpose(1, 2), offs_E)
+    with nvtx_range("op.grouped_mm_dx"):
+        return _forward_impl(grad_MN, w_EKN.transpose(1, 2), offs_E, backend)
 
 
 @_grouped_mm_dx_op.register_fake
-def _(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+def _(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     return grad_MN.new_empty(grad_MN.shape[0], w_EKN.shape[1])
 
 
 # --------------------------------------------------------------------------- backward: dw
 @torch.library.custom_op("titan_moe::grouped_mm_dw", mutates_args=())
-def _grouped_mm_dw_op(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor) -> Tensor:
-    x_MK, grad_MN = x_MK.contiguous(), grad_MN.contiguous()
-    if not _native_ok(x_MK.t(), grad_MN):
-        return grouped_mm_dw_reference(x_MK, grad_MN, offs_E)
-    if x_MK.device.type == "cpu":
-        group_bounds(offs_E, x_MK.shape[0])
-    dw_EKN = torch._grouped_mm(x_MK.t(), grad_MN, offs=offs_E)
-    empty_E11 = (_group_sizes(offs_E) == 0).view(-1, 1, 1)
-    return dw_EKN.masked_fill_(empty_E11, 0)
+def _grouped_mm_dw_op(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
+    with nvtx_range("op.grouped_mm_dw"):
+        name = resolve_backend(backend)
+        if name == "triton":
+            if x_MK.device.type == "cpu":
+                group_bounds(offs_E, x_MK.shape[0])
+            return _triton_kernels().grouped_mm_dw_triton(x_MK, grad_MN, offs_E)
+        x_MK, grad_MN = x_MK.contiguous(), grad_MN.contiguous()
+        if name == "loop" or not _native_ok(x_MK.t(), grad_MN):
+            return grouped_mm_dw_reference(x_MK, grad_MN, offs_E)
+        if x_MK.device.type == "cpu":
+            group_bounds(offs_E, x_MK.shape[0])
+        dw_EKN = torch._grouped_mm(x_MK.t(), grad_MN, offs=offs_E)
+        empty_E11 = (_group_sizes(offs_E) == 0).view(-1, 1, 1)
+        return dw_EKN.masked_fill_(empty_E11, 0)
 
 
 @_grouped_mm_dw_op.register_fake
-def _(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor) -> Tensor:
+def _(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     return x_MK.new_empty(offs_E.shape[0], x_MK.shape[1], grad_MN.shape[1])
 
 
 # --------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output) -> None:
-    x_MK, w_EKN, offs_E = inputs
+    x_MK, w_EKN, offs_E, backend = inputs
     ctx.save_for_backward(x_MK, w_EKN, offs_E)
+    ctx.backend = backend
 
 
 def _backward(ctx, grad_MN: Tensor):
     x_MK, w_EKN, offs_E = ctx.saved_tensors
     grad_MN = grad_MN.contiguous()
-    dx_MK = _grouped_mm_dx_op(grad_MN, w_EKN, offs_E) if ctx.needs_input_grad[0] else None
-    dw_EKN = _grouped_mm_dw_op(x_MK, grad_MN, offs_E) if ctx.needs_input_grad[1] else None
-    return dx_MK, dw_EKN, None
+    dx_MK = _grouped_mm_dx_op(grad_MN, w_EKN, offs_E, ctx.backend) if ctx.needs_input_grad[0] else None
+    dw_EKN = _grouped_mm_dw_op(x_MK, grad_MN, offs_E, ctx.backend) if ctx.needs_input_grad[1] else None
+    return dx_MK, dw_EKN, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     """Grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, differentiable in ``x`` and ``w``.
 
     Args:
         x_MK: [M, K] rows sorted by group.
         w_EKN: [E, K, N] per-group weights, same dtype as ``x_MK`` (fp32, bf16 or fp16).
         offs_E: [E] int32 cumulative group ends, non-decreasing, ``offs[-1] <= M``.
+        backend: "native", "triton" or "loop" (module docstring), for the forward and
+            both backward products; None reads ``$TITAN_MOE_GROUPED_MM_BACKEND`` at run
+            time, default "native".
 
     Returns:
         [M, N] in ``x_MK.dtype`` (fp32 accumulation); rows ``offs[-1]:`` are zero and
         receive zero gradient.
     """
     _check_args(x_MK, w_EKN, offs_E)
-    return torch.ops.titan_moe.grouped_mm(x_MK, w_EKN, offs_E)
+    if backend is not None:
+        resolve_backend(backend)  # a bad name fails here, not inside the op
+    return torch.ops.titan_moe.grouped_mm(x_MK, w_EKN, offs_E, backend)

@@ -1,0 +1,458 @@
+"""Benchmark: the grouped expert GEMM and the whole MoE layer, ours against the peers.
+
+    python profiling/bench_moe.py                       # H200: the shapes below, bf16
+    python profiling/bench_moe.py --sweep-tiles         # also time a few Triton tile shapes
+    python profiling/bench_moe.py --device cpu --tiny   # plumbing check only, no speed claim
+
+Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forward+backward
+(dx and dw), three providers on the same inputs:
+
+* ``triton``: ``grouped_mm(..., backend="triton")``, our persistent Triton kernels
+  (pointer loads);
+* ``triton_tma`` (sm90 only): the same with ``TITAN_MOE_GROUPED_MM_TMA=1``, TMA-descriptor
+  loads in the forward and dx kernel (never run on a GPU before this benchmark: check its
+  error columns first);
+* ``native``: ``grouped_mm(..., backend="native")``, our op around ``torch._grouped_mm``
+  (adds the zeroing of unowned rows / empty groups);
+* ``torch``:  raw ``torch._grouped_mm`` with its own autograd (what torchtitan calls).
+
+Shapes: E=64, M=65536 (8192 tokens x top-8), K=2048, N=1408, group sizes balanced and
+Zipf(1.1) (sizes proportional to 1/rank^1.1, shuffled, rounded to multiples of 16); and the
+K3 latent experts on one of 8 expert-parallel ranks: 112 local experts of 896,
+M = 8192 tokens x 16 routed x 112/896 = 16384 rows, gate/up 3584 -> 2*3072 and down
+3072 -> 3584, balanced and Zipf(1.1). FLOPs: 2*M*K*N forward, 3x that forward+backward.
+Each case also reports the relative error ||a - b|| / ||b|| of the triton providers'
+out, dx, dw against the torch provider's (both bf16 outputs of fp32 accumulations), and
+``--sweep-tiles`` times the Triton forward over a few tile shapes (``TileConfig``).
+
+Part 2, one MoE layer forward and forward+backward on [1, tokens, dim] activations:
+ours (:class:`titan_moe.model.moe.LatentMoE`, experts in the latent width ``latent``,
+run once with each grouped-GEMM backend, plus the relative error of y and dx of the
+Triton runs against the native one) vs torchtitan 0.2.2's ``torchtitan.models.moe.MoE``
+(full-width SwiGLU experts, grouped_mm with its padding kernel on CUDA), both with the same
+token count, width, expert count, top-k, expert hidden size and shared experts, bf16
+parameters (fp32 router bias buffers). The two layers do different work, so both FLOP
+counts are reported (matmul FLOPs; forward+backward = 3x forward).
+
+Timing: ``triton.testing.do_bench`` medians on CUDA. With ``--device cpu`` every provider
+runs once (the correctness columns are filled) and no time is reported: the JSON has
+``"timed": false`` and null times. The last line of stdout is one JSON object with
+everything; nothing here writes to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+K3_ROWS_PER_RANK = 8192 * 16 * 112 // 896  # tokens per rank x routed top-k x local/total experts
+
+
+def gemm_cases(tiny: bool) -> list[dict]:
+    """Grouped GEMM shapes: case name, E, M, K, N and the group-size distribution."""
+    if tiny:
+        return [
+            dict(case="tiny_balanced", E=4, M=96, K=32, N=32, dist="balanced"),
+            dict(case="tiny_zipf1.1", E=4, M=96, K=32, N=16, dist="zipf"),
+        ]
+    m = K3_ROWS_PER_RANK
+    return [
+        dict(case="e64_balanced", E=64, M=65536, K=2048, N=1408, dist="balanced"),
+        dict(case="e64_zipf1.1", E=64, M=65536, K=2048, N=1408, dist="zipf"),
+        dict(case="k3_gate_up_balanced", E=112, M=m, K=3584, N=2 * 3072, dist="balanced"),
+        dict(case="k3_gate_up_zipf1.1", E=112, M=m, K=3584, N=2 * 3072, dist="zipf"),
+        dict(case="k3_down_balanced", E=112, M=m, K=3072, N=3584, dist="balanced"),
+        dict(case="k3_down_zipf1.1", E=112, M=m, K=3072, N=3584, dist="zipf"),
+    ]
+
+
+def group_sizes(m: int, n_groups: int, dist: str, align: int = 16, seed: int = 0) -> list[int]:
+    """``n_groups`` sizes, multiples of ``align``, summing to ``m`` (a multiple of ``align``).
+
+    "balanced": as equal as the alignment allows. "zipf": proportional to 1/rank^1.1 in a
+    seeded random order, rounded down, the remainder added to the largest group.
+    """
+    import random
+
+    if m % align:
+        raise ValueError(f"M={m} must be a multiple of the alignment {align}")
+    units = m // align
+    if dist == "balanced":
+        base, extra = divmod(units, n_groups)
+        sizes = [(base + (i < extra)) * align for i in range(n_groups)]
+    elif dist == "zipf":
+        weights = [1.0 / (rank + 1) ** 1.1 for rank in range(n_groups)]
+        random.Random(seed).shuffle(weights)
+        total = sum(weights)
+        sizes = [math.floor(units * w / total) * align for w in weights]
+        sizes[weights.index(max(weights))] += m - sum(sizes)
+    else:
+        raise ValueError(f"unknown group-size distribution {dist!r}")
+    assert sum(sizes) == m and all(s % align == 0 for s in sizes)
+    return sizes
+
+
+def latent_moe_flops(tokens: int, dim: int, n_experts: int, top_k: int, hidden: int, shared: int, latent: int) -> int:
+    """Forward matmul FLOPs of :class:`LatentMoE`: router, latent down, k SiTU-GLU experts in the
+    latent width, latent up, and the shared experts at full width."""
+    per_token = (
+        2 * dim * n_experts
+        + 2 * dim * latent
+        + top_k * 3 * 2 * latent * hidden
+        + 2 * latent * dim
+        + 3 * 2 * dim * hidden * shared
+    )
+    return tokens * per_token
+
+
+def torchtitan_moe_flops(tokens: int, dim: int, n_experts: int, top_k: int, hidden: int, shared: int) -> int:
+    """Forward matmul FLOPs of torchtitan's MoE: router, k SwiGLU experts and the shared experts at full width."""
+    return tokens * (2 * dim * n_experts + top_k * 3 * 2 * dim * hidden + 3 * 2 * dim * hidden * shared)
+
+
+# ------------------------------------------------------------------------------------ timing
+def measure(fn, timed: bool, grad_to_none=None) -> float | None:
+    """Median milliseconds of ``fn`` (do_bench) after one warm-up call; None when not timed."""
+    fn()
+    if not timed:
+        return None
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if ms is None else flops / (ms * 1e-3) / 1e12
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()  # fp32 norms: float64 copies of K3's dw would take 10 GB each
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------ part 1
+@contextlib.contextmanager
+def env_vars(values: dict[str, str]):
+    """Set environment variables for the block (our op reads its switches at run time)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def tma_available(device: str) -> bool:
+    """Whether to add the "triton_tma" rows: the TMA variant exists for sm90 only."""
+    import torch
+
+    return device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+
+
+def gemm_providers(with_tma: bool) -> dict:
+    """name -> (fn(x, w, offs), environment it runs under)."""
+    import torch
+
+    from titan_moe.ops.grouped_gemm import grouped_mm
+    from titan_moe.ops.grouped_gemm.triton_kernel import TMA_ENV
+
+    def ours(backend):
+        return lambda x, w, offs: grouped_mm(x, w, offs, backend=backend)
+
+    providers = {"triton": (ours("triton"), {TMA_ENV: "0"})}
+    if with_tma:
+        providers["triton_tma"] = (ours("triton"), {TMA_ENV: "1"})
+    providers["native"] = (ours("native"), {})
+    providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
+    return providers
+
+
+def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bool) -> dict:
+    import torch
+
+    E, M, K, N = case["E"], case["M"], case["K"], case["N"]
+    sizes = group_sizes(M, E, case["dist"])
+    gen = torch.Generator(device=device).manual_seed(E + K + N)  # generated in place: K3's w is 5 GB
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+    x = (torch.randn(M, K, generator=gen, device=device) / math.sqrt(K)).to(dtype).requires_grad_()
+    w = torch.randn(E, K, N, generator=gen, device=device).to(dtype).requires_grad_()
+    grad = torch.randn(M, N, generator=gen, device=device).to(dtype)
+    flops = 2 * M * K * N
+    row = dict(case=case["case"], E=E, M=M, K=K, N=N, dist=case["dist"], group_min=min(sizes),
+               group_max=max(sizes), flops_fwd=flops, flops_fwd_bwd=3 * flops, ms={}, tflops={}, rel_err={})
+    results = {}
+    for name, (fn, env) in gemm_providers(tma_available(device)).items():
+        with env_vars(env):
+            with torch.no_grad():
+                row["ms"][f"{name}_fwd"] = measure(lambda fn=fn: fn(x, w, offs), timed)
+
+            def fwd_bwd(fn=fn):
+                fn(x, w, offs).backward(grad)
+
+            x.grad = w.grad = None
+            row["ms"][f"{name}_fwd_bwd"] = measure(fwd_bwd, timed, grad_to_none=[x, w])
+            x.grad = w.grad = None
+            out = fn(x, w, offs)
+            out.backward(grad)
+        results[name] = (out.detach(), x.grad, w.grad)
+        x.grad = w.grad = None
+        del out
+    for key in list(row["ms"]):
+        row["tflops"][key] = tflops(row["flops_fwd_bwd"] if key.endswith("fwd_bwd") else flops, row["ms"][key])
+    for name in ("triton", "triton_tma"):
+        if name in results:
+            for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
+                row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
+    if sweep_tiles and timed:
+        row["tile_sweep_fwd_ms"] = sweep_forward_tiles(x.detach(), w.detach(), offs)
+    return row
+
+
+TILE_SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages)
+    (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+    (128, 128, 128, 8, 3), (128, 64, 64, 4, 4),
+]
+
+
+def sweep_forward_tiles(x, w, offs) -> dict[str, float]:
+    """Forward time of the Triton kernel for a few tile shapes (compiled GPU only)."""
+    from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
+    out = {}
+    for bm, bn, bk, warps, stages in TILE_SWEEP:
+        cfg = tk.TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
+        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
+        try:
+            out[key] = measure(lambda cfg=cfg: tk.grouped_mm_triton(x, w, offs, cfg), True)
+        except Exception as exc:  # e.g. out of shared memory: record and go on
+            out[key] = f"failed: {type(exc).__name__}"
+    return out
+
+
+# ------------------------------------------------------------------------------------ part 2
+def layer_config(args) -> dict:
+    if args.tiny:
+        cfg = dict(tokens=64, dim=64, n_experts=4, top_k=2, hidden=32, shared=1)
+    else:
+        cfg = dict(tokens=args.tokens, dim=args.dim, n_experts=args.experts, top_k=args.top_k,
+                   hidden=args.hidden, shared=args.shared)
+    cfg["latent"] = args.latent or cfg["dim"] // 2
+    return cfg
+
+
+def _cast_parameters(module, dtype) -> None:
+    """Parameters to ``dtype`` (as FSDP's bf16 param_dtype would); fp32 buffers (router bias) stay fp32."""
+    import torch
+
+    with torch.no_grad():
+        for mod in module.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                setattr(mod, name, torch.nn.Parameter(p.to(dtype)))
+
+
+def build_layers(cfg: dict, device: str, dtype):
+    import torch
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    from titan_moe.model.args import ModelArgs
+    from titan_moe.model.moe import LatentMoE
+
+    margs = ModelArgs(dim=cfg["dim"], n_routed_experts=cfg["n_experts"], top_k=cfg["top_k"],
+                      n_shared_experts=cfg["shared"], moe_latent_dim=cfg["latent"],
+                      moe_expert_hidden=cfg["hidden"], moe_shared_hidden=cfg["hidden"], qb_bins=1000)
+    ours = LatentMoE(margs).to(device)
+    ours.init_weights(0.02)
+    # torchtitan's padding kernel (generate_permute_indices) is CUDA-only Triton: the CPU
+    # smoke run uses its per-expert loop instead.
+    targs = MoEArgs(num_experts=cfg["n_experts"], num_shared_experts=cfg["shared"], score_func="sigmoid",
+                    route_norm=True, top_k=cfg["top_k"], use_grouped_mm=device == "cuda", load_balance_coeff=1e-3)
+    theirs = MoE(targs, dim=cfg["dim"], hidden_dim=cfg["hidden"]).to(device)
+    with torch.no_grad():  # torchtitan calls it under no_grad
+        theirs.init_weights(0.02, buffer_device=torch.device(device))
+    for layer in (ours, theirs):
+        _cast_parameters(layer, dtype)
+        layer.train()
+    return ours, theirs
+
+
+def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool) -> dict:
+    import torch
+
+    from titan_moe.ops.grouped_gemm.op import BACKEND_ENV
+    from titan_moe.ops.grouped_gemm.triton_kernel import TMA_ENV
+
+    ours, theirs = build_layers(cfg, device, dtype)
+    if compile_layers:
+        ours, theirs = torch.compile(ours), torch.compile(theirs)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, cfg["tokens"], cfg["dim"], generator=gen, device=device).to(dtype).requires_grad_()
+    grad = torch.randn(1, cfg["tokens"], cfg["dim"], generator=gen, device=device).to(dtype)
+    flops = {
+        "ours": latent_moe_flops(cfg["tokens"], cfg["dim"], cfg["n_experts"], cfg["top_k"], cfg["hidden"],
+                                 cfg["shared"], cfg["latent"]),
+        "torchtitan": torchtitan_moe_flops(cfg["tokens"], cfg["dim"], cfg["n_experts"], cfg["top_k"],
+                                           cfg["hidden"], cfg["shared"]),
+    }
+    runs = {
+        "ours_native": (ours, {BACKEND_ENV: "native"}),
+        "ours_triton": (ours, {BACKEND_ENV: "triton", TMA_ENV: "0"}),
+    }
+    if tma_available(device):
+        runs["ours_triton_tma"] = (ours, {BACKEND_ENV: "triton", TMA_ENV: "1"})
+    runs["torchtitan"] = (theirs, {})
+    out = dict(config=cfg, compiled=compile_layers, providers={})
+    for name, (layer, env) in runs.items():
+        f = flops["torchtitan" if name == "torchtitan" else "ours"]
+        if name == "torchtitan" and device != "cuda":
+            # its router counts tokens with torch.histc on int64, which has no CPU kernel
+            out["providers"][name] = dict(flops_fwd=f, flops_fwd_bwd=3 * f, ms_fwd=None, ms_fwd_bwd=None,
+                                          tflops_fwd=None, tflops_fwd_bwd=None,
+                                          skipped="torch.histc(int64) in its router is CUDA-only")
+            continue
+        params = [x, *layer.parameters()]
+        with env_vars(env):  # our op reads the backend switches at run time, also when compiled
+            with torch.no_grad():
+                ms_fwd = measure(lambda layer=layer: layer(x), timed)
+
+            def fwd_bwd(layer=layer):
+                layer(x).backward(grad)
+
+            ms_fwd_bwd = measure(fwd_bwd, timed, grad_to_none=params)
+        for p in params:
+            p.grad = None
+        out["providers"][name] = dict(
+            flops_fwd=f, flops_fwd_bwd=3 * f, ms_fwd=ms_fwd, ms_fwd_bwd=ms_fwd_bwd,
+            tflops_fwd=tflops(f, ms_fwd), tflops_fwd_bwd=tflops(3 * f, ms_fwd_bwd),
+        )
+    out["rel_err_ours_vs_native"] = {
+        name: _layer_agreement(ours, x, grad, env, runs["ours_native"][1])
+        for name, (_, env) in runs.items() if name.startswith("ours_triton")
+    }
+    return out
+
+
+def _layer_agreement(layer, x, grad, env: dict, ref_env: dict) -> dict[str, float]:
+    """Relative error of y and dx of ``layer`` run under ``env`` against ``ref_env``."""
+    got = []
+    for values in (env, ref_env):
+        with env_vars(values):
+            x.grad = None
+            y = layer(x)
+            y.backward(grad)
+        got.append((y.detach(), x.grad))
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+    return {part: rel_err(a, b) for part, a, b in zip(("y", "dx"), got[0], got[1])}
+
+
+# ------------------------------------------------------------------------------------ report
+def _fmt(v, spec=".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def print_gemm_table(rows: list[dict]) -> None:
+    print("\n## grouped GEMM (ms median; TFLOP/s)")
+    head = f"{'case':<22}{'E':>5}{'M':>7}{'K':>6}{'N':>6}{'grp min/max':>14}"
+    names = list(rows[0]["ms"])
+    cols = [c for c in names if c.endswith("_fwd")] + [c for c in names if c.endswith("_fwd_bwd")]
+    print(head + "".join(f"{c:>18}" for c in cols) + f"{'triton err out/dx/dw':>28}")
+    for r in rows:
+        line = f"{r['case']:<22}{r['E']:>5}{r['M']:>7}{r['K']:>6}{r['N']:>6}{r['group_min']:>7}/{r['group_max']:<6}"
+        for c in cols:
+            line += f"{_fmt(r['ms'][c]) + ' (' + _fmt(r['tflops'][c], '.0f') + ')':>18}"
+        errs = "/".join(f"{r['rel_err'][f'triton_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
+        if "triton_tma_vs_torch_out" in r["rel_err"]:
+            errs += "  tma " + "/".join(f"{r['rel_err'][f'triton_tma_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
+        print(line + f"{errs:>28}")
+        if "tile_sweep_fwd_ms" in r:
+            print("    tile sweep (fwd ms): " + ", ".join(f"{k} {v if isinstance(v, str) else f'{v:.3f}'}"
+                                                       for k, v in r["tile_sweep_fwd_ms"].items()))
+
+
+def print_tables(report: dict) -> None:
+    timed = report["timed"]
+    print(f"# bench_moe  {report['date']}  device={report['device_name']}  dtype={report['dtype']}  "
+          f"torch={report['torch']}  triton={report['triton']}" + ("" if timed else "  (CPU smoke run: NOT timed)"))
+    if report["gemm"]:
+        print_gemm_table(report["gemm"])
+    layer = report["moe_layer"]
+    if layer is None:
+        return
+    errs = "; ".join(f"{name}: " + ", ".join(f"{k} {v:.1e}" for k, v in e.items())
+                     for name, e in layer["rel_err_ours_vs_native"].items())
+    print(f"\n## MoE layer {layer['config']} compiled={layer['compiled']}  (vs ours_native: {errs})")
+    print(f"{'provider':<14}{'GFLOP fwd':>12}{'ms fwd':>10}{'TFLOP/s':>9}{'GFLOP f+b':>12}{'ms f+b':>10}{'TFLOP/s':>9}")
+    for name, p in layer["providers"].items():
+        print(f"{name:<14}{p['flops_fwd'] / 1e9:>12.3f}{_fmt(p['ms_fwd']):>10}{_fmt(p['tflops_fwd'], '.0f'):>9}"
+              f"{p['flops_fwd_bwd'] / 1e9:>12.3f}{_fmt(p['ms_fwd_bwd']):>10}{_fmt(p['tflops_fwd_bwd'], '.0f'):>9}"
+              + (f"  skipped: {p['skipped']}" if "skipped" in p else ""))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                        help="default bf16 on CUDA; fp32 on CPU (the Triton interpreter gets bf16 dots wrong)")
+    parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--sweep-tiles", action="store_true",
+                        help="also time the Triton forward over a few tile shapes")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both MoE layers")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1408, help="routed (and each shared) expert hidden size")
+    parser.add_argument("--shared", type=int, default=1, help="shared experts")
+    parser.add_argument("--latent", type=int, default=0, help="our latent width (default dim/2)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        # Must precede the first import of our Triton kernel module (it decides at import).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+    import triton
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no CUDA device; use --device cpu --tiny for a smoke run")
+    dtype_name = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    timed = args.device == "cuda"
+    report = dict(
+        date=time.strftime("%Y-%m-%d %H:%M:%S"), command=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        device=args.device, device_name=torch.cuda.get_device_name() if timed else "cpu",
+        torch=torch.__version__, triton=triton.__version__, dtype=dtype_name, timed=timed, gemm=[], moe_layer=None,
+    )
+    from titan_moe.ops.grouped_gemm.triton_kernel import default_config
+
+    report["triton_tiles"] = {kind: dataclasses.asdict(default_config(dtype, torch.device(args.device), kind))
+                              for kind in ("mk", "k")}
+    if not args.skip_gemm:
+        for case in gemm_cases(args.tiny):
+            report["gemm"].append(bench_gemm_case(case, args.device, dtype, timed, args.sweep_tiles))
+            if timed:
+                torch.cuda.empty_cache()
+    if not args.skip_layer:
+        report["moe_layer"] = bench_layer(layer_config(args), args.device, dtype, timed, args.compile)
+    print_tables(report)
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

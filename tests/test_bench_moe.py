@@ -1,0 +1,99 @@
+"""profiling/bench_moe.py: runs end to end on CPU with tiny shapes (a plumbing check, no speed
+claim), and its group sizes and FLOP counts are right."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "profiling" / "bench_moe.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_cpu_run_reports_every_row_without_times():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"date", "command", "device", "device_name", "torch", "triton", "dtype", "timed", "gemm",
+            "moe_layer"} <= report.keys()
+    assert report["device"] == "cpu" and report["timed"] is False and report["dtype"] == "fp32"
+
+    providers = ("triton", "native", "torch")
+    timings = {f"{p}_{d}" for p in providers for d in ("fwd", "fwd_bwd")}
+    assert [r["case"] for r in report["gemm"]] == ["tiny_balanced", "tiny_zipf1.1"]
+    for row in report["gemm"]:
+        assert {"E", "M", "K", "N", "dist", "group_min", "group_max", "flops_fwd", "flops_fwd_bwd", "ms",
+                "tflops", "rel_err"} <= row.keys()
+        assert row["flops_fwd"] == 2 * row["M"] * row["K"] * row["N"]
+        assert row["flops_fwd_bwd"] == 3 * row["flops_fwd"]
+        assert row["ms"].keys() == timings and row["tflops"].keys() == timings
+        assert all(v is None for v in (*row["ms"].values(), *row["tflops"].values()))  # no speed claim
+        # fp32 interpreter kernels vs torch._grouped_mm: a few fp32 ulps (K <= 32, <= 96 rows)
+        assert set(row["rel_err"]) == {f"triton_vs_torch_{p}" for p in ("out", "dx", "dw")}
+        assert all(0 <= e < 1e-5 for e in row["rel_err"].values()), row["rel_err"]
+
+    layer = report["moe_layer"]
+    assert set(layer["providers"]) == {"ours_native", "ours_triton", "torchtitan"}
+    for name, p in layer["providers"].items():
+        assert p["flops_fwd"] > 0 and p["flops_fwd_bwd"] == 3 * p["flops_fwd"]
+        assert p["ms_fwd"] is None and p["ms_fwd_bwd"] is None and p["tflops_fwd_bwd"] is None, name
+    # fp32: the Triton and native backends differ by fp32 rounding only
+    assert set(layer["rel_err_ours_vs_native"]) == {"ours_triton"}
+    assert all(0 <= e < 1e-5 for e in layer["rel_err_ours_vs_native"]["ours_triton"].values())
+
+
+@pytest.mark.parametrize("m,e", [(65536, 64), (16384, 112), (96, 4)])
+def test_group_sizes(m, e):
+    bench = _load_bench()
+    for dist in ("balanced", "zipf"):
+        sizes = bench.group_sizes(m, e, dist)
+        assert len(sizes) == e and sum(sizes) == m and all(s >= 0 and s % 16 == 0 for s in sizes)
+    balanced = bench.group_sizes(m, e, "balanced")
+    assert max(balanced) - min(balanced) <= 16
+    if m >= 16 * 1024:
+        # Zipf(1.1): largest / smallest share is e^1.1 before rounding (rounding moves the
+        # smallest group by < 16 rows)
+        zipf = sorted(bench.group_sizes(m, e, "zipf"))
+        assert zipf[-1] / (zipf[0] + 16) < e**1.1 < zipf[-1] / max(zipf[0], 1) * 1.5
+    assert bench.K3_ROWS_PER_RANK == 16384
+
+
+def test_flop_counts_match_parameter_shapes():
+    """Forward matmul FLOPs = 2 x tokens x (matmul weights a token touches), counted here from
+    the parameters of the real modules (routed experts at top_k / n of their size)."""
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    from titan_moe.model.args import ModelArgs
+    from titan_moe.model.moe import LatentMoE
+
+    bench = _load_bench()
+    tokens, dim, n, k, hidden, shared, latent = 10, 96, 8, 3, 40, 2, 48
+    with torch.device("meta"):
+        ours = LatentMoE(ModelArgs(dim=dim, n_routed_experts=n, top_k=k, n_shared_experts=shared,
+                                   moe_latent_dim=latent, moe_expert_hidden=hidden, moe_shared_hidden=hidden))
+        theirs = MoE(MoEArgs(num_experts=n, num_shared_experts=shared, top_k=k), dim=dim, hidden_dim=hidden)
+
+    def touched(module) -> float:
+        total = 0.0
+        for name, p in module.named_parameters():
+            if p.dim() < 2:  # norm weights: no matmul
+                continue
+            total += p.numel() * (k / n if name.startswith("experts.") else 1)
+        return total
+
+    assert bench.latent_moe_flops(tokens, dim, n, k, hidden, shared, latent) == 2 * tokens * touched(ours)
+    assert bench.torchtitan_moe_flops(tokens, dim, n, k, hidden, shared) == 2 * tokens * touched(theirs)

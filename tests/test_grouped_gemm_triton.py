@@ -1,0 +1,397 @@
+"""Triton grouped GEMM (`titan_moe.ops.grouped_gemm.triton_kernel`) and the op's "triton" backend.
+
+Without CUDA the kernels run under the Triton interpreter: TRITON_INTERPRET=1 must be set
+before the kernel module is first imported (that is when `@triton.jit` chooses the
+interpreter), so this module sets it at the top. If the kernel module was already imported
+in this process without it (another test module first), the in-process tests skip and
+`test_in_fresh_interpreter_process` runs this file again in a subprocess. The interpreter
+computes bf16 `tl.dot` wrongly, so CPU tests use fp32 and fp16 inputs; bf16 runs on the GPU
+only. The TMA-descriptor variant of the forward/dx kernel runs under the interpreter too
+(emulated descriptors). `test_compiles_for_sm90` compiles the GPU code path (the `for`
+loops the interpreter never takes, both load variants) for Hopper without a GPU; nothing
+here has run on a GPU unless CUDA is present.
+
+Oracle: the per-group loop of `reference.py` (one fp32 matmul per group, then one rounding
+to the input dtype). Tolerances (relative error ||out - ref|| / ||ref||):
+- fp32: 1e-5. Both sides are fp32 sums of <= 32 products (K, or the rows of one group for
+  dw, <= 100) in different orders: a few ulps (~1e-7 relative) per element.
+- fp16: 1e-3. Both accumulate in fp32 and round once to fp16; where the fp32 sums differ by
+  an ulp the roundings can differ by one fp16 ulp (2^-11 ~ 4.9e-4 relative), rarely.
+- bf16 on the GPU vs float64: 5e-3 (one bf16 rounding, 2^-9 relative per element).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from titan_moe.ops.grouped_gemm import grouped_mm, grouped_mm_dw_reference, grouped_mm_reference  # noqa: E402
+from titan_moe.ops.grouped_gemm import op as gg_op  # noqa: E402
+from titan_moe.ops.grouped_gemm import triton_kernel as tk  # noqa: E402
+
+KERNELS_RUN_HERE = CUDA or tk.interpreted()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_RUN_HERE,
+    reason="triton_kernel was imported before TRITON_INTERPRET=1 was set and there is no GPU; "
+    "test_in_fresh_interpreter_process runs these tests in a subprocess",
+)
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def random_offsets(n_groups: int, m: int, gen: torch.Generator, owned_frac: float = 1.0) -> torch.Tensor:
+    """int32 cumulative ends of random group sizes summing to round(owned_frac * m); group 1
+    is always empty and about a third of the others too, so most sizes are not multiples of 16."""
+    owned = round(owned_frac * m)
+    weights = torch.rand(n_groups, generator=gen)
+    weights[torch.rand(n_groups, generator=gen) < 0.33] = 0.0
+    weights[1 % n_groups] = 0.0
+    if weights.sum() == 0:
+        weights[0] = 1.0
+    cuts = torch.floor(torch.cumsum(weights, 0) / weights.sum() * owned).to(torch.int64)
+    cuts[-1] = owned
+    return cuts.to(torch.int32)
+
+
+def make_case(m, k, n, e, frac, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(e, k, n, generator=gen).to(DEVICE, dtype)
+    grad = torch.randn(m, n, generator=gen).to(DEVICE, dtype)
+    offs = random_offsets(e, m, gen, frac).to(DEVICE)
+    return x, w, grad, offs
+
+
+# (M, K, N, E, owned fraction)
+SHAPES = [
+    (100, 32, 16, 4, 1.0),
+    (77, 16, 32, 4, 0.8),  # rows past offs[-1]
+    (45, 32, 32, 4, 1.0),
+    (9, 16, 16, 4, 0.6),  # fewer rows than one tile
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,n,e,frac", SHAPES)
+def test_kernels_match_loop_reference(m, k, n, e, frac, dtype):
+    x, w, grad, offs = make_case(m, k, n, e, frac, dtype, seed=m * k + n)
+    owned = int(offs[-1])
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert (sizes == 0).any() and (sizes % 16 != 0).any()
+
+    out = tk.grouped_mm_triton(x, w, offs)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, grouped_mm_reference(x, w, offs)) < TOL[dtype]
+    assert torch.all(out[owned:] == 0)  # written by the kernel: `out` starts as torch.empty
+
+    dx = tk.grouped_mm_triton(grad, w.transpose(1, 2), offs)
+    assert dx.shape == (m, k)
+    assert rel_err(dx, grouped_mm_reference(grad, w.transpose(1, 2), offs)) < TOL[dtype]
+    assert torch.all(dx[owned:] == 0)
+
+    dw = tk.grouped_mm_dw_triton(x, grad, offs)
+    assert dw.shape == (e, k, n) and dw.dtype == dtype
+    assert rel_err(dw, grouped_mm_dw_reference(x, grad, offs)) < TOL[dtype]
+    assert torch.all(dw[sizes == 0] == 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 40, 24, 4, 0.8)])
+def test_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype):
+    """The TMA-descriptor loads of the forward / dx kernel (forced on; under the interpreter
+    the descriptors are emulated), incl. a K that is not a multiple of the K tile and
+    ragged N (zero-filled box edges)."""
+    x, w, grad, offs = make_case(m, k, n, e, frac, dtype, seed=m + k)
+    cfg = tk.default_config(dtype, x.device, "mk")
+    assert tk._tma_operands(x, w, cfg) is not None and tk._tma_operands(grad, w.transpose(1, 2), cfg)[2]
+    owned = int(offs[-1])
+    out = tk.grouped_mm_triton(x, w, offs, tma=True)
+    assert rel_err(out, grouped_mm_reference(x, w, offs)) < TOL[dtype]
+    assert torch.all(out[owned:] == 0)
+    dx = tk.grouped_mm_triton(grad, w.transpose(1, 2), offs, tma=True)
+    assert rel_err(dx, grouped_mm_reference(grad, w.transpose(1, 2), offs)) < TOL[dtype]
+    assert torch.all(dx[owned:] == 0)
+
+
+@needs_kernels
+def test_tma_falls_back_for_layouts_it_cannot_describe():
+    x, w, _, offs = make_case(30, 20, 12, 3, 1.0, torch.float16, seed=9)  # rows of 40 bytes
+    cfg = tk.default_config(torch.float16, x.device, "mk")
+    assert tk._tma_operands(x, w, cfg) is None
+    assert tk._tma_operands(x[:, :16], w[:, :16], cfg) is None  # row stride 40 bytes
+    out = tk.grouped_mm_triton(x, w, offs, tma=True)
+    assert rel_err(out, grouped_mm_reference(x, w, offs)) < TOL[torch.float16]
+
+
+@needs_kernels
+def test_all_groups_empty_and_all_rows_in_one_group():
+    x, w, grad, _ = make_case(40, 16, 16, 3, 1.0, torch.float32, seed=1)
+    zeros = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    assert torch.all(tk.grouped_mm_triton(x, w, zeros) == 0)
+    assert torch.all(tk.grouped_mm_dw_triton(x, grad, zeros) == 0)
+    last = torch.tensor([0, 0, 40], dtype=torch.int32, device=DEVICE)
+    assert rel_err(tk.grouped_mm_triton(x, w, last), x @ w[2]) < TOL[torch.float32]
+    assert rel_err(tk.grouped_mm_dw_triton(x, grad, last)[2], x.t() @ grad) < TOL[torch.float32]
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_programs", [1, 3, 1000])
+def test_persistent_schedule_and_tile_shapes(num_programs):
+    """One program walking every tile, a few programs, and more programs than tiles (capped)
+    give the same result; so do non-square tiles."""
+    x, w, grad, offs = make_case(70, 32, 32, 5, 0.9, torch.float32, seed=num_programs)
+    cfg = tk.TileConfig(16, 32, 16, num_programs=num_programs)
+    dw_cfg = tk.TileConfig(32, 16, 16, num_programs=num_programs)
+    assert rel_err(tk.grouped_mm_triton(x, w, offs, cfg), grouped_mm_reference(x, w, offs)) < 1e-5
+    assert rel_err(tk.grouped_mm_dw_triton(x, grad, offs, dw_cfg), grouped_mm_dw_reference(x, grad, offs)) < 1e-5
+
+
+@needs_kernels
+def test_strided_inputs():
+    """Non-contiguous operands are read through their strides (no copies are made)."""
+    x, w, grad, offs = make_case(50, 16, 32, 4, 1.0, torch.float32, seed=3)
+    x_t = x.t().contiguous().t()  # column-major [M, K]
+    w_p = w.permute(0, 2, 1).contiguous().permute(0, 2, 1)  # [E, K, N] with stride(1) == 1
+    grad_s = torch.cat([grad, grad], 1)[:, ::2]  # row stride 2N, column stride 2
+    assert rel_err(tk.grouped_mm_triton(x_t, w_p, offs), grouped_mm_reference(x, w, offs)) < 1e-5
+    assert rel_err(tk.grouped_mm_dw_triton(x_t, grad_s, offs), grouped_mm_dw_reference(x, grad_s, offs)) < 1e-5
+
+
+@needs_kernels
+def test_bad_offsets_stay_in_bounds():
+    """Offsets that break the contract (decreasing, past M) give wrong numbers but no
+    out-of-bounds access: the kernels clamp group bounds into [0, M]."""
+    x, w, grad, _ = make_case(20, 16, 16, 3, 1.0, torch.float32, seed=4)
+    bad = torch.tensor([15, 5, 1000], dtype=torch.int32, device=DEVICE)
+    assert torch.isfinite(tk.grouped_mm_triton(x, w, bad)).all()
+    assert torch.isfinite(tk.grouped_mm_dw_triton(x, grad, bad)).all()
+
+
+@needs_kernels
+def test_kernel_argument_errors():
+    x, w, grad, offs = make_case(20, 16, 16, 3, 1.0, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="dtype"):
+        tk.grouped_mm_triton(x.half(), w, offs)
+    with pytest.raises(ValueError, match="int32"):
+        tk.grouped_mm_triton(x, w, offs.long())
+    with pytest.raises(ValueError, match="expected"):
+        tk.grouped_mm_triton(x[:, :8], w, offs)
+    with pytest.raises(ValueError, match="power of two"):
+        tk.TileConfig(16, 24, 16)
+    meta = torch.empty(20, 16, device="meta")
+    with pytest.raises(ValueError, match="run on CUDA"):
+        tk.grouped_mm_triton(meta, w.to("meta"), offs.to("meta"))
+
+
+# ---------------------------------------------------------------------------- the op backend
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_op_triton_backend_forward_backward(dtype):
+    """`grouped_mm(..., backend="triton")` against the loop backend, through autograd."""
+    x, w, grad, offs = make_case(60, 16, 32, 4, 0.9, dtype, seed=6)
+    grads = {}
+    for backend in ("triton", "loop"):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = grouped_mm(xl, wl, offs, backend=backend)
+        out.backward(grad)
+        grads[backend] = (out.detach(), xl.grad, wl.grad)
+    for got, ref in zip(grads["triton"], grads["loop"]):
+        assert rel_err(got, ref) < TOL[dtype]
+
+
+@needs_kernels
+def test_env_switch_selects_triton(monkeypatch):
+    calls = []
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(tk, "grouped_mm_triton", spy(tk.grouped_mm_triton))
+    monkeypatch.setattr(tk, "grouped_mm_dw_triton", spy(tk.grouped_mm_dw_triton))
+    x, w, grad, offs = make_case(30, 16, 16, 3, 1.0, torch.float32, seed=7)
+    x.requires_grad_()
+    w.requires_grad_()
+    monkeypatch.setenv(gg_op.BACKEND_ENV, "triton")
+    grouped_mm(x, w, offs).backward(grad)
+    assert calls == ["grouped_mm_triton", "grouped_mm_triton", "grouped_mm_dw_triton"]
+    monkeypatch.setenv(gg_op.BACKEND_ENV, "loop")
+    grouped_mm(x, w, offs).backward(grad)
+    assert len(calls) == 3
+    monkeypatch.setenv(gg_op.BACKEND_ENV, "cutlass")
+    with pytest.raises(ValueError, match=gg_op.BACKEND_ENV):
+        grouped_mm(x, w, offs)
+
+
+def test_backend_names():
+    assert gg_op.resolve_backend("loop") == "loop"
+    with pytest.raises(ValueError, match="backend argument"):
+        grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), torch.tensor([2, 4], dtype=torch.int32), backend="cuda")
+
+
+@needs_kernels
+def test_opcheck_triton_backend():
+    x, w, grad, offs = make_case(29, 16, 16, 3, 0.9, torch.float32, seed=8)
+    x.requires_grad_()
+    w.requires_grad_()
+    torch.library.opcheck(torch.ops.titan_moe.grouped_mm.default, (x, w, offs, "triton"))
+    torch.library.opcheck(torch.ops.titan_moe.grouped_mm_dx.default, (grad, w.detach(), offs, "triton"))
+    torch.library.opcheck(torch.ops.titan_moe.grouped_mm_dw.default, (x.detach(), grad, offs, "triton"))
+
+
+@needs_kernels
+def test_compile_fullgraph_with_backend_argument():
+    import torch._dynamo.testing
+
+    def f(x, w, offs):
+        return grouped_mm(x, w, offs, backend="triton").square().sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    x, w, _, offs = make_case(33, 16, 16, 3, 1.0, torch.float32, seed=10)
+    x.requires_grad_()
+    w.requires_grad_()
+    gx, gw = torch.autograd.grad(compiled(x, w, offs), (x, w))
+    rx, rw = torch.autograd.grad(f(x, w, offs), (x, w))
+    assert counter.frame_count == 1
+    assert rel_err(gx, rx) < 1e-6 and rel_err(gw, rw) < 1e-6
+
+
+@pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")
+def test_in_fresh_interpreter_process():
+    """Runs this file's tests under the interpreter in a fresh process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "not fresh_interpreter_process and not compiles_for_sm90"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------- GPU code path
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
+    # Mirror the JIT's specialisation of a real launch: unit strides become constants,
+    # pointers and the other strides/sizes (multiples of 16 in the model) are 16-aligned.
+    def compile_kernel(fn, types, ints, unit, consts, cfg):
+        names = list(fn.arg_names)
+        sig = dict(types)
+        sig.update({n: "i32" for n in ints})
+        sig.update({n: "constexpr" for n in list(unit) + list(consts)})
+        sig = {n: sig[n] for n in names}
+        aligned = [n for n in names if sig[n].startswith("*") or (n in ints and n not in ("M", "E"))]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        src = ASTSource(fn=fn, signature=sig, constexprs={**{n: 1 for n in unit}, **consts}, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        ptx = k.asm["ptx"]
+        plain_async = "cp.async.cg" in ptx or "cp.async.ca" in ptx
+        return "wgmma" in ptx, plain_async, "cp.async.bulk.tensor" in ptx, k.metadata.shared
+
+    dev = torch.device("cuda")
+    mk = tk.default_config(torch.bfloat16, dev, "mk")
+    kk = tk.default_config(torch.bfloat16, dev, "k")
+    bm, bn, bk = mk.block_m, mk.block_n, mk.block_k
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=128, PRECISION="tf32",
+                  INTERPRETED=False)
+    mk_ints = ["M", "N", "K", "E", "stride_am", "stride_be", "stride_cm"]
+    ptrs = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32"}
+    results = {}
+    results["fwd"] = compile_kernel(tk._ragged_m_kernel, ptrs, mk_ints + ["stride_bk"],
+                                    ["stride_ak", "stride_bn", "stride_cn"],
+                                    dict(common, USE_TMA=False, B_TRANSPOSED=False), mk)
+    results["dx"] = compile_kernel(tk._ragged_m_kernel, ptrs, mk_ints + ["stride_bn"],
+                                   ["stride_ak", "stride_bk", "stride_cn"],
+                                   dict(common, USE_TMA=False, B_TRANSPOSED=False), mk)
+    for name, transposed, b_box in (("fwd_tma", False, [1, bk, bn]), ("dx_tma", True, [1, bn, bk])):
+        descs = dict(ptrs, a=f"tensordesc<bf16[{bm},{bk}]>",
+                     b="tensordesc<bf16[" + ",".join(map(str, b_box)) + "]>")
+        results[name] = compile_kernel(tk._ragged_m_kernel, descs, mk_ints + ["stride_bk"],
+                                       ["stride_ak", "stride_bn", "stride_cn"],
+                                       dict(common, USE_TMA=True, B_TRANSPOSED=transposed), mk)
+    results["dw"] = compile_kernel(
+        tk._ragged_k_kernel, {"x_ptr": "*bf16", "g_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32"},
+        ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
+        ["stride_xk", "stride_gn", "stride_wn"],
+        dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
+             PRECISION="tf32", INTERPRETED=False), kk)
+    print("RESULT", repr(results))
+    """
+)
+
+
+def test_compiles_for_sm90():
+    """The compiled code path (for loops, not the interpreter's while loops) builds for an
+    sm90 target with no GPU present: bf16 forward, dx (transposed weights) and dw kernels use
+    wgmma and an async-copy software pipeline (cp.async, or TMA bulk copies for the TMA
+    variant) within the shared-memory budget."""
+    import ast
+
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
+    results = ast.literal_eval(line[len("RESULT "):])
+    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "dw"}
+    for name, (wgmma, cp_async, tma_copies, shared) in results.items():
+        assert wgmma, (name, results)
+        expected = (False, True) if name.endswith("_tma") else (True, False)
+        assert (cp_async, tma_copies) == expected, (name, results)
+        assert 0 < shared <= 228 * 1024, (name, results)
+
+
+# ---------------------------------------------------------------------------- bf16 on the GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("m,k,n,e", [(4096, 256, 384, 8), (3000, 136, 200, 7)])
+def test_cuda_bf16_vs_float64(m, k, n, e):
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(e, k, n, generator=gen).bfloat16()
+    grad = torch.randn(m, n, generator=gen).bfloat16()
+    offs = random_offsets(e, m, gen, 0.95)
+    xc, wc, gc, oc = x.cuda().requires_grad_(), w.cuda().requires_grad_(), grad.cuda(), offs.cuda()
+    out = grouped_mm(xc, wc, oc, backend="triton")
+    out.backward(gc)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = torch.zeros(m, n, dtype=torch.float64)
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        ref[start:end] = x64[start:end] @ w64[i]
+        start = end
+    ref.backward(grad.double())
+    assert rel_err(out, ref) < 5e-3
+    assert rel_err(xc.grad, x64.grad) < 5e-3
+    assert rel_err(wc.grad, w64.grad) < 5e-3
+    assert torch.all(out[int(offs[-1]):] == 0)

@@ -1,0 +1,504 @@
+"""Triton grouped GEMM: the forward and both backward products of ``grouped_mm``.
+
+Contract as in :mod:`titan_moe.ops.grouped_gemm.reference`: rows of ``x`` sorted by group,
+``offs_E`` int32 cumulative group ends (``offs[e-1]:offs[e]`` are group ``e``'s rows,
+``offs[-1] := 0``), empty groups and any group size allowed, fp32 accumulation.
+
+Two kernels:
+
+``_ragged_m_kernel``  ``c[rows of e] = a[rows of e] @ b[e]``, a [M, K], b [E, K, N] (any
+    strides), c [M, N]. The forward (``b = w``) and ``dx`` (``b = w^T``, a strided view of
+    ``w``, no copy). The row range of ``c`` is cut into output tiles of BLOCK_M rows x
+    BLOCK_N columns that never straddle a group boundary. The rows past ``offs[-1]`` form
+    one more pseudo-group, E, whose tiles store zeros: the kernel writes every row of ``c``
+    exactly once, so ``c`` is allocated with ``torch.empty``.
+
+``_ragged_k_kernel``  ``dw[e] = x[rows of e]^T @ grad[rows of e]``, x [M, K], grad [M, N],
+    dw [E, K, N]. Output tiles are fixed (E x K-tiles x N-tiles); each one reduces over its
+    group's rows in steps of BLOCK_M. Empty groups store zeros.
+
+Tile scheduling (persistent): ``num_programs`` programs (the SM count on a GPU) walk the
+tile list with stride ``num_programs`` (read in-kernel, so no recompilation per grid size).
+The list is ordered by group, so all tiles that read ``b[e]`` are adjacent and that matrix
+stays in L2 while they run. For the ragged-M kernel the list depends on the group sizes:
+every program loads ``offs`` once, computes the per-group tile counts
+``ceil(size_e / BLOCK_M)`` and their inclusive prefix sum, and maps a tile index to its
+group by counting the prefix entries <= the tile's row-tile index. Nothing is read on the
+host and nothing is launched besides the kernel, so the launch is CUDA-graph and
+``torch.compile`` friendly (the op is opaque to the compiler). The number of row tiles is
+bounded by ``ceil(M / BLOCK_M) + E + 1``, which sizes the grid without reading ``offs``.
+
+Loads: masked pointer loads by default (any strides; on sm90 the compiler turns them into
+a cp.async pipeline feeding wgmma). The ragged-M kernel has a TMA variant
+(``USE_TMA``: host tensor descriptors for ``a`` and ``b``, zero-filled box edges; output
+rows past the group's end are computed from the next group's rows and never stored),
+opt-in on sm90 via ``grouped_mm_triton(tma=True)`` or ``TITAN_MOE_GROUPED_MM_TMA=1``.
+
+GPU status: none of this has run on a GPU yet. Checked: results under the interpreter
+(fp32/fp16, both load variants) and that the compiled code path builds for sm90 with
+wgmma and a software pipeline (``tests/test_grouped_gemm_triton.py``).
+
+Robustness: group bounds are clamped into ``[0, M]`` in-kernel, so offsets that violate
+the contract give wrong numbers but never an out-of-bounds access. The host checks the
+contract only where that costs no device sync (see ``op.py``).
+
+Precision: fp32 inputs use ``ieee`` fp32 dots (matches the fp32 reference); bf16/fp16
+inputs use tensor-core dots with fp32 accumulators. Outputs are cast to the input dtype
+once, at the store. Under ``TRITON_INTERPRET=1`` (CPU tests) bf16 ``tl.dot`` is computed
+wrongly by the interpreter; fp32 and fp16 are exact there.
+
+Tile sizes on the GPU are starting points chosen from the shared-memory budget of an
+H100/H200 (228 KB per SM), not measured: ``profiling/bench_moe.py`` is the place to tune
+them (``TileConfig`` overrides every launcher's defaults).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "1": TMA loads on sm90 for the forward and dx kernel
+
+
+# ----------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------
+# Triton 3.6's interpreter cannot take a runtime bound in range() (it calls int() on a
+# 1-element array), so under INTERPRETED the loops are while loops; compiled, they are for
+# loops, which the compiler software-pipelines (the next step's loads overlap this dot).
+# The loop bodies are shared helpers.
+#
+# Only builtins and our own jit functions are used (tl.reduce / tl.associative_scan with
+# `_add`, tl.full, integer division), not triton.language.standard's jit functions
+# (tl.sum, tl.cumsum, tl.cdiv, tl.zeros): those stay compiled-only when triton was
+# imported before TRITON_INTERPRET=1 was set, and the interpreter then refuses them.
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, col_start, k0, K,
+             stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PRECISION: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr):
+    """acc += a[rows, k0:k0+BLOCK_K] @ b[group, k0:k0+BLOCK_K, cols]."""
+    if USE_TMA:
+        # Box loads; out-of-range rows/columns read as zero. Rows past the group's end
+        # belong to the next group: they only feed output rows that are never stored.
+        a_tile = a.load([row_start, k0])
+        if B_TRANSPOSED:  # b is w [E, N, K] (dx): load [BLOCK_N, BLOCK_K] and transpose
+            b_tile = tl.trans(b.load([group, col_start, k0]).reshape(BLOCK_N, BLOCK_K))
+        else:
+            b_tile = b.load([group, k0, col_start]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a_tile = tl.load(a + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak,
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b_tile = tl.load(b + group.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    return tl.dot(a_tile, b_tile, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _mk_tile(
+    tile, a, b, c_ptr, N, K, E,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+):
+    m_tile = tile // n_tiles
+    n_tile = tile % n_tiles
+    # group = the number of groups whose row tiles all come before this one
+    group = tl.reduce((m_tiles_incl <= m_tile).to(tl.int32), 0, _add)
+    is_group = e_idx == group
+    first_tile = tl.reduce(tl.where(is_group, m_tiles_incl - m_tiles, 0), 0, _add)
+    row_start = tl.reduce(tl.where(is_group, starts, 0), 0, _add) + (m_tile - first_tile) * BLOCK_M
+    row_end = tl.reduce(tl.where(is_group, ends, 0), 0, _add)
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < row_end
+    col_ok = cols < N
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    k_stop = tl.where(group < E, K, 0)  # the tail pseudo-group (rows past offs[-1]) stores zeros
+    if INTERPRETED:
+        k0 = tl.full([], 0, tl.int32)
+        while k0 < k_stop:
+            acc = _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, n_tile * BLOCK_N, k0, K,
+                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, B_TRANSPOSED)
+            k0 += BLOCK_K
+    else:
+        for k0 in tl.range(0, k_stop, BLOCK_K):
+            acc = _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, n_tile * BLOCK_N, k0, K,
+                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, B_TRANSPOSED)
+
+    c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _ragged_m_kernel(
+    a, b, c_ptr, offs_ptr,
+    M, N, K, E,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # power of two >= E + 1 (the real groups plus the tail)
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    USE_TMA: tl.constexpr = False,  # a, b are tensor descriptors (see grouped_mm_triton)
+    B_TRANSPOSED: tl.constexpr = False,  # with USE_TMA: b describes w [E, N, K] (the dx product)
+):
+    # Schedule: per-group row ranges (clamped into [0, M]) and row-tile prefix sums.
+    e_idx = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
+    ends = tl.minimum(tl.where(e_idx < E, ends, M), M)  # entry E (the tail) and padding end at M
+    starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx <= E), other=0)
+    starts = tl.maximum(tl.minimum(tl.where(e_idx > E, M, starts), M), 0)
+    m_tiles = (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
+    m_tiles_incl = tl.associative_scan(m_tiles, 0, _add)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    total = tl.reduce(m_tiles, 0, _add) * n_tiles
+
+    pid = tl.program_id(0)
+    if INTERPRETED:
+        tile = pid
+        while tile < total:
+            _mk_tile(tile, a, b, c_ptr, N, K, E,
+                     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                     e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED)
+            tile += tl.num_programs(0)
+    else:
+        for tile in tl.range(pid, total, tl.num_programs(0)):
+            _mk_tile(tile, a, b, c_ptr, N, K, E,
+                     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                     e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED)
+
+
+@triton.jit
+def _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, m0, row_end, stride_xm, stride_xk, stride_gm, stride_gn,
+            BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    rows64 = rows.to(tl.int64)
+    x_t = tl.load(  # [BLOCK_K, BLOCK_M]: a tile of x^T
+        x_ptr + rows64[None, :] * stride_xm + ks[:, None] * stride_xk,
+        mask=k_ok[:, None] & row_ok[None, :], other=0.0,
+    )
+    g = tl.load(
+        g_ptr + rows64[:, None] * stride_gm + cols[None, :] * stride_gn,
+        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+    )
+    return tl.dot(x_t, g, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _k_tile(
+    tile, x_ptr, g_ptr, dw_ptr, offs_ptr, M, N, K,
+    stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
+    n_tiles, tiles_per_group,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    group = tile // tiles_per_group
+    within = tile % tiles_per_group
+    k_tile = within // n_tiles
+    n_tile = within % n_tiles
+    row_start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
+    row_start = tl.minimum(tl.maximum(row_start, 0), M)
+    row_end = tl.maximum(tl.minimum(tl.load(offs_ptr + group), M), row_start)
+
+    ks = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = ks < K
+    col_ok = cols < N
+    acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    if INTERPRETED:
+        m0 = row_start
+        while m0 < row_end:
+            acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, m0, row_end,
+                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION)
+            m0 += BLOCK_M
+    else:
+        for m0 in tl.range(row_start, row_end, BLOCK_M):
+            acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, m0, row_end,
+                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION)
+
+    dw = dw_ptr + group.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _ragged_k_kernel(
+    x_ptr, g_ptr, dw_ptr, offs_ptr,
+    M, N, K, E,
+    stride_xm, stride_xk,
+    stride_gm, stride_gn,
+    stride_we, stride_wk, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    tiles_per_group = (K + BLOCK_K - 1) // BLOCK_K * n_tiles
+    total = E * tiles_per_group
+    pid = tl.program_id(0)
+    if INTERPRETED:
+        tile = pid
+        while tile < total:
+            _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, M, N, K,
+                    stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
+                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED)
+            tile += tl.num_programs(0)
+    else:
+        for tile in tl.range(pid, total, tl.num_programs(0)):
+            _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, M, N, K,
+                    stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
+                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED)
+
+
+# ----------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch parameters of one kernel call.
+
+    ``block_m`` is the row tile (the reduction step for ``dw``), ``block_n`` the output
+    column tile, ``block_k`` the reduction step (the output row tile for ``dw``). All three
+    must be powers of two >= 16 (``tl.dot``). ``num_programs=None`` means one program per
+    SM on a GPU and 4 under the interpreter (so the persistent loop runs several tiles per
+    program in the CPU tests).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    num_programs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_programs is not None and self.num_programs < 1:
+            raise ValueError(f"TileConfig.num_programs must be >= 1, got {self.num_programs}")
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(_ragged_m_kernel, InterpretedFunction)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels can run on tensors of ``device``: CUDA, or CPU under the interpreter."""
+    if device.type == "cuda":
+        return not interpreted()
+    return device.type == "cpu" and interpreted()
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_programs(cfg: TileConfig, device: torch.device, max_tiles: int) -> int:
+    if cfg.num_programs is not None:
+        n = cfg.num_programs
+    elif device.type == "cuda":
+        n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        n = 4
+    return max(1, min(n, max_tiles))
+
+
+def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileConfig:
+    """Tile defaults per dtype and kernel ("mk" forward/dx, "k" dw); unmeasured starting points.
+
+    16-bit on the GPU: 128x128 output tiles, 64-deep steps, 4 stages: (128*64 + 64*128) * 2 B
+    = 32 KB of shared memory per stage, 128 KB in all. fp32: half the tile edge and 3 stages.
+    Under the interpreter the smallest tiles, so that small test shapes cross tile edges.
+    """
+    if device.type != "cuda":
+        return TileConfig(16, 16, 16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return TileConfig(64, 64, 32, num_warps=4, num_stages=3)
+    if kind == "k":
+        return TileConfig(64, 128, 128, num_warps=8, num_stages=4)
+    return TileConfig(128, 128, 64, num_warps=8, num_stages=4)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # the precision only matters for fp32 operands
+
+
+def _check(name: str, a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> None:
+    if a.dtype != b.dtype or a.dtype not in _DTYPES:
+        raise ValueError(f"{name}: operands must share a dtype in {_DTYPES}, got {a.dtype} and {b.dtype}")
+    if offs_E.dtype != torch.int32 or offs_E.dim() != 1:
+        raise ValueError(f"{name}: offs must be a 1-D int32 tensor, got {offs_E.dtype} {tuple(offs_E.shape)}")
+    if not (a.device == b.device == offs_E.device):
+        raise ValueError(f"{name}: tensors must share a device, got {a.device}, {b.device}, {offs_E.device}")
+    if not runs_on(a.device):
+        raise ValueError(
+            f"{name}: the Triton kernels run on CUDA, or on CPU when TRITON_INTERPRET=1 was set before "
+            f"titan_moe.ops.grouped_gemm.triton_kernel was imported; got device {a.device} "
+            f"(interpreter {'on' if interpreted() else 'off'})"
+        )
+
+
+def _tma_operands(a_MK: torch.Tensor, b_EKN: torch.Tensor, cfg: TileConfig):
+    """Host tensor descriptors for the TMA path, or None when the layout does not allow TMA.
+
+    TMA needs a unit last stride, 16-byte aligned other strides and base pointers. ``a`` must
+    be row-major; ``b`` may be row-major ([E, K, N] boxes of [1, BK, BN]) or a transposed view
+    of a row-major ``w`` [E, N, K] (the dx product: boxes of [1, BN, BK], transposed in-kernel).
+    Returns (a_desc, b_desc, b_transposed).
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    es = a_MK.element_size()
+    M, K = a_MK.shape
+    E, _, N = b_EKN.shape
+    if min(M, K, E, N) == 0 or a_MK.stride(1) != 1 or (a_MK.stride(0) * es) % 16:
+        return None  # descriptors need positive sizes
+    if a_MK.data_ptr() % 16 or b_EKN.data_ptr() % 16:
+        return None
+    a_desc = TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [cfg.block_m, cfg.block_k])
+    if b_EKN.stride(2) == 1:
+        b_view, shape, block, transposed = b_EKN, [E, K, N], [1, cfg.block_k, cfg.block_n], False
+    elif b_EKN.stride(1) == 1:
+        b_view, shape, block, transposed = b_EKN.transpose(1, 2), [E, N, K], [1, cfg.block_n, cfg.block_k], True
+    else:
+        return None
+    if (b_view.stride(0) * es) % 16 or (b_view.stride(1) * es) % 16:
+        return None
+    b_desc = TensorDescriptor(b_view, shape, [b_view.stride(0), b_view.stride(1), 1], block)
+    return a_desc, b_desc, transposed
+
+
+def _use_tma(tma: bool | None, device: torch.device) -> bool:
+    if tma is not None:
+        return tma
+    if os.environ.get(TMA_ENV, "0") != "1" or device.type != "cuda" or interpreted():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def grouped_mm_triton(
+    a_MK: torch.Tensor,
+    b_EKN: torch.Tensor,
+    offs_E: torch.Tensor,
+    config: TileConfig | None = None,
+    tma: bool | None = None,
+) -> torch.Tensor:
+    """``out[rows of e] = a[rows of e] @ b[e]``; rows past ``offs[-1]`` are zero.
+
+    Args:
+        a_MK: [M, K] rows sorted by group, any strides.
+        b_EKN: [E, K, N] any strides (``w.transpose(1, 2)`` gives the ``dx`` product).
+        offs_E: [E] int32 cumulative group ends (not read on the host).
+        config: tile override (default :func:`default_config`).
+        tma: load ``a`` and ``b`` through TMA tensor descriptors. None: only when
+            ``$TITAN_MOE_GROUPED_MM_TMA`` is "1" and the device is sm90 (Hopper). True
+            forces it (the interpreter runs it too); layouts TMA cannot describe fall back
+            to pointer loads. UNTESTED ON A GPU: only checked under the interpreter and by
+            compiling for sm90; benchmark and test it on an H100/H200 before enabling it.
+
+    Returns:
+        [M, N] contiguous, dtype of ``a_MK``, fp32 accumulation.
+    """
+    _check("grouped_mm_triton", a_MK, b_EKN, offs_E)
+    if a_MK.dim() != 2 or b_EKN.dim() != 3 or a_MK.shape[1] != b_EKN.shape[1] or b_EKN.shape[0] != offs_E.shape[0]:
+        raise ValueError(
+            f"grouped_mm_triton: expected a [M,K], b [E,K,N], offs [E]; got {tuple(a_MK.shape)}, "
+            f"{tuple(b_EKN.shape)}, {tuple(offs_E.shape)}"
+        )
+    M, K = a_MK.shape
+    E, _, N = b_EKN.shape
+    out_MN = a_MK.new_empty(M, N)
+    if M == 0 or N == 0:
+        return out_MN
+    cfg = config or default_config(a_MK.dtype, a_MK.device, "mk")
+    max_tiles = (triton.cdiv(M, cfg.block_m) + E + 1) * triton.cdiv(N, cfg.block_n)
+    n_prog = _num_programs(cfg, a_MK.device, max_tiles)
+    descriptors = _tma_operands(a_MK, b_EKN, cfg) if _use_tma(tma, a_MK.device) else None
+    if descriptors is None:
+        a_arg, b_arg, b_transposed = a_MK, b_EKN, False
+    else:
+        a_arg, b_arg, b_transposed = descriptors
+    _ragged_m_kernel[(n_prog,)](
+        a_arg, b_arg, out_MN, offs_E,
+        M, N, K, E,
+        a_MK.stride(0), a_MK.stride(1),
+        b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
+        out_MN.stride(0), out_MN.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_E=triton.next_power_of_2(E + 1),
+        PRECISION=_precision(a_MK.dtype), INTERPRETED=interpreted(),
+        USE_TMA=descriptors is not None, B_TRANSPOSED=b_transposed,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out_MN
+
+
+def grouped_mm_dw_triton(
+    x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch.Tensor, config: TileConfig | None = None
+) -> torch.Tensor:
+    """``dw[e] = x[rows of e]^T @ grad[rows of e]`` -> [E, K, N] (zero for empty groups).
+
+    Args:
+        x_MK: [M, K], grad_MN: [M, N], rows sorted by group, any strides, same dtype.
+        offs_E: [E] int32 cumulative group ends (not read on the host).
+        config: tile override; here ``block_k`` x ``block_n`` is the output tile and
+            ``block_m`` the reduction step.
+
+    Returns:
+        [E, K, N] contiguous, dtype of ``x_MK``, fp32 accumulation.
+    """
+    _check("grouped_mm_dw_triton", x_MK, grad_MN, offs_E)
+    if x_MK.dim() != 2 or grad_MN.dim() != 2 or x_MK.shape[0] != grad_MN.shape[0] or offs_E.shape[0] == 0:
+        raise ValueError(
+            f"grouped_mm_dw_triton: expected x [M,K], grad [M,N], offs [E>=1]; got {tuple(x_MK.shape)}, "
+            f"{tuple(grad_MN.shape)}, {tuple(offs_E.shape)}"
+        )
+    M, K = x_MK.shape
+    N = grad_MN.shape[1]
+    E = offs_E.shape[0]
+    dw_EKN = x_MK.new_empty(E, K, N)
+    if K == 0 or N == 0:
+        return dw_EKN
+    cfg = config or default_config(x_MK.dtype, x_MK.device, "k")
+    max_tiles = E * triton.cdiv(K, cfg.block_k) * triton.cdiv(N, cfg.block_n)
+    n_prog = _num_programs(cfg, x_MK.device, max_tiles)
+    _ragged_k_kernel[(n_prog,)](
+        x_MK, grad_MN, dw_EKN, offs_E,
+        M, N, K, E,
+        x_MK.stride(0), x_MK.stride(1),
+        grad_MN.stride(0), grad_MN.stride(1),
+        dw_EKN.stride(0), dw_EKN.stride(1), dw_EKN.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION=_precision(x_MK.dtype), INTERPRETED=interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dw_EKN
