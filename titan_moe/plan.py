@@ -1,0 +1,931 @@
+"""Plan per-GPU memory for FSDP2 + expert parallelism (EP) + context parallelism (CP) layouts.
+
+    python -m titan_moe.plan --job.config_file configs/k3.toml --gpus 2048 --gpu-mem-gib 141 \
+        [--ac none|selective|full] [--seq-len S] [--local-batch B] [--headroom 0.1] [--hsdp] [--top 5]
+
+Any other `--section.key value` overrides the config, as for training (e.g.
+`--training.dtype float32` for fp32 master weights). Prints a table of layouts for the given
+GPU count (memory per GPU with each activation-checkpointing mode), the smallest fitting
+layouts, the fewest GPUs (powers of two up to 4096) at which any layout fits, and, as the last
+line, one JSON object. Memory is a model, not a measurement: the formulas below still need
+checking against measured peak memory on an H200 (e.g. `small_1gpu` and a small multi-GPU
+run); that has not been done yet.
+
+Layouts (torchtitan 0.2.2's `ParallelDims`): `N = dp_replicate * dp_shard * cp` GPUs (no TP,
+no PP). FSDP shards over `fsdp = dp_shard * cp`; HSDP replicas (`dp_replicate`) hold full
+copies of the shards and reduce no memory. EP takes its degree from the FSDP ranks:
+`ep | dp_shard * cp` and `ep | n_routed_experts`; the routed experts are split over EP on
+dim 0 and then FSDP-sharded over the remaining `efsdp = dp_shard * cp / ep` ranks. Enumerated:
+`cp in {1, 2, 4, 8}` dividing N and seq_len, `dp_replicate = 1` (with `--hsdp`: every power of
+two leaving `dp_shard * cp > 1`), every such `ep`. (Our `parallelize.py` does not wire EP or
+CP yet; the plan describes the torchtitan layouts they are meant to follow.)
+
+Bytes. `P` = bytes of `training.dtype` (what parameters, gradients and optimizer states are
+stored in: torchtitan builds the model under that default dtype; bf16 means no fp32 master
+copy), `a` = bytes of `training.mixed_precision_param` (the compute dtype: FSDP all-gathers
+in it, matmuls produce it), reduce dtype fp32 (4 B). Stream dtype `s` = `a` under FSDP (the
+embedding weight is gathered in `a`), `P` without FSDP (one GPU: autocast leaves the
+embedding, so the AttnRes stream, in the parameter dtype).
+
+Parameters, per GPU (from the model built on the meta device, `named_parameters`):
+  * classes: routed experts (`*.feed_forward.experts.*`, stacked `[E, ...]`) and all others.
+  * FSDP2 shards each parameter on dim 0 with `torch.chunk` and pads every shard to the first
+    chunk: `shard(p, w) = ceil(p.shape[0] / w) * prod(p.shape[1:])`.
+  * non-expert: `shard(p, dp_shard * cp)`.
+  * experts, `ep = 1`: `shard(p, dp_shard * cp)` (they live in their layer's FSDP unit).
+  * experts, `ep > 1`: `E/ep` local experts, FSDP over `efsdp`; on dim 0, or on dim 1 when
+    `efsdp * ep > E` (torchtitan's rule): `(E/ep) * ceil(shape[1] / efsdp) * shape[2]`.
+    Without padding this is `expert_params / (dp_shard * cp)` whatever `ep` is: EP moves
+    experts between GPUs but, when `ep | dp_shard * cp`, not the per-GPU total.
+  * parameters `P * shard`, gradients `P * shard` (FSDP reduces in fp32 and stores the
+    sharded gradient in the parameter dtype), AdamW `exp_avg + exp_avg_sq = 2 * P * shard`:
+    `4 P` per sharded parameter (16 B with fp32 training, 8 B with bf16 training).
+  * buffers (expert bias, token counts, QB histograms) are not sharded: full size on every GPU.
+  * FSDP working memory (gathered units). Units: the embedding, each decoder layer (with
+    `ep > 1` its routed experts are a second unit of `E/ep` local experts gathered over
+    `efsdp`; with `ep = 1` all `E` experts are in the layer unit), `[norm, output]` (not
+    resharded after forward, torchtitan's default) and the root. `U` = the largest layer's
+    gathered parameter count (non-expert + local experts), `Uh` = the head unit. Peak of:
+      layer backward: `U * (2a + a + 4)`: the current and the prefetched unit in `a`, the
+        unsharded gradient in `a` and the fp32 reduce-scatter input;
+      head backward:  `Uh * (a + a + 4) + U_last * a` (head gathered since the end of the
+        forward plus its gradients, the last layer prefetched).
+    Without FSDP (one GPU): autocast keeps `a`-copies of the weights for the step,
+    `a * params` when `a != P`, else 0.
+
+Activations, per GPU. Local tokens `t = local_batch * seq_len / cp`. Everything is bytes per
+local token times `t`, plus one per-layer constant (the router's fp32 weight copy).
+Counting rule ("kept" = held from the forward until the backward uses it): every matmul's
+input in the dtype it is fed; the custom ops' saved inputs (KDA op: q, k, v, g, beta; grouped
+GEMM: its input); SDPA's q, k, v, output and fp32 logsumexp; each chain of elementwise ops
+(casts, gates, SiLU, SiTU, conv taps) keeps its input once; norms keep input + fp32 rstd;
+a tensor used twice counts once. Dtypes as the code produces them. This is what fused
+(compiled) layers need to keep; Inductor's partitioner may keep somewhat less. Eager PyTorch
+keeps several times more: fp32 upcast copies in the AttnRes mixers and norms and every
+intermediate of SiTU and the gates; with saved-tensor hooks on CPU (bf16 weights, the
+small_1gpu widths) eager saved 3.4x (mla+moe) to 5.2x (kda+dense) the bytes per token counted
+here. Treat the numbers as a floor for `[compile] enable = false`. Per token (D = dim,
+I = H*dk, S = AttnRes source slots = `attn_res.max_sources`):
+  sub-layer prologue (x2 per layer): mixer softmax + key-norm stats `2 (S+1) * 4`; mixer
+    output h (pre-norm input) `D s`; rstd 4; normed x (projection input) `D a`.
+  KDA: projections wq|wk|wv concatenated, the conv input `3I a`; q, k after L2 norm and v
+    (op inputs) `3I a`; L2 rstd `2H * 4`; w_f_down output `dk a`; z (gate input) `I a`;
+    g (op input, fp32) `I * 4`; w_beta output `H a`; beta (fp32) `H * 4`; o (op output,
+    head-norm input) `I a`; head-norm rstd `H * 4`; w_gate output `I a`; wo input `I a`.
+    The chunk states `[T/64, H, dk, dv]` fp32 are not kept (the op saves only its inputs and
+    recomputes them): they are in the op's workspace, below.
+  MLA (r_q, r_kv, n = nope, r = shared, v head dims): w_dq output `r_q a` + rstd;
+    normed c_q `r_q a`; q `H(n+r) a`; w_dkv output `(r_kv+r) a` + rstd; normed c_kv
+    `r_kv a`; w_ukv output (k_n | v) `H(n+v) a`; k = [k_n, k_s] `H(n+r) a`; SDPA output
+    `H v a` and logsumexp `H * 4`; o in fp32 (gate product input) `H v * 4`; w_g output
+    `H v a`; w_o input `H v a`.
+  dense FFN (hidden F): w_gate_up output `2F a`; hidden `F a`.
+  LatentMoE (n experts, top-k, latent L, expert hidden h, shared hidden F_s = n_shared *
+    moe_shared_hidden): router input x in fp32 `D * 4`; router scores fp32 `n * 4`; top-k ids
+    int64 and weights fp32 `k (8+4)`; sort order + inverse int64 `2k * 8`; dispatched latent
+    copies `k L a`; expert gate|up pre-activations `k 2h a`; expert hidden `k h a`; expert
+    outputs, unsorted (combine input) `k L a`; u fp32 `L * 4` + rstd; w_latent_up input
+    `L a`; shared experts `2 F_s a + F_s a`. Per layer constant: the router weight cast to
+    fp32, `n D * 4` (when the weight is not already fp32).
+  AttnRes stream: block mode keeps S distinct source buffers `[S, D] s` (one more each time a
+    block closes) and the partial sum b_cur after each sub-layer `2 D s` per layer (1 per
+    layer under AC: only each layer's input); full mode pushes a new `[S, D]` buffer per
+    sub-layer; none mode keeps the running sum `2 D s` per layer.
+  head: a prologue (final mix + norm) and the log-softmax output of the loss `V * 4`.
+  transient peaks: head `V * 8`, two more fp32 `[T, V]` tensors (forward: the fp32 logits
+    next to the `a` ones; backward: the gradients into and out of log-softmax); one layer
+    in backward `2 * largest kept tensor` (the gradients of the op being differentiated)
+    plus workspaces: KDA op (Triton launchers, fp32 per head, C = 64):
+    `(5C + 5dk + 3dv + 2 dk dv / C + 1) * 4 * H` (recomputed forward states G, A_qk, A_kk,
+    A_inv, W, U, v_new, chunk states h, plus dh, dv_new, dA_qk, dA_kk, dq/dk partials, dG,
+    dbeta); QB histogram `32 n` (fp32 margins + temporary, three int64 [T, n] index tensors);
+    EP all-to-all send + receive buffers `2 k L a` (ep > 1); MLA ring-attention K/V double
+    buffer `2 H (n + r + v) a` (cp > 1); AttnRes stream gradients `(S+1) D s`.
+AC modes (torchtitan's `apply_ac`, one checkpoint per decoder layer):
+  none:      kept = all layers' kept tensors + stream + head;
+             peak = kept + max(head transient, max over layers of the layer transient).
+  full:      kept = stream (layer inputs and source buffers) + head; peak adds, for the
+             layer in backward, its whole kept set (recomputed) plus its transient.
+  selective: follows the config's `activation_checkpoint.selective_ac_option`.
+             "op" (op-level SAC with torchtitan's save list): per layer, the outputs of every
+             other `aten.mm` in forward order (1st, 3rd, ...) and the SDPA outputs are kept,
+             plus the layer input; everything else, custom ops (KDA, grouped GEMM) included,
+             is recomputed; peak adds the recomputed rest of one layer plus its transient.
+             An integer k (torchtitan's default "2"): every k-th layer fully checkpointed,
+             the others not at all.
+Fit: `total <= (1 - headroom) * gpu_mem`; the default 10% headroom stands in for what is not
+modelled (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation); it is a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import torch
+
+from titan_moe.config import ConfigError, load_config, model_args_from_config
+from titan_moe.model.args import ModelArgs
+from titan_moe.model.attn_res import max_sources
+from titan_moe.model.decoder import Decoder
+from titan_moe.model.flops import count_params
+
+GIB = 2**30
+AC_MODES = ("none", "selective", "full")
+CP_DEGREES = (1, 2, 4, 8)
+MAX_SEARCH_GPUS = 4096
+KDA_CHUNK = 64  # chunk length of the KDA op (SPEC §1)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# =========================================================================== layouts
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: `n_gpus = dp_replicate * dp_shard * cp`, `ep | dp_shard * cp`."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    ep: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.fsdp % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp_shard * cp ({self.fsdp})")
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks one FSDP shard group spans (torchtitan's `fsdp` mesh: dp_shard * cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP ranks of the routed experts after EP took its share."""
+        return self.fsdp // self.ep
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.fsdp > 1
+
+
+def enumerate_layouts(
+    n_gpus: int, n_experts: int, seq_len: int, hsdp: bool = False
+) -> list[Layout]:
+    """All layouts for `n_gpus` (see the module docstring), in a stable order."""
+    if n_gpus < 1:
+        raise ValueError(f"the GPU count must be >= 1, got {n_gpus}")
+    layouts = []
+    for cp in CP_DEGREES:
+        if n_gpus % cp or seq_len % cp:
+            continue
+        replicas = [1]
+        if hsdp:
+            replicas += [r for r in _powers_of_two(n_gpus // cp) if r > 1 and n_gpus // (cp * r) * cp > 1]
+        for r in replicas:
+            if (n_gpus // cp) % r:
+                continue
+            dp_shard = n_gpus // (cp * r)
+            for ep in range(1, dp_shard * cp + 1):
+                if (dp_shard * cp) % ep == 0 and n_experts % ep == 0:
+                    layouts.append(Layout(r, dp_shard, cp, ep))
+    return layouts
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+# =========================================================================== precision
+@dataclass(frozen=True)
+class Precision:
+    """Byte widths: `param` (training.dtype: params, grads, optimizer states), `compute`
+    (mixed_precision_param), `reduce` (FSDP reduce-scatter, fp32)."""
+
+    param: int
+    compute: int
+    reduce: int = 4
+
+    @classmethod
+    def from_config(cls, config) -> Precision:
+        return cls(
+            param=_DTYPE_BYTES[config.training.dtype],
+            compute=_DTYPE_BYTES[config.training.mixed_precision_param],
+            reduce=_DTYPE_BYTES[config.training.mixed_precision_reduce],
+        )
+
+    def stream(self, fsdp_enabled: bool) -> int:
+        return self.compute if fsdp_enabled else self.param
+
+
+# =========================================================================== parameters
+ShapeCount = Counter  # Counter[(shape, is_expert)] -> number of parameters of that shape
+
+
+@dataclass
+class ParamInventory:
+    """What the meta-device model holds, grouped for the sharding arithmetic.
+
+    shapes: (shape, is_expert) -> count over all parameters.
+    layer_shapes: the same per decoder layer (its FSDP unit, experts included).
+    head_shapes: the `[norm, output]` FSDP unit.
+    """
+
+    total: int
+    routed_experts: int
+    shapes: ShapeCount
+    layer_shapes: list[ShapeCount]
+    head_shapes: ShapeCount
+    buffer_bytes: int
+    n_experts: int
+
+    @property
+    def non_expert(self) -> int:
+        return self.total - self.routed_experts
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".feed_forward.experts." in name
+
+
+def inventory(model: torch.nn.Module, args: ModelArgs) -> ParamInventory:
+    shapes: ShapeCount = Counter()
+    layer_shapes = [Counter() for _ in range(args.n_layers)]
+    head_shapes: ShapeCount = Counter()
+    total = experts = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        expert = is_routed_expert(name)
+        experts += n if expert else 0
+        key = (tuple(p.shape), expert)
+        shapes[key] += 1
+        parts = name.split(".")
+        if parts[0] == "layers":
+            layer_shapes[int(parts[1])][key] += 1
+        elif parts[0] in ("norm", "output"):
+            head_shapes[key] += 1
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return ParamInventory(total, experts, shapes, layer_shapes, head_shapes, buffer_bytes, args.n_routed_experts)
+
+
+def fsdp_shard_numel(shape: tuple[int, ...], degree: int, dim: int = 0) -> int:
+    """Elements of one FSDP2 shard: `torch.chunk` on `dim`, padded to the first chunk."""
+    if not shape:
+        return 1
+    rest = math.prod(shape) // shape[dim]
+    return -(-shape[dim] // degree) * rest
+
+
+def expert_shard_numel(shape: tuple[int, ...], layout: Layout, n_experts: int) -> int:
+    """Elements per GPU of one stacked routed-expert parameter `[E, ...]`."""
+    if layout.ep == 1:
+        return fsdp_shard_numel(shape, layout.fsdp, 0)
+    local = (shape[0] // layout.ep, *shape[1:])
+    dim = 1 if layout.efsdp * layout.ep > n_experts and len(shape) > 1 else 0
+    return fsdp_shard_numel(local, layout.efsdp, dim)
+
+
+def sharded_numel(shapes: ShapeCount, layout: Layout, n_experts: int) -> tuple[int, int]:
+    """Padded elements per GPU of (routed experts, everything else) in `shapes`."""
+    expert = other = 0
+    for (shape, is_expert), count in shapes.items():
+        if is_expert:
+            expert += count * expert_shard_numel(shape, layout, n_experts)
+        else:
+            other += count * fsdp_shard_numel(shape, layout.fsdp, 0)
+    return expert, other
+
+
+def gathered_numel(shapes: ShapeCount, layout: Layout, n_experts: int) -> int:
+    """Elements one GPU holds while a unit is all-gathered: padded shards times the group size
+    (all experts with ep = 1, the E/ep local ones with ep > 1)."""
+    expert, other = sharded_numel(shapes, layout, n_experts)
+    return other * layout.fsdp + expert * (layout.efsdp if layout.ep > 1 else layout.fsdp)
+
+
+@dataclass
+class ParamMemory:
+    """Per-GPU bytes of parameters, gradients, optimizer states, buffers and FSDP buffers."""
+
+    sharded_expert_numel: int  # padded
+    sharded_other_numel: int  # padded
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float
+    fsdp_gathered: float
+    largest_unit: int  # gathered elements of the largest decoder-layer unit
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.buffers + self.fsdp_gathered
+
+
+def param_memory(inv: ParamInventory, layout: Layout, prec: Precision) -> ParamMemory:
+    expert, other = sharded_numel(inv.shapes, layout, inv.n_experts)
+    sharded = expert + other
+    a, red = prec.compute, prec.reduce
+    unit_cache: dict[tuple, int] = {}
+    units = []
+    for shapes in inv.layer_shapes:  # layers of one kind share a signature
+        key = tuple(sorted(shapes.items()))
+        if key not in unit_cache:
+            unit_cache[key] = gathered_numel(shapes, layout, inv.n_experts)
+        units.append(unit_cache[key])
+    largest = max(units, default=0)
+    if layout.fsdp_enabled:
+        layer_peak = largest * (2 * a + a + red)
+        head = gathered_numel(inv.head_shapes, layout, inv.n_experts)
+        head_peak = head * (a + a + red) + (units[-1] if units else 0) * a
+        gathered = float(max(layer_peak, head_peak))
+    else:
+        gathered = float(inv.total * a) if a != prec.param else 0.0
+    return ParamMemory(
+        sharded_expert_numel=expert,
+        sharded_other_numel=other,
+        params=float(sharded * prec.param),
+        grads=float(sharded * prec.param),
+        optimizer=float(2 * sharded * prec.param),
+        buffers=float(inv.buffer_bytes),
+        fsdp_gathered=gathered,
+        largest_unit=largest,
+    )
+
+
+def sharding_checks(inv: ParamInventory, layout: Layout) -> dict[str, bool]:
+    """Unpadded per-GPU shares times the sharding degrees give back the totals.
+
+    Experts take the two-step path (EP on dim 0, then FSDP over efsdp); the check is that it
+    lands on `expert_params / (dp_shard * cp)` and that the classes add up to the total.
+    """
+    ep_share = inv.routed_experts / layout.ep
+    expert_per_gpu = ep_share / layout.efsdp
+    other_per_gpu = inv.non_expert / layout.fsdp
+    return {
+        "experts": math.isclose(expert_per_gpu * layout.ep * layout.efsdp, inv.routed_experts, rel_tol=1e-12)
+        and math.isclose(expert_per_gpu, inv.routed_experts / layout.fsdp, rel_tol=1e-12),
+        "non_experts": math.isclose(other_per_gpu * layout.fsdp, inv.non_expert, rel_tol=1e-12),
+        "classes_sum_to_total": inv.routed_experts + inv.non_expert == inv.total,
+    }
+
+
+# =========================================================================== activations
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a layer's forward, in bytes per local token.
+
+    kept: held until backward with AC off. mm: produced by an `aten.mm` (order matters for
+    op-level SAC). sdpa: an SDPA output (always kept by op-level SAC).
+    """
+
+    name: str
+    bytes: float
+    kept: bool = True
+    mm: bool = False
+    sdpa: bool = False
+
+
+@dataclass
+class LayerActivations:
+    """One decoder layer: its tensors in forward order, its transient workspace, constants."""
+
+    kind: str
+    entries: list[Entry]
+    workspace: float  # bytes per token, alive only while the layer runs backward
+    constant: float = 0.0  # bytes per layer, independent of tokens (kept like `kept` tensors)
+
+    @cached_property
+    def kept(self) -> float:
+        return sum(e.bytes for e in self.entries if e.kept)
+
+    @cached_property
+    def _sac_saved(self) -> list[bool]:
+        """Op-level SAC's choice per entry: every other mm output (1st, 3rd, ...), SDPA outputs."""
+        saved, n_mm = [], 0
+        for e in self.entries:
+            n_mm += e.mm
+            saved.append((e.mm and n_mm % 2 == 1) or e.sdpa)
+        return saved
+
+    @cached_property
+    def sac_kept(self) -> float:
+        """Bytes per token op-level SAC keeps for this layer."""
+        return sum(e.bytes for e, keep in zip(self.entries, self._sac_saved) if keep)
+
+    @cached_property
+    def sac_recompute(self) -> float:
+        """Bytes per token a SAC backward rematerialises: the kept tensors SAC did not keep."""
+        return sum(e.bytes for e, keep in zip(self.entries, self._sac_saved) if e.kept and not keep)
+
+    @cached_property
+    def transient(self) -> float:
+        largest = max((e.bytes for e in self.entries if e.kept), default=0.0)
+        return 2 * largest + self.workspace
+
+
+def _prologue(prefix: str, args: ModelArgs, s: int, a: int) -> list[Entry]:
+    D = args.dim
+    out = []
+    if args.attn_res != "none":
+        S = max_sources(args.attn_res, args.n_layers, args.attn_res_block_size)
+        out.append(Entry(f"{prefix}.mix_stats", 2 * (S + 1) * 4))
+        out.append(Entry(f"{prefix}.mix_out", D * s))
+    out.append(Entry(f"{prefix}.norm_rstd", 4))
+    out.append(Entry(f"{prefix}.norm_out", D * a))
+    return out
+
+
+def _kda(args: ModelArgs, a: int) -> tuple[list[Entry], float]:
+    H, dk = args.kda_n_heads, args.kda_head_dim
+    dv, I, D, C = dk, H * dk, args.dim, KDA_CHUNK
+    e = [
+        Entry("kda.wq", I * a, kept=False, mm=True),
+        Entry("kda.wk", I * a, kept=False, mm=True),
+        Entry("kda.wv", I * a, kept=False, mm=True),
+        Entry("kda.qkv_conv_in", 3 * I * a),
+        Entry("kda.qkv_op_in", 3 * I * a),
+        Entry("kda.l2_rstd", 2 * H * 4),
+        Entry("kda.w_f_down", dk * a, mm=True),
+        Entry("kda.w_f_up", I * a, mm=True),
+        Entry("kda.g_fp32", I * 4),
+        Entry("kda.w_beta", H * a, mm=True),
+        Entry("kda.beta_fp32", H * 4),
+        Entry("kda.o", I * a),
+        Entry("kda.head_rstd", H * 4),
+        Entry("kda.w_gate", I * a, mm=True),
+        Entry("kda.wo_in", I * a),
+        Entry("kda.wo", D * a, kept=False, mm=True),
+    ]
+    workspace = (5 * C + 5 * dk + 3 * dv + 2 * dk * dv / C + 1) * 4 * H
+    return e, workspace
+
+
+def _mla(args: ModelArgs, a: int, cp: int) -> tuple[list[Entry], float]:
+    H, D = args.mla_n_heads, args.dim
+    rq, rkv = args.mla_q_lora_rank, args.mla_kv_lora_rank
+    n, r, v = args.mla_qk_nope_head_dim, args.mla_qk_shared_dim, args.mla_v_head_dim
+    e = [
+        Entry("mla.w_dq", rq * a, mm=True),
+        Entry("mla.q_norm_rstd", 4),
+        Entry("mla.c_q", rq * a),
+        Entry("mla.w_uq", H * (n + r) * a, mm=True),
+        Entry("mla.w_dkv", (rkv + r) * a, mm=True),
+        Entry("mla.kv_norm_rstd", 4),
+        Entry("mla.c_kv", rkv * a),
+        Entry("mla.w_ukv", H * (n + v) * a, mm=True),
+        Entry("mla.k", H * (n + r) * a),
+        Entry("mla.sdpa_out", H * v * a, sdpa=True),
+        Entry("mla.sdpa_lse", H * 4, sdpa=True),
+        Entry("mla.o_fp32", H * v * 4),
+        Entry("mla.w_g", H * v * a, mm=True),
+        Entry("mla.w_o_in", H * v * a),
+        Entry("mla.w_o", D * a, kept=False, mm=True),
+    ]
+    workspace = 2 * H * (n + r + v) * a if cp > 1 else 0.0
+    return e, workspace
+
+
+def _dense_ffn(args: ModelArgs, a: int) -> list[Entry]:
+    F, D = args.dense_hidden, args.dim
+    return [
+        Entry("ffn.w_gate_up", 2 * F * a, mm=True),
+        Entry("ffn.hidden", F * a),
+        Entry("ffn.w_down", D * a, kept=False, mm=True),
+    ]
+
+
+def _moe(args: ModelArgs, a: int, ep: int) -> tuple[list[Entry], float]:
+    D, n, k = args.dim, args.n_routed_experts, args.top_k
+    L, h = args.moe_latent_dim, args.moe_expert_hidden
+    e = [
+        Entry("moe.router_in_fp32", D * 4),
+        Entry("moe.router_scores", n * 4, mm=True),
+        Entry("moe.topk_ids_weights", k * (8 + 4)),
+        Entry("moe.w_latent_down", L * a, kept=False, mm=True),
+        Entry("moe.sort_order_inverse", 2 * k * 8),
+        Entry("moe.dispatched", k * L * a),
+        Entry("moe.expert_gate_up", k * 2 * h * a),
+        Entry("moe.expert_hidden", k * h * a),
+        Entry("moe.expert_out", k * L * a),
+        Entry("moe.u_fp32", L * 4 + 4),
+        Entry("moe.w_latent_up_in", L * a),
+        Entry("moe.w_latent_up", D * a, kept=False, mm=True),
+    ]
+    if args.n_shared_experts > 0:
+        Fs = args.n_shared_experts * args.moe_shared_hidden
+        e += [
+            Entry("moe.shared_gate_up", 2 * Fs * a, mm=True),
+            Entry("moe.shared_hidden", Fs * a),
+            Entry("moe.shared_down", D * a, kept=False, mm=True),
+        ]
+    workspace = 0.0
+    if args.balance_rule == "qb" and args.qb_bins > 0 and k < n:
+        workspace += 32 * n
+    if ep > 1:
+        workspace += 2 * k * L * a
+    return e, workspace
+
+
+def layer_activations(
+    args: ModelArgs, layer_idx: int, prec: Precision, layout: Layout
+) -> LayerActivations:
+    """The tensors of decoder layer `layer_idx` in forward order (bytes per local token)."""
+    a, s = prec.compute, prec.stream(layout.fsdp_enabled)
+    kind = args.layer_kinds()[layer_idx]
+    entries = _prologue("attn", args, s, a)
+    if kind == "kda":
+        attn, workspace = _kda(args, a)
+    else:
+        attn, workspace = _mla(args, a, layout.cp)
+    entries += attn
+    entries += _prologue("ffn", args, s, a)
+    constant = 0.0
+    if args.is_moe_layer(layer_idx):
+        moe, moe_ws = _moe(args, a, layout.ep)
+        entries += moe
+        workspace += moe_ws
+        weight_bytes = a if layout.fsdp_enabled else prec.param
+        if weight_bytes != 4:
+            constant = args.n_routed_experts * args.dim * 4
+        kind += "+moe"
+    else:
+        entries += _dense_ffn(args, a)
+        kind += "+dense"
+    return LayerActivations(kind, entries, workspace, constant)
+
+
+def model_activations(args: ModelArgs, prec: Precision, layout: Layout) -> list[LayerActivations]:
+    """Every layer's `LayerActivations`; layers of one kind share one object."""
+    by_kind: dict[tuple[str, bool], LayerActivations] = {}
+    layers = []
+    for i, kind in enumerate(args.layer_kinds()):
+        key = (kind, args.is_moe_layer(i))
+        if key not in by_kind:
+            by_kind[key] = layer_activations(args, i, prec, layout)
+        layers.append(by_kind[key])
+    return layers
+
+
+@dataclass
+class ActivationMemory:
+    """Per-GPU activation bytes for one AC mode: `kept` until backward, `peak` = kept plus
+    the largest transient."""
+
+    ac: str
+    tokens: int
+    kept: float
+    peak: float
+    detail: dict[str, float] = field(default_factory=dict)
+
+
+def layer_policies(ac: str, n_layers: int, sac_option: str = "op") -> list[str]:
+    """Per layer "none" | "full" | "op" for an AC mode, as torchtitan 0.2.2's `apply_ac` wraps them.
+
+    selective with `sac_option` "op": op-level SAC on every layer; with an integer k: layer-level
+    SAC, every k-th layer (1-based count) fully checkpointed and the others not at all.
+    """
+    if ac not in AC_MODES:
+        raise ValueError(f"ac must be one of {AC_MODES}, got {ac!r}")
+    if ac != "selective":
+        return [ac] * n_layers
+    if sac_option == "op":
+        return ["op"] * n_layers
+    if not sac_option.isdigit():
+        raise ValueError(f"selective_ac_option must be 'op' or an integer, got {sac_option!r}")
+    k = int(sac_option)
+    return ["full" if k == 0 or (i + 1) % k == 0 else "none" for i in range(n_layers)]
+
+
+def _stream_bytes_per_token(args: ModelArgs, s: int, policies: list[str]) -> float:
+    """AttnRes stream tensors kept: per layer 2 partial sums (1 when the layer is checkpointed:
+    only its input), plus the source buffers (block: one per closed block; full: one per push)."""
+    D, L = args.dim, args.n_layers
+    per_layer = sum(2 if p == "none" else 1 for p in policies)
+    if args.attn_res == "none":
+        return per_layer * D * s
+    S = max_sources(args.attn_res, L, args.attn_res_block_size)
+    if args.attn_res == "block":
+        return S * S * D * s + per_layer * D * s
+    return (1 + per_layer) * S * D * s  # full mode: every sub-layer pushes a new [S, D] buffer
+
+
+def _head_kept_per_token(args: ModelArgs, s: int, a: int) -> float:
+    return sum(e.bytes for e in _prologue("head", args, s, a)) + args.vocab_size * 4
+
+
+def activation_memory(
+    args: ModelArgs, prec: Precision, layout: Layout, ac: str, local_batch: int, seq_len: int,
+    layers: list[LayerActivations] | None = None, sac_option: str = "op",
+) -> ActivationMemory:
+    """Activation bytes per GPU at `local_batch * seq_len / cp` local tokens (see module docstring).
+
+    `layers` (from `model_activations`) may be passed to reuse them across AC modes;
+    `sac_option` is torchtitan's `selective_ac_option` ("op" or a layer frequency).
+    """
+    if seq_len % layout.cp:
+        raise ValueError(f"seq_len ({seq_len}) must be divisible by cp ({layout.cp})")
+    if local_batch < 0 or seq_len < 0:
+        raise ValueError(f"local_batch and seq_len must be >= 0, got {local_batch}, {seq_len}")
+    policies = layer_policies(ac, args.n_layers, sac_option)
+    t = local_batch * seq_len // layout.cp
+    a, s = prec.compute, prec.stream(layout.fsdp_enabled)
+    D = args.dim
+    if layers is None:
+        layers = model_activations(args, prec, layout)
+
+    layer_kept = 0.0
+    layer_peak = 0.0
+    for layer, policy in zip(layers, policies):
+        if policy == "none":
+            layer_kept += layer.kept * t + layer.constant
+            peak = layer.transient * t
+        elif policy == "full":
+            peak = (layer.kept + layer.transient) * t + layer.constant
+        else:
+            layer_kept += layer.sac_kept * t
+            peak = (layer.sac_recompute + layer.transient) * t + layer.constant
+        layer_peak = max(layer_peak, peak)
+    S = max_sources(args.attn_res, args.n_layers, args.attn_res_block_size)
+    stream_grads = ((S + 1) if args.attn_res != "none" else 2) * D * s * t
+    stream = _stream_bytes_per_token(args, s, policies) * t
+    head_kept = _head_kept_per_token(args, s, a) * t
+    head_transient = args.vocab_size * 8 * t
+    kept = layer_kept + stream + head_kept
+    transient = max(head_transient, layer_peak) + stream_grads
+    detail = {"layers_kept": layer_kept, "stream_kept": stream, "head_kept": head_kept, "transient": transient}
+    return ActivationMemory(ac, t, kept, kept + transient, detail)
+
+
+# =========================================================================== evaluation
+@dataclass
+class LayoutPlan:
+    layout: Layout
+    params: ParamMemory
+    activations: dict[str, ActivationMemory]
+
+    def total(self, ac: str) -> float:
+        return self.params.total + self.activations[ac].peak
+
+    def fits(self, ac: str, usable_bytes: float) -> bool:
+        return self.total(ac) <= usable_bytes
+
+    def summary(self, usable_bytes: float) -> dict:
+        p = self.params
+        return {
+            "dp_replicate": self.layout.dp_replicate,
+            "dp_shard": self.layout.dp_shard,
+            "cp": self.layout.cp,
+            "ep": self.layout.ep,
+            "local_tokens": self.activations["none"].tokens,
+            "gib": {
+                "params": p.params / GIB,
+                "grads": p.grads / GIB,
+                "optimizer": p.optimizer / GIB,
+                "buffers": p.buffers / GIB,
+                "fsdp_gathered": p.fsdp_gathered / GIB,
+                **{f"activations_{ac}": self.activations[ac].peak / GIB for ac in AC_MODES},
+                **{f"total_{ac}": self.total(ac) / GIB for ac in AC_MODES},
+            },
+            "fits": {ac: self.fits(ac, usable_bytes) for ac in AC_MODES},
+        }
+
+
+def plan_layout(
+    args: ModelArgs, inv: ParamInventory, prec: Precision, layout: Layout, local_batch: int, seq_len: int,
+    sac_option: str = "op",
+) -> LayoutPlan:
+    layers = model_activations(args, prec, layout)
+    acts = {
+        ac: activation_memory(args, prec, layout, ac, local_batch, seq_len, layers, sac_option) for ac in AC_MODES
+    }
+    return LayoutPlan(layout, param_memory(inv, layout, prec), acts)
+
+
+def plan_gpus(
+    args: ModelArgs, inv: ParamInventory, prec: Precision, n_gpus: int, local_batch: int, seq_len: int,
+    hsdp: bool = False, sac_option: str = "op",
+) -> list[LayoutPlan]:
+    layouts = enumerate_layouts(n_gpus, args.n_routed_experts, seq_len, hsdp)
+    return [plan_layout(args, inv, prec, lay, local_batch, seq_len, sac_option) for lay in layouts]
+
+
+def min_gpus(
+    args: ModelArgs, inv: ParamInventory, prec: Precision, local_batch: int, seq_len: int, usable_bytes: float,
+    sac_option: str = "op",
+) -> dict[str, int | None]:
+    """Fewest GPUs (powers of two up to MAX_SEARCH_GPUS) with a fitting layout, per AC mode."""
+    found: dict[str, int | None] = {ac: None for ac in AC_MODES}
+    for n in _powers_of_two(MAX_SEARCH_GPUS):
+        plans = plan_gpus(args, inv, prec, n, local_batch, seq_len, sac_option=sac_option)
+        for ac in AC_MODES:
+            if found[ac] is None and any(p.fits(ac, usable_bytes) for p in plans):
+                found[ac] = n
+        if all(v is not None for v in found.values()):
+            break
+    return found
+
+
+# =========================================================================== CLI
+@dataclass
+class PlanOptions:
+    gpus: int | None = None
+    gpu_mem_gib: float = 141.0
+    ac: str | None = None
+    seq_len: int | None = None
+    local_batch: int | None = None
+    headroom: float = 0.10
+    hsdp: bool = False
+    top: int = 5
+
+
+_OPTIONS = {
+    "--gpus": ("gpus", int),
+    "--gpu-mem-gib": ("gpu_mem_gib", float),
+    "--ac": ("ac", str),
+    "--seq-len": ("seq_len", int),
+    "--local-batch": ("local_batch", int),
+    "--headroom": ("headroom", float),
+    "--top": ("top", int),
+}
+
+
+def parse_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
+    """Split our options from the config arguments; raise ConfigError (one line) on a mistake."""
+    opts = PlanOptions()
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if key == "--hsdp":
+            opts = replace(opts, hsdp=True)
+            i += 1
+            continue
+        if key not in _OPTIONS:
+            rest.append(arg)
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command line: {key} needs a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        name, tp = _OPTIONS[key]
+        try:
+            parsed = tp(value)
+        except ValueError:
+            raise ConfigError(f"command line: bad value for {key} {value!r}: expected {tp.__name__}") from None
+        opts = replace(opts, **{name: parsed})
+    if opts.gpus is None:
+        raise ConfigError("command line: --gpus N is required")
+    checks = [
+        (opts.gpus >= 1, f"--gpus must be >= 1, got {opts.gpus}"),
+        (opts.gpu_mem_gib > 0, f"--gpu-mem-gib must be > 0, got {opts.gpu_mem_gib}"),
+        (opts.ac is None or opts.ac in AC_MODES, f"--ac must be one of {'|'.join(AC_MODES)}, got {opts.ac!r}"),
+        (opts.seq_len is None or opts.seq_len >= 1, f"--seq-len must be >= 1, got {opts.seq_len}"),
+        (opts.local_batch is None or opts.local_batch >= 1, f"--local-batch must be >= 1, got {opts.local_batch}"),
+        (0 <= opts.headroom < 1, f"--headroom must lie in [0, 1), got {opts.headroom}"),
+        (opts.top >= 1, f"--top must be >= 1, got {opts.top}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"command line: {message}")
+    return opts, rest
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.1f}"
+
+
+def _print_table(plans: list[LayoutPlan], usable: float, ac: str) -> None:
+    print(f"  {'rep':>4} {'shard':>6} {'cp':>3} {'ep':>4} {'tokens':>7} | {'params':>8} {'grads':>8} {'optim':>8} "
+          f"{'buffers':>8} {'gathered':>8} | {'act:none':>8} {'sel':>8} {'full':>8} | "
+          f"{'tot:none':>8} {'sel':>8} {'full':>8}")
+    for p in plans:
+        lay, m = p.layout, p.params
+        marks = "".join("*" if p.fits(mode, usable) else "." for mode in AC_MODES)
+        print(f"  {lay.dp_replicate:>4} {lay.dp_shard:>6} {lay.cp:>3} {lay.ep:>4} {p.activations[ac].tokens:>7} | "
+              f"{_gib(m.params)} {_gib(m.grads)} {_gib(m.optimizer)} {_gib(m.buffers)} {_gib(m.fsdp_gathered)} | "
+              + " ".join(_gib(p.activations[mode].peak) for mode in AC_MODES) + " | "
+              + " ".join(_gib(p.total(mode)) for mode in AC_MODES) + f"  {marks}")
+
+
+def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout) -> None:
+    """Bytes per local token of each layer kind (the layout only matters through its flags)."""
+    seen: dict[str, LayerActivations] = {}
+    for layer in model_activations(args, prec, layout):
+        seen.setdefault(layer.kind, layer)
+    parts = [
+        f"{kind} kept {l.kept / 1024:.0f} / SAC {l.sac_kept / 1024:.0f} / transient {l.transient / 1024:.0f}"
+        for kind, l in seen.items()
+    ]
+    s = prec.stream(layout.fsdp_enabled)
+    stream = _stream_bytes_per_token(args, s, ["none"] * args.n_layers) / 1024
+    head = _head_kept_per_token(args, s, prec.compute) / 1024
+    print(f"  activations, KiB per local token (ep={layout.ep}, cp={layout.cp}): " + "; ".join(parts)
+          + f"; AttnRes stream {stream:.0f} (all layers); head {head:.0f}")
+
+
+def run_plan(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts, rest = parse_args(argv)
+    config = load_config(rest)
+    args = model_args_from_config(config)
+    seq_len = opts.seq_len or config.training.seq_len
+    local_batch = opts.local_batch or config.training.local_batch_size
+    ac = opts.ac or config.activation_checkpoint.mode
+    if ac not in AC_MODES:
+        raise ConfigError(f"activation_checkpoint.mode {ac!r} is not modelled; pass --ac none|selective|full")
+    prec = Precision.from_config(config)
+    usable = (1 - opts.headroom) * opts.gpu_mem_gib * GIB
+
+    with torch.device("meta"):
+        model = Decoder(args)
+    counts = count_params(model, args)
+    inv = inventory(model, args)
+    sac_option = config.activation_checkpoint.selective_ac_option
+    if sac_option != "op" and not sac_option.isdigit():
+        raise ConfigError(f"activation_checkpoint.selective_ac_option must be 'op' or an integer, got {sac_option!r}")
+    plans = plan_gpus(args, inv, prec, opts.gpus, local_batch, seq_len, opts.hsdp, sac_option)
+    assert plans, "dp_shard = N, cp = ep = 1 is always a layout"
+    checks = {"params_match_inspect": counts.total == inv.total and counts.routed_experts == inv.routed_experts}
+    shard_ok = all(all(sharding_checks(inv, p.layout).values()) for p in plans)
+    checks["shard_sums_match_totals"] = shard_ok
+
+    print(f"titan_moe.plan: {config.job.config_file}  flavor={config.model.flavor}  "
+          f"params {inv.total:,} (routed experts {inv.routed_experts:,}, other {inv.non_expert:,}); "
+          f"buffers {inv.buffer_bytes / GIB:.2f} GiB")
+    training = config.training
+    print(f"  bytes: params/grads/optimizer in {training.dtype} ({4 * prec.param} B per sharded param "
+          f"with AdamW), compute {training.mixed_precision_param}, reduce {training.mixed_precision_reduce}")
+    print(f"  tokens per GPU = local_batch {local_batch} x seq_len {seq_len} / cp;  fit: total <= "
+          f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
+          f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
+    sac_text = "op-level SAC" if sac_option == "op" else f"layer SAC, 1 layer in {sac_option} checkpointed"
+    print(f"  AC: one checkpoint per decoder layer; selective = {sac_text} "
+          f"(activation_checkpoint.selective_ac_option = {sac_option!r})")
+    print(f"  sanity: total params == inspect's total: {checks['params_match_inspect']};  "
+          f"per-GPU shards x degrees == totals: {checks['shard_sums_match_totals']}")
+    _print_activation_summary(args, prec, plans[0].layout)
+    compiled = config.compile.enable and "model" in config.compile.components
+    if not compiled:
+        print("  note: [compile] is off; the activation counts assume fused (compiled) layers, and eager "
+              "PyTorch keeps several times more per layer (see the module docstring)")
+    print(f"\n{opts.gpus} GPUs, {len(plans)} layouts (GiB per GPU; marks: fits with AC none/selective/full):")
+    _print_table(plans, usable, ac)
+
+    fitting = sorted((p for p in plans if p.fits(ac, usable)), key=lambda p: p.total(ac))
+    print(f"\nsmallest fitting layouts, ac={ac}:" if fitting else f"\nno layout fits on {opts.gpus} GPUs with ac={ac}")
+    for p in fitting[: opts.top]:
+        lay = p.layout
+        print(f"  dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} ep={lay.ep}: "
+              f"{p.total(ac) / GIB:.1f} GiB")
+    fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option)
+    print(f"fewest GPUs (powers of two <= {MAX_SEARCH_GPUS}) with a fitting layout: "
+          + ", ".join(f"{mode}={fewest[mode] if fewest[mode] is not None else 'none'}" for mode in AC_MODES))
+    return {
+        "config": config.job.config_file,
+        "flavor": config.model.flavor,
+        "gpus": opts.gpus,
+        "gpu_mem_gib": opts.gpu_mem_gib,
+        "headroom": opts.headroom,
+        "usable_gib": usable / GIB,
+        "ac": ac,
+        "selective_ac_option": sac_option,
+        "seq_len": seq_len,
+        "local_batch": local_batch,
+        "precision": {"param": config.training.dtype, "compute": config.training.mixed_precision_param,
+                      "reduce": config.training.mixed_precision_reduce},
+        "total_params": inv.total,
+        "routed_expert_params": inv.routed_experts,
+        "other_params": inv.non_expert,
+        "fits": bool(fitting),
+        "best": [p.summary(usable) for p in fitting[: opts.top]],
+        "layouts": [p.summary(usable) for p in plans],
+        "min_gpus": fewest,
+        "sanity": checks,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        summary = run_plan(argv)
+    except ConfigError as e:
+        print(f"titan_moe.plan: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
