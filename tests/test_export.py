@@ -1,0 +1,323 @@
+"""Export: .pt2 programs against the eager model, decode state, graph dumps, the CLI.
+
+One CLI run (in process, on a tiny model saved as a DCP checkpoint) produces the files
+that most tests read. Tolerances: an exported program runs the same ATen ops as the eager
+model on the same CPU, so outputs agree to fp32 rounding (matmul blocking can differ with
+the batch shape); 1e-5 relative error leaves room for that and nothing more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titan_moe.config import load_config, model_args_from_config
+from titan_moe.export import (
+    DecodeStep,
+    PackedPrefill,
+    Prefill,
+    custom_ops_in,
+    empty_state,
+    load_program,
+    state_from_caches,
+    state_specs,
+)
+from titan_moe.export.cli import main
+from titan_moe.flavors import FLAVORS
+from titan_moe.model.decoder import Decoder
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "debug_cpu.toml")
+# Two layers keep export and reload quick: a KDA layer with the dense FFN, an MLA layer with the MoE.
+SMALL = dict(
+    vocab_size=512, dim=64, n_layers=2, kda_head_dim=16, mla_q_lora_rank=32, moe_latent_dim=32,
+    dense_hidden=128, moe_expert_hidden=64, moe_shared_hidden=64,
+)
+ARGS = dataclasses.replace(FLAVORS["debug"], **SMALL)
+# Four layers (both attention kinds with the MoE, two AttnRes blocks) for the eager-only tests.
+ARGS4 = dataclasses.replace(ARGS, n_layers=4)
+MODEL_ARGV = [a for k, v in SMALL.items() for a in (f"--model.{k}", str(v))]
+CAPACITY = 80  # > 64: prompts can span two KDA chunks
+TOL = 1e-5  # see the module docstring
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_model(args=ARGS, seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    model = Decoder(args)
+    model.init_weights()
+    with torch.no_grad():  # non-uniform AttnRes mixing (the init is all zeros)
+        for name, p in model.named_parameters():
+            if name.endswith("query"):
+                p.normal_(std=0.5)
+    return model.eval()
+
+
+def assert_states_close(got: tuple, want: tuple, names: list[str]) -> None:
+    assert len(got) == len(want) == len(names)
+    for g, w, name in zip(got, want, names):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        if g.dtype == torch.int64:
+            assert torch.equal(g, w), name
+        elif w.abs().max() > 0:
+            assert rel(g, w) < TOL, name
+        else:
+            assert g.abs().max() == 0, name
+
+
+def eager_prefill(model: Decoder, tokens: torch.Tensor, capacity: int):
+    caches = model.new_caches(tokens.shape[0], capacity)
+    with torch.no_grad():
+        logits = model(tokens, caches=caches)
+    return logits, caches
+
+
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The CLI (pt2 + graphs) on a tiny model loaded from a DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp = tmp_path_factory.mktemp("export")
+    model = make_model()
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp / "ckpt"))
+    argv = ["--job.config_file", CONFIG, *MODEL_ARGV, "--checkpoint", str(tmp / "ckpt"),
+            "--out", str(tmp / "out"), "--capacity", str(CAPACITY), "--seq_len", "64"]
+    assert model_args_from_config(load_config(argv[:2] + MODEL_ARGV)) == ARGS
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        main(argv)  # returns normally: exit code 0
+    return SimpleNamespace(model=model, out=tmp / "out", stdout=stdout.getvalue())
+
+
+@pytest.fixture(scope="module")
+def programs(run):
+    return {name: load_program(run.out / f"{name}.pt2") for name in ("prefill", "prefill_packed", "decode_step")}
+
+
+# ---------------------------------------------------------------------------------------
+def test_cli_lists_what_it_wrote(run):
+    listed = [Path(line.strip()) for line in run.stdout.split("outputs:\n")[1].splitlines() if line.strip()]
+    names = {p.relative_to(run.out).as_posix() for p in listed}
+    assert {"prefill.pt2", "prefill_packed.pt2", "decode_step.pt2", "manifest.json", "graphs/index.json"} <= names
+    assert all(p.is_file() and p.stat().st_size > 0 for p in listed)
+    manifest = json.loads((run.out / "manifest.json").read_text())
+    assert [s["name"] for s in manifest["state"]] == [s.name for s in state_specs(ARGS, torch.float32)]
+    assert manifest["capacity"] == CAPACITY
+    assert "aoti" not in names and not (run.out / "aoti").exists()  # opt-in
+
+
+def test_prefill_program_matches_eager_at_two_lengths(run, programs):
+    prefill = programs["prefill"].module()
+    names = [s.name for s in state_specs(ARGS, torch.float32)]
+    for B, T in [(2, 5), (3, 70)]:  # one program, dynamic batch and prompt length
+        tokens = torch.randint(0, ARGS.vocab_size, (B, T))
+        logits, state = prefill(tokens)
+        want_logits, caches = eager_prefill(run.model, tokens, CAPACITY)
+        assert logits.shape == (B, T, ARGS.vocab_size)
+        assert rel(logits, want_logits) < TOL
+        with torch.no_grad():
+            assert rel(logits, run.model(tokens)) < TOL  # the plain training forward too
+        assert_states_close(state, state_from_caches(caches), names)
+
+
+def test_decode_program_matches_eager_cache_path(run, programs):
+    prefill, decode = programs["prefill"].module(), programs["decode_step"].module()
+    names = [s.name for s in state_specs(ARGS, torch.float32)]
+    B, T = 2, 9
+    tokens = torch.randint(0, ARGS.vocab_size, (B, T))
+    _, state = prefill(tokens)
+    _, caches = eager_prefill(run.model, tokens, CAPACITY)
+    for _ in range(3):
+        step = torch.randint(0, ARGS.vocab_size, (B, 1))
+        logits, state = decode(step, state)
+        with torch.no_grad():
+            want = run.model(step, caches=caches)
+        assert logits.shape == (B, 1, ARGS.vocab_size)
+        assert rel(logits, want) < TOL
+    assert_states_close(state, state_from_caches(caches), names)
+
+
+def test_decode_program_takes_any_capacity_and_batch(run, programs):
+    decode = programs["decode_step"].module()
+    tokens = torch.randint(0, ARGS.vocab_size, (1, 6))
+    _, caches = eager_prefill(run.model, tokens, 11)  # eager caches of another capacity, batch 1
+    state = state_from_caches(caches)
+    step = torch.randint(0, ARGS.vocab_size, (1, 1))
+    logits, new_state = decode(step, state)
+    with torch.no_grad():
+        want = run.model(step, caches=caches)
+    assert rel(logits, want) < TOL
+    assert_states_close(new_state, state_from_caches(caches), [s.name for s in state_specs(ARGS, torch.float32)])
+    # A one-token prompt: a decode step from the empty state equals an eager one-token prefill.
+    first = torch.randint(0, ARGS.vocab_size, (3, 1))
+    logits, _ = decode(first, empty_state(ARGS, 3, 7))
+    want, _ = eager_prefill(run.model, first, 7)
+    assert rel(logits, want) < TOL
+
+
+def test_packed_prefill_state_continues_each_rows_last_document(run, programs):
+    prefill, decode = programs["prefill_packed"].module(), programs["decode_step"].module()
+    B, T = 2, 37
+    tokens = torch.randint(0, ARGS.vocab_size, (B, T))
+    doc_ids = torch.zeros(B, T, dtype=torch.int32)
+    doc_ids[0, 12:] = 1  # row 0: 12 + 25 tokens; row 1: 5 + 30 + 2 (a last document shorter than the conv)
+    doc_ids[1, 5:] = 1
+    doc_ids[1, 35:] = 2
+    starts = [12, 35]
+    logits, state = prefill(tokens, doc_ids)
+    with torch.no_grad():
+        assert rel(logits, run.model(tokens, doc_ids)) < TOL
+    assert state[1].tolist() == starts
+    step = torch.randint(0, ARGS.vocab_size, (B, 1))
+    step_logits, _ = decode(step, state)
+    for b, start in enumerate(starts):  # eager: the last document alone, then the same token
+        _, caches = eager_prefill(run.model, tokens[b : b + 1, start:], CAPACITY)
+        with torch.no_grad():
+            want = run.model(step[b : b + 1], caches=caches)
+        assert rel(step_logits[b : b + 1], want) < TOL
+
+
+def test_custom_ops_stay_ops_in_the_programs(programs):
+    for name in ("prefill", "prefill_packed"):
+        code = programs[name].graph_module.code
+        assert "titan_moe.kda_chunk_fwd" in code and "titan_moe.grouped_mm" in code, name
+        assert custom_ops_in(programs[name]) == ["titan_moe.grouped_mm", "titan_moe.kda_chunk_fwd"]
+    # Decoding one token uses the recurrent KDA step (plain PyTorch), not the chunk op.
+    assert custom_ops_in(programs["decode_step"]) == ["titan_moe.grouped_mm"]
+
+
+def test_graph_dumps_name_our_ops(run):
+    graphs = run.out / "graphs"
+    index = json.loads((graphs / "index.json").read_text())
+    assert index.keys() == {"kda_dense", "mla_moe"}
+    assert index["kda_dense"]["layers"] == [0] and index["mla_moe"]["layers"] == [1]
+
+    def read(kind: str, stem: str) -> str:
+        return (graphs / kind / f"{stem}_0.py").read_text()
+
+    for kind in index:
+        assert {f"{kind}/{s}_0.py" for s in ("dynamo_graph", "aot_forward", "aot_backward")} <= set(index[kind]["files"])
+    assert "titan_moe.kda_chunk_fwd" in read("kda_dense", "dynamo_graph")
+    assert "titan_moe.kda_chunk_fwd" in read("kda_dense", "aot_forward")
+    assert "titan_moe.kda_chunk_bwd" in read("kda_dense", "aot_backward")
+    assert "titan_moe.grouped_mm" in read("mla_moe", "dynamo_graph")
+    assert "titan_moe.grouped_mm.default" in read("mla_moe", "aot_forward")
+    backward = read("mla_moe", "aot_backward")
+    assert "titan_moe.grouped_mm_dx" in backward and "titan_moe.grouped_mm_dw" in backward
+    assert "titan_moe.kda_chunk_fwd" not in read("mla_moe", "dynamo_graph")
+    assert index["kda_dense"]["custom_ops"] == ["titan_moe.kda_chunk_bwd", "titan_moe.kda_chunk_fwd"]
+    assert index["mla_moe"]["custom_ops"] == ["titan_moe.grouped_mm", "titan_moe.grouped_mm_dw", "titan_moe.grouped_mm_dx"]
+
+
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attn_res", ["block", "full", "none"])
+def test_wrappers_equal_the_eager_cache_path(attn_res):
+    """The wrappers' own maths (no export) over several decode steps and AttnRes modes."""
+    args = dataclasses.replace(ARGS4, attn_res=attn_res)
+    model = make_model(args, seed=1)
+    B, T, capacity = 3, 13, 24
+    tokens = torch.randint(0, args.vocab_size, (B, T))
+    with torch.no_grad():
+        logits, state = Prefill(model, capacity)(tokens)
+        want, caches = eager_prefill(model, tokens, capacity)
+        assert rel(logits, want) < TOL
+        for _ in range(4):
+            step = torch.randint(0, args.vocab_size, (B, 1))
+            logits, state = DecodeStep(model)(step, state)
+            assert rel(logits, model(step, caches=caches)) < TOL
+        assert_states_close(state, state_from_caches(caches), [s.name for s in state_specs(args, torch.float32)])
+        # Packed prefill with one document per row is the plain prefill.
+        packed_logits, packed_state = PackedPrefill(model, capacity)(tokens, torch.zeros(B, T, dtype=torch.int32))
+        plain_logits, plain_state = Prefill(model, capacity)(tokens)
+        assert rel(packed_logits, plain_logits) < TOL
+        assert_states_close(packed_state, plain_state, [s.name for s in state_specs(args, torch.float32)])
+
+
+BAD_ARGS = [
+    ([], "--out DIR is required"),
+    (["--out", "x", "--what", "pt3"], "--what"),
+    (["--out", "x", "--capacity", "0"], "--capacity"),
+    (["--out", "x", "--batch", "two"], "--batch"),
+    (["--out", "x", "--what", "pt2", "--inductor"], "--inductor"),
+    (["--out", "x", "--checkpoint", "/no/such/folder"], "checkpoint folder not found"),
+    (["--out", "x", "--model.no_such_key", "1"], "no_such_key"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_ARGS)
+def test_bad_arguments_give_one_line_and_exit_2(extra, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["--job.config_file", CONFIG, *extra])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("titan_moe.export: error:") and message in err, err
+
+
+def test_module_entry_point_reports_errors_with_exit_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_moe.export", "--job.config_file", CONFIG, "--out", str(tmp_path), "--what", "x"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("titan_moe.export: error:") and len(proc.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("TITAN_MOE_TEST_AOTI") != "1",
+    reason="AOTInductor builds C++ for each program (about a minute per program for this tiny model "
+    "on 2 cores); set TITAN_MOE_TEST_AOTI=1 to run",
+)
+def test_aoti_packages_match_eager(run, programs, tmp_path):
+    from titan_moe.export import aoti_package
+
+    prefill = torch._inductor.aoti_load_package(str(aoti_package(programs["prefill"], tmp_path / "prefill.pt2")))
+    decode = torch._inductor.aoti_load_package(str(aoti_package(programs["decode_step"], tmp_path / "decode.pt2")))
+    for B, T in [(2, 6), (1, 30)]:
+        tokens = torch.randint(0, ARGS.vocab_size, (B, T))
+        logits, state = prefill(tokens)
+        want, caches = eager_prefill(run.model, tokens, CAPACITY)
+        # Inductor fuses and reorders fp32 reductions: looser than the exported program's bound.
+        assert rel(logits, want) < 1e-4
+        step = torch.randint(0, ARGS.vocab_size, (B, 1))
+        logits, state = decode(step, state)
+        with torch.no_grad():
+            assert rel(logits, run.model(step, caches=caches)) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("TITAN_MOE_TEST_INDUCTOR") != "1",
+    reason="Inductor codegen of a forward+backward region costs tens of seconds per layer kind on "
+    "2 cores; set TITAN_MOE_TEST_INDUCTOR=1 to run",
+)
+def test_inductor_graph_dump_keeps_generated_code(tmp_path):
+    from titan_moe.export import dump_training_graphs
+
+    model = make_model()
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 32))
+    regions = dump_training_graphs(model, tokens, tmp_path, inductor=True)
+    assert {r.kind for r in regions} == {"kda_dense", "mla_moe"}
+    for r in regions:
+        for which in ("forward", "backward"):
+            code = (tmp_path / r.kind / f"inductor_{which}_0.py").read_text()
+            assert "def call(" in code  # Inductor's generated entry point
+    # Our ops are called from the generated code as extern kernels, not inlined.
+    assert "titan_moe.kda_chunk_fwd" in (tmp_path / "kda_dense" / "inductor_forward_0.py").read_text()
+    assert "titan_moe.grouped_mm" in (tmp_path / "mla_moe" / "inductor_forward_0.py").read_text()
