@@ -123,9 +123,10 @@ class Float8RoutedExperts(RoutedExperts):
 
     def forward(self, x_ML: Tensor, offs_E: Tensor) -> Tensor:
         """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent]."""
-        z_M2H = fp8_grouped_mm(x_ML, self.w_gate_up.to(x_ML.dtype), offs_E)
+        w_gate_up, w_down = self.local_weights()  # this rank's experts under expert parallelism
+        z_M2H = fp8_grouped_mm(x_ML, w_gate_up.to(x_ML.dtype), offs_E)
         hidden_MH = situ_glu(z_M2H[:, : self.hidden], z_M2H[:, self.hidden :], self.beta1, self.beta2)
-        return fp8_grouped_mm(hidden_MH, self.w_down.to(hidden_MH.dtype), offs_E)
+        return fp8_grouped_mm(hidden_MH, w_down.to(hidden_MH.dtype), offs_E)
 
 
 def convert_routed_experts(model: nn.Module, fqns: list[str] | tuple[str, ...] = ()) -> list[str]:

@@ -31,11 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.ffn import SiTUGLUFeedForward
 from titan_moe.model.situ import situ_glu
 from titan_moe.ops.grouped_gemm import grouped_mm
+from titan_moe.ops.nvtx import nvtx_range
 
 
 def _trunc_normal_(weight: Tensor, std: float) -> None:
@@ -230,6 +232,11 @@ class RoutedExperts(nn.Module):
 
     ``w_gate_up`` [E, latent, 2*hidden] (gate columns first, then up) and ``w_down``
     [E, hidden, latent] are laid out ``[E, K, N]`` for :func:`grouped_mm`.
+
+    Under expert parallelism (applied from outside, see ``titan_moe.parallelize``) both are
+    DTensors sharded on the expert dim: ``forward`` then runs this rank's ``E_local`` experts
+    on the tokens the parallel style dispatched to them, and ``offs_E`` has ``E_local``
+    entries.
     """
 
     def __init__(self, n_experts: int, latent: int, hidden: int, beta1: float, beta2: float):
@@ -241,11 +248,26 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x_ML: Tensor, offs_E: Tensor) -> Tensor:
         """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent]."""
+        w_gate_up, w_down = self.local_weights()
         # Under autocast the activations arrive in bf16 while the weights stay fp32; a custom
         # op is not autocast-aware, so cast the weights the way autocast would for a matmul.
-        z_M2H = grouped_mm(x_ML, self.w_gate_up.to(x_ML.dtype), offs_E)
+        z_M2H = grouped_mm(x_ML, w_gate_up.to(x_ML.dtype), offs_E)
         hidden_MH = situ_glu(z_M2H[:, : self.hidden], z_M2H[:, self.hidden :], self.beta1, self.beta2)
-        return grouped_mm(hidden_MH, self.w_down.to(hidden_MH.dtype), offs_E)
+        return grouped_mm(hidden_MH, w_down.to(hidden_MH.dtype), offs_E)
+
+    def local_weights(self) -> tuple[Tensor, Tensor]:
+        """(w_gate_up, w_down) of the experts held by this rank, as plain tensors.
+
+        DTensor weights (expert parallelism) become their local shard, ``[E_local, ...]``:
+        the dispatched tokens have a data-dependent count that a DTensor cannot express,
+        and the gradient flows back into the DTensor through ``to_local``.
+        """
+        w_gate_up, w_down = self.w_gate_up, self.w_down
+        if isinstance(w_gate_up, DTensor):
+            w_gate_up = w_gate_up.to_local()
+        if isinstance(w_down, DTensor):
+            w_down = w_down.to_local()
+        return w_gate_up, w_down
 
     @torch.no_grad()
     def init_weights(self, init_std: float = 0.02) -> None:
@@ -324,30 +346,60 @@ class LatentMoE(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x_BTD: Tensor) -> Tensor:
-        """x [..., dim] (normally [B, T, dim]) -> y of the same shape and dtype."""
+        """x [..., dim] (normally [B, T, dim]) -> y of the same shape and dtype.
+
+        Three phases: :meth:`route_and_sort`, the routed experts, :meth:`combine`. Expert
+        parallelism exchanges the sorted token copies around the experts call (all-to-all
+        with a host sync for the split sizes), so under it the two other phases are compiled
+        as separate regions (see ``titan_moe.parallelize``).
+        """
         x_ND = x_BTD.reshape(-1, self.dim)
-        n_tokens, k = x_ND.shape[0], self.top_k
-        scores_Nn, expert_idx_Nk, weights_Nk = self.router(x_ND, self.expert_bias)
-        counts_E = expert_counts(expert_idx_Nk, self.n_experts)
-        if self.training:
-            self._accumulate(scores_Nn.detach(), counts_E)
+        latent_sorted_ML, offs_E, order_M, weights_Nk = self.route_and_sort(x_ND)
+        with nvtx_range("moe.experts"):
+            out_sorted_ML = self.experts(latent_sorted_ML, offs_E)
+        y_ND = self.combine(x_ND, out_sorted_ML, order_M, weights_Nk)
+        return y_ND.view(x_BTD.shape).to(x_BTD.dtype)
+
+    def route_and_sort(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Route ``x_ND`` [N, dim] and sort its ``M = N*k`` latent token copies by expert.
+
+        Returns ``latent_sorted_ML`` [M, latent], ``offs_E`` [E] int32 cumulative ends of
+        each expert's rows, ``order_M`` [M] int64 (sorted row -> token copy ``i*k + slot``)
+        and ``weights_Nk`` [N, k] fp32. Accumulates the balancing statistics in training.
+        """
+        k = self.top_k
+        with nvtx_range("moe.router"):
+            scores_Nn, expert_idx_Nk, weights_Nk = self.router(x_ND, self.expert_bias)
+            counts_E = expert_counts(expert_idx_Nk, self.n_experts)
+            if self.training:
+                self._accumulate(scores_Nn.detach(), counts_E)
 
         # Dispatch: sort the N*k token copies by expert so that each expert's rows are contiguous.
-        flat_expert = expert_idx_Nk.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-        latent_NL = self.w_latent_down(x_ND)
-        out_sorted = self.experts(latent_NL[order // k], offs_E)
+        with nvtx_range("moe.dispatch"):
+            flat_expert = expert_idx_Nk.reshape(-1)
+            order = torch.argsort(flat_expert, stable=True)
+            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            latent_NL = self.w_latent_down(x_ND)
+            latent_sorted_ML = latent_NL[order // k]
+        return latent_sorted_ML, offs_E, order, weights_Nk
 
-        # Combine: unsort with the inverse permutation (a gather, deterministic), weight, sum over k.
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        out_NkL = out_sorted[inverse].view(n_tokens, k, self.latent)
-        u_NL = (out_NkL.float() * weights_Nk.unsqueeze(-1)).sum(1)
-        u_NL = F.rms_norm(u_NL, (self.latent,), self.latent_norm.weight.float(), self.norm_eps)
-        y_ND = self.w_latent_up(u_NL.to(latent_NL.dtype))
+    def combine(self, x_ND: Tensor, out_sorted_ML: Tensor, order_M: Tensor, weights_Nk: Tensor) -> Tensor:
+        """Unsort the experts' outputs [M, latent], weight and sum them per token, normalise,
+        project up and add the shared experts of ``x_ND`` [N, dim] -> y_ND [N, dim]."""
+        n_tokens = x_ND.shape[0]
+        # Unsort with the inverse permutation (a gather, deterministic), weight, sum over k.
+        with nvtx_range("moe.combine"):
+            inverse = torch.empty_like(order_M).scatter_(
+                0, order_M, torch.arange(order_M.numel(), device=order_M.device)
+            )
+            out_NkL = out_sorted_ML[inverse].view(n_tokens, self.top_k, self.latent)
+            u_NL = (out_NkL.float() * weights_Nk.unsqueeze(-1)).sum(1)
+            u_NL = F.rms_norm(u_NL, (self.latent,), self.latent_norm.weight.float(), self.norm_eps)
+            y_ND = self.w_latent_up(u_NL.to(out_sorted_ML.dtype))
         if self.shared_experts is not None:
-            y_ND = y_ND + self.shared_experts(x_ND)
-        return y_ND.view(x_BTD.shape).to(x_BTD.dtype)
+            with nvtx_range("moe.shared"):
+                y_ND = y_ND + self.shared_experts(x_ND)
+        return y_ND
 
     @torch.no_grad()
     def _accumulate(self, scores_Nn: Tensor, counts_E: Tensor) -> None:

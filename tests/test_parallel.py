@@ -1,0 +1,239 @@
+"""Expert parallelism over DTensor, composed with FSDP2: the parallel style on its own, then
+whole training runs in several layouts (CPU, gloo).
+
+Layouts, all at the same global batch (4 rows) and the same initial weights (`debug.seed`):
+1 process; 2 processes FSDP; 2 processes FSDP + EP2 (experts sharded over both ranks, their
+FSDP over the remaining "efsdp" size 1); 4 processes FSDP x EP2 ("efsdp" 2 x "ep" 2).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "debug_cpu.toml")
+
+# The tiny model of test_train.py (all features on; 8 experts, top-2, exact QB).
+TINY = [
+    "--model.dim", "64", "--model.kda_n_heads", "2", "--model.kda_head_dim", "16",
+    "--model.mla_n_heads", "2", "--model.mla_q_lora_rank", "32", "--model.mla_kv_lora_rank", "16",
+    "--model.mla_qk_nope_head_dim", "16", "--model.mla_qk_shared_dim", "8", "--model.mla_v_head_dim", "16",
+    "--model.moe_latent_dim", "32", "--model.moe_expert_hidden", "32", "--model.moe_shared_hidden", "32",
+    "--model.dense_hidden", "96",
+    "--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "4",
+    "--metrics.log_freq", "1", "--validation.no_enable", "--debug.deterministic",
+]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+STEPS = 3
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run_train(dump: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "titan_moe.train"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "titan_moe.train"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [*launcher, "--job.config_file", CONFIG, *TINY, "--job.dump_folder", str(dump), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def records(dump: Path) -> dict[int, dict]:
+    """step -> that step's metrics record (a later record of a step replaces an earlier one)."""
+    out: dict[int, dict] = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record
+    return out
+
+
+# Same initial weights and global batch in every layout, so only the fp32 summation order
+# differs: of the loss over ranks and of the grouped GEMM rows at step 1 (forward only),
+# plus the order in which gradients are summed (reduce-scatter, all-to-all backward) and
+# the grad-norm clip afterwards. Measured: <= 2e-7 relative at steps 1-3.
+STEP1_RTOL, LATER_RTOL = 1e-5, 1e-4
+
+
+def _assert_losses_close(got: dict[int, dict], ref: dict[int, dict], steps, label: str) -> None:
+    for step in steps:
+        rtol = STEP1_RTOL if step == 1 else LATER_RTOL
+        a, b = got[step]["loss"], ref[step]["loss"]
+        assert abs(a - b) <= rtol * abs(b), (label, step, a, b)
+
+
+# =========================================================================== the style alone
+# (E, latent, hidden, rows per expert on rank 0, on rank 1). In each case a rank receives rows
+# from both ranks for several of its experts (so the regrouping by expert matters), one
+# expert gets no row at all, and one rank sends nothing to one of the two ranks.
+STYLE_CASES = [
+    (4, 8, 8, [3, 2, 0, 1], [2, 4, 0, 0]),
+    (6, 12, 4, [0, 0, 0, 7, 1, 2], [1, 0, 3, 2, 0, 5]),
+    (8, 16, 8, [5, 1, 0, 2, 6, 3, 1, 4], [2, 7, 0, 3, 1, 1, 5, 0]),
+]
+
+
+def _style_worker(rank: int, world: int, init_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from titan_moe.model.moe import RoutedExperts
+    from titan_moe.parallelize import LatentExpertParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        for n_experts, latent, hidden, *counts in STYLE_CASES:
+            torch.manual_seed(0)  # the same full experts on every rank
+            full = RoutedExperts(n_experts, latent, hidden, beta1=1.0, beta2=1.0)
+            full.init_weights(0.5)
+            sharded = parallelize_module(copy.deepcopy(full), mesh, LatentExpertParallel())
+            n_local = n_experts // world
+            assert isinstance(sharded.w_gate_up, DTensor)
+            assert sharded.w_gate_up.to_local().shape[0] == n_local
+
+            gen = torch.Generator().manual_seed(100 + rank)  # each rank routes its own tokens
+            offs_E = torch.cumsum(torch.tensor(counts[rank]), 0).to(torch.int32)
+            x_ML = torch.randn(int(offs_E[-1]), latent, generator=gen, requires_grad=True)
+            grad_ML = torch.randn(x_ML.shape[0], latent, generator=gen)
+            x_ref = x_ML.detach().clone().requires_grad_(True)
+
+            out_ML = sharded(x_ML, offs_E)
+            ref_ML = full(x_ref, offs_E)
+            assert out_ML.shape == ref_ML.shape
+            # Each output row is the same fp32 arithmetic on the same weights: only the GEMM
+            # blocking over a different set of rows can change the rounding.
+            torch.testing.assert_close(out_ML, ref_ML, rtol=1e-6, atol=1e-6)
+
+            (out_ML * grad_ML).sum().backward()
+            (ref_ML * grad_ML).sum().backward()
+            torch.testing.assert_close(x_ML.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+            # A local expert's gradient sums the rows of every rank; so does the all-reduced
+            # reference (in another order: fp32 reassociation).
+            for name in ("w_gate_up", "w_down"):
+                ref_grad = getattr(full, name).grad.clone()
+                dist.all_reduce(ref_grad)
+                local = getattr(sharded, name).grad.to_local()
+                torch.testing.assert_close(local, ref_grad[rank * n_local:(rank + 1) * n_local],
+                                           rtol=1e-5, atol=1e-6)
+
+        with pytest.raises(ValueError, match="not divisible"):
+            parallelize_module(RoutedExperts(3, 8, 8, 1.0, 1.0), mesh, LatentExpertParallel())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_expert_parallel_style_matches_unsharded_experts(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_style_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+
+
+def test_unsupported_layouts_are_refused():
+    from torchtitan.distributed import ParallelDims
+
+    from titan_moe.config import load_config
+    from titan_moe.parallelize import _check_supported
+
+    def dims(**degrees):
+        base = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=4)
+        return ParallelDims(**{**base, **degrees})
+
+    config = load_config(["--job.config_file", CONFIG])
+    _check_supported(dims(ep=2), config)  # EP is supported
+    with pytest.raises(ValueError, match="tensor_parallel_degree"):
+        _check_supported(dims(tp=2), config)
+    with pytest.raises(ValueError, match="context_parallel_degree"):
+        _check_supported(dims(cp=2), config)
+    op_sac = load_config(["--job.config_file", CONFIG, "--activation_checkpoint.mode", "selective",
+                          "--activation_checkpoint.selective_ac_option", "op"])
+    _check_supported(dims(), op_sac)
+    with pytest.raises(ValueError, match="expert parallelism"):
+        _check_supported(dims(ep=2), op_sac)
+
+
+# =========================================================================== training runs
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """Run every layout once for STEPS steps: name -> (dump folder, log text)."""
+    root = tmp_path_factory.mktemp("layouts")
+    runs = {
+        "1 process": ([], 1),
+        "2 FSDP": ([], 2),
+        # Also saves step 2 for the resume test (and step 3, the last).
+        "2 FSDP+EP2": ([*EP2, "--checkpoint.enable", "--checkpoint.interval", "2"], 2),
+        "4 FSDP2xEP2": (EP2, 4),
+    }
+    out = {}
+    for name, (args, nproc) in runs.items():
+        dump = root / name.replace(" ", "_").replace("+", "_")
+        proc = run_train(dump, "--training.steps", str(STEPS), *args, nproc=nproc)
+        out[name] = (dump, proc.stdout + proc.stderr)
+    return out
+
+
+@pytest.mark.slow
+def test_loss_and_expert_balance_match_across_layouts(layouts):
+    for name in ("2 FSDP+EP2", "4 FSDP2xEP2"):
+        assert "Applied expert parallelism over 2 ranks" in layouts[name][1], name
+    assert "'efsdp'" in layouts["4 FSDP2xEP2"][1]  # the experts' FSDP dim has 2 ranks there
+    ref = records(layouts["1 process"][0])
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    for name, (dump, _) in layouts.items():
+        got = records(dump)
+        assert sorted(got) == sorted(ref), name
+        _assert_losses_close(got, ref, range(1, STEPS + 1), name)
+        # The balance statistics are integer counts summed over the "batch" mesh (every rank
+        # holding its own tokens); a group missing ranks (e.g. only "ep" in the 4-process
+        # layout) would see other loads and set other biases from step 2 on.
+        for step in ref:
+            for key in ("moe/max_violation_max", "moe/max_violation_mean", "moe/dead_experts_total"):
+                assert got[step][key] == pytest.approx(ref[step][key], abs=1e-9), (name, step, key)
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_resumes_in_one_process(layouts, tmp_path):
+    ep_dump = layouts["2 FSDP+EP2"][0]
+    resumed = tmp_path / "resumed"
+    # Written by 2 ranks with the experts sharded over EP: DCP reshards it for 1 process.
+    shutil.copytree(ep_dump / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    proc = run_train(resumed, "--training.steps", str(STEPS), "--checkpoint.enable",
+                     "--checkpoint.interval", "2")
+    log = proc.stdout + proc.stderr
+    assert "Loading the checkpoint from" in log and "step-2" in log
+    got = records(resumed)
+    assert sorted(got) == [3]
+    _assert_losses_close(got, records(layouts["1 process"][0]), [3], "resumed vs 1 process")
+    _assert_losses_close(got, records(ep_dump), [3], "resumed vs 2 FSDP+EP2")
+
+
+@pytest.mark.slow
+def test_compiled_expert_parallel_matches_eager(layouts, tmp_path):
+    """Regional compile with EP: MoE layers compiled piecewise around the experts' exchange
+    (aot_eager: Dynamo + AOTAutograd, fullgraph, without Inductor's CPU compile time)."""
+    dump = tmp_path / "compiled"
+    # The same step count as the reference: the LR schedule depends on it.
+    run_train(dump, "--training.steps", str(STEPS), *EP2, "--compile.enable", "--compile.backend", "aot_eager",
+              nproc=2)
+    _assert_losses_close(records(dump), records(layouts["1 process"][0]), range(1, STEPS + 1), "compiled EP2")
