@@ -11,18 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_moe.flavors import FLAVORS
 from titan_moe.generate import generate
 from titan_moe.model.decoder import Decoder
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The debug flavor, narrower; both layer kinds, dense + MoE FFNs, block AttnRes, QB.
-TINY = dataclasses.replace(
-    FLAVORS["debug"], dim=64, kda_n_heads=2, kda_head_dim=16, mla_n_heads=2, mla_q_lora_rank=32,
-    mla_kv_lora_rank=16, mla_qk_nope_head_dim=16, mla_qk_shared_dim=8, mla_v_head_dim=16,
-    moe_latent_dim=32, moe_expert_hidden=32, moe_shared_hidden=32, dense_hidden=96, vocab_size=512,
-)
+from tiny import TINY_ARGS as TINY
 
 
 def make_model(**overrides) -> Decoder:

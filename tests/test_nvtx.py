@@ -7,7 +7,6 @@ Ranges are observed through `nvtx.record_ranges()` (no GPU profiler here).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -19,29 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_moe.flavors import FLAVORS
 from titan_moe.model.decoder import Decoder
 from titan_moe.ops import nvtx
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = str(REPO / "configs" / "debug_cpu.toml")
-
-# The debug flavor, narrower: both layer kinds, a dense and three MoE FFNs, block AttnRes.
-TINY_ARGS = dataclasses.replace(
-    FLAVORS["debug"], dim=64, kda_n_heads=2, kda_head_dim=16, mla_n_heads=2, mla_q_lora_rank=32,
-    mla_kv_lora_rank=16, mla_qk_nope_head_dim=16, mla_qk_shared_dim=8, mla_v_head_dim=16,
-    moe_latent_dim=32, moe_expert_hidden=32, moe_shared_hidden=32, dense_hidden=96, vocab_size=512,
-)
-# The same model for the trainer (as in test_train.py), a few seconds per run.
-TINY_CLI = [
-    "--model.dim", "64", "--model.kda_n_heads", "2", "--model.kda_head_dim", "16",
-    "--model.mla_n_heads", "2", "--model.mla_q_lora_rank", "32", "--model.mla_kv_lora_rank", "16",
-    "--model.mla_qk_nope_head_dim", "16", "--model.mla_qk_shared_dim", "8", "--model.mla_v_head_dim", "16",
-    "--model.moe_latent_dim", "32", "--model.moe_expert_hidden", "32", "--model.moe_shared_hidden", "32",
-    "--model.dense_hidden", "96",
-    "--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "4",
-    "--metrics.log_freq", "1", "--validation.no_enable", "--debug.deterministic",
-]
+from tiny import CONFIG, REPO, TINY_ARGS, TINY_CLI
 
 OP_RANGES = {"op.kda_chunk_fwd", "op.kda_chunk_bwd", "op.grouped_mm", "op.grouped_mm_dx", "op.grouped_mm_dw"}
 IN_LAYER_RANGES = {"kda", "mla", "moe", "ffn", "kda.inputs", "kda.output", "mla.attend",

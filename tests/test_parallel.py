@@ -9,60 +9,25 @@ FSDP over the remaining "efsdp" size 1); 4 processes FSDP x EP2 ("efsdp" 2 x "ep
 from __future__ import annotations
 
 import copy
-import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = str(REPO / "configs" / "debug_cpu.toml")
+from tiny import CONFIG, REPO, TINY_CLI, free_port, records
+from tiny import run_train as _run_train
 
-# The tiny model of test_train.py (all features on; 8 experts, top-2, exact QB).
-TINY = [
-    "--model.dim", "64", "--model.kda_n_heads", "2", "--model.kda_head_dim", "16",
-    "--model.mla_n_heads", "2", "--model.mla_q_lora_rank", "32", "--model.mla_kv_lora_rank", "16",
-    "--model.mla_qk_nope_head_dim", "16", "--model.mla_qk_shared_dim", "8", "--model.mla_v_head_dim", "16",
-    "--model.moe_latent_dim", "32", "--model.moe_expert_hidden", "32", "--model.moe_shared_hidden", "32",
-    "--model.dense_hidden", "96",
-    "--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "4",
-    "--metrics.log_freq", "1", "--validation.no_enable", "--debug.deterministic",
-]
+TINY = TINY_CLI
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 STEPS = 3
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run_train(dump: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "titan_moe.train"]
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "titan_moe.train"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [*launcher, "--job.config_file", CONFIG, *TINY, "--job.dump_folder", str(dump), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = _run_train(dump, *args, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
-
-
-def records(dump: Path) -> dict[int, dict]:
-    """step -> that step's metrics record (a later record of a step replaces an earlier one)."""
-    out: dict[int, dict] = {}
-    for line in (dump / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record
-    return out
 
 
 # Same initial weights and global batch in every layout, so only the fp32 summation order

@@ -8,52 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = str(REPO / "configs" / "debug_cpu.toml")
-
-# A smaller model than the debug flavor, all features still on, so each run takes seconds.
-TINY = [
-    "--model.dim", "64", "--model.kda_n_heads", "2", "--model.kda_head_dim", "16",
-    "--model.mla_n_heads", "2", "--model.mla_q_lora_rank", "32", "--model.mla_kv_lora_rank", "16",
-    "--model.mla_qk_nope_head_dim", "16", "--model.mla_qk_shared_dim", "8", "--model.mla_v_head_dim", "16",
-    "--model.moe_latent_dim", "32", "--model.moe_expert_hidden", "32", "--model.moe_shared_hidden", "32",
-    "--model.dense_hidden", "96",
-    "--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "4",
-    "--metrics.log_freq", "1", "--validation.no_enable", "--debug.deterministic",
-]
-
-
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-def run_train(dump: Path, *args: str, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "titan_moe.train"]
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "titan_moe.train"]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [*launcher, "--job.config_file", CONFIG, *TINY, "--job.dump_folder", str(dump), *args]
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
-
-
-def losses(dump: Path) -> dict[int, float]:
-    """step -> training loss; a later record of a step (after a resume) replaces an earlier one."""
-    out: dict[int, float] = {}
-    for line in (dump / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
+from tiny import CONFIG, REPO, TINY_CLI, losses, run_train
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -133,7 +93,7 @@ def test_generate_cli_samples_from_a_training_checkpoint(tmp_path):
     dump = tmp_path / "run"
     _ok(run_train(dump, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2"))
     ckpt = dump / "checkpoint" / "step-2"
-    config = load_config(["--job.config_file", CONFIG, *TINY])
+    config = load_config(["--job.config_file", CONFIG, *TINY_CLI])
     torch.manual_seed(0)
     fresh = load_model(config, None, "cpu")
     torch.manual_seed(0)
@@ -143,7 +103,7 @@ def test_generate_cli_samples_from_a_training_checkpoint(tmp_path):
     assert not torch.equal(fresh.state_dict()[name], trained.state_dict()[name])
 
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_moe.generate", "--job.config_file", CONFIG, *TINY,
+        [sys.executable, "-m", "titan_moe.generate", "--job.config_file", CONFIG, *TINY_CLI,
          "--checkpoint", str(ckpt), "--prompt", "import os", "--max_new_tokens", "8"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

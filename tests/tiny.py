@@ -1,0 +1,72 @@
+"""Shared by the test files: a tiny model with every feature on, and training runs of it.
+
+The debug flavor, narrowed so that a training process takes seconds: both layer kinds, a
+dense FFN and MoE FFNs (8 experts, top-2, QB), block AttnRes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from titan_moe.flavors import FLAVORS
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "debug_cpu.toml")
+
+TINY_ARGS = dataclasses.replace(
+    FLAVORS["debug"], dim=64, kda_n_heads=2, kda_head_dim=16, mla_n_heads=2, mla_q_lora_rank=32,
+    mla_kv_lora_rank=16, mla_qk_nope_head_dim=16, mla_qk_shared_dim=8, mla_v_head_dim=16,
+    moe_latent_dim=32, moe_expert_hidden=32, moe_shared_hidden=32, dense_hidden=96, vocab_size=512,
+)
+
+# The same widths for the trainer (vocabulary: the shipped tokenizer's), batch 4 x 64 tokens.
+TINY_CLI = [
+    "--model.dim", "64", "--model.kda_n_heads", "2", "--model.kda_head_dim", "16",
+    "--model.mla_n_heads", "2", "--model.mla_q_lora_rank", "32", "--model.mla_kv_lora_rank", "16",
+    "--model.mla_qk_nope_head_dim", "16", "--model.mla_qk_shared_dim", "8", "--model.mla_v_head_dim", "16",
+    "--model.moe_latent_dim", "32", "--model.moe_expert_hidden", "32", "--model.moe_shared_hidden", "32",
+    "--model.dense_hidden", "96",
+    "--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "4",
+    "--metrics.log_freq", "1", "--validation.no_enable", "--debug.deterministic",
+]
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def train_command(dump: Path, *args: str, nproc: int = 1) -> list[str]:
+    """The command line of a tiny training run writing to `dump` (torchrun when nproc > 1)."""
+    launcher = [sys.executable, "-m", "titan_moe.train"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "titan_moe.train"]
+    return [*launcher, "--job.config_file", CONFIG, *TINY_CLI, "--job.dump_folder", str(dump), *args]
+
+
+def run_train(dump: Path, *args: str, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(train_command(dump, *args, nproc=nproc), cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def records(dump: Path) -> dict[int, dict]:
+    """step -> that step's training record; a later record of a step (after a resume) wins."""
+    out: dict[int, dict] = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record
+    return out
+
+
+def losses(dump: Path) -> dict[int, float]:
+    return {step: r["loss"] for step, r in records(dump).items()}
