@@ -375,9 +375,13 @@ def test_100_steps_float8_emulated_matches_fp32(tmp_path):
     assert "float8: " not in logs["fp32"]
     fp32, fp8 = _losses(tmp_path / "fp32"), _losses(tmp_path / "fp8")
     assert sorted(fp32) == sorted(fp8) == list(range(1, 101))
-    assert fp32[100] < 0.8 * fp32[1]  # it did learn
     worst = max(abs(fp8[s] - fp32[s]) / fp32[s] for s in fp32)
     assert worst <= 0.05, worst
     tail32 = sum(fp32[s] for s in range(91, 101)) / 10
     tail8 = sum(fp8[s] for s in range(91, 101)) / 10
+    head32 = sum(fp32[s] for s in range(1, 6)) / 5
+    # It did learn. Averages, since 256-token batches swing by ~1 nat from step to step and
+    # the built-in corpus is the running Python's stdlib (measured tail/head: 0.78 and 0.81
+    # on two Python installs).
+    assert tail32 < 0.9 * head32, (tail32, head32)
     assert abs(tail8 - tail32) <= 0.02 * tail32, (tail8, tail32)

@@ -44,6 +44,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from titan_moe.ops.kda import naive_recurrent_kda  # noqa: E402
+from triton_mode import interpreter_ready  # noqa: E402
 from titan_moe.ops.kda import triton_fwd  # noqa: E402
 from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton  # noqa: E402
 from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton, kda_fwd_states  # noqa: E402
@@ -55,11 +56,11 @@ except ImportError:  # fla-core is a dev dependency: the independent oracle
 needs_fla = pytest.mark.skipif(fla_naive is None, reason="fla-core (the independent oracle) is not installed")
 
 
-KERNELS_RUN_HERE = CUDA or triton_fwd._interpreted()
+KERNELS_RUN_HERE = CUDA or (triton_fwd._interpreted() and interpreter_ready())
 DEVICE = "cuda" if CUDA else "cpu"
 needs_kernels = pytest.mark.skipif(
     not KERNELS_RUN_HERE,
-    reason="triton_fwd was imported before TRITON_INTERPRET=1 was set and there is no GPU; "
+    reason="Triton was imported before TRITON_INTERPRET=1 was set and there is no GPU; "
     "test_in_fresh_interpreter_process runs these tests in a subprocess",
 )
 

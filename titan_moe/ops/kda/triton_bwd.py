@@ -7,7 +7,8 @@ Forward per chunk (notation of `triton_fwd`; G = chunk-local cumsum of g, C = 64
     V~ = U - W S,   O = scale (Q ⊙ e^G) S + A_qk V~,   S' = Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~
 
 Backward, given dO and dS_final (`dht`), the forward's intermediates recomputed by
-`triton_fwd.kda_fwd_states`:
+`triton_fwd.kda_fwd_states` (whose state scan follows `TITAN_MOE_KDA_SCAN`; the reverse
+scan below is always sequential, see `triton_scan` for the forward's parallel one):
 
     stage 1  `_bwd_state_scan_kernel`  per sequence, chunks in reverse: store dS' (gradient of
              the state after the chunk), dV~ = A_qk^T dO + (e^{G_last - G} ⊙ K) dS',

@@ -14,6 +14,8 @@ inside the chunk):
     stage 3  `_state_scan_kernel`     per sequence, chunk by chunk: store S (the chunk's
                                       initial state), V~ = U - W S,
                                       S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~
+                                      (or, with `TITAN_MOE_KDA_SCAN=parallel`, the
+                                      chunk-parallel segment scan of `triton_scan`)
     stage 4  `_output_kernel`         O = scale (Q ⊙ e^G) S + A_qk V~
 
 Why every 16x16 tile of A is one dense dot (the kernel's contract, SPEC §1): the caller
@@ -511,12 +513,18 @@ def kda_fwd_states(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     output_final_state: bool = False,
+    scan: str | None = None,
+    segment_chunks: int | None = None,
 ) -> KDAForwardState:
     """Stages 1-3 of the forward: chunk cumsum, A_qk / WY factors, the state scan.
 
     Arguments as for `chunk_kda_fwd_triton`. The backward pass calls this to recompute
     what it needs instead of keeping it from the forward.
     """
+    # late import: triton_scan imports this module
+    from titan_moe.ops.kda.triton_scan import selected_scan, state_scan_parallel
+
+    scan = selected_scan(scan)
     N, bounds = check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -547,13 +555,16 @@ def kda_fwd_states(
         k, v, G, beta, Akk, Ainv, W, U, cu, chunk_indices,
         H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=min(K, 64), BV=min(V, 64), PRECISION=precision, num_warps=4,
     )
-    BV = min(V, 32)
-    _state_scan_kernel[(V // BV, N * H)](
-        k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets,
-        H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
-        PRECISION=precision, INTERPRETED=_interpreted(), num_warps=4 if K <= 64 else 8,
-        num_stages=2,  # one chunk of loads in flight; 3 stages need 255 KB of shared memory at dk=128
-    )
+    if scan == "parallel":
+        state_scan_parallel(k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets, bounds, precision, segment_chunks)
+    else:
+        BV = min(V, 32)
+        _state_scan_kernel[(V // BV, N * H)](
+            k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets,
+            H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
+            PRECISION=precision, INTERPRETED=_interpreted(), num_warps=4 if K <= 64 else 8,
+            num_stages=2,  # one chunk of loads in flight; 3 stages need 255 KB of shared memory at dk=128
+        )
     return KDAForwardState(
         G=G, Aqk=Aqk, Ainv=Ainv, W=W, U=U, h=h, v_new=v_new, final_state=ht,
         cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, precision=precision,
@@ -570,6 +581,8 @@ def chunk_kda_fwd_triton(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     output_final_state: bool = False,
+    scan: str | None = None,
+    segment_chunks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward with Triton kernels.
 
@@ -583,6 +596,11 @@ def chunk_kda_fwd_triton(
         cu_seqlens: int `[N+1]` packed-sequence boundaries (B must be 1), or None (N = B).
             Read on the host (one device sync).
         output_final_state: also return the state after each sequence's last token.
+        scan: the inter-chunk state scan, "sequential" (one program walks a sequence's
+            chunks) or "parallel" (segments of chunks side by side, `triton_scan`); None
+            reads `$TITAN_MOE_KDA_SCAN` (default sequential).
+        segment_chunks: chunks per segment of the parallel scan; None picks it from
+            `$TITAN_MOE_KDA_SCAN_SEGMENT` or the wave model in `triton_scan`.
 
     dk and dv must be 16, 32, 64 or 128.
 
@@ -590,7 +608,12 @@ def chunk_kda_fwd_triton(
         `o [B, T, H, dv]` in v's dtype and `final_state [N, H, dk, dv]` fp32 (None unless
         `output_final_state`).
     """
-    st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+    st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, scan, segment_chunks)
+    return kda_fwd_output(q, v, st, scale), st.final_state
+
+
+def kda_fwd_output(q: torch.Tensor, v: torch.Tensor, st: KDAForwardState, scale: float) -> torch.Tensor:
+    """Stage 4: `o [B, T, H, dv]` (v's dtype) from the stage 1-3 intermediates `st`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
@@ -599,4 +622,4 @@ def chunk_kda_fwd_triton(
         q.contiguous(), st.G, st.Aqk, st.h, st.v_new, o, scale, st.cu_seqlens, st.chunk_indices,
         H=H, K=K, V=V, BT=CHUNK, BV=BV, PRECISION=st.precision, num_warps=4,
     )
-    return o, st.final_state
+    return o
