@@ -28,7 +28,7 @@ import sys
 import textwrap
 
 import pytest
-from triton_mode import interpreter_ready
+from triton_mode import interpreter_ready, rerun_under_interpreter
 import torch
 
 CUDA = torch.cuda.is_available()
@@ -280,13 +280,7 @@ def test_compile_fullgraph_with_backend_argument():
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")
 def test_in_fresh_interpreter_process():
     """Runs this file's tests under the interpreter in a fresh process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "not fresh_interpreter_process and not compiles_for_sm90"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rerun_under_interpreter(__file__, also_deselect="compiles_for_sm90")
 
 
 # ---------------------------------------------------------------------------- GPU code path

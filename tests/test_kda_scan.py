@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
-from triton_mode import interpreter_ready
+from triton_mode import interpreter_ready, rerun_under_interpreter
 import torch
 import torch.nn.functional as F
 
@@ -329,13 +327,7 @@ def test_segment_choice(monkeypatch):
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")
 def test_in_fresh_interpreter_process():
     """Runs this file's tests under the interpreter in a fresh process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "not fresh_interpreter_process"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rerun_under_interpreter(__file__)
 
 
 # ----------------------------------------------------------------------------------------

@@ -32,8 +32,6 @@ Tolerances (relative error ||out - ref|| / ||ref||):
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -44,7 +42,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from titan_moe.ops.kda import naive_recurrent_kda  # noqa: E402
-from triton_mode import interpreter_ready  # noqa: E402
+from triton_mode import interpreter_ready, rerun_under_interpreter  # noqa: E402
 from titan_moe.ops.kda import triton_fwd  # noqa: E402
 from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton  # noqa: E402
 from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton, kda_fwd_states  # noqa: E402
@@ -270,13 +268,7 @@ def test_bwd_matches_autograd(lens, varlen, dk, dv, gate, with_states):
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")
 def test_in_fresh_interpreter_process():
     """Runs this file's tests under the interpreter in a fresh process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "not fresh_interpreter_process"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rerun_under_interpreter(__file__)
 
 
 # ----------------------------------------------------------------------------------------
