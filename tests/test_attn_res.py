@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import rel_err
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -27,8 +28,6 @@ def fla_naive_attnres():
     return pytest.importorskip("fla.ops.attnres.naive", reason="fla-core (dev extra) not installed").naive_attnres
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def random_mixer(D: int, gen: torch.Generator) -> AttnResMixer:

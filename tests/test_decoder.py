@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import rel_err
 
 from titan_moe.generate import generate
 from titan_moe.model.decoder import Decoder
@@ -31,8 +32,6 @@ def make_model(**overrides) -> Decoder:
     return model.eval()
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("attn_res", ["block", "full", "none"])
@@ -45,8 +44,8 @@ def test_causal(attn_res):
     with torch.no_grad():
         a, b = model(tokens), model(changed)
     # fp32; expert group sizes change with the later tokens, so GEMMs may differ in the last bits.
-    assert rel(b[:, : t + 1], a[:, : t + 1]) < 1e-5
-    assert rel(b[:, t + 1:], a[:, t + 1:]) > 1e-2  # the later positions do see the change
+    assert rel_err(b[:, : t + 1], a[:, : t + 1]) < 1e-5
+    assert rel_err(b[:, t + 1:], a[:, t + 1:]) > 1e-2  # the later positions do see the change
 
 
 def test_packed_documents_equal_separate_runs():
@@ -59,8 +58,8 @@ def test_packed_documents_equal_separate_runs():
         alone = torch.cat([model(doc_a), model(doc_b)], dim=1)
         unmasked = model(packed)
     # fp32 with a different chunking of the KDA scan and different expert group sizes.
-    assert rel(together, alone) < 1e-5
-    assert rel(unmasked[:, 45:], alone[:, 45:]) > 1e-2  # without boundaries the docs would mix
+    assert rel_err(together, alone) < 1e-5
+    assert rel_err(unmasked[:, 45:], alone[:, 45:]) > 1e-2  # without boundaries the docs would mix
 
 
 def test_prefill_then_decode_equals_full_forward():
@@ -74,7 +73,7 @@ def test_prefill_then_decode_equals_full_forward():
             pieces.append(model(tokens[:, i: i + 1], caches=caches))
     stepwise = torch.cat(pieces, dim=1)
     # fp32: the recurrent decode step and the absorbed MLA form reorder sums vs the chunked forward.
-    assert rel(stepwise, full) < 1e-5
+    assert rel_err(stepwise, full) < 1e-5
     kinds = [layer.kind for layer in model.layers.values()]
     assert "kda" in kinds and "mla" in kinds
 

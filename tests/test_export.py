@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from numerics import rel_err
 
 from titan_moe.config import load_config, model_args_from_config
 from titan_moe.export import (
@@ -51,8 +52,6 @@ CAPACITY = 80  # > 64: prompts can span two KDA chunks
 TOL = 1e-5  # see the module docstring
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def make_model(args=ARGS, seed: int = 0) -> Decoder:
@@ -73,7 +72,7 @@ def assert_states_close(got: tuple, want: tuple, names: list[str]) -> None:
         if g.dtype == torch.int64:
             assert torch.equal(g, w), name
         elif w.abs().max() > 0:
-            assert rel(g, w) < TOL, name
+            assert rel_err(g, w) < TOL, name
         else:
             assert g.abs().max() == 0, name
 
@@ -128,9 +127,9 @@ def test_prefill_program_matches_eager_at_two_lengths(run, programs):
         logits, state = prefill(tokens)
         want_logits, caches = eager_prefill(run.model, tokens, CAPACITY)
         assert logits.shape == (B, T, ARGS.vocab_size)
-        assert rel(logits, want_logits) < TOL
+        assert rel_err(logits, want_logits) < TOL
         with torch.no_grad():
-            assert rel(logits, run.model(tokens)) < TOL  # the plain training forward too
+            assert rel_err(logits, run.model(tokens)) < TOL  # the plain training forward too
         assert_states_close(state, state_from_caches(caches), names)
 
 
@@ -147,7 +146,7 @@ def test_decode_program_matches_eager_cache_path(run, programs):
         with torch.no_grad():
             want = run.model(step, caches=caches)
         assert logits.shape == (B, 1, ARGS.vocab_size)
-        assert rel(logits, want) < TOL
+        assert rel_err(logits, want) < TOL
     assert_states_close(state, state_from_caches(caches), names)
 
 
@@ -160,13 +159,13 @@ def test_decode_program_takes_any_capacity_and_batch(run, programs):
     logits, new_state = decode(step, state)
     with torch.no_grad():
         want = run.model(step, caches=caches)
-    assert rel(logits, want) < TOL
+    assert rel_err(logits, want) < TOL
     assert_states_close(new_state, state_from_caches(caches), [s.name for s in state_specs(ARGS, torch.float32)])
     # A one-token prompt: a decode step from the empty state equals an eager one-token prefill.
     first = torch.randint(0, ARGS.vocab_size, (3, 1))
     logits, _ = decode(first, empty_state(ARGS, 3, 7))
     want, _ = eager_prefill(run.model, first, 7)
-    assert rel(logits, want) < TOL
+    assert rel_err(logits, want) < TOL
 
 
 def test_packed_prefill_state_continues_each_rows_last_document(run, programs):
@@ -180,7 +179,7 @@ def test_packed_prefill_state_continues_each_rows_last_document(run, programs):
     starts = [12, 35]
     logits, state = prefill(tokens, doc_ids)
     with torch.no_grad():
-        assert rel(logits, run.model(tokens, doc_ids)) < TOL
+        assert rel_err(logits, run.model(tokens, doc_ids)) < TOL
     assert state[1].tolist() == starts
     step = torch.randint(0, ARGS.vocab_size, (B, 1))
     step_logits, _ = decode(step, state)
@@ -188,7 +187,7 @@ def test_packed_prefill_state_continues_each_rows_last_document(run, programs):
         _, caches = eager_prefill(run.model, tokens[b : b + 1, start:], CAPACITY)
         with torch.no_grad():
             want = run.model(step[b : b + 1], caches=caches)
-        assert rel(step_logits[b : b + 1], want) < TOL
+        assert rel_err(step_logits[b : b + 1], want) < TOL
 
 
 def test_custom_ops_stay_ops_in_the_programs(programs):
@@ -234,16 +233,16 @@ def test_wrappers_equal_the_eager_cache_path(attn_res):
     with torch.no_grad():
         logits, state = Prefill(model, capacity)(tokens)
         want, caches = eager_prefill(model, tokens, capacity)
-        assert rel(logits, want) < TOL
+        assert rel_err(logits, want) < TOL
         for _ in range(4):
             step = torch.randint(0, args.vocab_size, (B, 1))
             logits, state = DecodeStep(model)(step, state)
-            assert rel(logits, model(step, caches=caches)) < TOL
+            assert rel_err(logits, model(step, caches=caches)) < TOL
         assert_states_close(state, state_from_caches(caches), [s.name for s in state_specs(args, torch.float32)])
         # Packed prefill with one document per row is the plain prefill.
         packed_logits, packed_state = PackedPrefill(model, capacity)(tokens, torch.zeros(B, T, dtype=torch.int32))
         plain_logits, plain_state = Prefill(model, capacity)(tokens)
-        assert rel(packed_logits, plain_logits) < TOL
+        assert rel_err(packed_logits, plain_logits) < TOL
         assert_states_close(packed_state, plain_state, [s.name for s in state_specs(args, torch.float32)])
 
 
@@ -294,11 +293,11 @@ def test_aoti_packages_match_eager(run, programs, tmp_path):
         logits, state = prefill(tokens)
         want, caches = eager_prefill(run.model, tokens, CAPACITY)
         # Inductor fuses and reorders fp32 reductions: looser than the exported program's bound.
-        assert rel(logits, want) < 1e-4
+        assert rel_err(logits, want) < 1e-4
         step = torch.randint(0, ARGS.vocab_size, (B, 1))
         logits, state = decode(step, state)
         with torch.no_grad():
-            assert rel(logits, run.model(step, caches=caches)) < 1e-4
+            assert rel_err(logits, run.model(step, caches=caches)) < 1e-4
 
 
 @pytest.mark.slow

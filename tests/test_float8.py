@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import rel_err
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 from torchtitan.distributed import ParallelDims
@@ -65,8 +66,6 @@ def linear_names(model: nn.Module) -> tuple[set[str], set[str]]:
     return fp8, plain
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 # --------------------------------------------------------------------------- which modules

@@ -30,6 +30,7 @@ import textwrap
 import pytest
 from triton_mode import interpreter_ready, rerun_under_interpreter
 import torch
+from numerics import rel_err
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -49,9 +50,6 @@ needs_kernels = pytest.mark.skipif(
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def random_offsets(n_groups: int, m: int, gen: torch.Generator, owned_frac: float = 1.0) -> torch.Tensor:

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import rel_err
 from torch._dynamo.utils import counters
 
 from titan_moe.model.args import ModelArgs
@@ -27,18 +28,9 @@ TOL = 2e-5
 ARGS = ModelArgs(dim=48, kda_n_heads=2, kda_head_dim=16, kda_conv_size=4, kda_g_min=-5.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is fastest and avoids thread
-    oversubscription stalls on a busy 2-core machine. Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def make_layer(args: ModelArgs = ARGS, seed: int = 0) -> KimiDeltaAttention:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import rel_err
 
 from titan_moe.ops.kda import chunk_kda, chunk_kda_torch, kda_decode_step, kda_gate, naive_recurrent_kda
 
@@ -38,18 +39,9 @@ FLA_RATIOS = dict(o=5e-3, ht=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dh0=8e-3, dg=2e-2,
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread is fastest and avoids thread
-    oversubscription stalls on a busy 2-core machine. Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def make_inputs(

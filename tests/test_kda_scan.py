@@ -34,6 +34,7 @@ import pytest
 from triton_mode import interpreter_ready, rerun_under_interpreter
 import torch
 import torch.nn.functional as F
+from numerics import rel_err
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -64,9 +65,6 @@ FP32_TOL = 1e-4
 VARLEN = [5, 0, 260, 64, 70, 1]  # empty, shorter than a chunk, 5 chunks, exactly one, 2
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def make_inputs(TT: int, H: int, dk: int, dv: int, gate: str, seed: int, n_seqs: int, device=DEVICE):

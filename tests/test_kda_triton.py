@@ -36,6 +36,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import rel_err
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -69,9 +70,6 @@ BF16_TOL = 6e-3
 FLA_RATIO = 1.2
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def make_inputs(

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from numerics import rel_err
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
@@ -22,8 +23,6 @@ from titan_moe.model.mla import GatedMLA, MLACache
 FP32_TOL = 1e-5
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def small_args(**overrides) -> ModelArgs:

@@ -23,18 +23,13 @@ from titan_moe.ops import nvtx
 
 from tiny import CONFIG, REPO, TINY_ARGS, TINY_CLI
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 OP_RANGES = {"op.kda_chunk_fwd", "op.kda_chunk_bwd", "op.grouped_mm", "op.grouped_mm_dx", "op.grouped_mm_dw"}
 IN_LAYER_RANGES = {"kda", "mla", "moe", "ffn", "kda.inputs", "kda.output", "mla.attend",
                    "moe.router", "moe.dispatch", "moe.experts", "moe.combine", "moe.shared"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny shapes: a second OpenMP thread only adds contention on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
