@@ -90,6 +90,13 @@ class Profiling:
 
 
 @dataclass
+class Compile:
+    passes: list[str] = field(default_factory=list)
+    """Our FX passes (`titan_moe.compile_passes.PASSES`, e.g. ["router_fusion"]) run on every
+    compiled region's graph before autograd; empty: none."""
+
+
+@dataclass
 class Validation:
     dataset: str = ""
     """Like training.dataset; empty: the held-out split of the training source."""
@@ -105,6 +112,7 @@ class TitanJobConfig:
     training: Training = field(default_factory=Training)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     profiling: Profiling = field(default_factory=Profiling)
+    compile: Compile = field(default_factory=Compile)
     validation: Validation = field(default_factory=Validation)
     quantize: QuantizeExtras = field(default_factory=QuantizeExtras)
 
@@ -344,9 +352,18 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         raise ConfigError(f"{path or 'command line'}: {e}") from None
     try:
         model_args_from_config(config)
+        _check_compile_passes(config.compile.passes)
     except ValueError as e:
         raise ConfigError(f"{path or 'command line'}: {e}") from None
     return config
+
+
+def _check_compile_passes(passes: list[str]) -> None:
+    from titan_moe.compile_passes import PASSES
+
+    unknown = [p for p in passes if p not in PASSES]
+    if unknown:
+        raise ValueError(f"compile.passes: unknown pass {unknown[0]!r}; known: {sorted(PASSES)}")
 
 
 # ---------------------------------------------------------------------------------------

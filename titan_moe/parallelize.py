@@ -163,6 +163,20 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 
 
 # =========================================================================== compile
+def compile_backend(compile_config):
+    """`[compile] backend`, wrapped with our FX passes when `[compile] passes` names any.
+
+    Built once per model: one backend object for every region, so that the layers' shared
+    `forward` code is not recompiled once per distinct backend.
+    """
+    passes = tuple(getattr(compile_config, "passes", ()) or ())
+    if not passes:
+        return compile_config.backend
+    from titan_moe import compile_passes
+
+    return compile_passes.make_backend(compile_config.backend, passes)
+
+
 def apply_compile(model: nn.Module, compile_config, ep_enabled: bool) -> None:
     """Regional compile: each layer is one `torch.compile(fullgraph=True)` region.
 
@@ -171,20 +185,24 @@ def apply_compile(model: nn.Module, compile_config, ep_enabled: bool) -> None:
     compiled piecewise instead, as torchtitan does for DeepSeek-V3: each child module
     (mixers, norms, attention) is a region, and the MoE's :meth:`LatentMoE.route_and_sort`
     and :meth:`LatentMoE.combine` are two more; the experts and their exchange run eagerly.
+    `[compile] passes` run inside every region (:func:`compile_backend`).
     """
+    backend = compile_backend(compile_config)
     for name, layer in model.layers.named_children():
         block = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
         if not (ep_enabled and getattr(block, "is_moe", False)):
-            model.layers.register_module(name, torch.compile(layer, backend=compile_config.backend, fullgraph=True))
+            model.layers.register_module(name, torch.compile(layer, backend=backend, fullgraph=True))
             continue
         for child_name, child in block.named_children():
             if isinstance(child, LatentMoE):
                 for method in ("route_and_sort", "combine"):
-                    compiled = torch.compile(getattr(child, method), backend=compile_config.backend, fullgraph=True)
+                    compiled = torch.compile(getattr(child, method), backend=backend, fullgraph=True)
                     setattr(child, method, compiled)
             else:
-                block.register_module(child_name, torch.compile(child, backend=compile_config.backend, fullgraph=True))
-    logger.info("Compiled each layer with torch.compile" + (" (MoE layers piecewise around EP)" if ep_enabled else ""))
+                block.register_module(child_name, torch.compile(child, backend=backend, fullgraph=True))
+    passes = f" with passes {list(compile_config.passes)}" if getattr(compile_config, "passes", None) else ""
+    logger.info("Compiled each layer with torch.compile" + passes
+                + (" (MoE layers piecewise around EP)" if ep_enabled else ""))
 
 
 # =========================================================================== FSDP
