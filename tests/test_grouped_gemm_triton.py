@@ -28,13 +28,11 @@ import sys
 import textwrap
 
 import pytest
-from triton_mode import interpreter_ready, rerun_under_interpreter
+from triton_mode import interpret_without_gpu, interpreter_ready, rerun_under_interpreter, skip_unless_kernels_run  # noqa: E402
 import torch
 from numerics import rel_err
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = interpret_without_gpu()
 
 from titan_moe.ops.grouped_gemm import grouped_mm, grouped_mm_dw_reference, grouped_mm_reference  # noqa: E402
 from titan_moe.ops.grouped_gemm import op as gg_op  # noqa: E402
@@ -42,11 +40,7 @@ from titan_moe.ops.grouped_gemm import triton_kernel as tk  # noqa: E402
 
 KERNELS_RUN_HERE = CUDA or (tk.interpreted() and interpreter_ready())
 DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN_HERE,
-    reason="triton_kernel was imported before TRITON_INTERPRET=1 was set and there is no GPU; "
-    "test_in_fresh_interpreter_process runs these tests in a subprocess",
-)
+needs_kernels = skip_unless_kernels_run(KERNELS_RUN_HERE, "test_in_fresh_interpreter_process")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 

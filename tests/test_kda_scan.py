@@ -28,17 +28,14 @@ Tolerances (relative error ||out - ref|| / ||ref||):
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
-from triton_mode import interpreter_ready, rerun_under_interpreter
+from triton_mode import interpret_without_gpu, interpreter_ready, rerun_under_interpreter, skip_unless_kernels_run  # noqa: E402
 import torch
 import torch.nn.functional as F
 from numerics import rel_err
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = interpret_without_gpu()
 
 from titan_moe.ops.kda import naive_recurrent_kda  # noqa: E402
 from titan_moe.ops.kda import triton_fwd, triton_scan  # noqa: E402
@@ -53,11 +50,7 @@ from titan_moe.ops.kda.triton_scan import (  # noqa: E402
 
 KERNELS_RUN_HERE = CUDA or (triton_fwd._interpreted() and interpreter_ready())
 DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN_HERE,
-    reason="triton_fwd was imported before TRITON_INTERPRET=1 was set and there is no GPU; "
-    "test_in_fresh_interpreter_process runs these tests in a subprocess",
-)
+needs_kernels = skip_unless_kernels_run(KERNELS_RUN_HERE, "test_in_fresh_interpreter_process")
 
 F64_TOL = 1e-10
 SCAN_TOL = 2e-5

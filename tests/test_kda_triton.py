@@ -31,19 +31,16 @@ Tolerances (relative error ||out - ref|| / ||ref||):
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from numerics import rel_err
+from triton_mode import interpret_without_gpu, interpreter_ready, rerun_under_interpreter, skip_unless_kernels_run
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = interpret_without_gpu()
 
 from titan_moe.ops.kda import naive_recurrent_kda  # noqa: E402
-from triton_mode import interpreter_ready, rerun_under_interpreter  # noqa: E402
 from titan_moe.ops.kda import triton_fwd  # noqa: E402
 from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton  # noqa: E402
 from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton, kda_fwd_states  # noqa: E402
@@ -57,11 +54,7 @@ needs_fla = pytest.mark.skipif(fla_naive is None, reason="fla-core (the independ
 
 KERNELS_RUN_HERE = CUDA or (triton_fwd._interpreted() and interpreter_ready())
 DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN_HERE,
-    reason="Triton was imported before TRITON_INTERPRET=1 was set and there is no GPU; "
-    "test_in_fresh_interpreter_process runs these tests in a subprocess",
-)
+needs_kernels = skip_unless_kernels_run(KERNELS_RUN_HERE, "test_in_fresh_interpreter_process")
 
 FP32_TOL = 1e-4
 FP32_DG_TOL = 2e-3

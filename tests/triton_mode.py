@@ -35,3 +35,28 @@ def rerun_under_interpreter(test_file: str, also_deselect: str = "") -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) > 0, proc.stdout[-2000:]
+
+
+def interpret_without_gpu() -> bool:
+    """Whether CUDA is present; without it, set TRITON_INTERPRET=1 (call before importing the
+    kernel modules, so that a Triton imported first by this module is interpreted)."""
+    import os
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return cuda
+
+
+def skip_unless_kernels_run(kernels_run_here: bool, rerun_test: str):
+    """Skip marker for tests that launch Triton kernels, when they cannot run in this process;
+    `rerun_test` (the file's `rerun_under_interpreter` test) runs them in a fresh one."""
+    import pytest
+
+    return pytest.mark.skipif(
+        not kernels_run_here,
+        reason=f"Triton was imported before TRITON_INTERPRET=1 was set and there is no GPU; "
+        f"{rerun_test} runs these tests in a subprocess",
+    )
