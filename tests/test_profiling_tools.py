@@ -222,3 +222,27 @@ def test_summary_cli_reports_a_missing_file(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "profiling" / "summarize_trace.py"), str(tmp_path / "nope.json")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "summarize_trace: error:" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- memory check
+
+
+def test_memory_check_runs_the_trainer_and_the_planner(tmp_path, capsys):
+    """Two AC modes of the tiny model (CPU: 'memory' is the process's peak RSS, so only the
+    plumbing is checked here, not the planner's accuracy): one row per mode with a measured
+    and a planned number, a failed run reported as such, JSON last."""
+    import tiny
+
+    memory_check = _load("memory_check")
+    cut = tiny.TINY_CLI.index("--training.seq_len")  # the script sets the length itself
+    extra = tiny.TINY_CLI[:cut] + tiny.TINY_CLI[cut + 2:]
+    memory_check.main(["--job.config_file", tiny.CONFIG, "--seq-lens", "64", "--ac", "none,full",
+                       "--steps", "2", "--out", str(tmp_path), "--", *extra])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = summary["rows"]
+    assert [(r["seq_len"], r["ac"], r["ok"]) for r in rows] == [(64, "none", True), (64, "full", True)]
+    for r in rows:
+        assert r["max_active_gib"] > 0 and r["planned_gib"] > 0 and r["tokens_per_s"] > 0
+    assert rows[0]["planned_gib"] > rows[1]["planned_gib"]  # AC lowers the plan
+    bad = memory_check.measure(tiny.CONFIG, 64, "nonsense", 1, tmp_path / "bad", extra)
+    assert not bad["ok"] and "activation_checkpoint.mode" in bad["error"]

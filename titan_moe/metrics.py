@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import torch
@@ -32,15 +33,26 @@ class TitanMetricsProcessor(MetricsProcessor):
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         balance = dict(getattr(self.optimizers, "expert_balance_metrics", None) or {})
+        # Read before the parent's log resets the peaks and the token count.
+        memory = self._peak_memory()
+        tokens, seconds = self.ntokens_since_last_log, time.perf_counter() - self.time_last_log
         super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **balance})
         loss = float(global_avg_loss)
-        self._append({"step": step, "loss": loss, "grad_norm": float(grad_norm), **balance})
+        record = {"step": step, "loss": loss, "grad_norm": float(grad_norm), **balance, **memory}
+        if seconds > 0:
+            record["tokens_per_s"] = tokens / (seconds * self.parallel_dims.non_data_parallel_size)
+        self._append(record)
         if "moe/max_violation_max" in balance:
             logger.info(
                 f"step: {step:2}  experts: max_violation {balance['moe/max_violation_max']:.3f} "
                 f"(mean over layers {balance['moe/max_violation_mean']:.3f})  "
                 f"dead {int(balance.get('moe/dead_experts_total', 0))}"
             )
+
+    def _peak_memory(self) -> dict[str, float]:
+        """Peak device memory since the last log, in GiB (on CPU: the process's peak RSS)."""
+        stats = self.device_memory_monitor.get_peak_stats()
+        return {"max_active_gib": stats.max_active_gib, "max_reserved_gib": stats.max_reserved_gib}
 
     def log_validation(self, loss, step, extra_metrics=None):
         super().log_validation(loss, step, extra_metrics)

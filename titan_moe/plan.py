@@ -7,9 +7,12 @@ Any other `--section.key value` overrides the config, as for training (e.g.
 `--training.dtype float32` for fp32 master weights). Prints a table of layouts for the given
 GPU count (memory per GPU with each activation-checkpointing mode), the smallest fitting
 layouts, the fewest GPUs (powers of two up to 4096) at which any layout fits, and, as the last
-line, one JSON object. Memory is a model, not a measurement: the formulas below still need
-checking against measured peak memory on an H200 (e.g. `small_1gpu` and a small multi-GPU
-run); that has not been done yet.
+line, one JSON object. Memory is a model, not a measurement. Checked against the peak
+allocated memory of eager `small_1gpu` runs on one H200 (`profiling/memory_check.py`, table in
+BENCHMARKS.md): full AC within 4% (8K) and 7% (32K); without AC the model, which counts what
+compiled layers keep, is 28% under eager's 8K peak, and eager at 32K ran out of memory where
+the model says 85 GiB. Eager activations are not modelled yet; compiled runs and multi-GPU
+layouts are not checked yet.
 
 Layouts (torchtitan 0.2.2's `ParallelDims`): `N = dp_replicate * dp_shard * cp` GPUs (no TP,
 no PP). FSDP shards over `fsdp = dp_shard * cp`; HSDP replicas (`dp_replicate`) hold full
@@ -50,8 +53,10 @@ Parameters, per GPU (from the model built on the meta device, `named_parameters`
         unsharded gradient in `a` and the fp32 reduce-scatter input;
       head backward:  `Uh * (a + a + 4) + U_last * a` (head gathered since the end of the
         forward plus its gradients, the last layer prefetched).
-    Without FSDP (one GPU): autocast keeps `a`-copies of the weights for the step,
-    `a * params` when `a != P`, else 0.
+    Without FSDP (one GPU): autocast's `a`-copies of the weights (when `a != P`), counted
+    with the activations because they live like them: each layer's copies are saved by its
+    matmuls from its forward to its backward (all layers without AC; under full AC only the
+    layer being recomputed), the head's for the whole step.
 
 Activations, per GPU. Local tokens `t = local_batch * seq_len / cp`. Everything is bytes per
 local token times `t`, plus one per-layer constant (the router's fp32 weight copy).
@@ -349,7 +354,7 @@ def param_memory(inv: ParamInventory, layout: Layout, prec: Precision) -> ParamM
         head_peak = head * (a + a + red) + (units[-1] if units else 0) * a
         gathered = float(max(layer_peak, head_peak))
     else:
-        gathered = float(inv.total * a) if a != prec.param else 0.0
+        gathered = 0.0  # one GPU: autocast's weight copies are counted with the activations
     return ParamMemory(
         sharded_expert_numel=expert,
         sharded_other_numel=other,
@@ -623,14 +628,33 @@ def _head_kept_per_token(args: ModelArgs, s: int, a: int) -> float:
     return sum(e.bytes for e in _prologue("head", args, s, a)) + args.vocab_size * 4
 
 
+def autocast_weight_copies(inv: ParamInventory, layout: Layout, prec: Precision) -> tuple[list[float], float]:
+    """Bytes of autocast's compute-dtype weight copies per decoder layer, and of the head.
+
+    Only without FSDP and when the compute dtype differs from the parameter dtype (with FSDP
+    the gathered weights are already in the compute dtype: `ParamMemory.fsdp_gathered`).
+    Each matmul saves its cast weight for the input gradient, so a layer's copies live from
+    its forward to its backward, like its activations: all layers without AC, only the layer
+    being recomputed under full AC (measured on the H200, small_1gpu, 8K: counting every
+    layer's copies under full AC over-estimated the peak by 2.5 GiB).
+    """
+    a = prec.compute
+    if layout.fsdp_enabled or a == prec.param:
+        return [0.0] * len(inv.layer_shapes), 0.0
+    numel = lambda shapes: sum(math.prod(shape) * n for (shape, _), n in shapes.items())  # noqa: E731
+    return [float(numel(sh) * a) for sh in inv.layer_shapes], float(numel(inv.head_shapes) * a)
+
+
 def activation_memory(
     args: ModelArgs, prec: Precision, layout: Layout, ac: str, local_batch: int, seq_len: int,
     layers: list[LayerActivations] | None = None, sac_option: str = "op",
+    weight_copies: tuple[list[float], float] | None = None,
 ) -> ActivationMemory:
     """Activation bytes per GPU at `local_batch * seq_len / cp` local tokens (see module docstring).
 
     `layers` (from `model_activations`) may be passed to reuse them across AC modes;
-    `sac_option` is torchtitan's `selective_ac_option` ("op" or a layer frequency).
+    `sac_option` is torchtitan's `selective_ac_option` ("op" or a layer frequency);
+    `weight_copies` (from `autocast_weight_copies`) adds autocast's weight copies per layer.
     """
     if seq_len % layout.cp:
         raise ValueError(f"seq_len ({seq_len}) must be divisible by cp ({layout.cp})")
@@ -643,17 +667,18 @@ def activation_memory(
     if layers is None:
         layers = model_activations(args, prec, layout)
 
-    layer_kept = 0.0
+    copies, head_copy = weight_copies or ([0.0] * len(layers), 0.0)
+    layer_kept = head_copy
     layer_peak = 0.0
-    for layer, policy in zip(layers, policies):
+    for layer, policy, copy in zip(layers, policies, copies):
         if policy == "none":
-            layer_kept += layer.kept * t + layer.constant
+            layer_kept += layer.kept * t + layer.constant + copy
             peak = layer.transient * t
         elif policy == "full":
-            peak = (layer.kept + layer.transient) * t + layer.constant
+            peak = (layer.kept + layer.transient) * t + layer.constant + copy
         else:
             layer_kept += layer.sac_kept * t
-            peak = (layer.sac_recompute + layer.transient) * t + layer.constant
+            peak = (layer.sac_recompute + layer.transient) * t + layer.constant + copy
         layer_peak = max(layer_peak, peak)
     S = max_sources(args.attn_res, args.n_layers, args.attn_res_block_size)
     stream_grads = ((S + 1) if args.attn_res != "none" else 2) * D * s * t
@@ -705,8 +730,10 @@ def plan_layout(
     sac_option: str = "op",
 ) -> LayoutPlan:
     layers = model_activations(args, prec, layout)
+    copies = autocast_weight_copies(inv, layout, prec)
     acts = {
-        ac: activation_memory(args, prec, layout, ac, local_batch, seq_len, layers, sac_option) for ac in AC_MODES
+        ac: activation_memory(args, prec, layout, ac, local_batch, seq_len, layers, sac_option, copies)
+        for ac in AC_MODES
     }
     return LayoutPlan(layout, param_memory(inv, layout, prec), acts)
 
