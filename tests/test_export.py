@@ -320,3 +320,72 @@ def test_inductor_graph_dump_keeps_generated_code(tmp_path):
     # Our ops are called from the generated code as extern kernels, not inlined.
     assert "titan_moe.kda_chunk_fwd" in (tmp_path / "kda_dense" / "inductor_forward_0.py").read_text()
     assert "titan_moe.grouped_mm" in (tmp_path / "mla_moe" / "inductor_forward_0.py").read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# GPU. The AOTInductor half runs in a subprocess: on torch 2.11+cu130 loading a CUDA package
+# crashed the process (segmentation fault in `aoti_load_package`, H200, 2026-11-30), and a
+# crash must fail one test, not end the session.
+CUDA_EXPORT_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_export as t
+from titan_moe.export import aoti_package, export_programs
+torch.backends.cuda.matmul.allow_tf32 = False
+model = t.make_model(t.ARGS4).cuda()
+eps = export_programs(model, t.CAPACITY, which=("prefill", "decode_step"))
+runners = {{name: torch._inductor.aoti_load_package(str(aoti_package(ep, {tmp!r} + "/" + name + ".pt2")))
+           for name, ep in eps.items()}}
+print(max(t.cuda_errors(model, runners)))
+"""
+
+
+def cuda_errors(model: Decoder, runners: dict) -> list[float]:
+    """Relative errors of `runners["prefill"]` and `runners["decode_step"]` against eager on
+    CUDA, at two batch/prompt shapes (prefill, then one decode step from its state)."""
+    gen = torch.Generator().manual_seed(0)
+    errors = []
+    for B, T in [(2, 6), (1, 70)]:
+        tokens = torch.randint(0, ARGS4.vocab_size, (B, T), generator=gen).cuda()
+        step = torch.randint(0, ARGS4.vocab_size, (B, 1), generator=gen).cuda()
+        want, caches = eager_prefill(model, tokens, CAPACITY)
+        with torch.no_grad():
+            want_step = model(step, caches=caches)
+        logits, state = runners["prefill"](tokens)
+        assert logits.is_cuda
+        errors.append(rel_err(logits, want))
+        logits, _ = runners["decode_step"](step, state)
+        errors.append(rel_err(logits, want_step))
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_programs_match_eager(tmp_path):
+    """The four-layer model on the GPU (fp32, TF32 off): programs saved, reloaded and run
+    against eager, our ops present by name. Bound: the programs run eager's ATen ops; 1e-4
+    leaves room for the GPU's reduction orders at other shapes."""
+    from titan_moe.export import export_programs
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = make_model(ARGS4).cuda()
+    eps = export_programs(model, CAPACITY, which=("prefill", "decode_step"))
+    assert custom_ops_in(eps["prefill"]) == ["titan_moe.grouped_mm", "titan_moe.kda_chunk_fwd"]
+    assert custom_ops_in(eps["decode_step"]) == ["titan_moe.grouped_mm"]
+    for name, ep in eps.items():
+        torch.export.save(ep, tmp_path / f"{name}.pt2")
+    runners = {name: load_program(tmp_path / f"{name}.pt2").module() for name in eps}
+    assert max(cuda_errors(model, runners)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.xfail(torch.__version__.startswith("2.11"), strict=False,
+                   reason="loading a CUDA AOTInductor package crashed torch 2.11+cu130 (H200, 2026-11-30)")
+def test_cuda_aoti_packages_match_eager(tmp_path):
+    """AOTInductor packages of the same programs on the GPU against eager (Inductor's fused
+    reductions reorder fp32 sums: 1e-3), compiled and loaded in a fresh process."""
+    script = CUDA_EXPORT_SCRIPT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"exit {proc.returncode}: " + proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 1e-3

@@ -121,9 +121,11 @@ class ResidualStream:
             partial_BTD, used, n = embed_BTD, False, 1  # a placeholder while unused
         return cls(
             sources_SBTD=sources_SBTD,
-            n_sources=torch.tensor(n, dtype=torch.int64, device=device),
+            # torch.full, not torch.tensor: a traced factory call instead of a 0-d constant lifted
+            # into exported programs (AOTInductor on CUDA crashed loading such constants).
+            n_sources=torch.full((), n, dtype=torch.int64, device=device),
             partial_BTD=partial_BTD,
-            partial_used=torch.tensor(used, dtype=torch.bool, device=device),
+            partial_used=torch.full((), used, dtype=torch.bool, device=device),
             mode=mode,
             block_size=block_size,
         )
