@@ -19,6 +19,7 @@ The last line is one JSON object with every row.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import time
@@ -97,7 +98,11 @@ def bench(args) -> list[dict]:
     peers = {"ours": run_ours}
     if args.device == "cuda" and not args.no_fla:
         peers["fla"] = run_fla
+    if args.shapes:
+        wanted = {int(t) for t in args.shapes.split(",")}
+        shapes = [s for s in shapes if s[1] in wanted]
     rows = []
+    print(HEADER, flush=True)
     for B, T, H, dk in shapes:
         for backward in (False, True):
             for name, runner in peers.items():
@@ -116,7 +121,16 @@ def bench(args) -> list[dict]:
                 flops = kda_flops(B, T, H, dk, backward)
                 rows.append(dict(impl=name, B=B, T=T, H=H, dk=dk, direction="fwd+bwd" if backward else "fwd",
                                  ms=ms, tokens_per_s=B * T / (ms / 1e3), tflops=flops / (ms / 1e3) / 1e12))
+                print(format_row(rows[-1]), flush=True)
     return rows
+
+
+HEADER = f"{'impl':6} {'pass':8} {'B':>3} {'T':>7} {'H':>3} {'dk':>4} {'ms':>9} {'Mtok/s':>8} {'TFLOP/s':>8}"
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['impl']:6} {r['direction']:8} {r['B']:>3} {r['T']:>7} {r['H']:>3} {r['dk']:>4} "
+            f"{r['ms']:9.3f} {r['tokens_per_s'] / 1e6:8.3f} {r['tflops']:8.2f}")
 
 
 def main() -> None:
@@ -126,13 +140,17 @@ def main() -> None:
     parser.add_argument("--backend", default="triton", choices=["triton", "torch"])
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--shapes", default="", help="comma-separated sequence lengths to keep, e.g. 8192,32768")
+    parser.add_argument("--watchdog", type=float, default=0.0,
+                        help="dump every thread's stack every this many seconds (finding hangs)")
     args = parser.parse_args()
+    if args.watchdog > 0:
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     os.environ["TITAN_MOE_KDA_BACKEND"] = args.backend if args.device == "cuda" else "torch"
     rows = bench(args)
-    print(f"{'impl':6} {'pass':8} {'B':>3} {'T':>7} {'H':>3} {'dk':>4} {'ms':>9} {'Mtok/s':>8} {'TFLOP/s':>8}")
+    print("\n" + HEADER)
     for r in rows:
-        print(f"{r['impl']:6} {r['direction']:8} {r['B']:>3} {r['T']:>7} {r['H']:>3} {r['dk']:>4} "
-              f"{r['ms']:9.3f} {r['tokens_per_s'] / 1e6:8.3f} {r['tflops']:8.2f}")
+        print(format_row(r))
     print(json.dumps({"device": args.device, "backend": os.environ["TITAN_MOE_KDA_BACKEND"], "rows": rows}))
 
 
