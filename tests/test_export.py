@@ -222,6 +222,29 @@ def test_graph_dumps_name_our_ops(run):
     assert index["mla_moe"]["custom_ops"] == ["titan_moe.grouped_mm", "titan_moe.grouped_mm_dw", "titan_moe.grouped_mm_dx"]
 
 
+def test_graph_dumps_show_the_graph_before_and_after_our_passes(tmp_path):
+    """With `passes`, each kind gets the captured graph and the graph after our passes: they
+    differ exactly where router_fusion applies (the MoE kind) and the index counts it."""
+    from titan_moe.export import dump_training_graphs
+
+    model = make_model()
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 32))
+    dump_training_graphs(model, tokens, tmp_path, passes=("router_fusion",))
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["mla_moe"]["pass_rewrites"] == {"router_fusion": 1}
+    assert index["kda_dense"]["pass_rewrites"] == {"router_fusion": 0}
+    def code(path: Path) -> str:  # without the source-line comments
+        return "\n".join(line for line in path.read_text().splitlines() if not line.strip().startswith("#"))
+
+    before = code(tmp_path / "mla_moe" / "dynamo_graph_0.py")
+    after = code(tmp_path / "mla_moe" / "after_passes_0.py")
+    assert "torch.topk" in before and "router_topk" not in before
+    assert "router_topk" in after and "torch.topk" not in after
+    assert "router_topk" in code(tmp_path / "mla_moe" / "aot_forward_0.py")
+    dense = tmp_path / "kda_dense"
+    assert (dense / "dynamo_graph_0.py").read_text() == (dense / "after_passes_0.py").read_text()
+
+
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attn_res", ["block", "full", "none"])
 def test_wrappers_equal_the_eager_cache_path(attn_res):

@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens, doc_ids = _packed_batch(model.args.vocab_size, ours.batch, seq_len)
         device = model.output.weight.device
         regions = dump_training_graphs(
-            model, tokens.to(device), out / "graphs", doc_ids_BT=doc_ids.to(device), inductor=ours.inductor
+            model, tokens.to(device), out / "graphs", doc_ids_BT=doc_ids.to(device), inductor=ours.inductor,
+            passes=tuple(config.compile.passes),
         )
         print(f"graphs of one training step ({ours.batch}x{seq_len} tokens) in {time.perf_counter() - t0:.1f}s:")
         for r in regions:

@@ -7,11 +7,14 @@ recording backend per layer kind, runs one forward and backward step, and writes
 
     <out>/<kind>/dynamo_graph_<n>.py     the graph Dynamo captured (torch-level ops, our
                                          custom ops as single calls)
+    <out>/<kind>/after_passes_<n>.py     with ``passes``: the same graph after our FX passes
+                                         (`titan_moe.compile_passes`), what AOTAutograd gets
     <out>/<kind>/aot_forward_<n>.py      AOTAutograd's forward and backward graphs (ATen
     <out>/<kind>/aot_backward_<n>.py     ops after functionalization and partitioning)
     <out>/<kind>/inductor_forward_<n>.py with ``inductor=True``: the code Inductor generated
     <out>/<kind>/inductor_backward_<n>.py  for each of them (C++ on CPU, Triton on GPU)
-    <out>/index.json                     kinds, their layers, files and the custom ops seen
+    <out>/index.json                     kinds, their layers, files, the custom ops seen and
+                                         each pass's rewrites
 
 ``<kind>`` is ``kda_dense``, ``kda_moe``, ``mla_moe``, ...; ``<n>`` counts graphs of that
 kind (a recompile adds one). Without Inductor the backend is AOTAutograd with graph-keeping
@@ -45,6 +48,7 @@ class RegionDump:
     kind: str
     layers: list[int]
     files: list[Path] = field(default_factory=list)
+    rewrites: dict[str, int] = field(default_factory=dict)  # compile pass -> sites rewritten
 
     def custom_ops(self) -> list[str]:
         """``titan_moe.<op>`` names found in this kind's graph files."""
@@ -63,8 +67,8 @@ def layer_kind(model: Decoder, layer_idx: int) -> str:
 class _GraphRecorder:
     """A `torch.compile` backend that writes every graph it is given into one folder."""
 
-    def __init__(self, region: RegionDump, folder: Path, inductor: bool):
-        self.region, self.folder, self.inductor = region, folder, inductor
+    def __init__(self, region: RegionDump, folder: Path, inductor: bool, passes: tuple[str, ...] = ()):
+        self.region, self.folder, self.inductor, self.passes = region, folder, inductor, passes
         self.n_graphs = 0
 
     def _write(self, name: str, text: str) -> None:
@@ -77,6 +81,12 @@ class _GraphRecorder:
         self.n_graphs += 1
         self.folder.mkdir(parents=True, exist_ok=True)
         self._write(f"dynamo_graph_{n}.py", gm.print_readable(print_output=False))
+        if self.passes:
+            from titan_moe.compile_passes import apply_pass
+
+            for name in self.passes:
+                self.region.rewrites[name] = self.region.rewrites.get(name, 0) + apply_pass(gm, name)
+            self._write(f"after_passes_{n}.py", gm.print_readable(print_output=False))
         if self.inductor:
             return self._inductor(gm, example_inputs, n)
         from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
@@ -127,6 +137,7 @@ def dump_training_graphs(
     *,
     doc_ids_BT: torch.Tensor | None = None,
     inductor: bool = False,
+    passes: tuple[str, ...] = (),
 ) -> list[RegionDump]:
     """Compile every layer as a region, run one training step, and write the graphs.
 
@@ -138,6 +149,8 @@ def dump_training_graphs(
         out_dir: folder for the files (created).
         doc_ids_BT: optional int32 [B, T] packed-document ids, as in training.
         inductor: also run Inductor and write its generated code (slow on CPU).
+        passes: our FX passes to run on each captured graph, as `[compile] passes` does in
+            training; the graph after them is written beside the captured one.
 
     Returns one `RegionDump` per layer kind. Resets Dynamo's caches first (so that every
     kind compiles here, with this backend).
@@ -155,7 +168,7 @@ def dump_training_graphs(
             kind = layer_kind(model, int(name))
             if kind not in regions:
                 regions[kind] = RegionDump(kind=kind, layers=[])
-                backends[kind] = _GraphRecorder(regions[kind], out / kind, inductor)
+                backends[kind] = _GraphRecorder(regions[kind], out / kind, inductor, tuple(passes))
             regions[kind].layers.append(int(name))
             # One backend object per kind: layers of that kind reuse its compiled graph.
             model.layers.register_module(name, torch.compile(layer, backend=backends[kind], fullgraph=True))
@@ -183,6 +196,7 @@ def dump_training_graphs(
             "layers": r.layers,
             "files": [str(p.relative_to(out)) for p in r.files],
             "custom_ops": r.custom_ops(),
+            "pass_rewrites": r.rewrites,
         }
         for kind, r in regions.items()
     }
