@@ -10,7 +10,8 @@ norm and gate into its kernels (`use_qk_l2norm_in_kernel`, `use_gate_in_kernel`,
 Our side uses the Triton kernels (TITAN_MOE_KDA_BACKEND=triton is set by this script)
 unless `--backend torch`.
 
-Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
+`--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
+both sides: where the time goes, stage by stage. Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
 CPU), tokens/s, and TFLOP/s by Kimi Linear's forward FLOP count per head
 6*T*dk^2 + 3*T*C*dk + T*C^2 (C = 64), backward counted as twice the forward.
 The last line is one JSON object with every row.
@@ -122,7 +123,32 @@ def bench(args) -> list[dict]:
                 rows.append(dict(impl=name, B=B, T=T, H=H, dk=dk, direction="fwd+bwd" if backward else "fwd",
                                  ms=ms, tokens_per_s=B * T / (ms / 1e3), tflops=flops / (ms / 1e3) / 1e12))
                 print(format_row(rows[-1]), flush=True)
+                if args.kernels:
+                    rows[-1]["kernels_ms"] = kernel_times(step, args.device)
+                    for kernel, k_ms in list(rows[-1]["kernels_ms"].items())[: args.kernels]:
+                        print(f"    {k_ms:9.3f} ms  {kernel[:100]}", flush=True)
     return rows
+
+
+def kernel_times(fn, device: str, iters: int = 3) -> dict[str, float]:
+    """Per-kernel time of one call of `fn` (mean over `iters` profiled calls), largest first:
+    torch.profiler's device time on CUDA, its CPU time per op elsewhere."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    fn()  # compiled and warm before the window
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        if us > 0 and (device != "cuda" or event.device_type.name == "CUDA"):
+            times[event.key] = us / iters / 1e3
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 HEADER = f"{'impl':6} {'pass':8} {'B':>3} {'T':>7} {'H':>3} {'dk':>4} {'ms':>9} {'Mtok/s':>8} {'TFLOP/s':>8}"
@@ -140,6 +166,8 @@ def main() -> None:
     parser.add_argument("--backend", default="triton", choices=["triton", "torch"])
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also profile one call per row and print its N most expensive kernels")
     parser.add_argument("--shapes", default="", help="comma-separated sequence lengths to keep, e.g. 8192,32768")
     parser.add_argument("--watchdog", type=float, default=0.0,
                         help="dump every thread's stack every this many seconds (finding hangs)")

@@ -31,7 +31,8 @@ variable ``TITAN_MOE_GROUPED_MM_BACKEND``, else ``"native"``:
   multiples of 16 gave correct results on CPU (torch 2.13) and on an H200 (torch
   2.11). The rows past ``offs[-1]`` and the weight gradient of empty groups are not
   guaranteed to be written (on CPU the rows past ``offs[-1]`` hold garbage), so both
-  are zeroed explicitly here.
+  are zeroed explicitly here, on CUDA by kernels that touch only those elements
+  (:mod:`.zero_fill`).
 * otherwise the per-group loop of the reference (fp32 matmuls, one host read of
   ``offs``). We fall back rather than pad: padding ``K``/``N`` would copy the weights
   on every call, and the model's widths are multiples of 8 anyway.
@@ -139,8 +140,24 @@ def _native_ok(a: Tensor, b: Tensor) -> bool:
     return _aligned(a, align) and _aligned(b, align)
 
 
-def _group_sizes(offs_E: Tensor) -> Tensor:
-    return torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+def _zero_unwritten_rows(out_MN: Tensor, offs_E: Tensor) -> Tensor:
+    """Rows past ``offs[-1]`` set to zero (``torch._grouped_mm`` leaves them unwritten)."""
+    if out_MN.is_cuda and out_MN.stride(1) == 1:
+        from titan_moe.ops.grouped_gemm.zero_fill import zero_rows_past_
+
+        return zero_rows_past_(out_MN, offs_E)
+    owned_M1 = (torch.arange(out_MN.shape[0], device=out_MN.device) < offs_E[-1]).unsqueeze(1)
+    return out_MN.masked_fill_(~owned_M1, 0)
+
+
+def _zero_empty_groups(dw_EKN: Tensor, offs_E: Tensor) -> Tensor:
+    """``dw[e] = 0`` for empty groups (``torch._grouped_mm`` does not write them)."""
+    if dw_EKN.is_cuda and dw_EKN.is_contiguous():
+        from titan_moe.ops.grouped_gemm.zero_fill import zero_empty_groups_
+
+        return zero_empty_groups_(dw_EKN, offs_E)
+    empty_E11 = (torch.diff(offs_E, prepend=offs_E.new_zeros(1)) == 0).view(-1, 1, 1)
+    return dw_EKN.masked_fill_(empty_E11, 0)
 
 
 # --------------------------------------------------------------------------- forward
@@ -159,9 +176,7 @@ def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | No
         return grouped_mm_reference(x_MK, w_EKN, offs_E)
     if x_MK.device.type == "cpu":
         group_bounds(offs_E, m)
-    out_MN = torch._grouped_mm(x_MK, w_EKN, offs=offs_E)
-    owned_M1 = (torch.arange(m, device=x_MK.device) < offs_E[-1]).unsqueeze(1)
-    return out_MN.masked_fill_(~owned_M1, 0)
+    return _zero_unwritten_rows(torch._grouped_mm(x_MK, w_EKN, offs=offs_E), offs_E)
 
 
 @torch.library.custom_op("titan_moe::grouped_mm", mutates_args=())
@@ -203,9 +218,7 @@ def _grouped_mm_dw_op(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: st
             return grouped_mm_dw_reference(x_MK, grad_MN, offs_E)
         if x_MK.device.type == "cpu":
             group_bounds(offs_E, x_MK.shape[0])
-        dw_EKN = torch._grouped_mm(x_MK.t(), grad_MN, offs=offs_E)
-        empty_E11 = (_group_sizes(offs_E) == 0).view(-1, 1, 1)
-        return dw_EKN.masked_fill_(empty_E11, 0)
+        return _zero_empty_groups(torch._grouped_mm(x_MK.t(), grad_MN, offs=offs_E), offs_E)
 
 
 @_grouped_mm_dw_op.register_fake
