@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_moe.flavors import FLAVORS
@@ -14,22 +15,29 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import ResidualStream
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.flops import count_params
+from titan_moe.model.packing import same_doc_causal_mask
 from titan_moe.plan import (
     AC_MODES,
+    GpuKernelSaves,
     Layout,
     Precision,
     activation_memory,
+    eager_saved_bytes,
     enumerate_layouts,
     fsdp_shard_numel,
     inventory,
     layer_activations,
     main,
+    measure_eager_layer,
+    model_activations,
     param_memory,
     sharding_checks,
+    zero_layer,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 K3_TOML = str(REPO / "configs" / "k3.toml")
+DEBUG_TOML = str(REPO / "configs" / "debug_cpu.toml")
 FP32_MASTER = Precision(param=4, compute=2)  # fp32 params/grads/AdamW, bf16 compute
 BF16 = Precision(param=2, compute=2)
 
@@ -182,33 +190,118 @@ def test_mm_entries_match_the_matmuls_the_model_runs():
     assert kinds == {"kda+dense", "kda+moe", "mla+moe"}
 
 
-def test_kept_tensors_are_a_subset_of_what_eager_autograd_saves():
-    """Eager autograd saves at least what the plan counts (it keeps extra fp32 upcasts and
-    elementwise intermediates that a fused graph recomputes); measured per token by
-    saved-tensor hooks, parameters excluded, token-independent tensors removed by differencing."""
-    args = _tiny()
-    model = _bf16_tiny_model(args)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+# ----------------------------------------------------------------------------- eager activations
+def _first_layer_of_each_kind(args: ModelArgs) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for i, kind in enumerate(args.layer_kinds()):
+        kinds.setdefault(kind + ("+moe" if args.is_moe_layer(i) else "+dense"), i)
+    return kinds
 
-    def saved_bytes(i: int, T: int) -> int:
-        seen: dict[int, int] = {}
+
+def _setting(fsdp: bool) -> tuple[torch.dtype, torch.dtype | None]:
+    """(weight and stream dtype, autocast dtype) of FP32_MASTER training without / with FSDP."""
+    return (torch.bfloat16, None) if fsdp else (torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_eager_fit_predicts_a_direct_measurement_at_another_length(fsdp):
+    """The per-token bytes (fit at T = 64, 128, 192 on top_k + 2 and top_k + 4 experts,
+    extrapolated to n) and the T^2 term predict what the full layer (all n experts) saves at
+    T = 320. Tolerance 0.5%: saved sizes are exact polynomials in T at multiples of 64, the
+    slack only covers tile-rounded sizes (the logsumexp's 32-row padding)."""
+    args = _tiny()  # n = 8 > top_k + 4 = 6: the expert-count extrapolation is exercised
+    dtype, amp = _setting(fsdp)
+    for kind, i in _first_layer_of_each_kind(args).items():
+        profile = measure_eager_layer(args, i, FP32_MASTER, fsdp, fake=False)
+        assert profile.kind == kind and not profile.fake
+        assert profile.experts == ((4, 6) if kind.endswith("moe") else ())
+        layer = zero_layer(args, i, dtype)
+        direct = eager_saved_bytes(layer, args, 320, dtype, amp) - eager_saved_bytes(layer, args, 64, dtype, amp)
+        predicted = profile.per_token * (320 - 64) + profile.per_seq_sq * (320**2 - 64**2)
+        assert direct == pytest.approx(predicted, rel=5e-3), kind
+        # The only T^2 term is MLA's additive document mask in the compute dtype (bf16).
+        assert profile.per_seq_sq == (2.0 if kind.startswith("mla") else 0.0), kind
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_fake_tensor_measurement_agrees_with_the_cpu_one(fsdp):
+    """The fallback for layers too large for CPU memory gives the same bytes as real tensors."""
+    args = _tiny(dim=48, attn_res="full")
+    for i in _first_layer_of_each_kind(args).values():
+        real = measure_eager_layer(args, i, FP32_MASTER, fsdp, fake=False)
+        fake = measure_eager_layer(args, i, FP32_MASTER, fsdp, fake=True)
+        assert fake.fake and (fake.per_token, fake.per_seq_sq) == (real.per_token, real.per_seq_sq)
+
+
+@pytest.mark.parametrize("flavor,fsdp", [("tiny", False), ("tiny", True), ("small_1gpu", False), ("k3", True)])
+def test_eager_keeps_at_least_the_compiled_count_for_every_layer_kind(flavor, fsdp):
+    """Eager keeps every tensor a fused layer keeps plus its upcasts and intermediates."""
+    args = _tiny() if flavor == "tiny" else FLAVORS[flavor]
+    layout = Layout(1, 2, 1, 1) if fsdp else Layout(1, 1, 1, 1)
+    kinds = _first_layer_of_each_kind(args)
+    assert set(kinds) == {"kda+dense", "kda+moe", "mla+moe"}
+    for kind, i in kinds.items():
+        compiled = layer_activations(args, i, FP32_MASTER, layout)
+        eager = measure_eager_layer(args, i, FP32_MASTER, fsdp, fake=flavor != "tiny")  # fake: fast
+        assert eager.per_token >= compiled.kept, (kind, eager.per_token, compiled.kept)
+
+
+def test_eager_layers_enter_the_ac_accounting():
+    """AC none keeps every layer's measured bytes and T^2 term; full AC keeps none of them
+    (only the stream) and recomputes one layer; op-level SAC keeps the compiled SAC set."""
+    args = _tiny()
+    layout = Layout(1, 1, 1, 1)
+    compiled = model_activations(args, FP32_MASTER, layout, "compiled")
+    eager = model_activations(args, FP32_MASTER, layout, "eager")
+    B, T = 2, 1024
+    extra = sum((e.kept - c.kept) * B * T + e.per_seq_sq * B * T * T for c, e in zip(compiled, eager))
+    assert extra > 0
+    mem = {(name, ac): activation_memory(args, FP32_MASTER, layout, ac, B, T, layers)
+           for name, layers in (("compiled", compiled), ("eager", eager)) for ac in AC_MODES}
+    assert mem["eager", "none"].detail["layers_kept"] - mem["compiled", "none"].detail["layers_kept"] == (
+        pytest.approx(extra, rel=1e-12))
+    for ac in ("full", "selective"):
+        for part in ("layers_kept", "stream_kept", "head_kept"):
+            assert mem["eager", ac].detail[part] == mem["compiled", ac].detail[part], (ac, part)
+    assert mem["eager", "full"].peak > mem["compiled", "full"].peak
+    assert mem["eager", "full"].peak < mem["eager", "selective"].peak < mem["eager", "none"].peak
+
+
+def test_gpu_kernel_stand_ins_keep_values_and_save_what_the_kernels_save():
+    """SDPA (boolean mask) and matching-dtype RMSNorm give the ops' values and save the CUDA
+    kernels' tensors; RMSNorm with a weight of another dtype is left to the composite."""
+    torch.manual_seed(0)
+    B, H, T, K, V = 1, 3, 40, 16, 8
+    q, k = torch.randn(B, H, T, K), torch.randn(B, H, T, K)
+    v = torch.randn(B, H, T, V, requires_grad=True)
+    doc_ids = torch.tensor([[0] * 25 + [1] * 15], dtype=torch.int32)
+    mask = same_doc_causal_mask(doc_ids)
+    x, w = torch.randn(5, T, 32, requires_grad=True), torch.rand(32) + 0.5
+
+    def saved_by(fn):
+        saved = []
 
         def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                seen[storage.data_ptr()] = storage.nbytes()
+            saved.append((t.dtype, tuple(t.shape)))
             return t
 
-        emb = model.tok_embeddings(torch.randint(0, args.vocab_size, (1, T))).detach().requires_grad_()
-        stream = ResidualStream.start(emb, args.attn_res, args.n_layers, args.attn_res_block_size)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.layers[str(i)](stream)
-        return sum(seen.values())
+        with GpuKernelSaves(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return out, saved
 
-    for i in range(args.n_layers):
-        eager = (saved_bytes(i, 128) - saved_bytes(i, 64)) / 64
-        planned = layer_activations(args, i, BF16, Layout(1, 2, 1, 1)).kept
-        assert planned <= eager, (i, planned, eager)
+    out, saved = saved_by(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    assert (out - ref).norm() / ref.norm() < 1e-6  # same backend underneath: rounding only
+    assert saved == [(torch.float32, (B, H, T, K)), (torch.float32, (B, H, T, K)), (torch.float32, (B, H, T, V)),
+                     (torch.float32, (B, H, T, V)), (torch.float32, (B, H, 64)), (torch.float32, (B, 1, T, T))]
+
+    out, saved = saved_by(lambda: F.rms_norm(x, (32,), w, 1e-6))
+    ref = F.rms_norm(x, (32,), w, 1e-6)
+    assert (out - ref).norm() / ref.norm() < 1e-6
+    assert saved == [(torch.float32, (5, T, 32)), (torch.float32, (5, T, 1)), (torch.float32, (32,))]
+
+    _, saved = saved_by(lambda: F.rms_norm(x.bfloat16(), (32,), w, 1e-6))  # CUDA: composite too
+    assert (torch.float32, (5, T, 32)) in saved and len(saved) > 3
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -246,11 +339,31 @@ def test_cli_k3_does_not_fit_on_8_gpus(capsys):
     assert all(n is None or n > 8 for n in summary["min_gpus"].values())
 
 
+def test_cli_activations_flag_defaults_to_the_compile_setting(capsys):
+    """debug_cpu has [compile] enable = false: eager by default, compiled with the flag or with
+    compile on. Eager keeps more without AC; parameters are the same."""
+    base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141")
+    _, default = _run(capsys, *base)
+    _, flag = _run(capsys, *base, "--activations", "compiled")
+    _, compile_on = _run(capsys, *base, "--compile.enable", "true")
+    _, forced = _run(capsys, *base, "--compile.enable", "true", "--activations", "eager")
+    assert (default["activations"], flag["activations"]) == ("eager", "compiled")
+    assert (compile_on["activations"], forced["activations"]) == ("compiled", "eager")
+    assert "eager_profiles" in default and "eager_profiles" not in flag
+    profiles = default["eager_profiles"]["no_fsdp"]  # one GPU: no FSDP
+    assert set(profiles) == {"kda+dense", "kda+moe", "mla+moe"}
+    assert all(p["measured_on"] == "cpu" for p in profiles.values())
+    eager, compiled = default["layouts"][0]["gib"], flag["layouts"][0]["gib"]
+    assert eager["activations_none"] > compiled["activations_none"]
+    assert eager["params"] == compiled["params"] and forced["layouts"][0]["gib"] == eager
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--gpus", "0"], "--gpus must be >= 1"),
     (["--gpus", "eight"], "bad value for --gpus"),
     ([], "--gpus N is required"),
     (["--gpus", "8", "--ac", "sometimes"], "--ac must be one of"),
+    (["--gpus", "8", "--activations", "jit"], "--activations must be one of"),
     (["--gpus", "8", "--gpu-mem-gib", "-1"], "--gpu-mem-gib must be > 0"),
     (["--gpus", "8", "--seq-len"], "--seq-len needs a value"),
     (["--gpus", "8", "--training.stepz", "3"], "unknown key"),

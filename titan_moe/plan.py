@@ -1,18 +1,28 @@
 """Plan per-GPU memory for FSDP2 + expert parallelism (EP) + context parallelism (CP) layouts.
 
     python -m titan_moe.plan --job.config_file configs/k3.toml --gpus 2048 --gpu-mem-gib 141 \
-        [--ac none|selective|full] [--seq-len S] [--local-batch B] [--headroom 0.1] [--hsdp] [--top 5]
+        [--ac none|selective|full] [--seq-len S] [--local-batch B] [--headroom 0.1] [--hsdp] [--top 5] \
+        [--activations eager|compiled]
 
 Any other `--section.key value` overrides the config, as for training (e.g.
-`--training.dtype float32` for fp32 master weights). Prints a table of layouts for the given
-GPU count (memory per GPU with each activation-checkpointing mode), the smallest fitting
-layouts, the fewest GPUs (powers of two up to 4096) at which any layout fits, and, as the last
-line, one JSON object. Memory is a model, not a measurement. Checked against the peak
-allocated memory of eager `small_1gpu` runs on one H200 (`profiling/memory_check.py`, table in
-BENCHMARKS.md): full AC within 4% (8K) and 7% (32K); without AC the model, which counts what
-compiled layers keep, is 28% under eager's 8K peak, and eager at 32K ran out of memory where
-the model says 85 GiB. Eager activations are not modelled yet; compiled runs and multi-GPU
-layouts are not checked yet.
+`--training.dtype float32` for fp32 master weights). `--activations` picks the activation
+model: "compiled" counts what fused (compiled) layers keep, "eager" measures what eager
+PyTorch keeps (below); the default follows the config (`[compile] enable` with "model" in
+`components`: compiled, else eager). Prints a table of layouts for the given GPU count
+(memory per GPU with each activation-checkpointing mode), the smallest fitting layouts, the
+fewest GPUs (powers of two up to 4096) at which any layout fits, and, as the last line, one
+JSON object. Memory is a model, not a measurement. Checked against the peak allocated memory
+of eager `small_1gpu` runs on one H200 (`profiling/memory_check.py`, table in BENCHMARKS.md),
+planned with the eager model on the model code of those runs: AC none 8K 57.9 GiB vs 52.45
+measured (+10%), 32K 171 GiB where the run ran out of memory (> 138 GiB allocated); full AC
+8K 24.5 vs 22.43 (+9%), 32K 38.4 vs 31.11 (+23%). We read the excess as the AC accounting's,
+not the per-layer measurement's (an inference, not measured): the model holds all gradients
+(4.9 GiB here) and the whole AttnRes stream next to the largest layer transient, while
+backward creates gradients and releases stream tensors layer by layer; at the start of
+backward, where the AC-none peak and (at 32K) the full-AC peak should fall, almost no
+gradient exists yet (without the gradients the 8K AC-none plan is 53.0 GiB). The compiled
+model (28% under eager at 8K without AC) and multi-GPU layouts are not checked against
+compiled runs yet.
 
 Layouts (torchtitan 0.2.2's `ParallelDims`): `N = dp_replicate * dp_shard * cp` GPUs (no TP,
 no PP). FSDP shards over `fsdp = dp_shard * cp`; HSDP replicas (`dp_replicate`) hold full
@@ -59,18 +69,16 @@ Parameters, per GPU (from the model built on the meta device, `named_parameters`
     layer being recomputed), the head's for the whole step.
 
 Activations, per GPU. Local tokens `t = local_batch * seq_len / cp`. Everything is bytes per
-local token times `t`, plus one per-layer constant (the router's fp32 weight copy).
-Counting rule ("kept" = held from the forward until the backward uses it): every matmul's
-input in the dtype it is fed; the custom ops' saved inputs (KDA op: q, k, v, g, beta; grouped
-GEMM: its input); SDPA's q, k, v, output and fp32 logsumexp; each chain of elementwise ops
-(casts, gates, SiLU, SiTU, conv taps) keeps its input once; norms keep input + fp32 rstd;
-a tensor used twice counts once. Dtypes as the code produces them. This is what fused
-(compiled) layers need to keep; Inductor's partitioner may keep somewhat less. Eager PyTorch
-keeps several times more: fp32 upcast copies in the AttnRes mixers and norms and every
-intermediate of SiTU and the gates; with saved-tensor hooks on CPU (bf16 weights, the
-small_1gpu widths) eager saved 3.4x (mla+moe) to 5.2x (kda+dense) the bytes per token counted
-here. Treat the numbers as a floor for `[compile] enable = false`. Per token (D = dim,
-I = H*dk, S = AttnRes source slots = `attn_res.max_sources`):
+local token times `t`, plus one per-layer constant (the router's fp32 weight copy) and, for
+eager MLA layers, a term in the squared local sequence length (see "Eager activations").
+Compiled model. Counting rule ("kept" = held from the forward until the backward uses it):
+every matmul's input in the dtype it is fed; the custom ops' saved inputs (KDA op: q, k, v,
+g, beta; grouped GEMM: its input); SDPA's q, k, v, output and fp32 logsumexp; each chain of
+elementwise ops (casts, gates, SiLU, SiTU, conv taps) keeps its input once; norms keep input
++ fp32 rstd; a tensor used twice counts once. Dtypes as the code produces them. This is what
+fused (compiled) layers need to keep; Inductor's partitioner may keep somewhat less. Eager
+PyTorch keeps 2-3x more (measured, below). Per token (D = dim, I = H*dk, S = AttnRes source
+slots = `attn_res.max_sources`):
   sub-layer prologue (x2 per layer): mixer softmax + key-norm stats `2 (S+1) * 4`; mixer
     output h (pre-norm input) `D s`; rstd 4; normed x (projection input) `D a`.
   KDA: projections wq|wk|wv concatenated, the conv input `3I a`; q, k after L2 norm and v
@@ -106,6 +114,55 @@ I = H*dk, S = AttnRes source slots = `attn_res.max_sources`):
     dbeta); QB histogram `32 n` (fp32 margins + temporary, three int64 [T, n] index tensors);
     EP all-to-all send + receive buffers `2 k L a` (ep > 1); MLA ring-attention K/V double
     buffer `2 H (n + r + v) a` (cp > 1); AttnRes stream gradients `(S+1) D s`.
+Eager activations (`measure_eager_layer`, the kept bytes per token of each layer kind for
+`[compile] enable = false`; they replace the compiled count as the layer's `kept`):
+  * what runs: the first layer of each kind (KDA/MLA x dense/MoE), built at the configured
+    widths with zero weights, forward in training mode as the Decoder runs it: an AttnRes
+    stream started from a `[1, T, D]` embedding, one packed document (`doc_ids` and
+    `cu_seqlens` given, as the loader always does: MLA builds its dense `[B, 1, T, T]` mask,
+    the short convolution masks its taps). Precision as training: without FSDP weights and
+    stream in `training.dtype` under CPU autocast to the compute dtype (torchtitan's AMP);
+    with FSDP both in the compute dtype, no autocast (FSDP's mixed precision).
+  * what is counted: `torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd
+    saves; the bytes of the distinct storages (deduplicated by data pointer) are summed,
+    minus the parameters and the stream's own tensors (the two sub-layers' input streams:
+    the AttnRes stream term counts those). At T = 64, 128, 192 this gives `c + l T + q T^2`:
+    `l` is the layer's kept bytes per token; the constant `c` (autocast's weight copies,
+    counted by `autocast_weight_copies`; fp32 weight casts, the router's one being the
+    per-layer constant) drops out.
+  * GPU kernels, handled explicitly: for these shapes CPU SDPA takes the math path (fp32
+    upcasts, `[H, T, T]` probabilities saved: 32 B per T^2 per sequence at the small_1gpu
+    widths) and the CPU build decomposes RMSNorm (also saving the normalised input), where
+    CUDA runs the memory-efficient attention kernel and the fused `_fused_rms_norm`. While
+    measuring, a TorchFunctionMode routes both to stand-ins that save what the CUDA kernels
+    save: SDPA q, k, v, output, fp32 logsumexp `[B, H, ceil32(T)]` and the boolean mask as
+    the additive bias `scaled_dot_product_attention` converts it to, in the compute dtype;
+    RMSNorm (only when the weight dtype matches the input's, which the fused kernel needs;
+    otherwise CUDA runs the same composite) its input and fp32 rstd. So `q` is the bias,
+    `a` bytes per T^2 per sequence in each MLA layer, and 0 elsewhere; it is counted as
+    `q * local_batch * (seq_len / cp)^2` (ring attention's masks under CP are not modelled).
+    CUDA autocast also runs softmax, sum, exp, ... in fp32 where CPU autocast does not; here
+    that only touches tensors of a few bytes per token and is not corrected.
+  * routed experts: a MoE layer with `n > top_k + 4` is built with `top_k + 2` and `top_k + 4`
+    experts and `l` extrapolated linearly to n (the router's `[T, n]` scores are the only
+    per-token terms in n; the tests check the extrapolation against a full build).
+  * cost: real CPU tensors when the layer's weights and their autocast copies fit 2 GiB
+    (small_1gpu: about 8 s per precision setting on two cores); otherwise fake tensors
+    (`FakeTensorMode`: the same Python, ops, dtypes, autocast and saved tensors, with no
+    storage or arithmetic; k3 at dim 7168: seconds and under 0.5 GB), which agree byte for
+    byte with the CPU run on the test config. Cached per model and precision setting.
+  * small_1gpu (fp32 weights, bf16 autocast), KiB per token, eager vs compiled: kda+dense 194
+    vs 60, kda+moe 267 vs 105, mla+moe 218 (+ 2 B x T^2) vs 104 (8 KiB more for the MoE kinds
+    before the combine became one op). The extra: each AttnRes mixer
+    keeps two bf16 copies of the `[S, T, D]` sources (autocast casts them separately for the
+    logit matmul and for the weighted sum); autocast makes a separate bf16 copy of x for every
+    projection; SiTU keeps seven `[rows, hidden]` intermediates (84 KiB for the routed
+    experts alone); the short convolution keeps fp32 taps; KDA's output norm and gates keep
+    fp32 intermediates.
+  * AC accounting unchanged: op-level SAC keeps the same op outputs as the compiled count (it
+    chooses by op) and recomputes the rest of the measured set; the transient is the compiled
+    one (2 x the largest kept entry + workspace). Not modelled: the mask construction's
+    `[T, T]` bool temporaries (forward only) and the head's eager extras (its final mixer).
 AC modes (torchtitan's `apply_ac`, one checkpoint per decoder layer):
   none:      kept = all layers' kept tensors + stream + head;
              peak = kept + max(head transient, max over layers of the layer transient).
@@ -124,23 +181,28 @@ modelled (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation); it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan_moe.config import ConfigError, load_config, model_args_from_config
 from titan_moe.model.args import ModelArgs
-from titan_moe.model.attn_res import max_sources
-from titan_moe.model.decoder import Decoder
+from titan_moe.model.attn_res import ResidualStream, max_sources
+from titan_moe.model.decoder import Decoder, DecoderLayer
 from titan_moe.model.flops import count_params
 
 GIB = 2**30
 AC_MODES = ("none", "selective", "full")
+ACTIVATION_MODELS = ("compiled", "eager")
 CP_DEGREES = (1, 2, 4, 8)
 MAX_SEARCH_GPUS = 4096
 KDA_CHUNK = 64  # chunk length of the KDA op (SPEC §1)
@@ -402,15 +464,25 @@ class Entry:
 
 @dataclass
 class LayerActivations:
-    """One decoder layer: its tensors in forward order, its transient workspace, constants."""
+    """One decoder layer: its tensors in forward order, its transient workspace, constants.
+
+    `measured` (eager model): bytes per token eager autograd saves, measured by
+    `measure_eager_layer`; it replaces the entries' sum as `kept` (the entries still decide
+    what op-level SAC keeps and the transient). `per_seq_sq`: bytes per sequence per squared
+    local sequence length, kept like `kept` (eager MLA: the additive document mask).
+    """
 
     kind: str
     entries: list[Entry]
     workspace: float  # bytes per token, alive only while the layer runs backward
     constant: float = 0.0  # bytes per layer, independent of tokens (kept like `kept` tensors)
+    measured: float | None = None
+    per_seq_sq: float = 0.0
 
     @cached_property
     def kept(self) -> float:
+        if self.measured is not None:
+            return self.measured
         return sum(e.bytes for e in self.entries if e.kept)
 
     @cached_property
@@ -430,7 +502,7 @@ class LayerActivations:
     @cached_property
     def sac_recompute(self) -> float:
         """Bytes per token a SAC backward rematerialises: the kept tensors SAC did not keep."""
-        return sum(e.bytes for e, keep in zip(self.entries, self._sac_saved) if e.kept and not keep)
+        return self.kept - sum(e.bytes for e, keep in zip(self.entries, self._sac_saved) if e.kept and keep)
 
     @cached_property
     def transient(self) -> float:
@@ -569,16 +641,273 @@ def layer_activations(
     return LayerActivations(kind, entries, workspace, constant)
 
 
-def model_activations(args: ModelArgs, prec: Precision, layout: Layout) -> list[LayerActivations]:
-    """Every layer's `LayerActivations`; layers of one kind share one object."""
+def model_activations(
+    args: ModelArgs, prec: Precision, layout: Layout, activations: str = "compiled"
+) -> list[LayerActivations]:
+    """Every layer's `LayerActivations`; layers of one kind share one object.
+
+    `activations`: "compiled" counts what fused layers keep (the entries); "eager" puts the
+    bytes eager autograd saves, measured once per layer kind (`eager_profiles`), in `measured`.
+    """
+    if activations not in ACTIVATION_MODELS:
+        raise ValueError(f"activations must be one of {ACTIVATION_MODELS}, got {activations!r}")
+    profiles = eager_profiles(args, prec, layout.fsdp_enabled) if activations == "eager" else {}
     by_kind: dict[tuple[str, bool], LayerActivations] = {}
     layers = []
     for i, kind in enumerate(args.layer_kinds()):
         key = (kind, args.is_moe_layer(i))
         if key not in by_kind:
-            by_kind[key] = layer_activations(args, i, prec, layout)
+            layer = layer_activations(args, i, prec, layout)
+            if key in profiles:
+                layer = replace(layer, measured=profiles[key].per_token, per_seq_sq=profiles[key].per_seq_sq)
+            by_kind[key] = layer
         layers.append(by_kind[key])
     return layers
+
+
+# =========================================================================== eager activations
+EAGER_TOKENS = (64, 128, 192)  # measuring lengths: equally spaced multiples of the KDA chunk
+EAGER_EXTRA_EXPERTS = (2, 4)  # MoE layers are built with top_k + these routed experts
+EAGER_CPU_BUDGET = 2 * GIB  # a layer whose weights (+ autocast copies) need more is measured on fake tensors
+_MEASURE_DTYPES = {4: torch.float32, 2: torch.bfloat16}  # activation bytes only depend on the width
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+class _EfficientAttentionSaves(torch.autograd.Function):
+    """SDPA that saves what the GPU's memory-efficient kernel saves for its backward.
+
+    A measuring device, forward only. CPU SDPA takes the math path for our shapes (fp32
+    upcasts, `[B, H, T, T]` probabilities saved), which the GPU kernel does not. This one
+    computes the values with any backend under no_grad and saves q, k, v (the callers'
+    tensors), the output (written `[B, T, H, v]` by the kernel), the fp32 logsumexp
+    `[B, H, ceil32(T)]` and, for a boolean mask, the additive bias in q's dtype that
+    `scaled_dot_product_attention` converts it to (last dim padded to 16).
+    """
+
+    @staticmethod
+    def forward(ctx, q_BHTK, k_BHTK, v_BHTV, mask, scale, is_causal):
+        with torch.no_grad():
+            o_BHTV = torch.nn.functional.scaled_dot_product_attention(
+                q_BHTK, k_BHTK, v_BHTV, attn_mask=mask, is_causal=is_causal, scale=scale
+            )
+        B, H, T, _ = q_BHTK.shape
+        out_BHTV = o_BHTV.transpose(1, 2).contiguous().transpose(1, 2)
+        lse_BHT = q_BHTK.new_empty(B, H, _round_up(T, 32), dtype=torch.float32)
+        saved = [q_BHTK, k_BHTK, v_BHTV, out_BHTV, lse_BHT]
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                Tk = k_BHTK.shape[2]
+                bias = q_BHTK.new_zeros(*mask.shape[:-1], _round_up(Tk, 16))[..., :Tk]
+                mask = bias.masked_fill_(~mask, float("-inf"))
+            saved.append(mask)
+        ctx.save_for_backward(*saved)
+        return out_BHTV
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("the eager-activation measuring stand-in has no backward")
+
+
+class _FusedRMSNormSaves(torch.autograd.Function):
+    """RMSNorm that saves what CUDA's fused `_fused_rms_norm` saves: input, fp32 rstd `[..., 1]`
+    and the weight. A measuring device, forward only (the CPU build decomposes rms_norm and
+    also saves the normalised input)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        with torch.no_grad():
+            y = torch.nn.functional.rms_norm(x, normalized_shape, weight, eps)
+            dims = tuple(range(-len(normalized_shape), 0))
+            eps = torch.finfo(x.dtype).eps if eps is None else eps
+            rstd = torch.rsqrt(x.float().square().mean(dims, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("the eager-activation measuring stand-in has no backward")
+
+
+def _sdpa_saves(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p or enable_gqa:
+        raise ValueError("the eager-activation measurement models SDPA without dropout or GQA")
+    if torch.is_autocast_enabled("cpu"):  # SDPA is on autocast's lower-precision list
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    return _EfficientAttentionSaves.apply(query, key, value, attn_mask, scale, is_causal)
+
+
+class GpuKernelSaves(torch.overrides.TorchFunctionMode):
+    """Routes SDPA and (matching-dtype) RMSNorm to stand-ins that save what their CUDA kernels
+    save; every other op runs as is. RMSNorm with an input dtype other than the weight's
+    falls back to the composite on CUDA too, so it is left alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _sdpa_saves(*args, **kwargs)
+        if func is torch.nn.functional.rms_norm:
+            names = ("input", "normalized_shape", "weight", "eps")
+            bound = dict(zip(names, args)) | kwargs
+            x, weight = bound["input"], bound.get("weight")
+            if weight is None or weight.dtype == x.dtype:
+                shape = tuple(bound["normalized_shape"])
+                return _FusedRMSNormSaves.apply(x, shape, weight, bound.get("eps"))
+        return func(*args, **kwargs)
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """Identity of a storage: its data pointer (fake tensors have none: the StorageImpl)."""
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+
+
+def zero_layer(args: ModelArgs, layer_idx: int, param_dtype: torch.dtype) -> DecoderLayer:
+    """Decoder layer `layer_idx` with zero parameters in `param_dtype` (buffers keep their
+    dtypes), in training mode. Under a FakeTensorMode its tensors are fake (no storage)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(layer_idx, args)
+    for module in layer.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.zeros(p.shape, dtype=param_dtype)))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.zeros(b.shape, dtype=b.dtype))
+    return layer.train()
+
+
+def eager_saved_bytes(
+    layer: DecoderLayer, args: ModelArgs, T: int, stream_dtype: torch.dtype, autocast_dtype: torch.dtype | None
+) -> int:
+    """Bytes of the distinct storages eager autograd saves in one forward of `layer` over one
+    packed row of T tokens (one document: `doc_ids` and `cu_seqlens` given, as in training).
+
+    The input is an AttnRes stream started from a `[1, T, dim]` embedding in `stream_dtype`,
+    as the Decoder builds it; `autocast_dtype` (or None) is the CPU autocast dtype. SDPA and
+    RMSNorm save what their CUDA kernels save (`GpuKernelSaves`). Not counted: parameters
+    and the stream's own tensors (both sub-layers' input streams: `_stream_bytes_per_token`
+    counts them). Storages are deduplicated by identity and held until counted.
+    """
+    excluded = {_storage_key(p.untyped_storage()) for p in layer.parameters()}
+
+    def exclude_stream(module, inputs):
+        stream = inputs[0]
+        excluded.update(_storage_key(t.untyped_storage()) for t in (stream.sources_SBTD, stream.partial_BTD))
+
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        saved[_storage_key(storage)] = storage
+        return t
+
+    embed_BTD = torch.zeros(1, T, args.dim, dtype=stream_dtype, requires_grad=True)
+    stream = ResidualStream.start(embed_BTD, args.attn_res, args.n_layers, args.attn_res_block_size)
+    doc_ids_BT = torch.zeros(1, T, dtype=torch.int32)
+    cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
+    amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    hooks = [mix.register_forward_pre_hook(exclude_stream) for mix in (layer.attention_mix, layer.ffn_mix)]
+    try:
+        with warnings.catch_warnings(), GpuKernelSaves(), amp:
+            warnings.simplefilter("ignore")  # rms_norm's "cannot dispatch to fused" dtype notes
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer(stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    del out
+    return sum(st.nbytes() for key, st in saved.items() if key not in excluded)
+
+
+@dataclass(frozen=True)
+class EagerProfile:
+    """What eager autograd keeps of one layer kind: `per_token` bytes per token plus
+    `per_seq_sq` bytes per sequence per T^2 (the MLA document mask), with how it was measured:
+    on `fake` tensors or real CPU ones, and with which routed-expert counts (`experts`, empty
+    for a dense layer)."""
+
+    kind: str
+    per_token: float
+    per_seq_sq: float
+    fake: bool
+    experts: tuple[int, ...]
+
+
+def _fit_tokens(bytes_T: list[int], tokens: tuple[int, ...], quad: float | None = None) -> tuple[float, float]:
+    """(per token, per T^2) of `c + l T + q T^2` through the first two or all three points
+    (equally spaced T); with two points `quad` must be given."""
+    h = tokens[1] - tokens[0]
+    if quad is None:
+        assert len(bytes_T) == 3 and tokens[2] - tokens[1] == h, "three equally spaced lengths"
+        quad = (bytes_T[2] - 2 * bytes_T[1] + bytes_T[0]) / (2 * h * h)
+    return (bytes_T[1] - bytes_T[0]) / h - quad * (tokens[0] + tokens[1]), quad
+
+
+def measure_eager_layer(
+    args: ModelArgs, layer_idx: int, prec: Precision, fsdp_enabled: bool,
+    tokens: tuple[int, int, int] = EAGER_TOKENS, fake: bool | None = None,
+) -> EagerProfile:
+    """Measure the bytes eager autograd keeps per token of decoder layer `layer_idx`.
+
+    Precision as training runs it: without FSDP the parameters and the stream are in
+    `training.dtype` under CPU autocast to the compute dtype (torchtitan's AMP); with FSDP
+    both are in the compute dtype and there is no autocast (FSDP's mixed precision). Saved
+    bytes at three lengths give `c + l T + q T^2`: `l` per token, `q` per T^2; the constant
+    (autocast weight copies, fp32 weight casts) drops out. A MoE layer with more than
+    `top_k + 4` routed experts is built with `top_k + 2` and `top_k + 4` and `l` is
+    extrapolated linearly to `n_routed_experts` (the router's `[T, n]` tensors are the only
+    per-token terms in n). `fake=None` measures on the CPU when the layer's weights and their
+    autocast copies fit `EAGER_CPU_BUDGET`, else on fake tensors (FakeTensorMode: the same
+    ops, dtypes, autocast and saved tensors, no storage or arithmetic).
+    """
+    if any(T % KDA_CHUNK for T in tokens):
+        raise ValueError(f"measuring lengths must be multiples of {KDA_CHUNK}, got {tokens}")
+    P, a = _MEASURE_DTYPES[prec.param], _MEASURE_DTYPES[prec.compute]
+    param_dtype = stream_dtype = a if fsdp_enabled else P
+    autocast_dtype = None if fsdp_enabled or prec.compute == 4 else a
+    n, k = args.n_routed_experts, args.top_k
+    moe = args.is_moe_layer(layer_idx)
+    counts = tuple(k + e for e in EAGER_EXTRA_EXPERTS) if moe and n > k + max(EAGER_EXTRA_EXPERTS) else (n,)
+    if fake is None:
+        with torch.device("meta"):
+            largest = DecoderLayer(layer_idx, replace(args, n_routed_experts=max(counts)))
+        numel = sum(p.numel() for p in largest.parameters())
+        copy_bytes = prec.compute if autocast_dtype is not None else 0
+        fake = numel * (param_dtype.itemsize + copy_bytes) > EAGER_CPU_BUDGET
+    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
+    per_token: list[float] = []
+    quad = None
+    with mode:
+        for count in counts:
+            layer = zero_layer(replace(args, n_routed_experts=count), layer_idx, param_dtype)
+            lengths = tokens if quad is None else tokens[:2]
+            measured = [eager_saved_bytes(layer, args, T, stream_dtype, autocast_dtype) for T in lengths]
+            line, quad = _fit_tokens(measured, tokens, quad)
+            per_token.append(line)
+            del layer
+    if len(counts) == 2:
+        slope = (per_token[1] - per_token[0]) / (counts[1] - counts[0])
+        per_token = [per_token[0] + slope * (n - counts[0])]
+    kind = args.layer_kinds()[layer_idx] + ("+moe" if moe else "+dense")
+    return EagerProfile(kind, per_token[0], quad, fake, counts if moe else ())
+
+
+_EAGER_CACHE: dict[tuple, dict[tuple[str, bool], EagerProfile]] = {}
+
+
+def eager_profiles(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict[tuple[str, bool], EagerProfile]:
+    """`measure_eager_layer` for the first layer of each (kind, is_moe), cached per model and
+    precision setting (the layouts of one plan share two settings: with and without FSDP)."""
+    key = (repr(args), prec.param, prec.compute, fsdp_enabled)
+    if key not in _EAGER_CACHE:
+        profiles = {}
+        for i, kind in enumerate(args.layer_kinds()):
+            kind_key = (kind, args.is_moe_layer(i))
+            if kind_key not in profiles:
+                profiles[kind_key] = measure_eager_layer(args, i, prec, fsdp_enabled)
+        _EAGER_CACHE[key] = profiles
+    return _EAGER_CACHE[key]
 
 
 @dataclass
@@ -662,6 +991,7 @@ def activation_memory(
         raise ValueError(f"local_batch and seq_len must be >= 0, got {local_batch}, {seq_len}")
     policies = layer_policies(ac, args.n_layers, sac_option)
     t = local_batch * seq_len // layout.cp
+    seq_sq = local_batch * (seq_len // layout.cp) ** 2  # sum over local sequences of T_local^2
     a, s = prec.compute, prec.stream(layout.fsdp_enabled)
     D = args.dim
     if layers is None:
@@ -671,14 +1001,15 @@ def activation_memory(
     layer_kept = head_copy
     layer_peak = 0.0
     for layer, policy, copy in zip(layers, policies, copies):
+        quadratic = layer.per_seq_sq * seq_sq
         if policy == "none":
-            layer_kept += layer.kept * t + layer.constant + copy
+            layer_kept += layer.kept * t + quadratic + layer.constant + copy
             peak = layer.transient * t
         elif policy == "full":
-            peak = (layer.kept + layer.transient) * t + layer.constant + copy
+            peak = (layer.kept + layer.transient) * t + quadratic + layer.constant + copy
         else:
             layer_kept += layer.sac_kept * t
-            peak = (layer.sac_recompute + layer.transient) * t + layer.constant + copy
+            peak = (layer.sac_recompute + layer.transient) * t + quadratic + layer.constant + copy
         layer_peak = max(layer_peak, peak)
     S = max_sources(args.attn_res, args.n_layers, args.attn_res_block_size)
     stream_grads = ((S + 1) if args.attn_res != "none" else 2) * D * s * t
@@ -727,9 +1058,9 @@ class LayoutPlan:
 
 def plan_layout(
     args: ModelArgs, inv: ParamInventory, prec: Precision, layout: Layout, local_batch: int, seq_len: int,
-    sac_option: str = "op",
+    sac_option: str = "op", activations: str = "compiled",
 ) -> LayoutPlan:
-    layers = model_activations(args, prec, layout)
+    layers = model_activations(args, prec, layout, activations)
     copies = autocast_weight_copies(inv, layout, prec)
     acts = {
         ac: activation_memory(args, prec, layout, ac, local_batch, seq_len, layers, sac_option, copies)
@@ -740,20 +1071,20 @@ def plan_layout(
 
 def plan_gpus(
     args: ModelArgs, inv: ParamInventory, prec: Precision, n_gpus: int, local_batch: int, seq_len: int,
-    hsdp: bool = False, sac_option: str = "op",
+    hsdp: bool = False, sac_option: str = "op", activations: str = "compiled",
 ) -> list[LayoutPlan]:
     layouts = enumerate_layouts(n_gpus, args.n_routed_experts, seq_len, hsdp)
-    return [plan_layout(args, inv, prec, lay, local_batch, seq_len, sac_option) for lay in layouts]
+    return [plan_layout(args, inv, prec, lay, local_batch, seq_len, sac_option, activations) for lay in layouts]
 
 
 def min_gpus(
     args: ModelArgs, inv: ParamInventory, prec: Precision, local_batch: int, seq_len: int, usable_bytes: float,
-    sac_option: str = "op",
+    sac_option: str = "op", activations: str = "compiled",
 ) -> dict[str, int | None]:
     """Fewest GPUs (powers of two up to MAX_SEARCH_GPUS) with a fitting layout, per AC mode."""
     found: dict[str, int | None] = {ac: None for ac in AC_MODES}
     for n in _powers_of_two(MAX_SEARCH_GPUS):
-        plans = plan_gpus(args, inv, prec, n, local_batch, seq_len, sac_option=sac_option)
+        plans = plan_gpus(args, inv, prec, n, local_batch, seq_len, sac_option=sac_option, activations=activations)
         for ac in AC_MODES:
             if found[ac] is None and any(p.fits(ac, usable_bytes) for p in plans):
                 found[ac] = n
@@ -773,6 +1104,7 @@ class PlanOptions:
     headroom: float = 0.10
     hsdp: bool = False
     top: int = 5
+    activations: str | None = None  # None: "compiled" when [compile] covers the model, else "eager"
 
 
 _OPTIONS = {
@@ -783,6 +1115,7 @@ _OPTIONS = {
     "--local-batch": ("local_batch", int),
     "--headroom": ("headroom", float),
     "--top": ("top", int),
+    "--activations": ("activations", str),
 }
 
 
@@ -824,6 +1157,8 @@ def parse_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
         (opts.local_batch is None or opts.local_batch >= 1, f"--local-batch must be >= 1, got {opts.local_batch}"),
         (0 <= opts.headroom < 1, f"--headroom must lie in [0, 1), got {opts.headroom}"),
         (opts.top >= 1, f"--top must be >= 1, got {opts.top}"),
+        (opts.activations is None or opts.activations in ACTIVATION_MODELS,
+         f"--activations must be one of {'|'.join(ACTIVATION_MODELS)}, got {opts.activations!r}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -848,20 +1183,34 @@ def _print_table(plans: list[LayoutPlan], usable: float, ac: str) -> None:
               + " ".join(_gib(p.total(mode)) for mode in AC_MODES) + f"  {marks}")
 
 
-def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout) -> None:
+def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout, activations: str) -> None:
     """Bytes per local token of each layer kind (the layout only matters through its flags)."""
     seen: dict[str, LayerActivations] = {}
-    for layer in model_activations(args, prec, layout):
+    for layer in model_activations(args, prec, layout, activations):
         seen.setdefault(layer.kind, layer)
     parts = [
-        f"{kind} kept {l.kept / 1024:.0f} / SAC {l.sac_kept / 1024:.0f} / transient {l.transient / 1024:.0f}"
+        f"{kind} kept {l.kept / 1024:.0f}" + (f" + {l.per_seq_sq:g} B x T^2" if l.per_seq_sq else "")
+        + f" / SAC {l.sac_kept / 1024:.0f} / transient {l.transient / 1024:.0f}"
         for kind, l in seen.items()
     ]
     s = prec.stream(layout.fsdp_enabled)
     stream = _stream_bytes_per_token(args, s, ["none"] * args.n_layers) / 1024
     head = _head_kept_per_token(args, s, prec.compute) / 1024
-    print(f"  activations, KiB per local token (ep={layout.ep}, cp={layout.cp}): " + "; ".join(parts)
+    print(f"  {activations} activations, KiB per local token (ep={layout.ep}, cp={layout.cp}): " + "; ".join(parts)
           + f"; AttnRes stream {stream:.0f} (all layers); head {head:.0f}")
+
+
+def _eager_summary(args: ModelArgs, prec: Precision, plans: list[LayoutPlan]) -> dict[str, dict]:
+    """The eager profiles the plans used, per FSDP setting and layer kind (JSON-ready)."""
+    out: dict[str, dict] = {}
+    for fsdp in sorted({p.layout.fsdp_enabled for p in plans}):
+        profiles = eager_profiles(args, prec, fsdp)
+        out["fsdp" if fsdp else "no_fsdp"] = {
+            p.kind: {"kib_per_token": p.per_token / 1024, "bytes_per_seq_sq": p.per_seq_sq,
+                     "measured_on": "fake" if p.fake else "cpu", "experts_built": list(p.experts)}
+            for p in profiles.values()
+        }
+    return out
 
 
 def run_plan(argv: list[str] | None = None) -> dict:
@@ -884,7 +1233,9 @@ def run_plan(argv: list[str] | None = None) -> dict:
     sac_option = config.activation_checkpoint.selective_ac_option
     if sac_option != "op" and not sac_option.isdigit():
         raise ConfigError(f"activation_checkpoint.selective_ac_option must be 'op' or an integer, got {sac_option!r}")
-    plans = plan_gpus(args, inv, prec, opts.gpus, local_batch, seq_len, opts.hsdp, sac_option)
+    compiled = config.compile.enable and "model" in config.compile.components
+    activations = opts.activations or ("compiled" if compiled else "eager")
+    plans = plan_gpus(args, inv, prec, opts.gpus, local_batch, seq_len, opts.hsdp, sac_option, activations)
     assert plans, "dp_shard = N, cp = ep = 1 is always a layout"
     checks = {"params_match_inspect": counts.total == inv.total and counts.routed_experts == inv.routed_experts}
     shard_ok = all(all(sharding_checks(inv, p.layout).values()) for p in plans)
@@ -904,11 +1255,13 @@ def run_plan(argv: list[str] | None = None) -> dict:
           f"(activation_checkpoint.selective_ac_option = {sac_option!r})")
     print(f"  sanity: total params == inspect's total: {checks['params_match_inspect']};  "
           f"per-GPU shards x degrees == totals: {checks['shard_sums_match_totals']}")
-    _print_activation_summary(args, prec, plans[0].layout)
-    compiled = config.compile.enable and "model" in config.compile.components
-    if not compiled:
-        print("  note: [compile] is off; the activation counts assume fused (compiled) layers, and eager "
-              "PyTorch keeps several times more per layer (see the module docstring)")
+    _print_activation_summary(args, prec, plans[0].layout, activations)
+    if activations == "eager":
+        print("  eager activations: measured per layer kind with saved-tensor hooks on CPU (fake tensors for "
+              "large layers), SDPA and RMSNorm saving what their CUDA kernels save (see the module docstring)")
+    elif not compiled:
+        print("  note: [compile] is off but --activations compiled: the counts assume fused layers, and eager "
+              "PyTorch keeps about twice as much per layer (--activations eager measures it)")
     print(f"\n{opts.gpus} GPUs, {len(plans)} layouts (GiB per GPU; marks: fits with AC none/selective/full):")
     _print_table(plans, usable, ac)
 
@@ -918,7 +1271,7 @@ def run_plan(argv: list[str] | None = None) -> dict:
         lay = p.layout
         print(f"  dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} ep={lay.ep}: "
               f"{p.total(ac) / GIB:.1f} GiB")
-    fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option)
+    fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option, activations)
     print(f"fewest GPUs (powers of two <= {MAX_SEARCH_GPUS}) with a fitting layout: "
           + ", ".join(f"{mode}={fewest[mode] if fewest[mode] is not None else 'none'}" for mode in AC_MODES))
     return {
@@ -930,6 +1283,8 @@ def run_plan(argv: list[str] | None = None) -> dict:
         "usable_gib": usable / GIB,
         "ac": ac,
         "selective_ac_option": sac_option,
+        "activations": activations,
+        **({"eager_profiles": _eager_summary(args, prec, plans)} if activations == "eager" else {}),
         "seq_len": seq_len,
         "local_batch": local_batch,
         "precision": {"param": config.training.dtype, "compute": config.training.mixed_precision_param,
