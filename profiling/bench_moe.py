@@ -3,6 +3,7 @@
     python profiling/bench_moe.py                       # H200: the shapes below, bf16
     python profiling/bench_moe.py --sweep-tiles         # also time a few Triton tile shapes
     python profiling/bench_moe.py --device cpu --tiny   # plumbing check only, no speed claim
+    python profiling/bench_moe.py --skip-gemm --skip-layer --dispatch   # token dispatch only
 
 Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forward+backward
 (dx and dw), three providers on the same inputs:
@@ -33,6 +34,18 @@ Triton runs against the native one) vs torchtitan 0.2.2's ``torchtitan.models.mo
 token count, width, expert count, top-k, expert hidden size and shared experts, bf16
 parameters (fp32 router bias buffers). The two layers do different work, so both FLOP
 counts are reported (matmul FLOPs; forward+backward = 3x forward).
+
+Part 3 (only with ``--dispatch``), token dispatch around the experts, forward and
+forward+backward, bf16 rows, fp32 router weights and combine output (as in the model):
+``permute`` (token rows -> their k expert-sorted copies) and ``unpermute_combine`` (sorted
+rows -> weighted fp32 sum per token) of :mod:`titan_moe.ops.dispatch` with each backend
+(``ours_triton``, ``ours_torch``) against the plain gathers the model used before
+(``gather``: ``x[order // k]``; inverse scatter, gather, fp32 multiply, sum) and the same
+gathers under ``torch.compile`` (``gather_compiled``, Inductor fuses gather, multiply and
+sum; CUDA only). Shapes: N = 8192 tokens, k = 8, L = 1024; and K3's N = 8192, k = 16,
+L = 3584 (896 experts). Reported: ms, GB/s of the least traffic
+(:func:`dispatch_min_bytes`) and the relative error of every output and gradient against
+``gather``. The report gains a ``"dispatch"`` list only when the flag is given.
 
 Timing: ``triton.testing.do_bench`` medians on CUDA. With ``--device cpu`` every provider
 runs once (the correctness columns are filled) and no time is reported: the JSON has
@@ -356,6 +369,110 @@ def _layer_agreement(layer, x, grad, env: dict, ref_env: dict) -> dict[str, floa
     return {part: rel_err(a, b) for part, a, b in zip(("y", "dx"), got[0], got[1])}
 
 
+# ------------------------------------------------------------------------------------ part 3
+def dispatch_cases(tiny: bool) -> list[dict]:
+    """Token dispatch shapes (``--dispatch``): tokens N, copies per token k, latent width L, experts E."""
+    if tiny:
+        return [dict(case="tiny_k2", N=50, k=2, L=40, E=6), dict(case="tiny_k8", N=37, k=8, L=24, E=12)]
+    return [dict(case="n8192_k8_l1024", N=8192, k=8, L=1024, E=64),
+            dict(case="k3_n8192_k16_l3584", N=8192, k=16, L=3584, E=896)]
+
+
+def dispatch_min_bytes(n: int, k: int, latent: int, elem: int) -> dict[str, int]:
+    """Least memory traffic of each direction (activations only; indices and weights add
+    ``< 20 N k`` bytes). The combine output and its gradient are fp32, as in the model."""
+    m = n * k
+    fwd = {"permute": (n + m) * latent * elem, "combine": m * latent * elem + n * latent * 4}
+    bwd = {"permute": (m + n) * latent * elem, "combine": n * latent * 4 + 2 * m * latent * elem}
+    return {"permute_fwd": fwd["permute"], "permute_fwd_bwd": fwd["permute"] + bwd["permute"],
+            "combine_fwd": fwd["combine"], "combine_fwd_bwd": fwd["combine"] + bwd["combine"]}
+
+
+def _gather_permute(x, order, k):
+    """The plain-PyTorch dispatch the model used before the ops: an index gather."""
+    return x[order // k]
+
+
+def _gather_combine(y, order, weights):
+    """The plain-PyTorch combine the model used before the ops: inverse scatter, gather,
+    fp32 multiply, sum over k."""
+    import torch
+
+    n, k = weights.shape
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return (y[inverse].view(n, k, y.shape[1]).float() * weights.unsqueeze(-1)).sum(1)
+
+
+def dispatch_providers(device: str) -> dict:
+    """name -> (permute fn, combine fn, environment, skip reason or None)."""
+    import torch
+
+    from titan_moe.ops.dispatch import permute, unpermute_combine
+    from titan_moe.ops.dispatch.op import BACKEND_ENV
+
+    def combine(y, order, w):
+        return unpermute_combine(y, order, w, out_dtype=torch.float32)
+
+    compiled = None if device == "cuda" else "Inductor on CPU: minutes per shape, no speed claim here"
+    return {
+        "ours_triton": (permute, combine, {BACKEND_ENV: "triton"}, None),
+        "ours_torch": (permute, combine, {BACKEND_ENV: "torch"}, None),
+        "gather": (_gather_permute, _gather_combine, {}, None),
+        "gather_compiled": (torch.compile(_gather_permute), torch.compile(_gather_combine), {}, compiled),
+    }
+
+
+def bench_dispatch_case(case: dict, device: str, dtype, timed: bool) -> dict:
+    """Times permute and unpermute+combine (forward, forward+backward) of every provider on one
+    routing; relative errors of every provider's outputs and gradients against ``gather``.
+
+    ``ms[provider][direction]`` and ``gbps[provider][direction]`` (least traffic / time), with
+    directions ``permute_fwd``, ``permute_fwd_bwd``, ``combine_fwd``, ``combine_fwd_bwd``.
+    """
+    import torch
+
+    n, k, latent, n_experts = case["N"], case["k"], case["L"], case["E"]
+    gen = torch.Generator(device=device).manual_seed(n + k + latent)
+    scores = torch.rand(n, n_experts, generator=gen, device=device)
+    order = torch.argsort(scores.topk(k, dim=-1).indices.reshape(-1), stable=True)  # as LatentMoE builds it
+    weights = torch.rand(n, k, generator=gen, device=device).requires_grad_()
+    x = torch.randn(n, latent, generator=gen, device=device).to(dtype).requires_grad_()
+    y = torch.randn(n * k, latent, generator=gen, device=device).to(dtype).requires_grad_()
+    grad_sorted = torch.randn(n * k, latent, generator=gen, device=device).to(dtype)
+    grad_out = torch.randn(n, latent, generator=gen, device=device)  # fp32, as the model's norm gives it
+    min_bytes = dispatch_min_bytes(n, k, latent, x.element_size())
+    row = dict(case, min_bytes=min_bytes, ms={}, gbps={}, rel_err={}, skipped={})
+    results = {}
+    for name, (perm, comb, env, skip) in dispatch_providers(device).items():
+        if skip:
+            row["skipped"][name] = skip
+            continue
+        ms = {}
+        with env_vars(env):  # our ops read the backend switch at run time
+            with torch.no_grad():
+                ms["permute_fwd"] = measure(lambda: perm(x, order, k), timed)
+                ms["combine_fwd"] = measure(lambda: comb(y, order, weights), timed)
+            ms["permute_fwd_bwd"] = measure(lambda: perm(x, order, k).backward(grad_sorted), timed, grad_to_none=[x])
+            ms["combine_fwd_bwd"] = measure(lambda: comb(y, order, weights).backward(grad_out), timed,
+                                            grad_to_none=[y, weights])
+            x.grad = y.grad = weights.grad = None
+            x_sorted = perm(x, order, k)
+            x_sorted.backward(grad_sorted)
+            out = comb(y, order, weights)
+            out.backward(grad_out)
+        results[name] = dict(permute=x_sorted.detach(), dx=x.grad, combine=out.detach(), dy=y.grad, dw=weights.grad)
+        x.grad = y.grad = weights.grad = None
+        del x_sorted, out
+        row["ms"][name] = {d: ms[d] for d in min_bytes}
+        row["gbps"][name] = {d: None if t is None else min_bytes[d] / (t * 1e-3) / 1e9
+                             for d, t in row["ms"][name].items()}
+    for name, res in results.items():
+        if name != "gather":
+            for part, got in res.items():
+                row["rel_err"][f"{name}_vs_gather_{part}"] = rel_err(got, results["gather"][part])
+    return row
+
+
 # ------------------------------------------------------------------------------------ report
 def _fmt(v, spec=".3f") -> str:
     return "n/a" if v is None else format(v, spec)
@@ -379,6 +496,18 @@ def print_gemm_table(rows: list[dict]) -> None:
             print("    tile sweep (fwd ms): " + ", ".join(f"{k} {v if isinstance(v, str) else f'{v:.3f}'}"
                                                        for k, v in r["tile_sweep_fwd_ms"].items()))
 
+
+def print_dispatch_table(rows: list[dict]) -> None:
+    print("\n## token dispatch (ms median; GB/s of the least traffic, see dispatch_min_bytes)")
+    for r in rows:
+        print(f"{r['case']}  N={r['N']} k={r['k']} L={r['L']} E={r['E']}"
+              + "".join(f"  ({name} skipped: {why})" for name, why in r["skipped"].items()))
+        print(f"  {'provider':<14}" + "".join(f"{d:>22}" for d in r["min_bytes"]))
+        for name, ms in r["ms"].items():
+            print(f"  {name:<14}" + "".join(f"{_fmt(t) + ' (' + _fmt(r['gbps'][name][d], '.0f') + ')':>22}"
+                                            for d, t in ms.items()))
+        worst = max(r["rel_err"].values(), default=0.0)
+        print(f"  max rel err vs gather (outputs and grads): {worst:.1e}")
 
 def print_tables(report: dict) -> None:
     timed = report["timed"]
@@ -410,6 +539,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time the Triton forward over a few tile shapes")
     parser.add_argument("--compile", action="store_true", help="torch.compile both MoE layers")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="also time the token dispatch ops (permute, unpermute+combine) against plain gathers")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=64)
@@ -449,7 +580,12 @@ def main(argv=None) -> dict:
                 torch.cuda.empty_cache()
     if not args.skip_layer:
         report["moe_layer"] = bench_layer(layer_config(args), args.device, dtype, timed, args.compile)
+    if args.dispatch:
+        report["dispatch"] = [bench_dispatch_case(case, args.device, dtype, timed)
+                              for case in dispatch_cases(args.tiny)]
     print_tables(report)
+    if args.dispatch:
+        print_dispatch_table(report["dispatch"])
     print(json.dumps(report))
     return report
 

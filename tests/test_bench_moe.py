@@ -56,6 +56,26 @@ def test_tiny_cpu_run_reports_every_row_without_times():
     assert all(0 <= e < 1e-5 for e in layer["rel_err_ours_vs_native"]["ours_triton"].values())
 
 
+def test_tiny_cpu_dispatch_run():
+    """--dispatch alone: every provider that runs on CPU fills its rows (no times), and ours agree
+    with the plain gathers to fp32 rounding (sums of <= 8 products; dw: dot products over L <= 40)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--skip-gemm", "--skip-layer",
+                           "--dispatch"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["gemm"] == [] and report["moe_layer"] is None
+    directions = {"permute_fwd", "permute_fwd_bwd", "combine_fwd", "combine_fwd_bwd"}
+    assert [r["case"] for r in report["dispatch"]] == ["tiny_k2", "tiny_k8"]
+    for row in report["dispatch"]:
+        assert set(row["ms"]) == {"ours_triton", "ours_torch", "gather"} and set(row["skipped"]) == {"gather_compiled"}
+        assert all(set(ms) == directions and all(v is None for v in ms.values()) for ms in row["ms"].values())
+        n, k, latent = row["N"], row["k"], row["L"]
+        assert row["min_bytes"]["permute_fwd"] == (n + n * k) * latent * 4
+        parts = {"permute", "dx", "combine", "dy", "dw"}
+        assert set(row["rel_err"]) == {f"{p}_vs_gather_{q}" for p in ("ours_triton", "ours_torch") for q in parts}
+        assert all(0 <= e < 1e-6 for e in row["rel_err"].values()), row["rel_err"]
+
+
 @pytest.mark.parametrize("m,e", [(65536, 64), (16384, 112), (96, 4)])
 def test_group_sizes(m, e):
     bench = _load_bench()

@@ -194,9 +194,9 @@ def test_custom_ops_stay_ops_in_the_programs(programs):
     for name in ("prefill", "prefill_packed"):
         code = programs[name].graph_module.code
         assert "titan_moe.kda_chunk_fwd" in code and "titan_moe.grouped_mm" in code, name
-        assert custom_ops_in(programs[name]) == ["titan_moe.grouped_mm", "titan_moe.kda_chunk_fwd"]
+        assert custom_ops_in(programs[name]) == ["titan_moe.grouped_mm", "titan_moe.kda_chunk_fwd", "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine"]
     # Decoding one token uses the recurrent KDA step (plain PyTorch), not the chunk op.
-    assert custom_ops_in(programs["decode_step"]) == ["titan_moe.grouped_mm"]
+    assert custom_ops_in(programs["decode_step"]) == ["titan_moe.grouped_mm", "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine"]
 
 
 def test_graph_dumps_name_our_ops(run):
@@ -219,7 +219,8 @@ def test_graph_dumps_name_our_ops(run):
     assert "titan_moe.grouped_mm_dx" in backward and "titan_moe.grouped_mm_dw" in backward
     assert "titan_moe.kda_chunk_fwd" not in read("mla_moe", "dynamo_graph")
     assert index["kda_dense"]["custom_ops"] == ["titan_moe.kda_chunk_bwd", "titan_moe.kda_chunk_fwd"]
-    assert index["mla_moe"]["custom_ops"] == ["titan_moe.grouped_mm", "titan_moe.grouped_mm_dw", "titan_moe.grouped_mm_dx"]
+    assert index["mla_moe"]["custom_ops"] == ["titan_moe.grouped_mm", "titan_moe.grouped_mm_dw", "titan_moe.grouped_mm_dx",
+                                              "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine", "titan_moe.moe_unpermute_combine_backward"]
 
 
 def test_graph_dumps_show_the_graph_before_and_after_our_passes(tmp_path):
@@ -393,8 +394,8 @@ def test_cuda_programs_match_eager(tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_model(ARGS4).cuda()
     eps = export_programs(model, CAPACITY, which=("prefill", "decode_step"))
-    assert custom_ops_in(eps["prefill"]) == ["titan_moe.grouped_mm", "titan_moe.kda_chunk_fwd"]
-    assert custom_ops_in(eps["decode_step"]) == ["titan_moe.grouped_mm"]
+    assert custom_ops_in(eps["prefill"]) == ["titan_moe.grouped_mm", "titan_moe.kda_chunk_fwd", "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine"]
+    assert custom_ops_in(eps["decode_step"]) == ["titan_moe.grouped_mm", "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine"]
     for name, ep in eps.items():
         torch.export.save(ep, tmp_path / f"{name}.pt2")
     runners = {name: load_program(tmp_path / f"{name}.pt2").module() for name in eps}

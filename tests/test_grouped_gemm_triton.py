@@ -28,7 +28,13 @@ import sys
 import textwrap
 
 import pytest
-from triton_mode import interpret_without_gpu, interpreter_ready, rerun_under_interpreter, skip_unless_kernels_run  # noqa: E402
+from triton_mode import (  # noqa: E402
+    interpret_without_gpu,
+    interpreter_ready,
+    rerun_under_interpreter,
+    skip_unless_kernels_run,
+    spy_on,
+)
 import torch
 from numerics import rel_err
 
@@ -230,17 +236,7 @@ def test_op_triton_backend_forward_backward(dtype):
 
 @needs_kernels
 def test_env_switch_selects_triton(monkeypatch):
-    calls = []
-
-    def spy(fn):
-        def wrapped(*args, **kwargs):
-            calls.append(fn.__name__)
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    monkeypatch.setattr(tk, "grouped_mm_triton", spy(tk.grouped_mm_triton))
-    monkeypatch.setattr(tk, "grouped_mm_dw_triton", spy(tk.grouped_mm_dw_triton))
+    calls = spy_on(monkeypatch, tk, ("grouped_mm_triton", "grouped_mm_dw_triton"))
     x, w, grad, offs = make_case(30, 16, 16, 3, 1.0, torch.float32, seed=7)
     x.requires_grad_()
     w.requires_grad_()

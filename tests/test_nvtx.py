@@ -25,7 +25,8 @@ from tiny import CONFIG, REPO, TINY_ARGS, TINY_CLI
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-OP_RANGES = {"op.kda_chunk_fwd", "op.kda_chunk_bwd", "op.grouped_mm", "op.grouped_mm_dx", "op.grouped_mm_dw"}
+OP_RANGES = {"op.kda_chunk_fwd", "op.kda_chunk_bwd", "op.grouped_mm", "op.grouped_mm_dx", "op.grouped_mm_dw",
+             "op.moe_permute", "op.moe_unpermute_combine", "op.moe_unpermute_combine_backward"}
 IN_LAYER_RANGES = {"kda", "mla", "moe", "ffn", "kda.inputs", "kda.output", "mla.attend",
                    "moe.router", "moe.dispatch", "moe.experts", "moe.combine", "moe.shared"}
 
@@ -72,6 +73,8 @@ def _expected_counts(args) -> Counter:
         "moe.experts": n_moe, "moe.combine": n_moe, "moe.shared": n_moe if args.n_shared_experts else 0,
         # two grouped GEMMs per MoE layer (gate|up, down), each with a dx and a dw in backward
         "op.grouped_mm": 2 * n_moe, "op.grouped_mm_dx": 2 * n_moe, "op.grouped_mm_dw": 2 * n_moe,
+        # dispatch: the permute's backward is an unweighted unpermute-combine
+        "op.moe_permute": n_moe, "op.moe_unpermute_combine": 2 * n_moe, "op.moe_unpermute_combine_backward": n_moe,
     })
     return +expected
 

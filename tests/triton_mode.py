@@ -60,3 +60,20 @@ def skip_unless_kernels_run(kernels_run_here: bool, rerun_test: str):
         reason=f"Triton was imported before TRITON_INTERPRET=1 was set and there is no GPU; "
         f"{rerun_test} runs these tests in a subprocess",
     )
+
+
+def spy_on(monkeypatch, module, names) -> list[str]:
+    """Wrap `module.<name>` for each of `names` so that every call appends the function's
+    name to the returned list (which backend a switch really selected)."""
+    calls: list[str] = []
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    for name in names:
+        monkeypatch.setattr(module, name, spy(getattr(module, name)))
+    return calls

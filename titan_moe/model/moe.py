@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.ffn import SiTUGLUFeedForward
 from titan_moe.model.situ import situ_glu
+from titan_moe.ops.dispatch import permute, unpermute_combine
 from titan_moe.ops.grouped_gemm import grouped_mm
 from titan_moe.ops.nvtx import nvtx_range
 
@@ -366,6 +367,7 @@ class LatentMoE(nn.Module):
         Returns ``latent_sorted_ML`` [M, latent], ``offs_E`` [E] int32 cumulative ends of
         each expert's rows, ``order_M`` [M] int64 (sorted row -> token copy ``i*k + slot``)
         and ``weights_Nk`` [N, k] fp32. Accumulates the balancing statistics in training.
+        The copies are made by the ``titan_moe::moe_permute`` op (:mod:`titan_moe.ops.dispatch`).
         """
         k = self.top_k
         with nvtx_range("moe.router"):
@@ -380,20 +382,19 @@ class LatentMoE(nn.Module):
             order = torch.argsort(flat_expert, stable=True)
             offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
             latent_NL = self.w_latent_down(x_ND)
-            latent_sorted_ML = latent_NL[order // k]
+            latent_sorted_ML = permute(latent_NL, order, k)  # row m = latent_NL[order[m] // k]
         return latent_sorted_ML, offs_E, order, weights_Nk
 
     def combine(self, x_ND: Tensor, out_sorted_ML: Tensor, order_M: Tensor, weights_Nk: Tensor) -> Tensor:
         """Unsort the experts' outputs [M, latent], weight and sum them per token, normalise,
-        project up and add the shared experts of ``x_ND`` [N, dim] -> y_ND [N, dim]."""
-        n_tokens = x_ND.shape[0]
-        # Unsort with the inverse permutation (a gather, deterministic), weight, sum over k.
+        project up and add the shared experts of ``x_ND`` [N, dim] -> y_ND [N, dim].
+
+        ``out_sorted_ML`` [M, latent] is in the order of ``order_M`` (as ``route_and_sort``
+        returned it). Unsorting, weighting and the fp32 sum over the k copies are one
+        ``titan_moe::moe_unpermute_combine`` op (:mod:`titan_moe.ops.dispatch`)."""
+        # Unsort, weight and sum over k in one pass (deterministic); u stays fp32 for the norm.
         with nvtx_range("moe.combine"):
-            inverse = torch.empty_like(order_M).scatter_(
-                0, order_M, torch.arange(order_M.numel(), device=order_M.device)
-            )
-            out_NkL = out_sorted_ML[inverse].view(n_tokens, self.top_k, self.latent)
-            u_NL = (out_NkL.float() * weights_Nk.unsqueeze(-1)).sum(1)
+            u_NL = unpermute_combine(out_sorted_ML, order_M, weights_Nk, out_dtype=torch.float32)
             u_NL = F.rms_norm(u_NL, (self.latent,), self.latent_norm.weight.float(), self.norm_eps)
             y_ND = self.w_latent_up(u_NL.to(out_sorted_ML.dtype))
         if self.shared_experts is not None:

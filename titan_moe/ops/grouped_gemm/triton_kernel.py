@@ -61,7 +61,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "1": TMA loads on sm90 for the forward and dx kernel
@@ -307,14 +308,12 @@ class TileConfig:
 
 def interpreted() -> bool:
     """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return isinstance(_ragged_m_kernel, InterpretedFunction)
+    return is_interpreted(_ragged_m_kernel)
 
 
 def runs_on(device: torch.device) -> bool:
     """Whether the kernels can run on tensors of ``device``: CUDA, or CPU under the interpreter."""
-    if device.type == "cuda":
-        return not interpreted()
-    return device.type == "cpu" and interpreted()
+    return kernel_runs_on(_ragged_m_kernel, device)
 
 
 @functools.cache
@@ -359,12 +358,7 @@ def _check(name: str, a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) ->
         raise ValueError(f"{name}: offs must be a 1-D int32 tensor, got {offs_E.dtype} {tuple(offs_E.shape)}")
     if not (a.device == b.device == offs_E.device):
         raise ValueError(f"{name}: tensors must share a device, got {a.device}, {b.device}, {offs_E.device}")
-    if not runs_on(a.device):
-        raise ValueError(
-            f"{name}: the Triton kernels run on CUDA, or on CPU when TRITON_INTERPRET=1 was set before "
-            f"titan_moe.ops.grouped_gemm.triton_kernel was imported; got device {a.device} "
-            f"(interpreter {'on' if interpreted() else 'off'})"
-        )
+    check_runs_on(_ragged_m_kernel, a.device, name, "titan_moe.ops.grouped_gemm.triton_kernel")
 
 
 def _tma_operands(a_MK: torch.Tensor, b_EKN: torch.Tensor, cfg: TileConfig):

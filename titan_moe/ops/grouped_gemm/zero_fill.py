@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 from torch import Tensor
+
+from titan_moe.ops.triton_runtime import is_interpreted
 
 _ROWS, _COLS = 64, 128  # rows x columns per program of the row kernel
 _SPLITS = 64  # programs per group of the empty-group kernel
@@ -86,5 +87,5 @@ def zero_empty_groups_(dw_EKN: Tensor, offs_E: Tensor) -> Tensor:
     assert dw_EKN.is_contiguous(), "zero_empty_groups_ takes a contiguous weight gradient"
     per_group = dw_EKN.numel() // E
     _zero_empty_groups_kernel[(E, _SPLITS)](dw_EKN, offs_E, per_group, SPLITS=_SPLITS, BLOCK=_BLOCK,
-                                            INTERPRETED=isinstance(_zero_empty_groups_kernel, InterpretedFunction))
+                                            INTERPRETED=is_interpreted(_zero_empty_groups_kernel))
     return dw_EKN

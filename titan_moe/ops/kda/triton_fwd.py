@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from titan_moe.ops.kda.chunk_torch import check_kda_inputs, seqlens_bounds
+from titan_moe.ops.triton_runtime import is_interpreted
 
 CHUNK = 64  # BT: tokens per chunk
 TILE = 16  # BC: tokens per sub-chunk tile; the span exponentiated directly
@@ -441,7 +441,7 @@ def _output_kernel(
 # ----------------------------------------------------------------------------------------
 def _interpreted() -> bool:
     """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return isinstance(_state_scan_kernel, InterpretedFunction)
+    return is_interpreted(_state_scan_kernel)
 
 
 def _chunk_layout(bounds: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

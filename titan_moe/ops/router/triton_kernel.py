@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from titan_moe.ops.triton_runtime import is_interpreted, kernel_runs_on
 
 _KEYS_PER_PROGRAM = 2048
 _MAX_BLOCK_N = 16
@@ -85,14 +86,12 @@ def _router_topk_fwd_kernel(
 
 def interpreted() -> bool:
     """Whether the kernel was built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return isinstance(_router_topk_fwd_kernel, InterpretedFunction)
+    return is_interpreted(_router_topk_fwd_kernel)
 
 
 def runs_on(device: torch.device) -> bool:
     """Whether the kernel can run on tensors of ``device``: CUDA, or CPU under the interpreter."""
-    if device.type == "cuda":
-        return not interpreted()
-    return device.type == "cpu" and interpreted()
+    return kernel_runs_on(_router_topk_fwd_kernel, device)
 
 
 def block_sizes(n_experts: int, top_k: int) -> tuple[int, int, int]:

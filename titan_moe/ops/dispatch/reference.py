@@ -1,0 +1,78 @@
+"""Plain-PyTorch token dispatch: the CPU path of the ``titan_moe::moe_*`` ops and their reference.
+
+Contract (shared with :mod:`titan_moe.ops.dispatch.op` and the Triton kernels):
+
+* ``N`` tokens, each routed to ``k`` experts, give ``M = N*k`` token copies. Copy ``j`` of
+  token ``n`` is the flat copy ``n*k + j`` (the row-major order of ``expert_idx_Nk``).
+* ``order_M`` [M] int64 (what :meth:`titan_moe.model.moe.LatentMoE.route_and_sort` returns):
+  sorted row ``m`` holds flat copy ``order_M[m]``, i.e. a copy of token ``order_M[m] // k``.
+* ``pos_Nk`` [N, k] int32/int64, the inverse permutation (what the ops take): copy ``j`` of
+  token ``n`` sits in sorted row ``pos_Nk[n, j]``; ``pos.view(-1)[order[m]] == m``.
+  It must be a permutation of ``range(M)``: that is not checked (it would cost a sort),
+  and a violation leaves rows of the outputs unwritten.
+
+The ops take ``pos_Nk`` because every one of them (forwards and backwards) is then a
+token-major loop: token ``n`` reads or writes its ``k`` rows ``pos_Nk[n]``; no direction
+needs ``order`` and none needs an argsort or an atomic accumulation.
+
+* permute:            ``x_sorted[pos[n, j]] = x[n]``                              [M, L]
+* unpermute_combine:  ``out[n] = sum_j w[n, j] * y_sorted[pos[n, j]]``            [N, L]
+  (``w = None``: a plain sum; this is also the gradient of permute), fp32 accumulation,
+  one rounding to the output dtype;
+* its backward:       ``dy_sorted[pos[n, j]] = w[n, j] * grad[n]`` and
+  ``dw[n, j] = <grad[n], y_sorted[pos[n, j]]>`` (fp32 products and sums).
+
+The functions here materialise the gathered ``[N, k, L]`` copies (in fp32 for the sums), as
+the plain gathers of the model did: simple, and on CPU the same numbers as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def sorted_positions(order_M: Tensor, k: int) -> Tensor:
+    """The inverse of ``order_M`` as ``pos_Nk`` [M // k, k] int64 (one integer scatter, no sort)."""
+    m = order_M.shape[0]
+    order_M = order_M.long()  # scatter indices must be int64
+    inverse_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(m, device=order_M.device))
+    return inverse_M.view(m // k, k)
+
+
+def permute_torch(x_NL: Tensor, pos_Nk: Tensor) -> Tensor:
+    """``out[pos[n, j]] = x[n]`` -> [N*k, L] in ``x_NL.dtype`` (a broadcast index_put, no repeat)."""
+    n, k = pos_Nk.shape
+    out_ML = x_NL.new_empty(n * k, x_NL.shape[1])
+    return out_ML.index_put_((pos_Nk.long(),), x_NL.unsqueeze(1))
+
+
+def unpermute_combine_torch(
+    y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor | None, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """``out[n] = sum_j w[n, j] * y[pos[n, j]]`` (``w = None``: plain sum) -> [N, L].
+
+    fp32 products and sum; the result is rounded once to ``out_dtype`` (default ``y_ML.dtype``).
+    """
+    n, k = pos_Nk.shape
+    y_NkL = y_ML[pos_Nk.reshape(-1)].view(n, k, y_ML.shape[1]).float()
+    if weights_Nk is not None:
+        y_NkL = y_NkL * weights_Nk.float().unsqueeze(-1)
+    return y_NkL.sum(1).to(out_dtype or y_ML.dtype)
+
+
+def unpermute_combine_backward_torch(
+    grad_NL: Tensor, y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gradients of :func:`unpermute_combine_torch` with weights.
+
+    Returns ``dy_ML`` [M, L] in ``y_ML.dtype`` (``dy[pos[n, j]] = w[n, j] * grad[n]``) and
+    ``dw_Nk`` [N, k] in ``weights_Nk.dtype`` (``dw[n, j] = <grad[n], y[pos[n, j]]>``).
+    """
+    n, k = pos_Nk.shape
+    grad_N1L = grad_NL.float().unsqueeze(1)
+    y_NkL = y_ML[pos_Nk.reshape(-1)].view(n, k, y_ML.shape[1]).float()
+    dw_Nk = (y_NkL * grad_N1L).sum(-1).to(weights_Nk.dtype)
+    dy_NkL = (weights_Nk.float().unsqueeze(-1) * grad_N1L).to(y_ML.dtype)
+    dy_ML = y_ML.new_empty(y_ML.shape).index_put_((pos_Nk.long(),), dy_NkL)
+    return dy_ML, dw_Nk
