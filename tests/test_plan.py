@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,14 @@ from titan_moe.model.flops import count_params
 from titan_moe.model.packing import same_doc_causal_mask
 from titan_moe.plan import (
     AC_MODES,
+    Entry,
     GpuKernelSaves,
+    LayerActivations,
     Layout,
+    LayoutPlan,
+    ParamMemory,
     Precision,
+    _stream_bytes_per_token,
     activation_memory,
     eager_saved_bytes,
     enumerate_layouts,
@@ -31,6 +37,7 @@ from titan_moe.plan import (
     measure_eager_layer,
     model_activations,
     param_memory,
+    plan_layout,
     sharding_checks,
     zero_layer,
 )
@@ -128,22 +135,180 @@ def test_ep_layouts_follow_torchtitan_constraints():
         Layout(1, 4, 1, 3)
 
 
+def test_gradients_appear_unit_by_unit_in_backward_order():
+    """`grads_by_units`: nothing, the head, then layers n-1 .. 0, then the rest (embedding, final
+    mixer); each unit's bytes counted independently from named_parameters (no padding here)."""
+    args = _tiny()
+    model = _meta_model(args)
+    inv = inventory(model, args)
+    for layout in (Layout(1, 4, 1, 1), Layout(1, 2, 2, 4)):
+        m = param_memory(inv, layout, FP32_MASTER)
+        per_unit: dict[str, int] = {}
+        for name, p in model.named_parameters():
+            parts = name.split(".")
+            unit = f"layer{parts[1]}" if parts[0] == "layers" else "head" if parts[0] in ("norm", "output") else "rest"
+            per_unit[unit] = per_unit.get(unit, 0) + p.numel()
+        order = ["head", *(f"layer{i}" for i in reversed(range(args.n_layers))), "rest"]
+        expected, done = [0.0], 0
+        for unit in order:
+            done += per_unit[unit]
+            expected.append(4 * done / layout.fsdp)  # fp32 gradients, sharded without padding
+        assert m.grads_by_units == pytest.approx(expected, rel=1e-12)
+        assert m.grads_by_units[-1] == m.grads
+
+
 # ----------------------------------------------------------------------------- activations
 @pytest.mark.parametrize("flavor", ["tiny", "k3"])
 def test_activation_bytes_scale_with_tokens_and_ac_orders_them(flavor):
+    """Every phase's activations are affine in the local tokens (the max over phases need not
+    be: the winning phase may change); AC none > selective > full at the high-water mark."""
     args = _tiny() if flavor == "tiny" else FLAVORS["k3"]
     layout = Layout(1, 8, 2, 2)
     for ac in AC_MODES:
-        peak = lambda b, s: activation_memory(args, BF16, layout, ac, b, s).peak  # noqa: E731
-        base = peak(1, 0)  # the per-layer constants (router weight copies)
-        assert peak(1, 2048) - base == pytest.approx(2 * (peak(1, 1024) - base), rel=1e-12)
-        assert peak(2, 1024) == pytest.approx(peak(1, 2048), rel=1e-12)
-        assert peak(3, 1024) - base == pytest.approx(3 * (peak(1, 1024) - base), rel=1e-12)
+        def phases(b: int, s: int) -> list[float]:
+            return [ph.activations for ph in activation_memory(args, BF16, layout, ac, b, s).phases]
+
+        base, one, two = phases(1, 0), phases(1, 1024), phases(1, 2048)  # base: per-layer constants
+        assert len(base) == args.n_layers + 3
+        for b0, b1, b2 in zip(base, one, two):
+            assert b2 - b0 == pytest.approx(2 * (b1 - b0), rel=1e-12, abs=1e-6)
+        assert phases(2, 1024) == pytest.approx(two, rel=1e-12)
         # CP divides the tokens per GPU.
         assert activation_memory(args, BF16, layout, ac, 1, 4096).tokens == 2048
     for option in ("op", "2"):
         mem = {ac: activation_memory(args, BF16, layout, ac, 1, 4096, sac_option=option).peak for ac in AC_MODES}
         assert mem["full"] < mem["selective"] < mem["none"], (option, mem)
+
+
+def _toy_layers() -> list[LayerActivations]:
+    """Two layers with round numbers: kept 400 and 1000 B per token, transients 2 * 300 + 50
+    and 2 * 1000, layer 1 with a 7 B constant."""
+    return [
+        LayerActivations("a", [Entry("x", 100.0), Entry("y", 300.0), Entry("z", 900.0, kept=False)], workspace=50.0),
+        LayerActivations("b", [Entry("u", 1000.0)], workspace=0.0, constant=7.0),
+    ]
+
+
+def _toy_params(layer_grads: list[float], head: float, rest: float, temp: float = 0.0) -> ParamMemory:
+    grads = sum(layer_grads) + head + rest
+    return ParamMemory(0, 0, params=10_000.0, grads=grads, optimizer=20_000.0, buffers=100.0, fsdp_gathered=0.0,
+                       largest_unit=0, layer_grads=layer_grads, head_grads=head, optimizer_temp=temp)
+
+
+# Hand-computed toy step: dim 4, vocab 8, no AttnRes (stream: running sums), fp32 stream (one
+# GPU, fp32 params), bf16 compute, 10 tokens. Per token: a partial sum 4 * 4 = 16 B (two per
+# layer without AC, one under full AC), stream gradients 2 * 16 = 32, head kept 4 (rstd) + 4 * 2
+# (normed x) + 8 * 4 (log-probs) = 44, head transient 8 * 8 = 64. Autocast weight copies: layer
+# 0 3000 B, layer 1 5000 B, head 700 B.
+#   AC none, held: layer 0 400*10 + 3000 = 7000, layer 1 1000*10 + 7 + 5000 = 15007;
+#     in backward: 650*10 = 6500 and 2000*10 = 20000.
+#   AC full, held 0; in backward: 7000 + 6500 = 13500 and 15007 + 20000 = 35007.
+TOY_ACTIVATIONS = {
+    "none": {"loss and head backward": 7000 + 15007 + 640 + 440 + 700 + 640,
+             "backward layer 1": 7000 + 15007 + 20000 + 640 + 320,
+             "backward layer 0": 7000 + 6500 + 320 + 320,
+             "backward embedding": 320, "optimizer step": 0},
+    "full": {"loss and head backward": 320 + 440 + 700 + 640,
+             "backward layer 1": 35007 + 320 + 320,
+             "backward layer 0": 13500 + 160 + 320,
+             "backward embedding": 320, "optimizer step": 0},
+}
+# Static 10000 + 20000 + 100 = 30100 in every phase. Gradients: layer-1 peak case: head 1000,
+# layers [3000, 5000], rest 1000; optimizer-step peak case: head 500, layers [40000, 1000], rest
+# 500, foreach temporaries 3000.
+TOY_TOTALS = {
+    "layer": {"none": {"loss and head backward": 30100 + 24427, "backward layer 1": 30100 + 1000 + 42967,
+                       "backward layer 0": 30100 + 6000 + 14140, "backward embedding": 30100 + 9000 + 320,
+                       "optimizer step": 30100 + 10000},
+              "full": {"loss and head backward": 30100 + 2100, "backward layer 1": 30100 + 1000 + 35647,
+                       "backward layer 0": 30100 + 6000 + 13980, "backward embedding": 30100 + 9000 + 320,
+                       "optimizer step": 30100 + 10000}},
+    "optimizer": {"none": {"loss and head backward": 30100 + 24427, "backward layer 1": 30100 + 500 + 42967,
+                           "backward layer 0": 30100 + 1500 + 14140, "backward embedding": 30100 + 41500 + 320,
+                           "optimizer step": 30100 + 42000 + 3000},
+                  "full": {"loss and head backward": 30100 + 2100, "backward layer 1": 30100 + 500 + 35647,
+                           "backward layer 0": 30100 + 1500 + 13980, "backward embedding": 30100 + 41500 + 320,
+                           "optimizer step": 30100 + 42000 + 3000}},
+}
+TOY_PEAKS = {("layer", "none"): ("backward layer 1", 74067), ("layer", "full"): ("backward layer 1", 66747),
+             ("optimizer", "none"): ("optimizer step", 75100), ("optimizer", "full"): ("optimizer step", 75100)}
+
+
+@pytest.mark.parametrize("case", ["layer", "optimizer"])
+def test_step_walk_matches_a_hand_computed_two_layer_step(case):
+    args = _tiny(n_layers=2, dim=4, vocab_size=8, attn_res="none")
+    layout, prec = Layout(1, 1, 1, 1), Precision(param=4, compute=2)
+    copies = ([3000.0, 5000.0], 700.0)
+    params = (_toy_params([3000.0, 5000.0], 1000.0, 1000.0) if case == "layer"
+              else _toy_params([40000.0, 1000.0], 500.0, 500.0, temp=3000.0))
+    acts = {ac: activation_memory(args, prec, layout, ac, 1, 10, _toy_layers(), weight_copies=copies)
+            for ac in ("none", "full")}
+    for ac, mem in acts.items():
+        assert {ph.name: ph.activations for ph in mem.phases} == pytest.approx(TOY_ACTIVATIONS[ac], abs=1e-9)
+    plan = LayoutPlan(layout, params, acts)
+    for ac in acts:
+        assert dict(plan.phase_totals(ac)) == pytest.approx(TOY_TOTALS[case][ac], abs=1e-9)
+        name, total = plan.peak(ac)
+        assert (name, total) == (TOY_PEAKS[case, ac][0], pytest.approx(TOY_PEAKS[case, ac][1], abs=1e-9))
+        assert plan.total(ac) == total
+    # FSDP working memory joins every phase but the optimizer step.
+    gathered = LayoutPlan(layout, replace(params, fsdp_gathered=500.0), acts)
+    for (name, with_fsdp), (_, without) in zip(gathered.phase_totals("none"), plan.phase_totals("none")):
+        assert with_fsdp - without == (0.0 if name == "optimizer step" else 500.0), name
+
+
+def test_block_stream_frees_buffers_of_later_blocks_in_backward():
+    """Block mode, 4 layers, blocks of 2: S = 3 source buffers [S, D] (the initial one and one
+    per closed block). In layer i's backward the buffers of blocks up to i's are alive (1 for
+    layers 0-1, 2 for layers 2-3); the end of the forward holds all 3 (the last one feeds the
+    final mixer). Partial sums: 2 per layer without AC, 1 under AC."""
+    args = _tiny(n_layers=4, attn_res="block", attn_res_block_size=2)
+    D, s = args.dim, 2
+    buffer, partial = 3 * D * s, D * s
+    none, full = ["none"] * 4, ["full"] * 4
+    assert [_stream_bytes_per_token(args, s, none, upto=i) for i in range(4)] == [
+        buffer + 2 * partial, buffer + 4 * partial, 2 * buffer + 6 * partial, 2 * buffer + 8 * partial]
+    assert _stream_bytes_per_token(args, s, none) == 3 * buffer + 8 * partial
+    assert [_stream_bytes_per_token(args, s, full, upto=i) for i in range(4)] == [
+        buffer + partial, buffer + 2 * partial, 2 * buffer + 3 * partial, 2 * buffer + 4 * partial]
+    full_mode = _tiny(n_layers=4, attn_res="full")  # S = 9: the initial buffer + one per sub-layer
+    assert _stream_bytes_per_token(full_mode, s, none, upto=1) == (1 + 4) * 9 * D * s
+
+
+@pytest.mark.parametrize("flavor,layout,activations", [
+    ("small_1gpu", Layout(1, 1, 1, 1), "compiled"), ("tiny", Layout(1, 1, 1, 1), "eager"),
+    ("tiny", Layout(1, 2, 2, 2), "compiled"), ("k3", Layout(1, 256, 8, 64), "compiled"),
+])
+def test_step_peak_bounds(flavor, layout, activations):
+    """The peak is the largest phase; no phase exceeds the old all-at-once sum (every gradient,
+    the FSDP working memory and the activations' high-water mark); full AC <= none; the
+    optimizer step holds exactly params + grads + states + buffers (fused AdamW)."""
+    args = _tiny() if flavor == "tiny" else FLAVORS[flavor]
+    inv = inventory(_meta_model(args), args)
+    for seq_len in (1024, 8192):
+        plan = plan_layout(args, inv, FP32_MASTER, layout, 1, seq_len, "op", activations)
+        m = plan.params
+        for ac in AC_MODES:
+            totals = dict(plan.phase_totals(ac))
+            assert len(totals) == args.n_layers + 3
+            assert all(plan.total(ac) >= v for v in totals.values())
+            assert plan.total(ac) in totals.values()
+            everything = m.params + m.grads + m.optimizer + m.buffers + m.fsdp_gathered
+            assert plan.total(ac) <= everything + plan.activations[ac].peak
+            assert totals["optimizer step"] == m.params + m.grads + m.optimizer + m.buffers
+        assert plan.total("full") <= plan.total("none")
+
+
+def test_optimizer_temporaries_follow_the_implementation():
+    args = _tiny()
+    inv = inventory(_meta_model(args), args)
+    layout = Layout(1, 4, 1, 1)
+    fused, foreach, loop = (param_memory(inv, layout, FP32_MASTER, impl) for impl in ("fused", "foreach", "for-loop"))
+    assert fused.optimizer_temp == 0 and foreach.optimizer_temp == foreach.params
+    largest = max(p.numel() for p in _meta_model(args).parameters())
+    assert loop.optimizer_temp == 2 * 4 * (largest // 4)  # two fp32 temporaries of the largest shard (of 4)
+    with pytest.raises(ValueError):
+        param_memory(inv, layout, FP32_MASTER, "adamw")
 
 
 class _MMRecorder(TorchDispatchMode):
@@ -321,6 +486,11 @@ def test_cli_k3_on_2048_gpus_prints_a_json_summary(capsys):
     assert summary["sanity"] == {"params_match_inspect": True, "shard_sums_match_totals": True}
     assert summary["total_params"] == count_params(_meta_model(FLAVORS["k3"]), FLAVORS["k3"]).total
     assert all(lay["dp_replicate"] * lay["dp_shard"] * lay["cp"] == 2048 for lay in summary["layouts"])
+    phases = {"loss and head backward", "backward embedding", "optimizer step",
+              *(f"backward layer {i}" for i in range(FLAVORS["k3"].n_layers))}
+    assert all(set(lay["peak_phase"]) == set(AC_MODES) and set(lay["peak_phase"].values()) <= phases
+               for lay in summary["layouts"])
+    assert summary["optimizer_implementation"] == "fused"
     assert set(summary["min_gpus"]) == set(AC_MODES)
     for best in summary["best"]:
         assert best["fits"]["full"] and best["gib"]["total_full"] <= summary["usable_gib"]

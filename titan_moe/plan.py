@@ -11,18 +11,17 @@ PyTorch keeps (below); the default follows the config (`[compile] enable` with "
 `components`: compiled, else eager). Prints a table of layouts for the given GPU count
 (memory per GPU with each activation-checkpointing mode), the smallest fitting layouts, the
 fewest GPUs (powers of two up to 4096) at which any layout fits, and, as the last line, one
-JSON object. Memory is a model, not a measurement. Checked against the peak allocated memory
-of eager `small_1gpu` runs on one H200 (`profiling/memory_check.py`, table in BENCHMARKS.md),
-planned with the eager model on the model code of those runs: AC none 8K 57.9 GiB vs 52.45
-measured (+10%), 32K 171 GiB where the run ran out of memory (> 138 GiB allocated); full AC
-8K 24.5 vs 22.43 (+9%), 32K 38.4 vs 31.11 (+23%). We read the excess as the AC accounting's,
-not the per-layer measurement's (an inference, not measured): the model holds all gradients
-(4.9 GiB here) and the whole AttnRes stream next to the largest layer transient, while
-backward creates gradients and releases stream tensors layer by layer; at the start of
-backward, where the AC-none peak and (at 32K) the full-AC peak should fall, almost no
-gradient exists yet (without the gradients the 8K AC-none plan is 53.0 GiB). The compiled
-model (28% under eager at 8K without AC) and multi-GPU layouts are not checked against
-compiled runs yet.
+JSON object; each layout's entry names the phase of the step where each AC mode peaks
+(`peak_phase`, see "The step walk"). Memory is a model, not a measurement. Checked against the
+peak allocated memory of eager `small_1gpu` runs on one H200 (the maximum over steps 1-3;
+`profiling/memory_check.py`, table in BENCHMARKS.md), planned with the eager model: AC none
+8K 51.2 GiB vs 52.45 measured (-2%), 32K 159 GiB where the run ran out of memory (> 138 GiB
+allocated); full AC 8K 22.8 vs 22.43 (+2%), 32K 32.8 vs 31.11 (+5%). The plans are on the
+model code of this revision, the runs on an earlier MoE layer (for which the activation
+model gave up to 1 GiB more); the constants were not fitted to these runs. Before the step
+walk the planner added all gradients, the whole AttnRes stream and the largest transient at
+once: +9% (8K) and +23% (32K) over the full-AC runs. The compiled model and multi-GPU layouts
+are not checked against compiled runs yet.
 
 Layouts (torchtitan 0.2.2's `ParallelDims`): `N = dp_replicate * dp_shard * cp` GPUs (no TP,
 no PP). FSDP shards over `fsdp = dp_shard * cp`; HSDP replicas (`dp_replicate`) hold full
@@ -52,7 +51,13 @@ Parameters, per GPU (from the model built on the meta device, `named_parameters`
     experts between GPUs but, when `ep | dp_shard * cp`, not the per-GPU total.
   * parameters `P * shard`, gradients `P * shard` (FSDP reduces in fp32 and stores the
     sharded gradient in the parameter dtype), AdamW `exp_avg + exp_avg_sq = 2 * P * shard`:
-    `4 P` per sharded parameter (16 B with fp32 training, 8 B with bf16 training).
+    `4 P` per sharded parameter (16 B with fp32 training, 8 B with bf16 training) once the
+    backward is over; during it only the finished units' gradients exist (the step walk).
+  * the optimizer step's temporaries (`optimizer.implementation`, torch 2.13's Adam/AdamW):
+    fused (torchtitan's default) none, one kernel updating in place; foreach `P * shard` over
+    all parameters (the `_foreach_sqrt(exp_avg_sq)` list; the per-group split into decay and
+    no-decay groups is not credited); for-loop `2 P` times the largest parameter shard
+    (`exp_avg_sq.sqrt()` and its quotient).
   * buffers (expert bias, token counts, QB histograms) are not sharded: full size on every GPU.
   * FSDP working memory (gathered units). Units: the embedding, each decoder layer (with
     `ep > 1` its routed experts are a second unit of `E/ep` local experts gathered over
@@ -66,7 +71,9 @@ Parameters, per GPU (from the model built on the meta device, `named_parameters`
     Without FSDP (one GPU): autocast's `a`-copies of the weights (when `a != P`), counted
     with the activations because they live like them: each layer's copies are saved by its
     matmuls from its forward to its backward (all layers without AC; under full AC only the
-    layer being recomputed), the head's for the whole step.
+    layer being recomputed), the head's from the forward to the head's backward (autocast's
+    cache is dropped when the forward's autocast region exits; the head matmul's saved copy
+    goes with its backward).
 
 Activations, per GPU. Local tokens `t = local_batch * seq_len / cp`. Everything is bytes per
 local token times `t`, plus one per-layer constant (the router's fp32 weight copy) and, for
@@ -163,18 +170,45 @@ Eager activations (`measure_eager_layer`, the kept bytes per token of each layer
     chooses by op) and recomputes the rest of the measured set; the transient is the compiled
     one (2 x the largest kept entry + workspace). Not modelled: the mask construction's
     `[T, T]` bool temporaries (forward only) and the head's eager extras (its final mixer).
-AC modes (torchtitan's `apply_ac`, one checkpoint per decoder layer):
-  none:      kept = all layers' kept tensors + stream + head;
-             peak = kept + max(head transient, max over layers of the layer transient).
-  full:      kept = stream (layer inputs and source buffers) + head; peak adds, for the
-             layer in backward, its whole kept set (recomputed) plus its transient.
+AC modes (torchtitan's `apply_ac`, one checkpoint per decoder layer). Per layer, what it
+holds from its forward to its backward ("held") and what it adds while it runs backward
+("in backward"); "whole" = its kept tensors + T^2 term + per-layer constant + autocast copies:
+  none:      held = whole; in backward = its transient.
+  full:      held = nothing (its input is a stream tensor, counted with the stream);
+             in backward = whole (recomputed) + its transient.
   selective: follows the config's `activation_checkpoint.selective_ac_option`.
-             "op" (op-level SAC with torchtitan's save list): per layer, the outputs of every
-             other `aten.mm` in forward order (1st, 3rd, ...) and the SDPA outputs are kept,
-             plus the layer input; everything else, custom ops (KDA, grouped GEMM) included,
-             is recomputed; peak adds the recomputed rest of one layer plus its transient.
+             "op" (op-level SAC with torchtitan's save list): held = the outputs of every
+             other `aten.mm` in forward order (1st, 3rd, ...) and the SDPA outputs; in
+             backward = the recomputed rest of the kept tensors (custom ops, KDA and grouped
+             GEMM, included) + T^2 term + constant + copies + its transient.
              An integer k (torchtitan's default "2"): every k-th layer fully checkpointed,
              the others not at all.
+The step walk (torchtitan 0.2.2's `train_step`: `optimizers.zero_grad()`, i.e. set_to_none,
+frees the previous step's gradients before the forward; forward and loss under AMP; `del
+pred`; `loss.backward()`; `clip_grad_norm_` (foreach: one scalar norm per tensor, then in
+place); `optimizers.step()`). AdamW creates its states in the first `step()`, so steps 1-3
+peak in step 2 or 3 and every phase holds the optimizer states. Every phase holds parameters
++ optimizer states + buffers, and the FSDP working memory above (one bound for the whole
+forward and backward, not split by phase) in all phases but the optimizer step. They add:
+  loss and head backward: every layer's held bytes, the whole stream, the head's kept tensors
+    and autocast copies and the head transient (`V * 8`: the forward's fp32 logits and the
+    backward's log-softmax gradients take the same budget, one phase for both); no gradient.
+  backward layer i, i = n-1 .. 0: the gradients of the head and of layers > i; the held bytes
+    of layers <= i; the stream tensors of layers <= i (their partial sums; block mode: the
+    initial buffer and those of closed blocks up to i's; full mode: the initial buffer and
+    those pushed by layers <= i); the stream gradients `(S+1) D s` (2 D s without AttnRes);
+    layer i's "in backward" bytes. Layer i's own gradients are not counted: they are written
+    op by op during its backward, after its recompute (an approximation that leaves out at
+    most one layer's gradients).
+  backward embedding: the gradients of the head and all layers, the stream gradients.
+  optimizer step: all gradients and the optimizer's temporaries; no activations, no FSDP
+    units gathered.
+The step's peak (`total_*` in the JSON) is the largest phase; `activations_*` is the
+activations' own high-water mark over the phases, so the table's columns do not add up to the
+total. Not modelled: the forward's transients inside a layer (the held bytes of the layers
+before it plus a few ops' outputs, a fraction of one layer's kept set: below the loss phase
+without AC, below a recompute under full AC), the embedding's gradient while it is written,
+the clip's scalars.
 Fit: `total <= (1 - headroom) * gpu_mem`; the default 10% headroom stands in for what is not
 modelled (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation); it is a guess.
 """
@@ -189,6 +223,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -380,9 +415,17 @@ def gathered_numel(shapes: ShapeCount, layout: Layout, n_experts: int) -> int:
     return other * layout.fsdp + expert * (layout.efsdp if layout.ep > 1 else layout.fsdp)
 
 
+OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # torchtitan's optimizer.implementation
+
+
 @dataclass
 class ParamMemory:
-    """Per-GPU bytes of parameters, gradients, optimizer states, buffers and FSDP buffers."""
+    """Per-GPU bytes of parameters, gradients, optimizer states, buffers and FSDP buffers.
+
+    `layer_grads` (per decoder layer) and `head_grads` (`[norm, output]`) split `grads` by the
+    order backward creates them; the rest (embedding, final AttnRes mixer) comes last.
+    `optimizer_temp`: the optimizer step's temporaries (AdamW, by `optimizer.implementation`).
+    """
 
     sharded_expert_numel: int  # padded
     sharded_other_numel: int  # padded
@@ -392,23 +435,45 @@ class ParamMemory:
     buffers: float
     fsdp_gathered: float
     largest_unit: int  # gathered elements of the largest decoder-layer unit
+    layer_grads: list[float] = field(default_factory=list)
+    head_grads: float = 0.0
+    optimizer_temp: float = 0.0
 
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.buffers + self.fsdp_gathered
+    @cached_property
+    def grads_by_units(self) -> list[float]:
+        """Gradient bytes alive after `k` backward units, k = 0 .. n_layers + 2, the units in
+        backward order: head, layer n-1, ..., layer 0, the rest (embedding, final mixer)."""
+        done = [0.0, self.head_grads]
+        for g in reversed(self.layer_grads):
+            done.append(done[-1] + g)
+        done.append(self.grads)
+        assert done[-2] <= self.grads * (1 + 1e-12), "the units' gradients exceed the total"
+        return done
+
+    def at(self, phase: Phase) -> float:
+        """Bytes of parameters, optimizer states, buffers, the gradients that exist and the FSDP
+        working memory (not in the optimizer step: units are resharded) during `phase`."""
+        states = self.params + self.optimizer + self.buffers + self.grads_by_units[phase.grad_units]
+        if phase.optimizer_step:
+            return states + self.optimizer_temp
+        return states + self.fsdp_gathered
 
 
-def param_memory(inv: ParamInventory, layout: Layout, prec: Precision) -> ParamMemory:
+def param_memory(inv: ParamInventory, layout: Layout, prec: Precision, optimizer_impl: str = "fused") -> ParamMemory:
+    if optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
+        raise ValueError(f"optimizer_impl must be one of {OPTIMIZER_IMPLEMENTATIONS}, got {optimizer_impl!r}")
     expert, other = sharded_numel(inv.shapes, layout, inv.n_experts)
     sharded = expert + other
-    a, red = prec.compute, prec.reduce
-    unit_cache: dict[tuple, int] = {}
-    units = []
+    a, red, P = prec.compute, prec.reduce, prec.param
+    unit_cache: dict[tuple, tuple[int, int]] = {}
+    units, layer_grads = [], []
     for shapes in inv.layer_shapes:  # layers of one kind share a signature
         key = tuple(sorted(shapes.items()))
         if key not in unit_cache:
-            unit_cache[key] = gathered_numel(shapes, layout, inv.n_experts)
-        units.append(unit_cache[key])
+            unit_cache[key] = (gathered_numel(shapes, layout, inv.n_experts),
+                               sum(sharded_numel(shapes, layout, inv.n_experts)))
+        units.append(unit_cache[key][0])
+        layer_grads.append(float(unit_cache[key][1] * P))
     largest = max(units, default=0)
     if layout.fsdp_enabled:
         layer_peak = largest * (2 * a + a + red)
@@ -417,15 +482,27 @@ def param_memory(inv: ParamInventory, layout: Layout, prec: Precision) -> ParamM
         gathered = float(max(layer_peak, head_peak))
     else:
         gathered = 0.0  # one GPU: autocast's weight copies are counted with the activations
+    if optimizer_impl == "foreach":  # one list of temporaries over all parameters at a time
+        temp = float(sharded * P)
+    elif optimizer_impl == "for-loop":  # sqrt(exp_avg_sq) and its quotient, of one parameter
+        largest_shard = max((expert_shard_numel(shape, layout, inv.n_experts) if is_expert
+                             else fsdp_shard_numel(shape, layout.fsdp, 0)
+                             for shape, is_expert in inv.shapes), default=0)
+        temp = float(2 * largest_shard * P)
+    else:
+        temp = 0.0  # fused: one kernel updating in place
     return ParamMemory(
         sharded_expert_numel=expert,
         sharded_other_numel=other,
-        params=float(sharded * prec.param),
-        grads=float(sharded * prec.param),
-        optimizer=float(2 * sharded * prec.param),
+        params=float(sharded * P),
+        grads=float(sharded * P),
+        optimizer=float(2 * sharded * P),
         buffers=float(inv.buffer_bytes),
         fsdp_gathered=gathered,
         largest_unit=largest,
+        layer_grads=layer_grads,
+        head_grads=float(sum(sharded_numel(inv.head_shapes, layout, inv.n_experts)) * P),
+        optimizer_temp=temp,
     )
 
 
@@ -910,16 +987,39 @@ def eager_profiles(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict
     return _EAGER_CACHE[key]
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One moment of a training step and what is alive then.
+
+    activations: activation bytes per GPU (kept tensors, stream, recompute, transients,
+    autocast weight copies). grad_units: how many backward units have finished and hold
+    their gradients, in backward order (head, layer n-1, ..., layer 0, the rest: see
+    `ParamMemory.grads_by_units`). optimizer_step: the optimizer's phase (no FSDP units
+    gathered; the optimizer's temporaries instead).
+    """
+
+    name: str
+    activations: float
+    grad_units: int
+    optimizer_step: bool = False
+
+
 @dataclass
 class ActivationMemory:
-    """Per-GPU activation bytes for one AC mode: `kept` until backward, `peak` = kept plus
-    the largest transient."""
+    """Per-GPU activation bytes for one AC mode, as a walk over the step's `phases` (module
+    docstring, "The step walk"); `kept` = what the forward leaves for the backward."""
 
     ac: str
     tokens: int
     kept: float
-    peak: float
+    phases: list[Phase]
     detail: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        """The activations' high-water mark over the phases (not necessarily where the
+        step's total peaks: that adds the gradients alive in each phase)."""
+        return max(ph.activations for ph in self.phases)
 
 
 def layer_policies(ac: str, n_layers: int, sac_option: str = "op") -> list[str]:
@@ -940,16 +1040,24 @@ def layer_policies(ac: str, n_layers: int, sac_option: str = "op") -> list[str]:
     return ["full" if k == 0 or (i + 1) % k == 0 else "none" for i in range(n_layers)]
 
 
-def _stream_bytes_per_token(args: ModelArgs, s: int, policies: list[str]) -> float:
+def _stream_bytes_per_token(args: ModelArgs, s: int, policies: list[str], upto: int | None = None) -> float:
     """AttnRes stream tensors kept: per layer 2 partial sums (1 when the layer is checkpointed:
-    only its input), plus the source buffers (block: one per closed block; full: one per push)."""
+    only its input), plus the source buffers (block: one per closed block; full: one per push).
+
+    `upto`: only what layers 0..upto use, alive while layer `upto` runs backward (the partial
+    sums of layers <= upto; block mode: the buffers of the blocks up to upto's, the initial one
+    included; full mode: the initial buffer and those pushed by layers <= upto); None: all
+    (the end of the forward; block mode: all S buffers, the last one read by the final mixer).
+    """
     D, L = args.dim, args.n_layers
-    per_layer = sum(2 if p == "none" else 1 for p in policies)
+    last = L - 1 if upto is None else upto
+    per_layer = sum(2 if p == "none" else 1 for p in policies[: last + 1])
     if args.attn_res == "none":
         return per_layer * D * s
     S = max_sources(args.attn_res, L, args.attn_res_block_size)
     if args.attn_res == "block":
-        return S * S * D * s + per_layer * D * s
+        buffers = S if upto is None else min(upto // args.attn_res_block_size + 1, S)
+        return buffers * S * D * s + per_layer * D * s
     return (1 + per_layer) * S * D * s  # full mode: every sub-layer pushes a new [S, D] buffer
 
 
@@ -979,7 +1087,9 @@ def activation_memory(
     layers: list[LayerActivations] | None = None, sac_option: str = "op",
     weight_copies: tuple[list[float], float] | None = None,
 ) -> ActivationMemory:
-    """Activation bytes per GPU at `local_batch * seq_len / cp` local tokens (see module docstring).
+    """Activation bytes per GPU at `local_batch * seq_len / cp` local tokens, phase by phase over
+    one training step (module docstring, "The step walk"); each phase names the gradients alive
+    then, `ParamMemory.at` adds them with the other parameter-side bytes.
 
     `layers` (from `model_activations`) may be passed to reuse them across AC modes;
     `sac_option` is torchtitan's `selective_ac_option` ("op" or a layer frequency);
@@ -998,28 +1108,37 @@ def activation_memory(
         layers = model_activations(args, prec, layout)
 
     copies, head_copy = weight_copies or ([0.0] * len(layers), 0.0)
-    layer_kept = head_copy
-    layer_peak = 0.0
+    held, during = [], []  # per layer: bytes from its forward to its backward; extra while in backward
     for layer, policy, copy in zip(layers, policies, copies):
-        quadratic = layer.per_seq_sq * seq_sq
+        whole = layer.kept * t + layer.per_seq_sq * seq_sq + layer.constant + copy
         if policy == "none":
-            layer_kept += layer.kept * t + quadratic + layer.constant + copy
-            peak = layer.transient * t
+            held.append(whole)
+            during.append(layer.transient * t)
         elif policy == "full":
-            peak = (layer.kept + layer.transient) * t + quadratic + layer.constant + copy
-        else:
-            layer_kept += layer.sac_kept * t
-            peak = (layer.sac_recompute + layer.transient) * t + quadratic + layer.constant + copy
-        layer_peak = max(layer_peak, peak)
+            held.append(0.0)
+            during.append(whole + layer.transient * t)
+        else:  # op-level SAC: its saved set is held, the rest (and the copies) rematerialised
+            held.append(layer.sac_kept * t)
+            during.append(whole + (layer.sac_recompute - layer.kept + layer.transient) * t)
+    L = len(layers)
     S = max_sources(args.attn_res, args.n_layers, args.attn_res_block_size)
     stream_grads = ((S + 1) if args.attn_res != "none" else 2) * D * s * t
     stream = _stream_bytes_per_token(args, s, policies) * t
     head_kept = _head_kept_per_token(args, s, a) * t
     head_transient = args.vocab_size * 8 * t
-    kept = layer_kept + stream + head_kept
-    transient = max(head_transient, layer_peak) + stream_grads
-    detail = {"layers_kept": layer_kept, "stream_kept": stream, "head_kept": head_kept, "transient": transient}
-    return ActivationMemory(ac, t, kept, kept + transient, detail)
+    layers_kept = sum(held)
+    kept = layers_kept + stream + head_kept + head_copy
+    phases = [Phase("loss and head backward", kept + head_transient, grad_units=0)]
+    held_upto = list(accumulate(held))  # held bytes of layers 0..i
+    for i in reversed(range(L)):
+        stream_i = _stream_bytes_per_token(args, s, policies, upto=i) * t
+        acts = held_upto[i] + during[i] + stream_i + stream_grads
+        phases.append(Phase(f"backward layer {i}", acts, grad_units=L - i))  # head + layers > i
+    phases.append(Phase("backward embedding", stream_grads, grad_units=L + 1))
+    phases.append(Phase("optimizer step", 0.0, grad_units=L + 2, optimizer_step=True))
+    detail = {"layers_kept": layers_kept, "stream_kept": stream, "head_kept": head_kept,
+              "head_weight_copies": head_copy}
+    return ActivationMemory(ac, t, kept, phases, detail)
 
 
 # =========================================================================== evaluation
@@ -1029,8 +1148,16 @@ class LayoutPlan:
     params: ParamMemory
     activations: dict[str, ActivationMemory]
 
+    def phase_totals(self, ac: str) -> list[tuple[str, float]]:
+        """(phase, bytes per GPU) over the step's walk for one AC mode."""
+        return [(ph.name, self.params.at(ph) + ph.activations) for ph in self.activations[ac].phases]
+
+    def peak(self, ac: str) -> tuple[str, float]:
+        """The phase where the step peaks and its bytes (the first one on a tie)."""
+        return max(self.phase_totals(ac), key=lambda named: named[1])
+
     def total(self, ac: str) -> float:
-        return self.params.total + self.activations[ac].peak
+        return self.peak(ac)[1]
 
     def fits(self, ac: str, usable_bytes: float) -> bool:
         return self.total(ac) <= usable_bytes
@@ -1049,16 +1176,18 @@ class LayoutPlan:
                 "optimizer": p.optimizer / GIB,
                 "buffers": p.buffers / GIB,
                 "fsdp_gathered": p.fsdp_gathered / GIB,
+                "optimizer_temp": p.optimizer_temp / GIB,
                 **{f"activations_{ac}": self.activations[ac].peak / GIB for ac in AC_MODES},
                 **{f"total_{ac}": self.total(ac) / GIB for ac in AC_MODES},
             },
+            "peak_phase": {ac: self.peak(ac)[0] for ac in AC_MODES},
             "fits": {ac: self.fits(ac, usable_bytes) for ac in AC_MODES},
         }
 
 
 def plan_layout(
     args: ModelArgs, inv: ParamInventory, prec: Precision, layout: Layout, local_batch: int, seq_len: int,
-    sac_option: str = "op", activations: str = "compiled",
+    sac_option: str = "op", activations: str = "compiled", optimizer_impl: str = "fused",
 ) -> LayoutPlan:
     layers = model_activations(args, prec, layout, activations)
     copies = autocast_weight_copies(inv, layout, prec)
@@ -1066,25 +1195,27 @@ def plan_layout(
         ac: activation_memory(args, prec, layout, ac, local_batch, seq_len, layers, sac_option, copies)
         for ac in AC_MODES
     }
-    return LayoutPlan(layout, param_memory(inv, layout, prec), acts)
+    return LayoutPlan(layout, param_memory(inv, layout, prec, optimizer_impl), acts)
 
 
 def plan_gpus(
     args: ModelArgs, inv: ParamInventory, prec: Precision, n_gpus: int, local_batch: int, seq_len: int,
-    hsdp: bool = False, sac_option: str = "op", activations: str = "compiled",
+    hsdp: bool = False, sac_option: str = "op", activations: str = "compiled", optimizer_impl: str = "fused",
 ) -> list[LayoutPlan]:
     layouts = enumerate_layouts(n_gpus, args.n_routed_experts, seq_len, hsdp)
-    return [plan_layout(args, inv, prec, lay, local_batch, seq_len, sac_option, activations) for lay in layouts]
+    return [plan_layout(args, inv, prec, lay, local_batch, seq_len, sac_option, activations, optimizer_impl)
+            for lay in layouts]
 
 
 def min_gpus(
     args: ModelArgs, inv: ParamInventory, prec: Precision, local_batch: int, seq_len: int, usable_bytes: float,
-    sac_option: str = "op", activations: str = "compiled",
+    sac_option: str = "op", activations: str = "compiled", optimizer_impl: str = "fused",
 ) -> dict[str, int | None]:
     """Fewest GPUs (powers of two up to MAX_SEARCH_GPUS) with a fitting layout, per AC mode."""
     found: dict[str, int | None] = {ac: None for ac in AC_MODES}
     for n in _powers_of_two(MAX_SEARCH_GPUS):
-        plans = plan_gpus(args, inv, prec, n, local_batch, seq_len, sac_option=sac_option, activations=activations)
+        plans = plan_gpus(args, inv, prec, n, local_batch, seq_len, sac_option=sac_option, activations=activations,
+                          optimizer_impl=optimizer_impl)
         for ac in AC_MODES:
             if found[ac] is None and any(p.fits(ac, usable_bytes) for p in plans):
                 found[ac] = n
@@ -1235,7 +1366,12 @@ def run_plan(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"activation_checkpoint.selective_ac_option must be 'op' or an integer, got {sac_option!r}")
     compiled = config.compile.enable and "model" in config.compile.components
     activations = opts.activations or ("compiled" if compiled else "eager")
-    plans = plan_gpus(args, inv, prec, opts.gpus, local_batch, seq_len, opts.hsdp, sac_option, activations)
+    optimizer_impl = config.optimizer.implementation
+    if optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
+        raise ConfigError(f"optimizer.implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}, "
+                          f"got {optimizer_impl!r}")
+    plans = plan_gpus(args, inv, prec, opts.gpus, local_batch, seq_len, opts.hsdp, sac_option, activations,
+                      optimizer_impl)
     assert plans, "dp_shard = N, cp = ep = 1 is always a layout"
     checks = {"params_match_inspect": counts.total == inv.total and counts.routed_experts == inv.routed_experts}
     shard_ok = all(all(sharding_checks(inv, p.layout).values()) for p in plans)
@@ -1246,7 +1382,8 @@ def run_plan(argv: list[str] | None = None) -> dict:
           f"buffers {inv.buffer_bytes / GIB:.2f} GiB")
     training = config.training
     print(f"  bytes: params/grads/optimizer in {training.dtype} ({4 * prec.param} B per sharded param "
-          f"with AdamW), compute {training.mixed_precision_param}, reduce {training.mixed_precision_reduce}")
+          f"with AdamW, {optimizer_impl} step), compute {training.mixed_precision_param}, "
+          f"reduce {training.mixed_precision_reduce}")
     print(f"  tokens per GPU = local_batch {local_batch} x seq_len {seq_len} / cp;  fit: total <= "
           f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
           f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
@@ -1262,16 +1399,18 @@ def run_plan(argv: list[str] | None = None) -> dict:
     elif not compiled:
         print("  note: [compile] is off but --activations compiled: the counts assume fused layers, and eager "
               "PyTorch keeps about twice as much per layer (--activations eager measures it)")
-    print(f"\n{opts.gpus} GPUs, {len(plans)} layouts (GiB per GPU; marks: fits with AC none/selective/full):")
+    print(f"\n{opts.gpus} GPUs, {len(plans)} layouts (GiB per GPU; act: the activations' high-water mark; tot: the "
+          "step's peak over its phases, not the row's sum; marks: fits with AC none/selective/full):")
     _print_table(plans, usable, ac)
 
     fitting = sorted((p for p in plans if p.fits(ac, usable)), key=lambda p: p.total(ac))
     print(f"\nsmallest fitting layouts, ac={ac}:" if fitting else f"\nno layout fits on {opts.gpus} GPUs with ac={ac}")
     for p in fitting[: opts.top]:
         lay = p.layout
+        phase, total = p.peak(ac)
         print(f"  dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} ep={lay.ep}: "
-              f"{p.total(ac) / GIB:.1f} GiB")
-    fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option, activations)
+              f"{total / GIB:.1f} GiB (peak: {phase})")
+    fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option, activations, optimizer_impl)
     print(f"fewest GPUs (powers of two <= {MAX_SEARCH_GPUS}) with a fitting layout: "
           + ", ".join(f"{mode}={fewest[mode] if fewest[mode] is not None else 'none'}" for mode in AC_MODES))
     return {
@@ -1284,6 +1423,7 @@ def run_plan(argv: list[str] | None = None) -> dict:
         "ac": ac,
         "selective_ac_option": sac_option,
         "activations": activations,
+        "optimizer_implementation": optimizer_impl,
         **({"eager_profiles": _eager_summary(args, prec, plans)} if activations == "eager" else {}),
         "seq_len": seq_len,
         "local_batch": local_batch,
