@@ -106,3 +106,15 @@ def test_cli_errors_exit_nonzero_with_one_line(args, needle):
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("titan_moe.train: error:")]
     assert len(error_lines) == 1 and needle in error_lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_builds_on_meta(path):
+    """Each file in configs/ passes the checker, and its model builds on the meta device
+    with the matmul share of its training FLOPs that `titan_moe.inspect` reports."""
+    from titan_moe.inspect import inspect_model
+
+    summary = inspect_model(["--job.config_file", str(path)])
+    assert summary["total_params"] > summary["active_params"] > 0
+    assert 0.5 < summary["matmul_flops_share"] < 1.0

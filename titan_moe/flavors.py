@@ -29,6 +29,18 @@ FLAVORS: dict[str, ModelArgs] = {
         moe_latent_dim=512, moe_expert_hidden=768, moe_shared_hidden=1536, dense_hidden=4096,
         qb_ema=0.5,
     ),
+    # Width 4096 on one H200: a model whose step is mostly expert and linear GEMMs, for
+    # measuring float8 training speed (configs/wide_1gpu.toml).
+    "wide_1gpu": ModelArgs(
+        vocab_size=4096, dim=4096, n_layers=8, n_dense_layers=1,
+        kda_n_heads=16, kda_head_dim=128,
+        mla_n_heads=16, mla_q_lora_rank=1024, mla_kv_lora_rank=512, mla_qk_nope_head_dim=128,
+        mla_qk_shared_dim=64, mla_v_head_dim=128,
+        attn_res="block", attn_res_block_size=4,
+        n_routed_experts=16, top_k=4, n_shared_experts=1,
+        moe_latent_dim=2048, moe_expert_hidden=4096, moe_shared_hidden=4096, dense_hidden=11264,
+        qb_ema=0.5,
+    ),
     # Kimi K3 at paper scale (SPEC §7). Build it on the meta device only.
     "k3": ModelArgs(
         vocab_size=163_840, dim=7168, n_layers=93, n_dense_layers=1,

@@ -34,6 +34,12 @@ def inspect_model(argv: list[str] | None = None) -> dict:
     print(f"  {'total':<{width}}  {counts.total:>20,}")
     print(f"  {'active':<{width}}  {counts.active:>20,}")
     print(f"  {'active (no input embedding)':<{width}}  {counts.active_excluding_embedding:>20,}")
+    flops = flops_per_token(args, config.training.seq_len)
+    # Matmul FLOPs (6 x active matmul parameters) over all training FLOPs: how much of a step
+    # float8 GEMMs can speed up at most (the output head and router included here).
+    matmul_share = 6 * counts.active_excluding_embedding / flops
+    print(f"  training FLOPs per token {flops:,} at seq_len {config.training.seq_len}; "
+          f"matmul share {100 * matmul_share:.1f}%")
     return {
         "total_params": counts.total,
         "active_params": counts.active,
@@ -42,7 +48,8 @@ def inspect_model(argv: list[str] | None = None) -> dict:
         "routed_expert_params": counts.routed_experts,
         "n_kda_layers": kinds.count("kda"),
         "n_mla_layers": kinds.count("mla"),
-        "flops_per_token": flops_per_token(args, config.training.seq_len),
+        "flops_per_token": flops,
+        "matmul_flops_share": matmul_share,
         "seq_len": config.training.seq_len,
     }
 
