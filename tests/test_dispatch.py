@@ -202,8 +202,8 @@ def _opcheck_all(n, k, latent, seed, device="cpu"):
     pos, x, y, w, grad = _op_args(n, k, latent, seed, device)
     ops = torch.ops.titan_moe
     torch.library.opcheck(ops.moe_permute.default, (x, pos))
-    torch.library.opcheck(ops.moe_unpermute_combine.default, (y, pos, w, None))
-    torch.library.opcheck(ops.moe_unpermute_combine.default, (y, pos, None, torch.float32))
+    torch.library.opcheck(ops.moe_unpermute_combine.default, (y, pos, w, False))
+    torch.library.opcheck(ops.moe_unpermute_combine.default, (y, pos, None, True))
     torch.library.opcheck(ops.moe_unpermute_combine_backward.default, (grad, y.detach(), pos, w.detach()))
 
 

@@ -8,13 +8,18 @@
 Dynamic sizes: the batch ``B`` in every program, the prompt length ``T`` in the prefills
 (``2 <= T <= capacity``; packed: ``kda_conv_size + 1 <= T``) and the MLA buffer capacity
 ``L`` in the decode step. Programs are traced under ``torch.no_grad()`` from the model in
-eval mode. Our custom ops (``titan_moe::kda_chunk_fwd``, ``titan_moe::grouped_mm``) stay
+eval mode. The MoE layers' training statistics (``LatentMoE.TRAINING_STATS``) are left out, so a
+program carries no constant tensors: torch 2.11's AOTInductor crashed loading CUDA packages
+with constants (pytorch issue 172739), and inference never reads them.
+Our custom ops (``titan_moe::kda_chunk_fwd``, ``titan_moe::grouped_mm``) stay
 single nodes of the graphs; a process that loads a program must have them registered
 (`load_program` imports ``titan_moe.ops``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +29,7 @@ import titan_moe.ops  # noqa: F401  (registers the custom ops that the programs 
 from titan_moe.export.state import BATCH, CAPACITY, empty_state, state_specs
 from titan_moe.export.wrappers import DecodeStep, PackedPrefill, Prefill
 from titan_moe.model.decoder import Decoder
+from titan_moe.model.moe import LatentMoE
 
 PROGRAMS = ("prefill", "prefill_packed", "decode_step")
 _MAX_BATCH = 1 << 16
@@ -80,6 +86,27 @@ def export_programs(
     if example_batch < 2:
         raise ValueError(f"example_batch must be >= 2, got {example_batch}")
     model.eval()
+    with _without_training_stats(model):
+        return _export_all(model, capacity, which, example_batch)
+
+
+@contextlib.contextmanager
+def _without_training_stats(model: Decoder) -> Iterator[None]:
+    """Detach the MoE layers' training-statistics buffers for the duration (put back after)."""
+    removed = []
+    for module in model.modules():
+        if isinstance(module, LatentMoE):
+            for name in LatentMoE.TRAINING_STATS:
+                if name in module._buffers:
+                    removed.append((module, name, module._buffers.pop(name)))
+    try:
+        yield
+    finally:
+        for module, name, buf in removed:
+            module.register_buffer(name, buf, persistent=False)
+
+
+def _export_all(model: Decoder, capacity: int, which, example_batch: int) -> dict[str, ExportedProgram]:
     device = model.output.weight.device
     dtype = model.output.weight.dtype
     B = Dim("batch", min=1, max=_MAX_BATCH)

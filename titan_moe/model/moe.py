@@ -305,6 +305,10 @@ class LatentMoE(nn.Module):
     ``expert_bias`` must stay fp32: cast parameters, not the whole module, to bf16.
     """
 
+    # Non-persistent buffers that only training reads or writes (the balance statistics);
+    # inference programs are exported without them (titan_moe.export.programs).
+    TRAINING_STATS = ("tokens_per_expert", "qb_counts")
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         if args.n_shared_experts < 0:
@@ -333,6 +337,7 @@ class LatentMoE(nn.Module):
         )
 
         n = args.n_routed_experts
+        # Buffers of the balancing statistics (non-persistent, training only): see TRAINING_STATS.
         self.register_buffer("expert_bias", torch.zeros(n, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(n, dtype=torch.int64), persistent=False)
         if self._uses_histogram:

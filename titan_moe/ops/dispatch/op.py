@@ -15,9 +15,10 @@ Ops (each opaque to ``torch.compile``, in the forward and in the backward graph)
 * ``titan_moe::moe_permute(x [N,L], pos [N,k]) -> [N*k, L]``: ``out[pos[n,j]] = x[n]``.
   Backward: ``moe_unpermute_combine(grad, pos, None)`` (each token gets the sum of its
   k copies' gradients).
-* ``titan_moe::moe_unpermute_combine(y [N*k,L], pos [N,k], w [N,k]?, out_dtype?) -> [N, L]``:
+* ``titan_moe::moe_unpermute_combine(y [N*k,L], pos [N,k], w [N,k]?, fp32_out) -> [N, L]``:
   ``out[n] = sum_j w[n,j] y[pos[n,j]]`` (no ``w``: plain sum), fp32 accumulation, output
-  in ``out_dtype`` (default y's dtype). Backward: ``moe_permute(grad)`` without ``w``, else
+  in fp32 with ``fp32_out``, else in y's dtype. (A flag, not a dtype argument: torch 2.11's
+  AOTInductor decodes a ``ScalarType`` op argument wrongly, float32 arriving as float64.) Backward: ``moe_permute(grad)`` without ``w``, else
 * ``titan_moe::moe_unpermute_combine_backward(grad [N,L], y, pos, w) -> (dy [N*k,L], dw [N,k])``:
   ``dy[pos[n,j]] = w[n,j] grad[n]``, ``dw[n,j] = <grad[n], y[pos[n,j]]>``, in one pass
   (``dw`` is computed whenever ``w`` is given, also if only ``y`` needs a gradient).
@@ -117,7 +118,7 @@ def _permute_backward(ctx, grad_ML: Tensor):
     if not ctx.needs_input_grad[0]:
         return None, None
     (pos_Nk,) = ctx.saved_tensors
-    return _combine_op(grad_ML.contiguous(), pos_Nk, None, None), None
+    return _combine_op(grad_ML.contiguous(), pos_Nk, None, False), None
 
 
 _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup_context)
@@ -125,7 +126,8 @@ _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup_co
 
 # --------------------------------------------------------------------------- unpermute + combine
 @torch.library.custom_op("titan_moe::moe_unpermute_combine", mutates_args=())
-def _combine_op(y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
+def _combine_op(y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor | None, fp32_out: bool) -> Tensor:
+    out_dtype = torch.float32 if fp32_out else None
     with nvtx_range("op.moe_unpermute_combine"):
         if resolve_backend() == "triton":
             return _kernels().gather_sum_triton(y_ML, pos_Nk, weights_Nk, out_dtype)
@@ -133,11 +135,11 @@ def _combine_op(y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor | None, out_dty
 
 
 @_combine_op.register_fake
-def _(y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
+def _(y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor | None, fp32_out: bool) -> Tensor:
     _check_rows("moe_unpermute_combine", y_ML)
     _check_pos("moe_unpermute_combine", pos_Nk, y_ML.shape[0])
     _check_weights("moe_unpermute_combine", weights_Nk, pos_Nk)
-    return y_ML.new_empty(pos_Nk.shape[0], y_ML.shape[1], dtype=out_dtype or y_ML.dtype)
+    return y_ML.new_empty(pos_Nk.shape[0], y_ML.shape[1], dtype=torch.float32 if fp32_out else y_ML.dtype)
 
 
 @torch.library.custom_op("titan_moe::moe_unpermute_combine_backward", mutates_args=())
@@ -214,7 +216,7 @@ def unpermute_combine(
         order_M: [M] sorted row -> flat copy ``n*k + j`` (as for :func:`permute`).
         weights_Nk: [N, k] float (fp32 in the model); differentiable
             (``dw[n, j] = <dout[n], y_sorted[pos(n, j)]>``).
-        out_dtype: output dtype, default ``y_sorted_ML.dtype``.
+        out_dtype: output dtype: None or ``y_sorted_ML.dtype`` (the default), or float32.
 
     Returns:
         [N, L]: fp32 products and sum over the k copies, rounded once to ``out_dtype``.
@@ -226,6 +228,7 @@ def unpermute_combine(
     _check_order("unpermute_combine", order_M, n_tokens, k)
     if y_sorted_ML.shape[0] != order_M.shape[0]:
         raise ValueError(f"unpermute_combine: y has {y_sorted_ML.shape[0]} rows, order {order_M.shape[0]}")
-    if out_dtype is not None and out_dtype not in _DTYPES:
-        raise ValueError(f"unpermute_combine: out_dtype must be one of {_DTYPES}, got {out_dtype}")
-    return _combine_op(y_sorted_ML, sorted_positions(order_M, k), weights_Nk, out_dtype)
+    if out_dtype not in (None, y_sorted_ML.dtype, torch.float32):
+        raise ValueError(f"unpermute_combine: out_dtype must be y's dtype ({y_sorted_ML.dtype}) or float32, got {out_dtype}")
+    fp32_out = out_dtype == torch.float32 and y_sorted_ML.dtype != torch.float32
+    return _combine_op(y_sorted_ML, sorted_positions(order_M, k), weights_Nk, fp32_out)
