@@ -305,3 +305,18 @@ def test_compiled_layers_no_graph_break_no_recompile(mode, block_size):
     assert cnt.frame_count == 1
     assert not counters["graph_break"]
     assert rel_err(out_c, out_e) < 1e-6 and rel_err(grad_c, grad_e) < 1e-6
+
+
+def test_stream_is_a_pytree_of_its_tensors():
+    """FSDP2 hooks the tensors it finds in a unit's outputs; a decoder layer returns a stream,
+    so the stream must flatten to its four tensors (and back, keeping mode and block size)."""
+    import torch.utils._pytree as pytree
+
+    from titan_moe.model.attn_res import ResidualStream
+
+    stream = ResidualStream.start(torch.randn(2, 3, 8), "block", n_layers=4, block_size=2)
+    leaves, spec = pytree.tree_flatten(stream)
+    assert len(leaves) == 4 and all(isinstance(t, torch.Tensor) for t in leaves)
+    assert leaves[0] is stream.sources_SBTD and leaves[2] is stream.partial_BTD
+    back = pytree.tree_unflatten(leaves, spec)
+    assert isinstance(back, ResidualStream) and (back.mode, back.block_size) == ("block", 2)

@@ -182,6 +182,26 @@ class ResidualStream:
         return self.close_block() if self.closes_block_after(layer_idx) else self
 
 
+def _flatten_stream(stream: ResidualStream):
+    tensors = (stream.sources_SBTD, stream.n_sources, stream.partial_BTD, stream.partial_used)
+    return tensors, (stream.mode, stream.block_size)
+
+
+def _unflatten_stream(tensors, context) -> ResidualStream:
+    return ResidualStream(*tensors, *context)
+
+
+# A pytree node, so that code walking a layer's inputs and outputs finds the stream's tensors:
+# FSDP2 registers its pre-backward (re-gather) hooks on the tensors of each unit's outputs.
+# Without this, torch 2.11's FSDP2 saw no tensor in a decoder layer's output, freed the layer's
+# gathered weights after the forward and never gathered them again before its backward
+# ("setStorage ... out of bounds for storage of size 0").
+torch.utils._pytree.register_pytree_node(
+    ResidualStream, _flatten_stream, _unflatten_stream,
+    serialized_type_name="titan_moe.model.attn_res.ResidualStream",
+)
+
+
 class AttnResMixer(nn.Module):
     """One AttnRes aggregation: ``h = sum_i softmax_i(w^T RMSNorm(v_i)) v_i`` over the stream's sources.
 
