@@ -312,8 +312,6 @@ def test_stream_is_a_pytree_of_its_tensors():
     so the stream must flatten to its four tensors (and back, keeping mode and block size)."""
     import torch.utils._pytree as pytree
 
-    from titan_moe.model.attn_res import ResidualStream
-
     stream = ResidualStream.start(torch.randn(2, 3, 8), "block", n_layers=4, block_size=2)
     leaves, spec = pytree.tree_flatten(stream)
     assert len(leaves) == 4 and all(isinstance(t, torch.Tensor) for t in leaves)
