@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny import CONFIG, REPO, TINY_CLI, free_port, records
+from tiny import CONFIG, REPO, TINY_CLI, records
 from tiny import run_train as _run_train
 
 TINY = TINY_CLI

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,18 +36,13 @@ TINY_CLI = [
 ]
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def train_command(dump: Path, *args: str, nproc: int = 1) -> list[str]:
     """The command line of a tiny training run writing to `dump` (torchrun when nproc > 1)."""
     launcher = [sys.executable, "-m", "titan_moe.train"]
     if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "titan_moe.train"]
+        # --standalone: torchrun binds its own free port (no pick-then-bind race between runs)
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                    "-m", "titan_moe.train"]
     return [*launcher, "--job.config_file", CONFIG, *TINY_CLI, "--job.dump_folder", str(dump), *args]
 
 
