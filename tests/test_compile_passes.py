@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import rel_err
-from triton_mode import interpret_without_gpu, interpreter_ready, rerun_under_interpreter, skip_unless_kernels_run  # noqa: E402
+from triton_mode import interpret_without_gpu, kernel_test_setup, rerun_under_interpreter  # noqa: E402
 
 CUDA = interpret_without_gpu()
 
@@ -47,9 +47,7 @@ from titan_moe.ops.router import router_topk, router_topk_torch  # noqa: E402
 from titan_moe.ops.router import op as router_op  # noqa: E402
 from titan_moe.ops.router import triton_kernel as tk  # noqa: E402
 
-KERNELS_RUN_HERE = CUDA or (tk.interpreted() and interpreter_ready())
-DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = skip_unless_kernels_run(KERNELS_RUN_HERE, "test_triton_in_fresh_interpreter_process")
+KERNELS_RUN_HERE, DEVICE, needs_kernels = kernel_test_setup(CUDA, tk.interpreted(), "test_triton_in_fresh_interpreter_process")
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-6
 INDUCTOR_TOL = 1e-5

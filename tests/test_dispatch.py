@@ -31,9 +31,8 @@ import textwrap
 import pytest
 from triton_mode import (  # noqa: E402
     interpret_without_gpu,
-    interpreter_ready,
+    kernel_test_setup,
     rerun_under_interpreter,
-    skip_unless_kernels_run,
     spy_on,
 )
 import torch
@@ -47,9 +46,7 @@ from titan_moe.ops.dispatch import op as dispatch_op  # noqa: E402
 from titan_moe.ops.dispatch import permute, sorted_positions, unpermute_combine  # noqa: E402
 from titan_moe.ops.dispatch import triton_kernel as tk  # noqa: E402
 
-KERNELS_RUN_HERE = CUDA or (tk.interpreted() and interpreter_ready())
-DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = skip_unless_kernels_run(KERNELS_RUN_HERE, "test_in_fresh_interpreter_process")
+KERNELS_RUN_HERE, DEVICE, needs_kernels = kernel_test_setup(CUDA, tk.interpreted(), "test_in_fresh_interpreter_process")
 FP32_TOL = 1e-6
 
 # (N tokens, k, L, experts)

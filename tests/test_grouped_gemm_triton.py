@@ -30,9 +30,8 @@ import textwrap
 import pytest
 from triton_mode import (  # noqa: E402
     interpret_without_gpu,
-    interpreter_ready,
+    kernel_test_setup,
     rerun_under_interpreter,
-    skip_unless_kernels_run,
     spy_on,
 )
 import torch
@@ -44,9 +43,7 @@ from titan_moe.ops.grouped_gemm import grouped_mm, grouped_mm_dw_reference, grou
 from titan_moe.ops.grouped_gemm import op as gg_op  # noqa: E402
 from titan_moe.ops.grouped_gemm import triton_kernel as tk  # noqa: E402
 
-KERNELS_RUN_HERE = CUDA or (tk.interpreted() and interpreter_ready())
-DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = skip_unless_kernels_run(KERNELS_RUN_HERE, "test_in_fresh_interpreter_process")
+KERNELS_RUN_HERE, DEVICE, needs_kernels = kernel_test_setup(CUDA, tk.interpreted(), "test_in_fresh_interpreter_process")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 

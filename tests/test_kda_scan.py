@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from triton_mode import interpret_without_gpu, interpreter_ready, rerun_under_interpreter, skip_unless_kernels_run  # noqa: E402
+from triton_mode import interpret_without_gpu, kernel_test_setup, rerun_under_interpreter  # noqa: E402
 import torch
 import torch.nn.functional as F
 from numerics import rel_err
@@ -48,9 +48,7 @@ from titan_moe.ops.kda.triton_scan import (  # noqa: E402
     state_scan_parallel,
 )
 
-KERNELS_RUN_HERE = CUDA or (triton_fwd._interpreted() and interpreter_ready())
-DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = skip_unless_kernels_run(KERNELS_RUN_HERE, "test_in_fresh_interpreter_process")
+KERNELS_RUN_HERE, DEVICE, needs_kernels = kernel_test_setup(CUDA, triton_fwd._interpreted(), "test_in_fresh_interpreter_process")
 
 F64_TOL = 1e-10
 SCAN_TOL = 2e-5

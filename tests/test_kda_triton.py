@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import rel_err
-from triton_mode import interpret_without_gpu, interpreter_ready, rerun_under_interpreter, skip_unless_kernels_run
+from triton_mode import interpret_without_gpu, kernel_test_setup, rerun_under_interpreter
 
 CUDA = interpret_without_gpu()
 
@@ -52,9 +52,7 @@ except ImportError:  # fla-core is a dev dependency: the independent oracle
 needs_fla = pytest.mark.skipif(fla_naive is None, reason="fla-core (the independent oracle) is not installed")
 
 
-KERNELS_RUN_HERE = CUDA or (triton_fwd._interpreted() and interpreter_ready())
-DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = skip_unless_kernels_run(KERNELS_RUN_HERE, "test_in_fresh_interpreter_process")
+KERNELS_RUN_HERE, DEVICE, needs_kernels = kernel_test_setup(CUDA, triton_fwd._interpreted(), "test_in_fresh_interpreter_process")
 
 FP32_TOL = 1e-4
 FP32_DG_TOL = 2e-3

@@ -77,3 +77,11 @@ def spy_on(monkeypatch, module, names) -> list[str]:
     for name in names:
         monkeypatch.setattr(module, name, spy(getattr(module, name)))
     return calls
+
+
+def kernel_test_setup(cuda: bool, kernels_interpreted: bool, rerun_test: str):
+    """`(KERNELS_RUN_HERE, DEVICE, needs_kernels)` of a Triton test file: whether its kernels
+    run in this process (on CUDA, or interpreted with an interpreted Triton), the device of
+    its tensors, and the skip marker naming the file's fresh-process re-run test."""
+    run_here = cuda or (kernels_interpreted and interpreter_ready())
+    return run_here, "cuda" if cuda else "cpu", skip_unless_kernels_run(run_here, rerun_test)
