@@ -15,7 +15,13 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
   error columns first);
 * ``native``: ``grouped_mm(..., backend="native")``, our op around ``torch._grouped_mm``
   (adds the zeroing of unowned rows / empty groups);
-* ``torch``:  raw ``torch._grouped_mm`` with its own autograd (what torchtitan calls).
+* ``torch``:  raw ``torch._grouped_mm`` with its own autograd (what torchtitan calls);
+* ``fp8`` (compute capability >= 8.9, bf16 only): :func:`titan_moe.float8.experts.fp8_grouped_mm`,
+  the path of the ``titan_float8_experts`` converter: dynamic rowwise e4m3 quantization of
+  x and w included, torchao's ``torch._scaled_grouped_mm`` GEMMs, forward and backward,
+  plus its 16-row group padding and the per-call weight re-layout; ``fp8_compiled``: the same
+  function under ``torch.compile`` (Inductor fuses the quantization passes, as in training
+  with ``[compile] enable``).
 
 Shapes: E=64, M=65536 (8192 tokens x top-8), K=2048, N=1408, group sizes balanced and
 Zipf(1.1) (sizes proportional to 1/rank^1.1, shuffled, rounded to multiples of 16); and the
@@ -172,7 +178,14 @@ def tma_available(device: str) -> bool:
     return device == "cuda" and torch.cuda.get_device_capability()[0] == 9
 
 
-def gemm_providers(with_tma: bool) -> dict:
+def fp8_available(device: str, dtype) -> bool:
+    """Whether to add the "fp8" rows: torch._scaled_grouped_mm needs sm89+ and bf16 inputs here."""
+    import torch
+
+    return device == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
     """name -> (fn(x, w, offs), environment it runs under)."""
     import torch
 
@@ -187,6 +200,11 @@ def gemm_providers(with_tma: bool) -> dict:
         providers["triton_tma"] = (ours("triton"), {TMA_ENV: "1"})
     providers["native"] = (ours("native"), {})
     providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
+    if with_fp8:
+        from titan_moe.float8.experts import fp8_grouped_mm
+
+        providers["fp8"] = (fp8_grouped_mm, {})
+        providers["fp8_compiled"] = (torch.compile(fp8_grouped_mm, fullgraph=True), {})
     return providers
 
 
@@ -204,7 +222,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
     row = dict(case=case["case"], E=E, M=M, K=K, N=N, dist=case["dist"], group_min=min(sizes),
                group_max=max(sizes), flops_fwd=flops, flops_fwd_bwd=3 * flops, ms={}, tflops={}, rel_err={})
     results = {}
-    for name, (fn, env) in gemm_providers(tma_available(device)).items():
+    for name, (fn, env) in gemm_providers(tma_available(device), fp8_available(device, dtype)).items():
         with env_vars(env):
             with torch.no_grad():
                 row["ms"][f"{name}_fwd"] = measure(lambda fn=fn: fn(x, w, offs), timed)
@@ -222,7 +240,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
         del out
     for key in list(row["ms"]):
         row["tflops"][key] = tflops(row["flops_fwd_bwd"] if key.endswith("fwd_bwd") else flops, row["ms"][key])
-    for name in ("triton", "triton_tma"):
+    for name in ("triton", "triton_tma", "fp8", "fp8_compiled"):
         if name in results:
             for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
                 row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
@@ -491,6 +509,8 @@ def print_gemm_table(rows: list[dict]) -> None:
         errs = "/".join(f"{r['rel_err'][f'triton_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
         if "triton_tma_vs_torch_out" in r["rel_err"]:
             errs += "  tma " + "/".join(f"{r['rel_err'][f'triton_tma_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
+        if "fp8_vs_torch_out" in r["rel_err"]:
+            errs += "  fp8 " + "/".join(f"{r['rel_err'][f'fp8_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
         print(line + f"{errs:>28}")
         if "tile_sweep_fwd_ms" in r:
             print("    tile sweep (fwd ms): " + ", ".join(f"{k} {v if isinstance(v, str) else f'{v:.3f}'}"

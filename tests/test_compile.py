@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import torch
 from torch._dynamo.utils import counters
@@ -27,15 +28,28 @@ def _batch(step: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]
     return tokens, doc_ids
 
 
-def test_layers_compile_fullgraph_without_breaks_or_unbounded_recompiles():
+def _eager_and_compiled(args, wrap=lambda layer: layer) -> tuple[Decoder, Decoder]:
+    """A seeded decoder and a copy whose layers are `wrap`ped, then compiled (aot_eager);
+    Dynamo's caches and counters are reset."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    eager = Decoder(ARGS)
+    eager = Decoder(args)
     eager.init_weights()
     compiled = copy.deepcopy(eager)
     for name, layer in compiled.layers.named_children():
-        compiled.layers.register_module(name, torch.compile(layer, backend="aot_eager", fullgraph=True))
+        compiled.layers.register_module(name, torch.compile(wrap(layer), backend="aot_eager", fullgraph=True))
+    return eager, compiled
+
+
+def _assert_same_grads(compiled: Decoder, eager: Decoder) -> None:
+    for (name, p_c), (_, p_e) in zip(compiled.named_parameters(), eager.named_parameters(), strict=True):
+        assert p_c.grad is not None and p_e.grad is not None, name
+        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_layers_compile_fullgraph_without_breaks_or_unbounded_recompiles():
+    eager, compiled = _eager_and_compiled(ARGS)
     gen = torch.Generator().manual_seed(0)
     graphs_after_step = []
     for step in range(4):
@@ -53,6 +67,33 @@ def test_layers_compile_fullgraph_without_breaks_or_unbounded_recompiles():
     # documents (cu_seqlens length) first changes; none after that.
     assert graphs_after_step[0] == len(kinds)
     assert graphs_after_step[-1] == graphs_after_step[1] <= 2 * len(kinds)
-    for (name, p_c), (_, p_e) in zip(compiled.named_parameters(), eager.named_parameters()):
-        assert p_c.grad is not None and p_e.grad is not None, name
-        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_grads(compiled, eager)
+
+
+def test_checkpointed_layers_compile_with_histogram_qb():
+    """Compile over activation checkpointing (torchtitan wraps each layer, then compiles the
+    wrapper): the MoE's balance statistics are buffer updates inside the checkpointed region,
+    counted once per forward, as in eager without checkpointing. On torch 2.11 this also
+    guards the layer's tensor-tuple boundary (`DecoderLayer.forward`): a `ResidualStream`
+    returned from the checkpointed region made Dynamo emit a broken graph."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    eager, compiled = _eager_and_compiled(
+        dataclasses.replace(ARGS, qb_bins=16), lambda layer: checkpoint_wrapper(layer, preserve_rng_state=False)
+    )
+    tokens, doc_ids = _batch(0, torch.Generator().manual_seed(1))
+    out_c, out_e = compiled(tokens, doc_ids), eager(tokens, doc_ids)
+    out_c.logsumexp(-1).mean().backward()
+    out_e.logsumexp(-1).mean().backward()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert ((out_c - out_e).norm() / out_e.norm()).item() < 1e-5
+    unwrapped = re.compile(r"(_orig_mod|_checkpoint_wrapped_module)\.")
+    stats_c = {unwrapped.sub("", n): b for n, b in compiled.named_buffers()}
+    stats_e = dict(eager.named_buffers())
+    assert stats_c.keys() == stats_e.keys()
+    for key in ("tokens_per_expert", "qb_counts"):
+        names = [n for n in stats_e if n.endswith(key)]
+        assert names, key
+        for n in names:
+            assert torch.equal(stats_c[n], stats_e[n]), n
+    _assert_same_grads(compiled, eager)

@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from titan_moe.model.attn_res import ResidualStream
-from titan_moe.model.decoder import Decoder
+from titan_moe.model.decoder import Decoder, run_layer
 from titan_moe.model.packing import cu_seqlens_from_doc_ids
 
 # One layer of each kind, in two AttnRes blocks of two layers: layers 0 and 2 open a block
@@ -98,20 +98,20 @@ def _doc_ids(docs_per_row: int, gen: torch.Generator) -> torch.Tensor:
     return doc_ids_BT
 
 
-def _stream_before(model: Decoder, layer_idx: int, tokens_BT: torch.Tensor, doc_ids_BT: torch.Tensor):
+def _stream_before(model: Decoder, layer_idx: int, tokens_BT: torch.Tensor, doc_ids_BT: torch.Tensor, device: str):
     """The residual stream that `Decoder.forward` passes to layer `layer_idx`, as fresh
-    grad-requiring leaves (computed with the eager layers before it)."""
+    grad-requiring leaves on `device` (computed on the CPU with the eager layers before it)."""
     cu_seqlens = cu_seqlens_from_doc_ids(doc_ids_BT)
     with torch.no_grad():
         stream = ResidualStream.start(
             model.tok_embeddings(tokens_BT), ARGS.attn_res, ARGS.n_layers, ARGS.attn_res_block_size
         )
         for i in range(layer_idx):
-            stream = model.layers[str(i)](stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens).end_layer(i)
+            stream = run_layer(model.layers[str(i)], stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens).end_layer(i)
     return dataclasses.replace(
         stream,
-        sources_SBTD=stream.sources_SBTD.detach().requires_grad_(),
-        partial_BTD=stream.partial_BTD.detach().requires_grad_(),
+        sources_SBTD=stream.sources_SBTD.detach().to(device).requires_grad_(),
+        partial_BTD=stream.partial_BTD.detach().to(device).requires_grad_(),
     )
 
 
@@ -121,18 +121,23 @@ def _train_step(layer, stream: ResidualStream, doc_ids_BT: torch.Tensor, probe_B
     inputs; parameter gradients are left in `.grad`."""
     for p in layer.parameters():
         p.grad = None
-    out = layer(stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens_from_doc_ids(doc_ids_BT))
+    out = run_layer(layer, stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens_from_doc_ids(doc_ids_BT))
     (out.partial_BTD * probe_BTD).sum().backward()
     return out.partial_BTD.detach(), stream.sources_SBTD.grad, stream.partial_BTD.grad
 
 
-def _check_step_matches_eager(compiled, eager, model: Decoder, layer_idx: int, docs_per_row: int, seed: int):
+def _check_step_matches_eager(
+    compiled, eager, model: Decoder, layer_idx: int, docs_per_row: int, seed: int, device: str = "cpu"
+):
     gen = torch.Generator().manual_seed(seed)
     tokens_BT = torch.randint(0, ARGS.vocab_size, (B, T), generator=gen)
     doc_ids_BT = _doc_ids(docs_per_row, gen)
-    probe_BTD = torch.randn(B, T, ARGS.dim, generator=gen)
-    got = _train_step(compiled, _stream_before(model, layer_idx, tokens_BT, doc_ids_BT), doc_ids_BT, probe_BTD)
-    want = _train_step(eager, _stream_before(model, layer_idx, tokens_BT, doc_ids_BT), doc_ids_BT, probe_BTD)
+    probe_BTD = torch.randn(B, T, ARGS.dim, generator=gen).to(device)
+    stream_c = _stream_before(model, layer_idx, tokens_BT, doc_ids_BT, device)
+    stream_e = _stream_before(model, layer_idx, tokens_BT, doc_ids_BT, device)
+    doc_ids_BT = doc_ids_BT.to(device)
+    got = _train_step(compiled, stream_c, doc_ids_BT, probe_BTD)
+    want = _train_step(eager, stream_e, doc_ids_BT, probe_BTD)
     # The same maths in fp32, and our custom ops run the very same code in both; but
     # Inductor decomposes SDPA, the norms and the softmaxes into its own fused loops, which
     # sum in other orders, and adds the backward's partial gradients in another order.
@@ -147,17 +152,30 @@ def _check_step_matches_eager(compiled, eager, model: Decoder, layer_idx: int, d
         assert rel_err(p_c.grad, p_e.grad) < 1e-4, (name, rel_err(p_c.grad, p_e.grad))
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layer_idx", list(KINDS), ids=[f"{a}-{'moe' if m else 'dense'}" for a, m in KINDS.values()])
-def test_layer_kind_compiles_with_inductor(inductor_settings, model, layer_idx):
+def test_layer_kind_compiles_with_inductor(inductor_settings, model, layer_idx, device):
+    """fp32 on both devices (CUDA: Triton kernels from Inductor, TF32 off as by default)."""
     kind, is_moe = KINDS[layer_idx]
     layer = model.layers[str(layer_idx)]
     assert (layer.kind, layer.is_moe) == (kind, is_moe)
-    eager = copy.deepcopy(layer)
-    compiled = torch.compile(copy.deepcopy(layer), backend="inductor", fullgraph=True)
+    eager = copy.deepcopy(layer).to(device)
+    compiled = torch.compile(copy.deepcopy(layer).to(device), backend="inductor", fullgraph=True)
 
     counters.clear()
     # run_and_get_code resets Dynamo, then returns the code of every graph Inductor generates.
-    _, codes = run_and_get_code(_check_step_matches_eager, compiled, eager, model, layer_idx, 2, seed=layer_idx)
+    _, codes = run_and_get_code(
+        _check_step_matches_eager, compiled, eager, model, layer_idx, 2, seed=layer_idx, device=device
+    )
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
     assert len(codes) == 2, "expected one forward and one backward graph"
@@ -167,10 +185,10 @@ def test_layer_kind_compiles_with_inductor(inductor_settings, model, layer_idx):
 
     # Another number of documents: at most one recompile (to a graph with a dynamic
     # `cu_seqlens` length); a third count reuses that graph, so it must be dynamic.
-    _check_step_matches_eager(compiled, eager, model, layer_idx, 3, seed=10 + layer_idx)
+    _check_step_matches_eager(compiled, eager, model, layer_idx, 3, seed=10 + layer_idx, device=device)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs <= 2
-    _check_step_matches_eager(compiled, eager, model, layer_idx, 5, seed=20 + layer_idx)
+    _check_step_matches_eager(compiled, eager, model, layer_idx, 5, seed=20 + layer_idx, device=device)
     assert counters["stats"]["unique_graphs"] == graphs
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 

@@ -118,3 +118,29 @@ def test_every_shipped_config_loads_and_builds_on_meta(path):
     summary = inspect_model(["--job.config_file", str(path)])
     assert summary["total_params"] > summary["active_params"] > 0
     assert 0.5 < summary["matmul_flops_share"] < 1.0
+
+
+def test_exact_qb_with_compile_and_checkpointing_is_refused(tmp_path):
+    """Exact QB stores scores as a module attribute, which a compiled checkpointed layer
+    cannot set; the histogram mode compiles (tests/test_compile.py)."""
+    path = _write(tmp_path, '[model]\nname = "titan_moe"\nflavor = "debug"\n')
+    compiled_ac = ["--compile.enable", "--activation_checkpoint.mode", "full"]
+    with pytest.raises(ConfigError, match=r"qb_bins = 0 .*activation checkpointing"):
+        load_config(["--job.config_file", path, *compiled_ac])
+    assert load_config(["--job.config_file", path, *compiled_ac, "--model.qb_bins", "100"]).model.qb_bins == 100
+    assert load_config(["--job.config_file", path, "--compile.enable", "--activation_checkpoint.mode", "none"])
+
+
+def test_local_batch_fits_the_global_batch_over_data_parallel_ranks(tmp_path, monkeypatch):
+    from titan_moe.train import _fit_local_batch_to_global
+
+    path = _write(tmp_path, '[model]\nname = "titan_moe"\nflavor = "debug"\n[training]\nlocal_batch_size = 4\n'
+                            'global_batch_size = 4\n[validation]\nlocal_batch_size = 2\n')
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = load_config(["--job.config_file", path])
+    _fit_local_batch_to_global(config)
+    assert (config.training.local_batch_size, config.validation.local_batch_size) == (2, 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = load_config(["--job.config_file", path])
+    with pytest.raises(ConfigError, match=r"validation.local_batch_size .* = 2 is not divisible by the 4"):
+        _fit_local_batch_to_global(config)

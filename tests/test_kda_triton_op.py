@@ -21,7 +21,7 @@ CHECK = textwrap.dedent(
     from titan_moe.ops.kda import op
     from titan_moe.ops.kda.triton_op import kda_chunk_bwd_triton, kda_chunk_fwd_triton, selected_backend
 
-    assert selected_backend() == "torch"  # the default
+    assert selected_backend() == "triton"  # the default (registered for CUDA tensors only)
     torch.manual_seed(0)
     B, T, H, D = 1, 40, 2, 16
     q = torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1)

@@ -348,7 +348,7 @@ def test_mm_entries_match_the_matmuls_the_model_runs():
                                       args.attn_res_block_size)
         recorder = _MMRecorder(B * T)
         with recorder:
-            model.layers[str(i)](stream)
+            model.layers[str(i)](stream.tensors())
         planned = layer_activations(args, i, BF16, Layout(1, 2, 1, 1))
         kinds.add(planned.kind)
         assert recorder.out == [e.bytes for e in planned.entries if e.mm], planned.kind

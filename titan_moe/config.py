@@ -351,11 +351,24 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     except (AssertionError, ValueError, TypeError) as e:
         raise ConfigError(f"{path or 'command line'}: {e}") from None
     try:
-        model_args_from_config(config)
+        _check_compile_with_ac(model_args_from_config(config), config)
         _check_compile_passes(config.compile.passes)
     except ValueError as e:
         raise ConfigError(f"{path or 'command line'}: {e}") from None
     return config
+
+
+def _check_compile_with_ac(args: ModelArgs, config: Any) -> None:
+    """Exact QB (`qb_bins = 0`) keeps each microbatch's router scores as a plain module
+    attribute; Dynamo cannot set one inside a compiled, checkpointed layer ("HOP: Unsafe side
+    effect"). The histogram mode only adds into buffers, which compiles under checkpointing."""
+    compiled = config.compile.enable and "model" in config.compile.components
+    exact_qb = args.balance_rule == "qb" and args.qb_bins == 0 and args.top_k < args.n_routed_experts
+    if compiled and config.activation_checkpoint.mode != "none" and exact_qb:
+        raise ValueError(
+            "model.qb_bins = 0 (exact QB) cannot be compiled with activation checkpointing; "
+            "set model.qb_bins > 0 (SPEC: 1000), activation_checkpoint.mode = 'none' or compile.enable = false"
+        )
 
 
 def _check_compile_passes(passes: list[str]) -> None:

@@ -889,7 +889,7 @@ def eager_saved_bytes(
         with warnings.catch_warnings(), GpuKernelSaves(), amp:
             warnings.simplefilter("ignore")  # rms_norm's "cannot dispatch to fused" dtype notes
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = layer(stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens)
+                out = layer(stream.tensors(), doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens)
     finally:
         for hook in hooks:
             hook.remove()

@@ -74,11 +74,14 @@ def _fit_local_batch_to_global(config) -> None:
     dp = max(1, int(os.environ.get("WORLD_SIZE", "1")) // non_dp)
     if dp == 1:
         return
-    for section, global_batch in ((config.training, config.training.global_batch_size),
-                                  (config.validation, config.validation.local_batch_size)):
+    for key, section, global_batch in (
+        ("training.global_batch_size", config.training, config.training.global_batch_size),
+        ("validation.local_batch_size (the eval batch over all ranks)", config.validation,
+         config.validation.local_batch_size),
+    ):
         if global_batch > 0 and section.local_batch_size * dp > global_batch:
             if global_batch % dp:
-                raise ConfigError(f"batch size {global_batch} is not divisible by the {dp} data-parallel ranks")
+                raise ConfigError(f"{key} = {global_batch} is not divisible by the {dp} data-parallel ranks")
             section.local_batch_size = global_batch // dp
 
 

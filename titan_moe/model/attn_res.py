@@ -60,6 +60,9 @@ from titan_moe.ops.nvtx import nvtx_wrap
 
 _MODES = ("block", "full", "none")
 
+# (sources_SBTD, n_sources, partial_BTD, partial_used): see ResidualStream.
+StreamTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def max_sources(mode: str, n_layers: int, block_size: int) -> int:
     """Slots of the stacked source buffer: b_0 plus every source that can be pushed.
@@ -129,6 +132,14 @@ class ResidualStream:
             mode=mode,
             block_size=block_size,
         )
+
+    def tensors(self) -> StreamTensors:
+        """The four tensors, the form in which a `DecoderLayer` takes and returns the stream."""
+        return self.sources_SBTD, self.n_sources, self.partial_BTD, self.partial_used
+
+    def with_tensors(self, tensors: StreamTensors) -> ResidualStream:
+        """This stream's mode and block size around `tensors` (as `tensors()` orders them)."""
+        return ResidualStream(*tensors, self.mode, self.block_size)
 
     def _replace(self, **changes) -> ResidualStream:
         fields = dict(

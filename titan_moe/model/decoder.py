@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from titan_moe.model.args import ModelArgs
-from titan_moe.model.attn_res import AttnResMixer, ResidualStream
+from titan_moe.model.attn_res import AttnResMixer, ResidualStream, StreamTensors
 from titan_moe.model.ffn import SiTUGLUFeedForward
 from titan_moe.model.kda import KDACache, KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA, MLACache
@@ -25,12 +25,19 @@ from titan_moe.ops.nvtx import nvtx_range
 LayerCache = KDACache | MLACache
 
 
+def run_layer(layer: nn.Module, stream: ResidualStream, **kwargs) -> ResidualStream:
+    """Call `layer` (a `DecoderLayer`, maybe wrapped by checkpointing, compile or FSDP) on
+    `stream`; keyword arguments as `DecoderLayer.forward`. Returns the updated stream."""
+    return stream.with_tensors(layer(stream.tensors(), **kwargs))
+
+
 class DecoderLayer(nn.Module):
     """One layer: AttnRes mix -> RMSNorm -> attention (KDA or MLA); mix -> RMSNorm -> FFN."""
 
     def __init__(self, layer_idx: int, args: ModelArgs):
         super().__init__()
         self.layer_idx = layer_idx
+        self.attn_res_mode, self.attn_res_block_size = args.attn_res, args.attn_res_block_size
         self.kind = args.layer_kinds()[layer_idx]
         self.attention = KimiDeltaAttention(args) if self.kind == "kda" else GatedMLA(args)
         self.is_moe = args.is_moe_layer(layer_idx)
@@ -46,11 +53,20 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        stream: ResidualStream,
+        stream_tensors: StreamTensors,
         doc_ids_BT: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-    ) -> ResidualStream:
+    ) -> StreamTensors:
+        """The stream's tensors in (`ResidualStream.tensors()`), the updated ones out; call it
+        through :func:`run_layer` to pass a `ResidualStream`.
+
+        Plain tensors at the module boundary, not the `ResidualStream` object: torch 2.11's
+        Dynamo builds a broken graph for a checkpointed layer (activation checkpointing, then
+        compile, as training applies them) that returns a custom pytree object ("Node output
+        referenced nonexistent value"); a tuple of tensors compiles.
+        """
+        stream = ResidualStream(*stream_tensors, self.attn_res_mode, self.attn_res_block_size)
         x_BTD = self.attention_norm(self.attention_mix(stream))
         with nvtx_range(self.kind):
             if self.kind == "kda":
@@ -61,7 +77,7 @@ class DecoderLayer(nn.Module):
         x_BTD = self.ffn_norm(self.ffn_mix(stream))
         with nvtx_range(self.ffn_range):
             out_BTD = self.feed_forward(x_BTD)
-        return stream.add(out_BTD)
+        return stream.add(out_BTD).tensors()
 
     def init_weights(self, init_std: float) -> None:
         self.attention.init_weights(init_std)
@@ -106,7 +122,7 @@ class Decoder(nn.Module):
             # Closing an AttnRes block depends on the layer index, so it happens here, between
             # the (separately compiled) layers, not inside them.
             with nvtx_range(self.layer_ranges[i]):
-                stream = layer(stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache).end_layer(i)
+                stream = run_layer(layer, stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache).end_layer(i)
         with nvtx_range("head"):
             h_BTD = self.norm(self.final_mix(stream))
             return self.output(h_BTD).float()

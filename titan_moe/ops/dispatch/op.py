@@ -26,10 +26,11 @@ Ops (each opaque to ``torch.compile``, in the forward and in the backward graph)
 Implementation, chosen per call by ``$TITAN_MOE_DISPATCH_BACKEND`` (read at run time, also
 inside compiled graphs, where the ops are opaque calls):
 
-* ``torch`` (default, on CPU and on CUDA): the plain-PyTorch functions of
-  :mod:`.reference` (gathers, a broadcast ``index_put``, fp32 multiply and sum).
-  The default stays ``torch`` on CUDA too until ``profiling/bench_moe.py --dispatch`` has
-  measured the kernels on a GPU (none has run on one yet).
+* ``auto`` (default): ``triton`` for CUDA tensors, ``torch`` otherwise. On the H200 the
+  kernels beat this module's ``torch`` path in every measured direction (1.3-7x forward+
+  backward, ``profiling/bench_moe.py --dispatch``, BENCHMARKS.md).
+* ``torch``: the plain-PyTorch functions of :mod:`.reference` (gathers, a broadcast
+  ``index_put``, fp32 multiply and sum).
 * ``triton``: the kernels of :mod:`.triton_kernel`; on CUDA, or on CPU when
   ``TRITON_INTERPRET=1`` was set before that module was first imported (tests); elsewhere a
   ``ValueError``.
@@ -50,16 +51,19 @@ from titan_moe.ops.dispatch.reference import (
 )
 from titan_moe.ops.nvtx import nvtx_range
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "TITAN_MOE_DISPATCH_BACKEND"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def resolve_backend() -> str:
-    """``$TITAN_MOE_DISPATCH_BACKEND``, default "torch" (module docstring)."""
-    name = os.environ.get(BACKEND_ENV) or "torch"
+def resolve_backend(device: torch.device) -> str:
+    """"torch" or "triton" for a call on ``device``: ``$TITAN_MOE_DISPATCH_BACKEND``, default
+    "auto" (module docstring)."""
+    name = os.environ.get(BACKEND_ENV) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"moe dispatch: {BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
     return name
 
 
@@ -95,7 +99,7 @@ def _check_weights(name: str, weights_Nk: Tensor | None, pos_Nk: Tensor) -> None
 @torch.library.custom_op("titan_moe::moe_permute", mutates_args=())
 def _permute_op(x_NL: Tensor, pos_Nk: Tensor) -> Tensor:
     with nvtx_range("op.moe_permute"):
-        if resolve_backend() == "triton":
+        if resolve_backend(x_NL.device) == "triton":
             return _kernels().permute_triton(x_NL, pos_Nk)
         return permute_torch(x_NL, pos_Nk)
 
@@ -129,7 +133,7 @@ _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup_co
 def _combine_op(y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor | None, fp32_out: bool) -> Tensor:
     out_dtype = torch.float32 if fp32_out else None
     with nvtx_range("op.moe_unpermute_combine"):
-        if resolve_backend() == "triton":
+        if resolve_backend(y_ML.device) == "triton":
             return _kernels().gather_sum_triton(y_ML, pos_Nk, weights_Nk, out_dtype)
         return unpermute_combine_torch(y_ML, pos_Nk, weights_Nk, out_dtype)
 
@@ -145,7 +149,7 @@ def _(y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor | None, fp32_out: bool) -
 @torch.library.custom_op("titan_moe::moe_unpermute_combine_backward", mutates_args=())
 def _combine_backward_op(grad_NL: Tensor, y_ML: Tensor, pos_Nk: Tensor, weights_Nk: Tensor) -> tuple[Tensor, Tensor]:
     with nvtx_range("op.moe_unpermute_combine_backward"):
-        if resolve_backend() == "triton":
+        if resolve_backend(y_ML.device) == "triton":
             return _kernels().combine_backward_triton(grad_NL, y_ML, pos_Nk, weights_Nk)
         return unpermute_combine_backward_torch(grad_NL, y_ML, pos_Nk, weights_Nk)
 
