@@ -10,6 +10,8 @@ norm and gate into its kernels (`use_qk_l2norm_in_kernel`, `use_gate_in_kernel`,
 Our side uses the Triton kernels (TITAN_MOE_KDA_BACKEND=triton is set by this script)
 unless `--backend torch`.
 
+`--scan-configs 16x4,64x8` adds rows for ours with the sequential state walks run at those
+columns-per-program x warps (`TITAN_MOE_KDA_SCAN_BV` / `_WARPS`; default 32x8 at dk = 128).
 `--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
 both sides: where the time goes, stage by stage. Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
 CPU), tokens/s, and TFLOP/s by Kimi Linear's forward FLOP count per head
@@ -97,6 +99,9 @@ def bench(args) -> list[dict]:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     shapes = SHAPES_TINY if args.tiny else SHAPES_GPU
     peers = {"ours": run_ours}
+    for config in filter(None, args.scan_configs.split(",")):
+        bv, warps = (int(x) for x in config.split("x"))
+        peers[f"ours_bv{bv}w{warps}"] = scan_config_runner(bv, warps)
     if args.device == "cuda" and not args.no_fla:
         peers["fla"] = run_fla
     if args.shapes:
@@ -130,6 +135,26 @@ def bench(args) -> list[dict]:
     return rows
 
 
+def scan_config_runner(bv: int, warps: int):
+    """`run_ours` with the sequential state walks' columns per program and warps set
+    (`triton_fwd.sequential_scan_config`)."""
+    from titan_moe.ops.kda.triton_fwd import SCAN_BV_ENV, SCAN_WARPS_ENV
+
+    def run(inp, backward: bool):
+        saved = {key: os.environ.get(key) for key in (SCAN_BV_ENV, SCAN_WARPS_ENV)}
+        os.environ[SCAN_BV_ENV], os.environ[SCAN_WARPS_ENV] = str(bv), str(warps)
+        try:
+            return run_ours(inp, backward)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    return run
+
+
 def kernel_times(fn, device: str, iters: int = 3) -> dict[str, float]:
     """Per-kernel time of one call of `fn` (mean over `iters` profiled calls), largest first:
     torch.profiler's device time on CUDA, its CPU time per op elsewhere."""
@@ -151,11 +176,11 @@ def kernel_times(fn, device: str, iters: int = 3) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-HEADER = f"{'impl':6} {'pass':8} {'B':>3} {'T':>7} {'H':>3} {'dk':>4} {'ms':>9} {'Mtok/s':>8} {'TFLOP/s':>8}"
+HEADER = f"{'impl':12} {'pass':8} {'B':>3} {'T':>7} {'H':>3} {'dk':>4} {'ms':>9} {'Mtok/s':>8} {'TFLOP/s':>8}"
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['impl']:6} {r['direction']:8} {r['B']:>3} {r['T']:>7} {r['H']:>3} {r['dk']:>4} "
+    return (f"{r['impl']:12} {r['direction']:8} {r['B']:>3} {r['T']:>7} {r['H']:>3} {r['dk']:>4} "
             f"{r['ms']:9.3f} {r['tokens_per_s'] / 1e6:8.3f} {r['tflops']:8.2f}")
 
 
@@ -169,6 +194,8 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also profile one call per row and print its N most expensive kernels")
     parser.add_argument("--shapes", default="", help="comma-separated sequence lengths to keep, e.g. 8192,32768")
+    parser.add_argument("--scan-configs", default="", metavar="BVxWARPS,...",
+                        help="also time ours with these state-walk configurations, e.g. 16x4,16x8,64x8")
     parser.add_argument("--watchdog", type=float, default=0.0,
                         help="dump every thread's stack every this many seconds (finding hangs)")
     args = parser.parse_args()

@@ -11,12 +11,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bench_kda_tiny_cpu_reports_every_row():
-    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--reps", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--reps", "2",
+                           "--scan-configs", "16x4"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = report["rows"]
-    assert {(r["B"], r["T"], r["direction"]) for r in rows} == {
-        (1, 128, "fwd"), (1, 128, "fwd+bwd"), (2, 64, "fwd"), (2, 64, "fwd+bwd")}
+    shapes = {(1, 128, "fwd"), (1, 128, "fwd+bwd"), (2, 64, "fwd"), (2, 64, "fwd+bwd")}
+    assert {(r["impl"], r["B"], r["T"], r["direction"]) for r in rows} == {
+        (impl, *shape) for impl in ("ours", "ours_bv16w4") for shape in shapes}
     for r in rows:
         assert r["ms"] > 0 and r["tokens_per_s"] == r["B"] * r["T"] / (r["ms"] / 1e3)

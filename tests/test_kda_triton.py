@@ -254,6 +254,37 @@ def test_bwd_matches_autograd(lens, varlen, dk, dv, gate, with_states):
         assert rel_err(x, x_ref) < tol, (name, rel_err(x, x_ref))
 
 
+@needs_kernels
+def test_scan_config_override_keeps_results(monkeypatch):
+    """The tuning knobs of the sequential walks (columns per program, warps) change the
+    grid, not the maths: forward and all gradients agree with the default configuration."""
+    inp = make_inputs(1, 100, 2, 16, 32, "rand", seed=5)
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(1, 100, 2, 32, generator=gen).to(DEVICE)
+    h0 = torch.randn(1, 2, 16, 32, generator=gen).to(DEVICE)
+
+    def run():
+        o, ht = chunk_kda_fwd_triton(**inp, scale=0.25, initial_state=h0, output_final_state=True)
+        return (o, ht, *chunk_kda_bwd_triton(**inp, scale=0.25, do=do, initial_state=h0))
+
+    default = run()
+    monkeypatch.setenv(triton_fwd.SCAN_BV_ENV, "16")
+    monkeypatch.setenv(triton_fwd.SCAN_WARPS_ENV, "2")
+    assert triton_fwd.sequential_scan_config(16, 32) == (16, 2)
+    for name, got, want in zip(("o", "ht", *GRAD_NAMES), run(), default, strict=True):
+        assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
+
+
+def test_scan_config_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv(triton_fwd.SCAN_BV_ENV, "64")
+    with pytest.raises(ValueError, match="at most dv = 32"):
+        triton_fwd.sequential_scan_config(16, 32)
+    monkeypatch.setenv(triton_fwd.SCAN_BV_ENV, "16")
+    monkeypatch.setenv(triton_fwd.SCAN_WARPS_ENV, "3")
+    with pytest.raises(ValueError, match="power of two"):
+        triton_fwd.sequential_scan_config(16, 32)
+
+
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")
 def test_in_fresh_interpreter_process():
     """Runs this file's tests under the interpreter in a fresh process."""

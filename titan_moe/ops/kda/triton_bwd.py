@@ -43,6 +43,7 @@ from titan_moe.ops.kda.triton_fwd import (
     _chunk_location,
     _interpreted,
     kda_fwd_states,
+    sequential_scan_config,
 )
 
 
@@ -366,11 +367,11 @@ def chunk_kda_bwd_triton(
     dh0 = torch.empty(N, H, K, V, **f32) if initial_state is not None else None
     interp = _interpreted()
 
-    BV = min(V, 32)
+    BV, warps = sequential_scan_config(K, V)
     _bwd_state_scan_kernel[(V // BV, N * H)](
         q, k, st.G, st.W, st.Aqk, do, dh, dv_new, dht, dh0, scale, st.cu_seqlens, st.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        PRECISION=st.precision, INTERPRETED=interp, num_warps=4 if K <= 64 else 8,
+        PRECISION=st.precision, INTERPRETED=interp, num_warps=warps,
         num_stages=2 if K <= 64 else 1,  # 2 stages need 226 KB of shared memory at dk=128
     )
 

@@ -48,6 +48,7 @@ for every chunk; `chunk_offsets [N+1]` is the index of each sequence's first chu
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -357,6 +358,27 @@ def _scan_chunk(k, W, U, G, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
     return b_S * tl.exp(b_G_last)[:, None] + tl.dot(tl.trans(b_k_to_end), b_vn, input_precision=PRECISION)
 
 
+SCAN_BV_ENV = "TITAN_MOE_KDA_SCAN_BV"  # state columns per program of the sequential walks
+SCAN_WARPS_ENV = "TITAN_MOE_KDA_SCAN_WARPS"  # warps per program of the sequential walks
+
+
+def sequential_scan_config(K: int, V: int) -> tuple[int, int]:
+    """(BV, num_warps) of the sequential state walks, forward and backward.
+
+    The walks run B*H*(V/BV) programs, each over all chunks of a sequence: at B*H = 16 and
+    BV = 32 that is 64 programs for 132 SMs on an H200. Defaults BV = min(V, 32), 8 warps at
+    dk = 128 (4 below); `$TITAN_MOE_KDA_SCAN_BV` (16, 32, 64 or 128; at most V) and
+    `$TITAN_MOE_KDA_SCAN_WARPS` (1-16, a power of two) override them for tuning, read per call.
+    """
+    bv = int(os.environ.get(SCAN_BV_ENV) or min(V, 32))
+    warps = int(os.environ.get(SCAN_WARPS_ENV) or (4 if K <= 64 else 8))
+    if bv not in (16, 32, 64, 128) or bv > V:
+        raise ValueError(f"{SCAN_BV_ENV} must be 16, 32, 64 or 128 and at most dv = {V}, got {bv}")
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{SCAN_WARPS_ENV} must be a power of two in [1, 16], got {warps}")
+    return bv, warps
+
+
 @triton.jit
 def _state_scan_kernel(
     k, W, U, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
@@ -558,11 +580,11 @@ def kda_fwd_states(
     if scan == "parallel":
         state_scan_parallel(k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets, bounds, precision, segment_chunks)
     else:
-        BV = min(V, 32)
+        BV, warps = sequential_scan_config(K, V)
         _state_scan_kernel[(V // BV, N * H)](
             k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets,
             H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
-            PRECISION=precision, INTERPRETED=_interpreted(), num_warps=4 if K <= 64 else 8,
+            PRECISION=precision, INTERPRETED=_interpreted(), num_warps=warps,
             num_stages=2,  # one chunk of loads in flight; 3 stages need 255 KB of shared memory at dk=128
         )
     return KDAForwardState(
