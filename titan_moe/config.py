@@ -358,6 +358,19 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     return config
 
 
+def run_json_cli(prog: str, run: Any, argv: list[str] | None = None) -> None:
+    """Call `run(argv)` and print its summary as one JSON line; a ConfigError becomes one
+    `prog: error: ...` line on stderr and exit code 2 (the tools' shared convention)."""
+    import json
+
+    try:
+        summary = run(argv)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(summary))
+
+
 def _check_compile_with_ac(args: ModelArgs, config: Any) -> None:
     """Exact QB (`qb_bins = 0`) keeps each microbatch's router scores as a plain module
     attribute; Dynamo cannot set one inside a compiled, checkpointed layer ("HOP: Unsafe side

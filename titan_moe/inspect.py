@@ -9,12 +9,9 @@ training FLOPs per token at the configured sequence length.
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
 
-from titan_moe.config import ConfigError, load_config, model_args_from_config
+from titan_moe.config import load_config, model_args_from_config, run_json_cli
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.flops import count_params, flops_per_token
 
@@ -55,12 +52,7 @@ def inspect_model(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        summary = inspect_model(argv)
-    except ConfigError as e:
-        print(f"titan_moe.inspect: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(json.dumps(summary))
+    run_json_cli("titan_moe.inspect", inspect_model, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,276 @@
+"""Activations, per GPU. Local tokens `t = local_batch * seq_len / cp`. Everything is bytes per
+local token times `t`, plus one per-layer constant (the router's fp32 weight copy) and, for
+eager MLA layers, a term in the squared local sequence length (see "Eager activations").
+Compiled model. Counting rule ("kept" = held from the forward until the backward uses it):
+every matmul's input in the dtype it is fed; the custom ops' saved inputs (KDA op: q, k, v,
+g, beta; grouped GEMM: its input); SDPA's q, k, v, output and fp32 logsumexp; each chain of
+elementwise ops (casts, gates, SiLU, SiTU, conv taps) keeps its input once; norms keep input
++ fp32 rstd; a tensor used twice counts once. Dtypes as the code produces them. This is what
+fused (compiled) layers need to keep; Inductor's partitioner may keep somewhat less. Eager
+PyTorch keeps 2-3x more (measured, below). Per token (D = dim, I = H*dk, S = AttnRes source
+slots = `attn_res.max_sources`):
+  sub-layer prologue (x2 per layer): mixer softmax + key-norm stats `2 (S+1) * 4`; mixer
+    output h (pre-norm input) `D s`; rstd 4; normed x (projection input) `D a`.
+  KDA: projections wq|wk|wv concatenated, the conv input `3I a`; q, k after L2 norm and v
+    (op inputs) `3I a`; L2 rstd `2H * 4`; w_f_down output `dk a`; z (gate input) `I a`;
+    g (op input, fp32) `I * 4`; w_beta output `H a`; beta (fp32) `H * 4`; o (op output,
+    head-norm input) `I a`; head-norm rstd `H * 4`; w_gate output `I a`; wo input `I a`.
+    The chunk states `[T/64, H, dk, dv]` fp32 are not kept (the op saves only its inputs and
+    recomputes them): they are in the op's workspace, below.
+  MLA (r_q, r_kv, n = nope, r = shared, v head dims): w_dq output `r_q a` + rstd;
+    normed c_q `r_q a`; q `H(n+r) a`; w_dkv output `(r_kv+r) a` + rstd; normed c_kv
+    `r_kv a`; w_ukv output (k_n | v) `H(n+v) a`; k = [k_n, k_s] `H(n+r) a`; SDPA output
+    `H v a` and logsumexp `H * 4`; o in fp32 (gate product input) `H v * 4`; w_g output
+    `H v a`; w_o input `H v a`.
+  dense FFN (hidden F): w_gate_up output `2F a`; hidden `F a`.
+  LatentMoE (n experts, top-k, latent L, expert hidden h, shared hidden F_s = n_shared *
+    moe_shared_hidden): router input x in fp32 `D * 4`; router scores fp32 `n * 4`; top-k ids
+    int64 and weights fp32 `k (8+4)`; sort order + inverse int64 `2k * 8`; dispatched latent
+    copies `k L a`; expert gate|up pre-activations `k 2h a`; expert hidden `k h a`; expert
+    outputs, unsorted (combine input) `k L a`; u fp32 `L * 4` + rstd; w_latent_up input
+    `L a`; shared experts `2 F_s a + F_s a`. Per layer constant: the router weight cast to
+    fp32, `n D * 4` (when the weight is not already fp32).
+  AttnRes stream: block mode keeps S distinct source buffers `[S, D] s` (one more each time a
+    block closes) and the partial sum b_cur after each sub-layer `2 D s` per layer (1 per
+    layer under AC: only each layer's input); full mode pushes a new `[S, D]` buffer per
+    sub-layer; none mode keeps the running sum `2 D s` per layer.
+  head: a prologue (final mix + norm) and the log-softmax output of the loss `V * 4`.
+  transient peaks: head `V * 8`, two more fp32 `[T, V]` tensors (forward: the fp32 logits
+    next to the `a` ones; backward: the gradients into and out of log-softmax); one layer
+    in backward `2 * largest kept tensor` (the gradients of the op being differentiated)
+    plus workspaces: KDA op (Triton launchers, fp32 per head, C = 64):
+    `(5C + 5dk + 3dv + 2 dk dv / C + 1) * 4 * H` (recomputed forward states G, A_qk, A_kk,
+    A_inv, W, U, v_new, chunk states h, plus dh, dv_new, dA_qk, dA_kk, dq/dk partials, dG,
+    dbeta); QB histogram `32 n` (fp32 margins + temporary, three int64 [T, n] index tensors);
+    EP all-to-all send + receive buffers `2 k L a` (ep > 1); MLA ring-attention K/V double
+    buffer `2 H (n + r + v) a` (cp > 1); AttnRes stream gradients `(S+1) D s`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from titan_moe.model.args import ModelArgs
+from titan_moe.model.attn_res import max_sources
+
+from titan_moe.plan.eager import eager_profiles
+from titan_moe.plan.layout import ACTIVATION_MODELS, KDA_CHUNK, Layout, Precision
+
+# =========================================================================== activations
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a layer's forward, in bytes per local token.
+
+    kept: held until backward with AC off. mm: produced by an `aten.mm` (order matters for
+    op-level SAC). sdpa: an SDPA output (always kept by op-level SAC).
+    """
+
+    name: str
+    bytes: float
+    kept: bool = True
+    mm: bool = False
+    sdpa: bool = False
+
+
+@dataclass
+class LayerActivations:
+    """One decoder layer: its tensors in forward order, its transient workspace, constants.
+
+    `measured` (eager model): bytes per token eager autograd saves, measured by
+    `measure_eager_layer`; it replaces the entries' sum as `kept` (the entries still decide
+    what op-level SAC keeps and the transient). `per_seq_sq`: bytes per sequence per squared
+    local sequence length, kept like `kept` (eager MLA: the additive document mask).
+    """
+
+    kind: str
+    entries: list[Entry]
+    workspace: float  # bytes per token, alive only while the layer runs backward
+    constant: float = 0.0  # bytes per layer, independent of tokens (kept like `kept` tensors)
+    measured: float | None = None
+    per_seq_sq: float = 0.0
+
+    @cached_property
+    def kept(self) -> float:
+        if self.measured is not None:
+            return self.measured
+        return sum(e.bytes for e in self.entries if e.kept)
+
+    @cached_property
+    def _sac_saved(self) -> list[bool]:
+        """Op-level SAC's choice per entry: every other mm output (1st, 3rd, ...), SDPA outputs."""
+        saved, n_mm = [], 0
+        for e in self.entries:
+            n_mm += e.mm
+            saved.append((e.mm and n_mm % 2 == 1) or e.sdpa)
+        return saved
+
+    @cached_property
+    def sac_kept(self) -> float:
+        """Bytes per token op-level SAC keeps for this layer."""
+        return sum(e.bytes for e, keep in zip(self.entries, self._sac_saved) if keep)
+
+    @cached_property
+    def sac_recompute(self) -> float:
+        """Bytes per token a SAC backward rematerialises: the kept tensors SAC did not keep."""
+        return self.kept - sum(e.bytes for e, keep in zip(self.entries, self._sac_saved) if e.kept and keep)
+
+    @cached_property
+    def transient(self) -> float:
+        largest = max((e.bytes for e in self.entries if e.kept), default=0.0)
+        return 2 * largest + self.workspace
+
+
+def _prologue(prefix: str, args: ModelArgs, s: int, a: int) -> list[Entry]:
+    D = args.dim
+    out = []
+    if args.attn_res != "none":
+        S = max_sources(args.attn_res, args.n_layers, args.attn_res_block_size)
+        out.append(Entry(f"{prefix}.mix_stats", 2 * (S + 1) * 4))
+        out.append(Entry(f"{prefix}.mix_out", D * s))
+    out.append(Entry(f"{prefix}.norm_rstd", 4))
+    out.append(Entry(f"{prefix}.norm_out", D * a))
+    return out
+
+
+def _kda(args: ModelArgs, a: int) -> tuple[list[Entry], float]:
+    H, dk = args.kda_n_heads, args.kda_head_dim
+    dv, I, D, C = dk, H * dk, args.dim, KDA_CHUNK
+    e = [
+        Entry("kda.wq", I * a, kept=False, mm=True),
+        Entry("kda.wk", I * a, kept=False, mm=True),
+        Entry("kda.wv", I * a, kept=False, mm=True),
+        Entry("kda.qkv_conv_in", 3 * I * a),
+        Entry("kda.qkv_op_in", 3 * I * a),
+        Entry("kda.l2_rstd", 2 * H * 4),
+        Entry("kda.w_f_down", dk * a, mm=True),
+        Entry("kda.w_f_up", I * a, mm=True),
+        Entry("kda.g_fp32", I * 4),
+        Entry("kda.w_beta", H * a, mm=True),
+        Entry("kda.beta_fp32", H * 4),
+        Entry("kda.o", I * a),
+        Entry("kda.head_rstd", H * 4),
+        Entry("kda.w_gate", I * a, mm=True),
+        Entry("kda.wo_in", I * a),
+        Entry("kda.wo", D * a, kept=False, mm=True),
+    ]
+    workspace = (5 * C + 5 * dk + 3 * dv + 2 * dk * dv / C + 1) * 4 * H
+    return e, workspace
+
+
+def _mla(args: ModelArgs, a: int, cp: int) -> tuple[list[Entry], float]:
+    H, D = args.mla_n_heads, args.dim
+    rq, rkv = args.mla_q_lora_rank, args.mla_kv_lora_rank
+    n, r, v = args.mla_qk_nope_head_dim, args.mla_qk_shared_dim, args.mla_v_head_dim
+    e = [
+        Entry("mla.w_dq", rq * a, mm=True),
+        Entry("mla.q_norm_rstd", 4),
+        Entry("mla.c_q", rq * a),
+        Entry("mla.w_uq", H * (n + r) * a, mm=True),
+        Entry("mla.w_dkv", (rkv + r) * a, mm=True),
+        Entry("mla.kv_norm_rstd", 4),
+        Entry("mla.c_kv", rkv * a),
+        Entry("mla.w_ukv", H * (n + v) * a, mm=True),
+        Entry("mla.k", H * (n + r) * a),
+        Entry("mla.sdpa_out", H * v * a, sdpa=True),
+        Entry("mla.sdpa_lse", H * 4, sdpa=True),
+        Entry("mla.o_fp32", H * v * 4),
+        Entry("mla.w_g", H * v * a, mm=True),
+        Entry("mla.w_o_in", H * v * a),
+        Entry("mla.w_o", D * a, kept=False, mm=True),
+    ]
+    workspace = 2 * H * (n + r + v) * a if cp > 1 else 0.0
+    return e, workspace
+
+
+def _dense_ffn(args: ModelArgs, a: int) -> list[Entry]:
+    F, D = args.dense_hidden, args.dim
+    return [
+        Entry("ffn.w_gate_up", 2 * F * a, mm=True),
+        Entry("ffn.hidden", F * a),
+        Entry("ffn.w_down", D * a, kept=False, mm=True),
+    ]
+
+
+def _moe(args: ModelArgs, a: int, ep: int) -> tuple[list[Entry], float]:
+    D, n, k = args.dim, args.n_routed_experts, args.top_k
+    L, h = args.moe_latent_dim, args.moe_expert_hidden
+    e = [
+        Entry("moe.router_in_fp32", D * 4),
+        Entry("moe.router_scores", n * 4, mm=True),
+        Entry("moe.topk_ids_weights", k * (8 + 4)),
+        Entry("moe.w_latent_down", L * a, kept=False, mm=True),
+        Entry("moe.sort_order_inverse", 2 * k * 8),
+        Entry("moe.dispatched", k * L * a),
+        Entry("moe.expert_gate_up", k * 2 * h * a),
+        Entry("moe.expert_hidden", k * h * a),
+        Entry("moe.expert_out", k * L * a),
+        Entry("moe.u_fp32", L * 4 + 4),
+        Entry("moe.w_latent_up_in", L * a),
+        Entry("moe.w_latent_up", D * a, kept=False, mm=True),
+    ]
+    if args.n_shared_experts > 0:
+        Fs = args.n_shared_experts * args.moe_shared_hidden
+        e += [
+            Entry("moe.shared_gate_up", 2 * Fs * a, mm=True),
+            Entry("moe.shared_hidden", Fs * a),
+            Entry("moe.shared_down", D * a, kept=False, mm=True),
+        ]
+    workspace = 0.0
+    if args.balance_rule == "qb" and args.qb_bins > 0 and k < n:
+        workspace += 32 * n
+    if ep > 1:
+        workspace += 2 * k * L * a
+    return e, workspace
+
+
+def layer_activations(
+    args: ModelArgs, layer_idx: int, prec: Precision, layout: Layout
+) -> LayerActivations:
+    """The tensors of decoder layer `layer_idx` in forward order (bytes per local token)."""
+    a, s = prec.compute, prec.stream(layout.fsdp_enabled)
+    kind = args.layer_kinds()[layer_idx]
+    entries = _prologue("attn", args, s, a)
+    if kind == "kda":
+        attn, workspace = _kda(args, a)
+    else:
+        attn, workspace = _mla(args, a, layout.cp)
+    entries += attn
+    entries += _prologue("ffn", args, s, a)
+    constant = 0.0
+    if args.is_moe_layer(layer_idx):
+        moe, moe_ws = _moe(args, a, layout.ep)
+        entries += moe
+        workspace += moe_ws
+        weight_bytes = a if layout.fsdp_enabled else prec.param
+        if weight_bytes != 4:
+            constant = args.n_routed_experts * args.dim * 4
+        kind += "+moe"
+    else:
+        entries += _dense_ffn(args, a)
+        kind += "+dense"
+    return LayerActivations(kind, entries, workspace, constant)
+
+
+def model_activations(
+    args: ModelArgs, prec: Precision, layout: Layout, activations: str = "compiled"
+) -> list[LayerActivations]:
+    """Every layer's `LayerActivations`; layers of one kind share one object.
+
+    `activations`: "compiled" counts what fused layers keep (the entries); "eager" puts the
+    bytes eager autograd saves, measured once per layer kind (`eager_profiles`), in `measured`.
+    """
+    if activations not in ACTIVATION_MODELS:
+        raise ValueError(f"activations must be one of {ACTIVATION_MODELS}, got {activations!r}")
+    profiles = eager_profiles(args, prec, layout.fsdp_enabled) if activations == "eager" else {}
+    by_kind: dict[tuple[str, bool], LayerActivations] = {}
+    layers = []
+    for i, kind in enumerate(args.layer_kinds()):
+        key = (kind, args.is_moe_layer(i))
+        if key not in by_kind:
+            layer = layer_activations(args, i, prec, layout)
+            if key in profiles:
+                layer = replace(layer, measured=profiles[key].per_token, per_seq_sq=profiles[key].per_seq_sq)
+            by_kind[key] = layer
+        layers.append(by_kind[key])
+    return layers

@@ -1,0 +1,245 @@
+"""The planner's command line: options, the layout table and the JSON summary.
+
+Fit: `total <= (1 - headroom) * gpu_mem`; the default 10% headroom stands in for what is not
+modelled (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation); it is a guess.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+
+from titan_moe.config import ConfigError, load_config, model_args_from_config, run_json_cli
+from titan_moe.model.args import ModelArgs
+from titan_moe.model.decoder import Decoder
+from titan_moe.model.flops import count_params
+
+from titan_moe.plan.activations import LayerActivations, model_activations
+from titan_moe.plan.eager import eager_profiles
+from titan_moe.plan.layout import AC_MODES, ACTIVATION_MODELS, GIB, MAX_SEARCH_GPUS, Layout, Precision
+from titan_moe.plan.params import OPTIMIZER_IMPLEMENTATIONS, inventory, sharding_checks
+from titan_moe.plan.step import (
+    LayoutPlan, _head_kept_per_token, _stream_bytes_per_token, min_gpus, plan_gpus,
+)
+
+# =========================================================================== CLI
+@dataclass
+class PlanOptions:
+    gpus: int | None = None
+    gpu_mem_gib: float = 141.0
+    ac: str | None = None
+    seq_len: int | None = None
+    local_batch: int | None = None
+    headroom: float = 0.10
+    hsdp: bool = False
+    top: int = 5
+    activations: str | None = None  # None: "compiled" when [compile] covers the model, else "eager"
+
+
+_OPTIONS = {
+    "--gpus": ("gpus", int),
+    "--gpu-mem-gib": ("gpu_mem_gib", float),
+    "--ac": ("ac", str),
+    "--seq-len": ("seq_len", int),
+    "--local-batch": ("local_batch", int),
+    "--headroom": ("headroom", float),
+    "--top": ("top", int),
+    "--activations": ("activations", str),
+}
+
+
+def parse_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
+    """Split our options from the config arguments; raise ConfigError (one line) on a mistake."""
+    opts = PlanOptions()
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        if key == "--hsdp":
+            opts = replace(opts, hsdp=True)
+            i += 1
+            continue
+        if key not in _OPTIONS:
+            rest.append(arg)
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command line: {key} needs a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        name, tp = _OPTIONS[key]
+        try:
+            parsed = tp(value)
+        except ValueError:
+            raise ConfigError(f"command line: bad value for {key} {value!r}: expected {tp.__name__}") from None
+        opts = replace(opts, **{name: parsed})
+    if opts.gpus is None:
+        raise ConfigError("command line: --gpus N is required")
+    checks = [
+        (opts.gpus >= 1, f"--gpus must be >= 1, got {opts.gpus}"),
+        (opts.gpu_mem_gib > 0, f"--gpu-mem-gib must be > 0, got {opts.gpu_mem_gib}"),
+        (opts.ac is None or opts.ac in AC_MODES, f"--ac must be one of {'|'.join(AC_MODES)}, got {opts.ac!r}"),
+        (opts.seq_len is None or opts.seq_len >= 1, f"--seq-len must be >= 1, got {opts.seq_len}"),
+        (opts.local_batch is None or opts.local_batch >= 1, f"--local-batch must be >= 1, got {opts.local_batch}"),
+        (0 <= opts.headroom < 1, f"--headroom must lie in [0, 1), got {opts.headroom}"),
+        (opts.top >= 1, f"--top must be >= 1, got {opts.top}"),
+        (opts.activations is None or opts.activations in ACTIVATION_MODELS,
+         f"--activations must be one of {'|'.join(ACTIVATION_MODELS)}, got {opts.activations!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"command line: {message}")
+    return opts, rest
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.1f}"
+
+
+def _print_table(plans: list[LayoutPlan], usable: float, ac: str) -> None:
+    print(f"  {'rep':>4} {'shard':>6} {'cp':>3} {'ep':>4} {'tokens':>7} | {'params':>8} {'grads':>8} {'optim':>8} "
+          f"{'buffers':>8} {'gathered':>8} | {'act:none':>8} {'sel':>8} {'full':>8} | "
+          f"{'tot:none':>8} {'sel':>8} {'full':>8}")
+    for p in plans:
+        lay, m = p.layout, p.params
+        marks = "".join("*" if p.fits(mode, usable) else "." for mode in AC_MODES)
+        print(f"  {lay.dp_replicate:>4} {lay.dp_shard:>6} {lay.cp:>3} {lay.ep:>4} {p.activations[ac].tokens:>7} | "
+              f"{_gib(m.params)} {_gib(m.grads)} {_gib(m.optimizer)} {_gib(m.buffers)} {_gib(m.fsdp_gathered)} | "
+              + " ".join(_gib(p.activations[mode].peak) for mode in AC_MODES) + " | "
+              + " ".join(_gib(p.total(mode)) for mode in AC_MODES) + f"  {marks}")
+
+
+def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout, activations: str) -> None:
+    """Bytes per local token of each layer kind (the layout only matters through its flags)."""
+    seen: dict[str, LayerActivations] = {}
+    for layer in model_activations(args, prec, layout, activations):
+        seen.setdefault(layer.kind, layer)
+    parts = [
+        f"{kind} kept {l.kept / 1024:.0f}" + (f" + {l.per_seq_sq:g} B x T^2" if l.per_seq_sq else "")
+        + f" / SAC {l.sac_kept / 1024:.0f} / transient {l.transient / 1024:.0f}"
+        for kind, l in seen.items()
+    ]
+    s = prec.stream(layout.fsdp_enabled)
+    stream = _stream_bytes_per_token(args, s, ["none"] * args.n_layers) / 1024
+    head = _head_kept_per_token(args, s, prec.compute) / 1024
+    print(f"  {activations} activations, KiB per local token (ep={layout.ep}, cp={layout.cp}): " + "; ".join(parts)
+          + f"; AttnRes stream {stream:.0f} (all layers); head {head:.0f}")
+
+
+def _eager_summary(args: ModelArgs, prec: Precision, plans: list[LayoutPlan]) -> dict[str, dict]:
+    """The eager profiles the plans used, per FSDP setting and layer kind (JSON-ready)."""
+    out: dict[str, dict] = {}
+    for fsdp in sorted({p.layout.fsdp_enabled for p in plans}):
+        profiles = eager_profiles(args, prec, fsdp)
+        out["fsdp" if fsdp else "no_fsdp"] = {
+            p.kind: {"kib_per_token": p.per_token / 1024, "bytes_per_seq_sq": p.per_seq_sq,
+                     "measured_on": "fake" if p.fake else "cpu", "experts_built": list(p.experts)}
+            for p in profiles.values()
+        }
+    return out
+
+
+def run_plan(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts, rest = parse_args(argv)
+    config = load_config(rest)
+    args = model_args_from_config(config)
+    seq_len = opts.seq_len or config.training.seq_len
+    local_batch = opts.local_batch or config.training.local_batch_size
+    ac = opts.ac or config.activation_checkpoint.mode
+    if ac not in AC_MODES:
+        raise ConfigError(f"activation_checkpoint.mode {ac!r} is not modelled; pass --ac none|selective|full")
+    prec = Precision.from_config(config)
+    usable = (1 - opts.headroom) * opts.gpu_mem_gib * GIB
+
+    with torch.device("meta"):
+        model = Decoder(args)
+    counts = count_params(model, args)
+    inv = inventory(model, args)
+    sac_option = config.activation_checkpoint.selective_ac_option
+    if sac_option != "op" and not sac_option.isdigit():
+        raise ConfigError(f"activation_checkpoint.selective_ac_option must be 'op' or an integer, got {sac_option!r}")
+    compiled = config.compile.enable and "model" in config.compile.components
+    activations = opts.activations or ("compiled" if compiled else "eager")
+    optimizer_impl = config.optimizer.implementation
+    if optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
+        raise ConfigError(f"optimizer.implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}, "
+                          f"got {optimizer_impl!r}")
+    plans = plan_gpus(args, inv, prec, opts.gpus, local_batch, seq_len, opts.hsdp, sac_option, activations,
+                      optimizer_impl)
+    assert plans, "dp_shard = N, cp = ep = 1 is always a layout"
+    checks = {"params_match_inspect": counts.total == inv.total and counts.routed_experts == inv.routed_experts}
+    shard_ok = all(all(sharding_checks(inv, p.layout).values()) for p in plans)
+    checks["shard_sums_match_totals"] = shard_ok
+
+    print(f"titan_moe.plan: {config.job.config_file}  flavor={config.model.flavor}  "
+          f"params {inv.total:,} (routed experts {inv.routed_experts:,}, other {inv.non_expert:,}); "
+          f"buffers {inv.buffer_bytes / GIB:.2f} GiB")
+    training = config.training
+    print(f"  bytes: params/grads/optimizer in {training.dtype} ({4 * prec.param} B per sharded param "
+          f"with AdamW, {optimizer_impl} step), compute {training.mixed_precision_param}, "
+          f"reduce {training.mixed_precision_reduce}")
+    print(f"  tokens per GPU = local_batch {local_batch} x seq_len {seq_len} / cp;  fit: total <= "
+          f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
+          f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
+    sac_text = "op-level SAC" if sac_option == "op" else f"layer SAC, 1 layer in {sac_option} checkpointed"
+    print(f"  AC: one checkpoint per decoder layer; selective = {sac_text} "
+          f"(activation_checkpoint.selective_ac_option = {sac_option!r})")
+    print(f"  sanity: total params == inspect's total: {checks['params_match_inspect']};  "
+          f"per-GPU shards x degrees == totals: {checks['shard_sums_match_totals']}")
+    _print_activation_summary(args, prec, plans[0].layout, activations)
+    if activations == "eager":
+        print("  eager activations: measured per layer kind with saved-tensor hooks on CPU (fake tensors for "
+              "large layers), SDPA and RMSNorm saving what their CUDA kernels save (see the module docstring)")
+    elif not compiled:
+        print("  note: [compile] is off but --activations compiled: the counts assume fused layers, and eager "
+              "PyTorch keeps about twice as much per layer (--activations eager measures it)")
+    print(f"\n{opts.gpus} GPUs, {len(plans)} layouts (GiB per GPU; act: the activations' high-water mark; tot: the "
+          "step's peak over its phases, not the row's sum; marks: fits with AC none/selective/full):")
+    _print_table(plans, usable, ac)
+
+    fitting = sorted((p for p in plans if p.fits(ac, usable)), key=lambda p: p.total(ac))
+    print(f"\nsmallest fitting layouts, ac={ac}:" if fitting else f"\nno layout fits on {opts.gpus} GPUs with ac={ac}")
+    for p in fitting[: opts.top]:
+        lay = p.layout
+        phase, total = p.peak(ac)
+        print(f"  dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} ep={lay.ep}: "
+              f"{total / GIB:.1f} GiB (peak: {phase})")
+    fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option, activations, optimizer_impl)
+    print(f"fewest GPUs (powers of two <= {MAX_SEARCH_GPUS}) with a fitting layout: "
+          + ", ".join(f"{mode}={fewest[mode] if fewest[mode] is not None else 'none'}" for mode in AC_MODES))
+    return {
+        "config": config.job.config_file,
+        "flavor": config.model.flavor,
+        "gpus": opts.gpus,
+        "gpu_mem_gib": opts.gpu_mem_gib,
+        "headroom": opts.headroom,
+        "usable_gib": usable / GIB,
+        "ac": ac,
+        "selective_ac_option": sac_option,
+        "activations": activations,
+        "optimizer_implementation": optimizer_impl,
+        **({"eager_profiles": _eager_summary(args, prec, plans)} if activations == "eager" else {}),
+        "seq_len": seq_len,
+        "local_batch": local_batch,
+        "precision": {"param": config.training.dtype, "compute": config.training.mixed_precision_param,
+                      "reduce": config.training.mixed_precision_reduce},
+        "total_params": inv.total,
+        "routed_expert_params": inv.routed_experts,
+        "other_params": inv.non_expert,
+        "fits": bool(fitting),
+        "best": [p.summary(usable) for p in fitting[: opts.top]],
+        "layouts": [p.summary(usable) for p in plans],
+        "min_gpus": fewest,
+        "sanity": checks,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_json_cli("titan_moe.plan", run_plan, argv)
+

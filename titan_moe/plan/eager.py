@@ -1,0 +1,323 @@
+"""Eager activations (`measure_eager_layer`, the kept bytes per token of each layer kind for
+`[compile] enable = false`; they replace the compiled count as the layer's `kept`):
+  * what runs: the first layer of each kind (KDA/MLA x dense/MoE), built at the configured
+    widths with zero weights, forward in training mode as the Decoder runs it: an AttnRes
+    stream started from a `[1, T, D]` embedding, one packed document (`doc_ids` and
+    `cu_seqlens` given, as the loader always does: MLA builds its dense `[B, 1, T, T]` mask,
+    the short convolution masks its taps). Precision as training: without FSDP weights and
+    stream in `training.dtype` under CPU autocast to the compute dtype (torchtitan's AMP);
+    with FSDP both in the compute dtype, no autocast (FSDP's mixed precision).
+  * what is counted: `torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd
+    saves; the bytes of the distinct storages (deduplicated by data pointer) are summed,
+    minus the parameters and the stream's own tensors (the two sub-layers' input streams:
+    the AttnRes stream term counts those). At T = 64, 128, 192 this gives `c + l T + q T^2`:
+    `l` is the layer's kept bytes per token; the constant `c` (autocast's weight copies,
+    counted by `autocast_weight_copies`; fp32 weight casts, the router's one being the
+    per-layer constant) drops out.
+  * GPU kernels, handled explicitly: for these shapes CPU SDPA takes the math path (fp32
+    upcasts, `[H, T, T]` probabilities saved: 32 B per T^2 per sequence at the small_1gpu
+    widths) and the CPU build decomposes RMSNorm (also saving the normalised input), where
+    CUDA runs the memory-efficient attention kernel and the fused `_fused_rms_norm`. While
+    measuring, a TorchFunctionMode routes both to stand-ins that save what the CUDA kernels
+    save: SDPA q, k, v, output, fp32 logsumexp `[B, H, ceil32(T)]` and the boolean mask as
+    the additive bias `scaled_dot_product_attention` converts it to, in the compute dtype;
+    RMSNorm (only when the weight dtype matches the input's, which the fused kernel needs;
+    otherwise CUDA runs the same composite) its input and fp32 rstd. So `q` is the bias,
+    `a` bytes per T^2 per sequence in each MLA layer, and 0 elsewhere; it is counted as
+    `q * local_batch * (seq_len / cp)^2` (ring attention's masks under CP are not modelled).
+    CUDA autocast also runs softmax, sum, exp, ... in fp32 where CPU autocast does not; here
+    that only touches tensors of a few bytes per token and is not corrected.
+  * routed experts: a MoE layer with `n > top_k + 4` is built with `top_k + 2` and `top_k + 4`
+    experts and `l` extrapolated linearly to n (the router's `[T, n]` scores are the only
+    per-token terms in n; the tests check the extrapolation against a full build).
+  * cost: real CPU tensors when the layer's weights and their autocast copies fit 2 GiB
+    (small_1gpu: about 8 s per precision setting on two cores); otherwise fake tensors
+    (`FakeTensorMode`: the same Python, ops, dtypes, autocast and saved tensors, with no
+    storage or arithmetic; k3 at dim 7168: seconds and under 0.5 GB), which agree byte for
+    byte with the CPU run on the test config. Cached per model and precision setting.
+  * small_1gpu (fp32 weights, bf16 autocast), KiB per token, eager vs compiled: kda+dense 194
+    vs 60, kda+moe 267 vs 105, mla+moe 218 (+ 2 B x T^2) vs 104 (8 KiB more for the MoE kinds
+    before the combine became one op). The extra: each AttnRes mixer
+    keeps two bf16 copies of the `[S, T, D]` sources (autocast casts them separately for the
+    logit matmul and for the weighted sum); autocast makes a separate bf16 copy of x for every
+    projection; SiTU keeps seven `[rows, hidden]` intermediates (84 KiB for the routed
+    experts alone); the short convolution keeps fp32 taps; KDA's output norm and gates keep
+    fp32 intermediates.
+  * AC accounting unchanged: op-level SAC keeps the same op outputs as the compiled count (it
+    chooses by op) and recomputes the rest of the measured set; the transient is the compiled
+    one (2 x the largest kept entry + workspace). Not modelled: the mask construction's
+    `[T, T]` bool temporaries (forward only) and the head's eager extras (its final mixer).
+AC modes (torchtitan's `apply_ac`, one checkpoint per decoder layer). Per layer, what it
+holds from its forward to its backward ("held") and what it adds while it runs backward
+("in backward"); "whole" = its kept tensors + T^2 term + per-layer constant + autocast copies:
+  none:      held = whole; in backward = its transient.
+  full:      held = nothing (its input is a stream tensor, counted with the stream);
+             in backward = whole (recomputed) + its transient.
+  selective: follows the config's `activation_checkpoint.selective_ac_option`.
+             "op" (op-level SAC with torchtitan's save list): held = the outputs of every
+             other `aten.mm` in forward order (1st, 3rd, ...) and the SDPA outputs; in
+             backward = the recomputed rest of the kept tensors (custom ops, KDA and grouped
+             GEMM, included) + T^2 term + constant + copies + its transient.
+             An integer k (torchtitan's default "2"): every k-th layer fully checkpointed,
+             the others not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from titan_moe.model.args import ModelArgs
+from titan_moe.model.attn_res import ResidualStream
+from titan_moe.model.decoder import DecoderLayer
+
+from titan_moe.plan.layout import GIB, KDA_CHUNK, Precision
+
+# =========================================================================== eager activations
+EAGER_TOKENS = (64, 128, 192)  # measuring lengths: equally spaced multiples of the KDA chunk
+EAGER_EXTRA_EXPERTS = (2, 4)  # MoE layers are built with top_k + these routed experts
+EAGER_CPU_BUDGET = 2 * GIB  # a layer whose weights (+ autocast copies) need more is measured on fake tensors
+_MEASURE_DTYPES = {4: torch.float32, 2: torch.bfloat16}  # activation bytes only depend on the width
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+class _EfficientAttentionSaves(torch.autograd.Function):
+    """SDPA that saves what the GPU's memory-efficient kernel saves for its backward.
+
+    A measuring device, forward only. CPU SDPA takes the math path for our shapes (fp32
+    upcasts, `[B, H, T, T]` probabilities saved), which the GPU kernel does not. This one
+    computes the values with any backend under no_grad and saves q, k, v (the callers'
+    tensors), the output (written `[B, T, H, v]` by the kernel), the fp32 logsumexp
+    `[B, H, ceil32(T)]` and, for a boolean mask, the additive bias in q's dtype that
+    `scaled_dot_product_attention` converts it to (last dim padded to 16).
+    """
+
+    @staticmethod
+    def forward(ctx, q_BHTK, k_BHTK, v_BHTV, mask, scale, is_causal):
+        with torch.no_grad():
+            o_BHTV = torch.nn.functional.scaled_dot_product_attention(
+                q_BHTK, k_BHTK, v_BHTV, attn_mask=mask, is_causal=is_causal, scale=scale
+            )
+        B, H, T, _ = q_BHTK.shape
+        out_BHTV = o_BHTV.transpose(1, 2).contiguous().transpose(1, 2)
+        lse_BHT = q_BHTK.new_empty(B, H, _round_up(T, 32), dtype=torch.float32)
+        saved = [q_BHTK, k_BHTK, v_BHTV, out_BHTV, lse_BHT]
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                Tk = k_BHTK.shape[2]
+                bias = q_BHTK.new_zeros(*mask.shape[:-1], _round_up(Tk, 16))[..., :Tk]
+                mask = bias.masked_fill_(~mask, float("-inf"))
+            saved.append(mask)
+        ctx.save_for_backward(*saved)
+        return out_BHTV
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("the eager-activation measuring stand-in has no backward")
+
+
+class _FusedRMSNormSaves(torch.autograd.Function):
+    """RMSNorm that saves what CUDA's fused `_fused_rms_norm` saves: input, fp32 rstd `[..., 1]`
+    and the weight. A measuring device, forward only (the CPU build decomposes rms_norm and
+    also saves the normalised input)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        with torch.no_grad():
+            y = torch.nn.functional.rms_norm(x, normalized_shape, weight, eps)
+            dims = tuple(range(-len(normalized_shape), 0))
+            eps = torch.finfo(x.dtype).eps if eps is None else eps
+            rstd = torch.rsqrt(x.float().square().mean(dims, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("the eager-activation measuring stand-in has no backward")
+
+
+def _sdpa_saves(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p or enable_gqa:
+        raise ValueError("the eager-activation measurement models SDPA without dropout or GQA")
+    if torch.is_autocast_enabled("cpu"):  # SDPA is on autocast's lower-precision list
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    return _EfficientAttentionSaves.apply(query, key, value, attn_mask, scale, is_causal)
+
+
+class GpuKernelSaves(torch.overrides.TorchFunctionMode):
+    """Routes SDPA and (matching-dtype) RMSNorm to stand-ins that save what their CUDA kernels
+    save; every other op runs as is. RMSNorm with an input dtype other than the weight's
+    falls back to the composite on CUDA too, so it is left alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _sdpa_saves(*args, **kwargs)
+        if func is torch.nn.functional.rms_norm:
+            names = ("input", "normalized_shape", "weight", "eps")
+            bound = dict(zip(names, args)) | kwargs
+            x, weight = bound["input"], bound.get("weight")
+            if weight is None or weight.dtype == x.dtype:
+                shape = tuple(bound["normalized_shape"])
+                return _FusedRMSNormSaves.apply(x, shape, weight, bound.get("eps"))
+        return func(*args, **kwargs)
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """Identity of a storage: its data pointer (fake tensors have none: the StorageImpl)."""
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+
+
+def zero_layer(args: ModelArgs, layer_idx: int, param_dtype: torch.dtype) -> DecoderLayer:
+    """Decoder layer `layer_idx` with zero parameters in `param_dtype` (buffers keep their
+    dtypes), in training mode. Under a FakeTensorMode its tensors are fake (no storage)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(layer_idx, args)
+    for module in layer.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.zeros(p.shape, dtype=param_dtype)))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.zeros(b.shape, dtype=b.dtype))
+    return layer.train()
+
+
+def eager_saved_bytes(
+    layer: DecoderLayer, args: ModelArgs, T: int, stream_dtype: torch.dtype, autocast_dtype: torch.dtype | None
+) -> int:
+    """Bytes of the distinct storages eager autograd saves in one forward of `layer` over one
+    packed row of T tokens (one document: `doc_ids` and `cu_seqlens` given, as in training).
+
+    The input is an AttnRes stream started from a `[1, T, dim]` embedding in `stream_dtype`,
+    as the Decoder builds it; `autocast_dtype` (or None) is the CPU autocast dtype. SDPA and
+    RMSNorm save what their CUDA kernels save (`GpuKernelSaves`). Not counted: parameters
+    and the stream's own tensors (both sub-layers' input streams: `_stream_bytes_per_token`
+    counts them). Storages are deduplicated by identity and held until counted.
+    """
+    excluded = {_storage_key(p.untyped_storage()) for p in layer.parameters()}
+
+    def exclude_stream(module, inputs):
+        stream = inputs[0]
+        excluded.update(_storage_key(t.untyped_storage()) for t in (stream.sources_SBTD, stream.partial_BTD))
+
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        saved[_storage_key(storage)] = storage
+        return t
+
+    embed_BTD = torch.zeros(1, T, args.dim, dtype=stream_dtype, requires_grad=True)
+    stream = ResidualStream.start(embed_BTD, args.attn_res, args.n_layers, args.attn_res_block_size)
+    doc_ids_BT = torch.zeros(1, T, dtype=torch.int32)
+    cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
+    amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    hooks = [mix.register_forward_pre_hook(exclude_stream) for mix in (layer.attention_mix, layer.ffn_mix)]
+    try:
+        with warnings.catch_warnings(), GpuKernelSaves(), amp:
+            warnings.simplefilter("ignore")  # rms_norm's "cannot dispatch to fused" dtype notes
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer(stream.tensors(), doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    del out
+    return sum(st.nbytes() for key, st in saved.items() if key not in excluded)
+
+
+@dataclass(frozen=True)
+class EagerProfile:
+    """What eager autograd keeps of one layer kind: `per_token` bytes per token plus
+    `per_seq_sq` bytes per sequence per T^2 (the MLA document mask), with how it was measured:
+    on `fake` tensors or real CPU ones, and with which routed-expert counts (`experts`, empty
+    for a dense layer)."""
+
+    kind: str
+    per_token: float
+    per_seq_sq: float
+    fake: bool
+    experts: tuple[int, ...]
+
+
+def _fit_tokens(bytes_T: list[int], tokens: tuple[int, ...], quad: float | None = None) -> tuple[float, float]:
+    """(per token, per T^2) of `c + l T + q T^2` through the first two or all three points
+    (equally spaced T); with two points `quad` must be given."""
+    h = tokens[1] - tokens[0]
+    if quad is None:
+        assert len(bytes_T) == 3 and tokens[2] - tokens[1] == h, "three equally spaced lengths"
+        quad = (bytes_T[2] - 2 * bytes_T[1] + bytes_T[0]) / (2 * h * h)
+    return (bytes_T[1] - bytes_T[0]) / h - quad * (tokens[0] + tokens[1]), quad
+
+
+def measure_eager_layer(
+    args: ModelArgs, layer_idx: int, prec: Precision, fsdp_enabled: bool,
+    tokens: tuple[int, int, int] = EAGER_TOKENS, fake: bool | None = None,
+) -> EagerProfile:
+    """Measure the bytes eager autograd keeps per token of decoder layer `layer_idx`.
+
+    Precision as training runs it: without FSDP the parameters and the stream are in
+    `training.dtype` under CPU autocast to the compute dtype (torchtitan's AMP); with FSDP
+    both are in the compute dtype and there is no autocast (FSDP's mixed precision). Saved
+    bytes at three lengths give `c + l T + q T^2`: `l` per token, `q` per T^2; the constant
+    (autocast weight copies, fp32 weight casts) drops out. A MoE layer with more than
+    `top_k + 4` routed experts is built with `top_k + 2` and `top_k + 4` and `l` is
+    extrapolated linearly to `n_routed_experts` (the router's `[T, n]` tensors are the only
+    per-token terms in n). `fake=None` measures on the CPU when the layer's weights and their
+    autocast copies fit `EAGER_CPU_BUDGET`, else on fake tensors (FakeTensorMode: the same
+    ops, dtypes, autocast and saved tensors, no storage or arithmetic).
+    """
+    if any(T % KDA_CHUNK for T in tokens):
+        raise ValueError(f"measuring lengths must be multiples of {KDA_CHUNK}, got {tokens}")
+    P, a = _MEASURE_DTYPES[prec.param], _MEASURE_DTYPES[prec.compute]
+    param_dtype = stream_dtype = a if fsdp_enabled else P
+    autocast_dtype = None if fsdp_enabled or prec.compute == 4 else a
+    n, k = args.n_routed_experts, args.top_k
+    moe = args.is_moe_layer(layer_idx)
+    counts = tuple(k + e for e in EAGER_EXTRA_EXPERTS) if moe and n > k + max(EAGER_EXTRA_EXPERTS) else (n,)
+    if fake is None:
+        with torch.device("meta"):
+            largest = DecoderLayer(layer_idx, replace(args, n_routed_experts=max(counts)))
+        numel = sum(p.numel() for p in largest.parameters())
+        copy_bytes = prec.compute if autocast_dtype is not None else 0
+        fake = numel * (param_dtype.itemsize + copy_bytes) > EAGER_CPU_BUDGET
+    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
+    per_token: list[float] = []
+    quad = None
+    with mode:
+        for count in counts:
+            layer = zero_layer(replace(args, n_routed_experts=count), layer_idx, param_dtype)
+            lengths = tokens if quad is None else tokens[:2]
+            measured = [eager_saved_bytes(layer, args, T, stream_dtype, autocast_dtype) for T in lengths]
+            line, quad = _fit_tokens(measured, tokens, quad)
+            per_token.append(line)
+            del layer
+    if len(counts) == 2:
+        slope = (per_token[1] - per_token[0]) / (counts[1] - counts[0])
+        per_token = [per_token[0] + slope * (n - counts[0])]
+    kind = args.layer_kinds()[layer_idx] + ("+moe" if moe else "+dense")
+    return EagerProfile(kind, per_token[0], quad, fake, counts if moe else ())
+
+
+_EAGER_CACHE: dict[tuple, dict[tuple[str, bool], EagerProfile]] = {}
+
+
+def eager_profiles(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict[tuple[str, bool], EagerProfile]:
+    """`measure_eager_layer` for the first layer of each (kind, is_moe), cached per model and
+    precision setting (the layouts of one plan share two settings: with and without FSDP)."""
+    key = (repr(args), prec.param, prec.compute, fsdp_enabled)
+    if key not in _EAGER_CACHE:
+        profiles = {}
+        for i, kind in enumerate(args.layer_kinds()):
+            kind_key = (kind, args.is_moe_layer(i))
+            if kind_key not in profiles:
+                profiles[kind_key] = measure_eager_layer(args, i, prec, fsdp_enabled)
+        _EAGER_CACHE[key] = profiles
+    return _EAGER_CACHE[key]

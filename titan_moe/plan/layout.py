@@ -1,0 +1,135 @@
+"""Layouts (torchtitan 0.2.2's `ParallelDims`): `N = dp_replicate * dp_shard * cp` GPUs (no TP,
+no PP). FSDP shards over `fsdp = dp_shard * cp`; HSDP replicas (`dp_replicate`) hold full
+copies of the shards and reduce no memory. EP takes its degree from the FSDP ranks:
+`ep | dp_shard * cp` and `ep | n_routed_experts`; the routed experts are split over EP on
+dim 0 and then FSDP-sharded over the remaining `efsdp = dp_shard * cp / ep` ranks. Enumerated:
+`cp in {1, 2, 4, 8}` dividing N and seq_len, `dp_replicate = 1` (with `--hsdp`: every power of
+two leaving `dp_shard * cp > 1`), every such `ep`. (Our `parallelize.py` does not wire EP or
+CP yet; the plan describes the torchtitan layouts they are meant to follow.)
+
+Bytes. `P` = bytes of `training.dtype` (what parameters, gradients and optimizer states are
+stored in: torchtitan builds the model under that default dtype; bf16 means no fp32 master
+copy), `a` = bytes of `training.mixed_precision_param` (the compute dtype: FSDP all-gathers
+in it, matmuls produce it), reduce dtype fp32 (4 B). Stream dtype `s` = `a` under FSDP (the
+embedding weight is gathered in `a`), `P` without FSDP (one GPU: autocast leaves the
+embedding, so the AttnRes stream, in the parameter dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+
+
+
+
+GIB = 2**30
+AC_MODES = ("none", "selective", "full")
+ACTIVATION_MODELS = ("compiled", "eager")
+CP_DEGREES = (1, 2, 4, 8)
+MAX_SEARCH_GPUS = 4096
+KDA_CHUNK = 64  # chunk length of the KDA op (SPEC §1)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# =========================================================================== layouts
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: `n_gpus = dp_replicate * dp_shard * cp`, `ep | dp_shard * cp`."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    ep: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.fsdp % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp_shard * cp ({self.fsdp})")
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks one FSDP shard group spans (torchtitan's `fsdp` mesh: dp_shard * cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP ranks of the routed experts after EP took its share."""
+        return self.fsdp // self.ep
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.fsdp > 1
+
+
+def enumerate_layouts(
+    n_gpus: int, n_experts: int, seq_len: int, hsdp: bool = False
+) -> list[Layout]:
+    """All layouts for `n_gpus` (see the module docstring), in a stable order."""
+    if n_gpus < 1:
+        raise ValueError(f"the GPU count must be >= 1, got {n_gpus}")
+    layouts = []
+    for cp in CP_DEGREES:
+        if n_gpus % cp or seq_len % cp:
+            continue
+        replicas = [1]
+        if hsdp:
+            replicas += [r for r in _powers_of_two(n_gpus // cp) if r > 1 and n_gpus // (cp * r) * cp > 1]
+        for r in replicas:
+            if (n_gpus // cp) % r:
+                continue
+            dp_shard = n_gpus // (cp * r)
+            for ep in range(1, dp_shard * cp + 1):
+                if (dp_shard * cp) % ep == 0 and n_experts % ep == 0:
+                    layouts.append(Layout(r, dp_shard, cp, ep))
+    return layouts
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+# =========================================================================== precision
+@dataclass(frozen=True)
+class Precision:
+    """Byte widths: `param` (training.dtype: params, grads, optimizer states), `compute`
+    (mixed_precision_param), `reduce` (FSDP reduce-scatter, fp32)."""
+
+    param: int
+    compute: int
+    reduce: int = 4
+
+    @classmethod
+    def from_config(cls, config) -> Precision:
+        return cls(
+            param=_DTYPE_BYTES[config.training.dtype],
+            compute=_DTYPE_BYTES[config.training.mixed_precision_param],
+            reduce=_DTYPE_BYTES[config.training.mixed_precision_reduce],
+        )
+
+    def stream(self, fsdp_enabled: bool) -> int:
+        return self.compute if fsdp_enabled else self.param
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One moment of a training step and what is alive then.
+
+    activations: activation bytes per GPU (kept tensors, stream, recompute, transients,
+    autocast weight copies). grad_units: how many backward units have finished and hold
+    their gradients, in backward order (head, layer n-1, ..., layer 0, the rest: see
+    `ParamMemory.grads_by_units`). optimizer_step: the optimizer's phase (no FSDP units
+    gathered; the optimizer's temporaries instead).
+    """
+
+    name: str
+    activations: float
+    grad_units: int
+    optimizer_step: bool = False
