@@ -246,3 +246,34 @@ def test_memory_check_runs_the_trainer_and_the_planner(tmp_path, capsys):
     assert rows[0]["planned_gib"] > rows[1]["planned_gib"]  # AC lowers the plan
     bad = memory_check.measure(tiny.CONFIG, 64, "nonsense", 1, tmp_path / "bad", extra)
     assert not bad["ok"] and "activation_checkpoint.mode" in bad["error"]
+
+
+def _gpu_suite(tmp_path, *sections, gpus: str | None = None, dry: bool = True):
+    env = {**os.environ, "SUITE_DRY_RUN": "1" if dry else "0"}
+    if gpus is not None:
+        env["SUITE_GPUS"] = gpus
+    return subprocess.run(["bash", "profiling/gpu_suite.sh", str(tmp_path / "out"), *sections],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_gpu_suite_plans_every_section_for_two_gpus(tmp_path):
+    proc = _gpu_suite(tmp_path, gpus="2")
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    names = [line.split(":", 1)[0] for line in lines]
+    assert names == ["tests", "kda", "moe", "train_eager", "train_compiled", "fp8", "train_ep"]
+    commands = dict(line.split(": ", 1) for line in lines)
+    assert "--nproc_per_node=2" in commands["train_ep"] and "--parallelism.expert_parallel_degree 2" in commands["train_ep"]
+    assert "--compile.enable" in commands["train_compiled"] and "--compile.enable" not in commands["train_eager"]
+    for command in commands.values():  # every config file it names exists
+        for path in (word for word in command.split() if word.endswith(".toml")):
+            assert (REPO / path).is_file(), path
+
+
+def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
+    one_gpu = _gpu_suite(tmp_path, gpus="1")
+    assert one_gpu.returncode == 0
+    assert "train_ep" not in (tmp_path / "out" / "summary.txt").read_text()
+    assert _gpu_suite(tmp_path, "warp_drive", gpus="1").returncode == 2
+    no_gpu = _gpu_suite(tmp_path, gpus="0", dry=False)
+    assert no_gpu.returncode == 2 and "no CUDA device" in no_gpu.stderr

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU checks in one command: GPU tests, kernel benchmarks and short training runs, each
+# under its own time limit, every output in its own file under OUT (written as it runs, so a
+# run cut short keeps what it finished). Ends with OUT/summary.txt: one line per section
+# with its exit code and seconds.
+#
+#   bash profiling/gpu_suite.sh OUT [SECTION ...]
+#
+# Sections (default: all that the GPU count allows, in this order):
+#   tests      pytest -m gpu (the kernels against their references, CUDA export, compile)
+#   kda        profiling/bench_kda.py: our op at the shapes, state-walk configurations
+#   kda_fla    profiling/bench_kda.py --kernels 6: ours against fla in the same run (fla's
+#              autotuning takes minutes on a fresh machine)
+#   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
+#   train      small_1gpu eager and compiled, 30 steps each (tokens/s, memory)
+#   train_ep   small_1gpu FSDP2 x EP2 compiled, 30 steps (needs 2 GPUs)
+#   fp8        small_1gpu compiled, fp8 linears and experts, 30 steps
+# Time limits per section: $SUITE_TIMEOUT seconds (default 540). SUITE_DRY_RUN=1 writes each
+# command to summary.txt instead of running it; SUITE_GPUS overrides the GPU count (both for
+# checking the script without a GPU).
+set -u
+OUT=${1:?usage: bash profiling/gpu_suite.sh OUT [SECTION ...]}
+shift
+mkdir -p "$OUT"
+GPUS=${SUITE_GPUS:-$(python -c "import torch; print(torch.cuda.device_count())")}
+if [ "$GPUS" -lt 1 ]; then
+    echo "gpu_suite: no CUDA device" >&2
+    exit 2
+fi
+SECTIONS=("$@")
+if [ ${#SECTIONS[@]} -eq 0 ]; then
+    SECTIONS=(tests kda moe train fp8)
+    [ "$GPUS" -ge 2 ] && SECTIONS+=(train_ep)
+fi
+LIMIT=${SUITE_TIMEOUT:-540}
+export PYTHONUNBUFFERED=1
+SMALL=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 30
+       --metrics.log_freq 5 --validation.freq 1000)
+FP8=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name rowwise)
+
+run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
+    local name=$1 start=$SECONDS rc
+    shift
+    if [ "${SUITE_DRY_RUN:-0}" = 1 ]; then
+        echo "$name: $*" >> "$OUT/summary.txt"
+        return
+    fi
+    echo "gpu_suite: $name ..." >&2
+    timeout "$LIMIT" "$@" > "$OUT/$name.txt" 2>&1
+    rc=$?
+    echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt" >&2
+}
+
+for section in "${SECTIONS[@]}"; do
+    case $section in
+        tests) run tests python -m pytest -m gpu -q -rsx --runxfail -o faulthandler_timeout=300 tests ;;
+        kda) run kda python profiling/bench_kda.py --no-fla --kernels 6 --scan-configs 16x4,16x8,64x8 ;;
+        kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
+        moe) run moe python profiling/bench_moe.py --dispatch ;;
+        train)
+            run train_eager torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$OUT/train_eager"
+            run train_compiled torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable \
+                --job.dump_folder "$OUT/train_compiled" ;;
+        train_ep)
+            run train_ep torchrun --standalone --nproc_per_node=2 "${SMALL[@]}" --compile.enable \
+                --parallelism.data_parallel_shard_degree 2 --parallelism.expert_parallel_degree 2 \
+                --validation.local_batch_size 2 --job.dump_folder "$OUT/train_ep" ;;
+        fp8) run fp8 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable "${FP8[@]}" \
+                --job.dump_folder "$OUT/fp8" ;;
+        *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
+    esac
+done
