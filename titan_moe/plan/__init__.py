@@ -22,9 +22,9 @@ model gave up to 1 GiB more); the constants were not fitted to these runs. Befor
 walk the planner added all gradients, the whole AttnRes stream and the largest transient at
 once: +9% (8K) and +23% (32K) over the full-AC runs. Compiled runs (same GPU, BENCHMARKS.md):
 small_1gpu, selective AC, 8K, plan 25.2 GiB vs 26.2 GiB reserved (allocated not recorded);
-FSDP2 x EP2 on two H200s, plan 15.9 GiB vs 21.3 GiB allocated per GPU (-25%): under EP the
-MoE layers are compiled piecewise around their eager experts and keep more than the
-compiled count, and less than the eager profile (28.4 GiB); not modelled yet.
+FSDP2 x EP2 on two H200s, plan 19.9 GiB vs 21.3 GiB allocated per GPU (-6%), with the MoE
+layers modelled as compiled piecewise around their eager routed experts (measured, see
+`measure_eager_experts`); the all-compiled count gave 15.9 GiB (-25%).
 
 Modules, in the order the plan is built:
 
