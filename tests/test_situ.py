@@ -129,3 +129,31 @@ def test_ffn_init_on_meta_and_compile():
     out.sum().backward()
     assert counter.frame_count == 1
     assert torch.allclose(out, ffn(x))
+
+
+def test_autograd_keeps_only_the_two_pre_activations():
+    z = torch.randn(64, 2 * 48, dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = situ_glu(z[:, :48], z[:, 48:], 4.0, 25.0)
+    assert saved == {z.untyped_storage().data_ptr(): z.untyped_storage().nbytes()}  # the slices' storage
+    out.float().square().sum().backward()
+    assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+def test_bf16_gradients_match_float64():
+    """The backward recomputes in fp32, so bf16 gradients are the float64 ones rounded once."""
+    gen = torch.Generator().manual_seed(3)
+    zg64, zu64 = (6 * torch.randn(4096, generator=gen, dtype=torch.float64) for _ in range(2))
+    g64 = torch.randn(4096, generator=gen, dtype=torch.float64)
+    zg, zu = (x.bfloat16().requires_grad_() for x in (zg64, zu64))
+    situ_glu(zg, zu).backward(g64.bfloat16())
+    dg, du = _closed_form_grads(zg.detach().double(), zu.detach().double(), 4.0, 25.0)
+    g = g64.bfloat16().double()
+    assert _rel(zg.grad.double(), g * dg) < 4e-3  # bf16 output rounding: 2^-9 relative
+    assert _rel(zu.grad.double(), g * du) < 4e-3

@@ -13,18 +13,21 @@ PyTorch keeps (below); the default follows the config (`[compile] enable` with "
 fewest GPUs (powers of two up to 4096) at which any layout fits, and, as the last line, one
 JSON object; each layout's entry names the phase of the step where each AC mode peaks
 (`peak_phase`, see "The step walk"). Memory is a model, not a measurement. Checked against the
-peak allocated memory of eager `small_1gpu` runs on one H200 (the maximum over steps 1-3;
-`profiling/memory_check.py`, table in BENCHMARKS.md), planned with the eager model: AC none
-8K 51.2 GiB vs 52.45 measured (-2%), 32K 159 GiB where the run ran out of memory (> 138 GiB
-allocated); full AC 8K 22.8 vs 22.43 (+2%), 32K 32.8 vs 31.11 (+5%). The plans are on the
-model code of this revision, the runs on an earlier MoE layer (for which the activation
-model gave up to 1 GiB more); the constants were not fitted to these runs. Before the step
-walk the planner added all gradients, the whole AttnRes stream and the largest transient at
-once: +9% (8K) and +23% (32K) over the full-AC runs. Compiled runs (same GPU, BENCHMARKS.md):
-small_1gpu, selective AC, 8K, plan 25.2 GiB vs 26.2 GiB reserved (allocated not recorded);
-FSDP2 x EP2 on two H200s, plan 19.9 GiB vs 21.3 GiB allocated per GPU (-6%), with the MoE
-layers modelled as compiled piecewise around their eager routed experts (measured, see
-`measure_eager_experts`); the all-compiled count gave 15.9 GiB (-25%).
+peak allocated memory of `small_1gpu` runs on one or two H200s (`profiling/memory_check.py`
+and training logs; tables in BENCHMARKS.md), each run planned on the model code it ran:
+
+* eager, one GPU, steps 1-3: AC none 8K 51.2 GiB vs 52.45 measured (-2%), 32K 159 GiB where
+  the run ran out of memory (> 138 GiB allocated); full AC 8K 22.8 vs 22.43 (+2%), 32K 32.8
+  vs 31.11 (+5%). The constants were not fitted to these runs. Before the step walk the
+  planner added all gradients, the whole AttnRes stream and the largest transient at once:
+  +9% (8K) and +23% (32K) over the full-AC runs.
+* compiled, selective AC, 8K: one GPU, plan 25.2 GiB vs 26.2 GiB reserved (allocated not
+  recorded); FSDP2 x EP2, plan 19.9 GiB vs 21.3 GiB allocated per GPU (-6%) with the MoE
+  layers' routed experts counted as eager (`measure_eager_experts`; all-fused: 15.9, -25%).
+
+All of these runs predate SiTU-GLU's recomputing autograd (`titan_moe.model.situ`), after
+which eager layers keep less; the plans for the current code are lower (eager 8K: none 44.0,
+full 22.4 GiB; 32K: none 130 GiB, full 31.0; FSDP2 x EP2 compiled 16.1) and not yet measured.
 
 Modules, in the order the plan is built:
 

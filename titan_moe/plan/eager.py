@@ -35,13 +35,12 @@
     (`FakeTensorMode`: the same Python, ops, dtypes, autocast and saved tensors, with no
     storage or arithmetic; k3 at dim 7168: seconds and under 0.5 GB), which agree byte for
     byte with the CPU run on the test config. Cached per model and precision setting.
-  * small_1gpu (fp32 weights, bf16 autocast), KiB per token, eager vs compiled: kda+dense 194
-    vs 60, kda+moe 267 vs 105, mla+moe 218 (+ 2 B x T^2) vs 104 (8 KiB more for the MoE kinds
-    before the combine became one op). The extra: each AttnRes mixer
+  * small_1gpu (fp32 weights, bf16 autocast), KiB per token, eager vs compiled: kda+dense 162
+    vs 60, kda+moe 207 vs 105, mla+moe 158 (+ 2 B x T^2) vs 104 (before SiTU-GLU's autograd
+    kept only its pre-activations: 194, 267 and 218). The extra: each AttnRes mixer
     keeps two bf16 copies of the `[S, T, D]` sources (autocast casts them separately for the
     logit matmul and for the weighted sum); autocast makes a separate bf16 copy of x for every
-    projection; SiTU keeps seven `[rows, hidden]` intermediates (84 KiB for the routed
-    experts alone); the short convolution keeps fp32 taps; KDA's output norm and gates keep
+    projection; the short convolution keeps fp32 taps; KDA's output norm and gates keep
     fp32 intermediates.
   * AC accounting unchanged: op-level SAC keeps the same op outputs as the compiled count (it
     chooses by op) and recomputes the rest of the measured set; the transient is the compiled
