@@ -304,7 +304,9 @@ def test_compiled_layers_no_graph_break_no_recompile(mode, block_size):
     out_e, grad_e = run(layers)
     assert cnt.frame_count == 1
     assert not counters["graph_break"]
-    assert rel_err(out_c, out_e) < 1e-6 and rel_err(grad_c, grad_e) < 1e-6
+    # fp32 through 12 layers; aot_eager's decompositions reorder a few sums (seen: 1.1e-6 on
+    # the gradient). A wrong mask or source count is off by orders of magnitude more.
+    assert rel_err(out_c, out_e) < 1e-6 and rel_err(grad_c, grad_e) < 5e-6
 
 
 def test_stream_is_a_pytree_of_its_tensors():

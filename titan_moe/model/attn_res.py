@@ -52,7 +52,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_moe.model.args import AttnResMode
@@ -233,12 +232,24 @@ class AttnResMixer(nn.Module):
     def forward(self, stream: ResidualStream) -> torch.Tensor:
         if stream.mode == "none":
             return stream.partial_BTD
-        D = self.dim
-        w_D = self.key_norm.weight.float()
-        q_D = self.query.float()
+        # fp32 on purpose, also under autocast (which would run the logit matmul and the
+        # weighted sum in bf16, each on its own bf16 copy of the [S, B, T, D] sources, both
+        # kept for the backward): the sources are read as they are stored.
+        with torch.autocast(stream.sources_SBTD.device.type, enabled=False):
+            return self._mix(stream)
+
+    def _mix(self, stream: ResidualStream) -> torch.Tensor:
+        # logit = RMSNorm(v) . q = (v . (w * q)) / rms(v): the same number without a normalised
+        # copy of the sources, which the matmul would keep for the backward ([S, B, T, D] fp32,
+        # where this form keeps only [S, B, T] scalars beside the sources themselves).
+        wq_D = self.key_norm.weight.float() * self.query.float()
+
+        def logits(v_XD: torch.Tensor) -> torch.Tensor:
+            return (v_XD @ wq_D) * torch.rsqrt(v_XD.square().mean(-1) + self.eps)
+
         v_SBTD = stream.sources_SBTD.float()
         S = v_SBTD.shape[0]
-        logit_SBT = F.rms_norm(v_SBTD, (D,), w_D, self.eps) @ q_D
+        logit_SBT = logits(v_SBTD)
         valid_S = torch.arange(S, device=v_SBTD.device) < stream.n_sources
         logit_SBT = logit_SBT.masked_fill(~valid_S[:, None, None], float("-inf"))
         if stream.mode == "full":
@@ -246,8 +257,7 @@ class AttnResMixer(nn.Module):
             h_BTD = torch.einsum("sbt,sbtd->btd", p_SBT, v_SBTD)
         else:
             cur_BTD = stream.partial_BTD.float()
-            logit_BT = F.rms_norm(cur_BTD, (D,), w_D, self.eps) @ q_D
-            logit_BT = logit_BT.masked_fill(~stream.partial_used, float("-inf"))
+            logit_BT = logits(cur_BTD).masked_fill(~stream.partial_used, float("-inf"))
             p_SBT = torch.softmax(torch.cat([logit_SBT, logit_BT[None]], dim=0), dim=0)
             h_BTD = torch.einsum("sbt,sbtd->btd", p_SBT[:S], v_SBTD) + p_SBT[S, ..., None] * cur_BTD
         return h_BTD.to(stream.sources_SBTD.dtype)

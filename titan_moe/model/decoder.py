@@ -25,6 +25,18 @@ from titan_moe.ops.nvtx import nvtx_range
 LayerCache = KDACache | MLACache
 
 
+def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the enclosing autocast's compute dtype (unchanged outside autocast).
+
+    A sub-layer's input feeds several projections (KDA: six); autocast would cast it once per
+    matmul, and each matmul keeps its own copy for the backward. Cast once, share one copy.
+    Without autocast (FSDP's mixed precision) the input is already in the compute dtype."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
 def run_layer(layer: nn.Module, stream: ResidualStream, **kwargs) -> ResidualStream:
     """Call `layer` (a `DecoderLayer`, maybe wrapped by checkpointing, compile or FSDP) on
     `stream`; keyword arguments as `DecoderLayer.forward`. Returns the updated stream."""
@@ -67,14 +79,14 @@ class DecoderLayer(nn.Module):
         referenced nonexistent value"); a tuple of tensors compiles.
         """
         stream = ResidualStream(*stream_tensors, self.attn_res_mode, self.attn_res_block_size)
-        x_BTD = self.attention_norm(self.attention_mix(stream))
+        x_BTD = to_autocast_dtype(self.attention_norm(self.attention_mix(stream)))
         with nvtx_range(self.kind):
             if self.kind == "kda":
                 out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens, cache=cache)
             else:
                 out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cache=cache)
         stream = stream.add(out_BTD)
-        x_BTD = self.ffn_norm(self.ffn_mix(stream))
+        x_BTD = to_autocast_dtype(self.ffn_norm(self.ffn_mix(stream)))
         with nvtx_range(self.ffn_range):
             out_BTD = self.feed_forward(x_BTD)
         return stream.add(out_BTD).tensors()

@@ -25,9 +25,11 @@ and training logs; tables in BENCHMARKS.md), each run planned on the model code 
   recorded); FSDP2 x EP2, plan 19.9 GiB vs 21.3 GiB allocated per GPU (-6%) with the MoE
   layers' routed experts counted as eager (`measure_eager_experts`; all-fused: 15.9, -25%).
 
-All of these runs predate SiTU-GLU's recomputing autograd (`titan_moe.model.situ`), after
-which eager layers keep less; the plans for the current code are lower (eager 8K: none 44.0,
-full 22.4 GiB; 32K: none 130 GiB, full 31.0; FSDP2 x EP2 compiled 16.1) and not yet measured.
+All of these runs predate three changes that make eager layers keep less (SiTU-GLU's
+autograd keeps only its pre-activations; the AttnRes mixers keep no normalised copy of the
+sources; a sub-layer's input is cast to the autocast dtype once, not per projection). The
+plans for the current code, not yet measured: eager 8K none 37.2, full 21.9 GiB; 32K none
+102.8 (now fits one H200), full 29.2; FSDP2 x EP2 compiled 16.1.
 
 Modules, in the order the plan is built:
 
