@@ -97,3 +97,19 @@ def test_checkpointed_layers_compile_with_histogram_qb():
         for n in names:
             assert torch.equal(stats_c[n], stats_e[n]), n
     _assert_same_grads(compiled, eager)
+
+
+def test_layers_compile_under_autocast():
+    """One-GPU training runs the compiled layers under autocast (fp32 parameters, bf16
+    compute): the autocast queries inside a layer (`to_autocast_dtype`) and the mixers'
+    autocast-off region trace without a graph break."""
+    eager, compiled = _eager_and_compiled(ARGS)
+    tokens, doc_ids = _batch(1, torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_c, out_e = compiled(tokens, doc_ids), eager(tokens, doc_ids)
+    out_c.logsumexp(-1).mean().backward()
+    out_e.logsumexp(-1).mean().backward()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert ((out_c - out_e).norm() / out_e.norm()).item() < 1e-2  # bf16 matmuls, other op orders
+    for (name, p_c), (_, p_e) in zip(compiled.named_parameters(), eager.named_parameters(), strict=True):
+        assert p_c.grad is not None and p_e.grad is not None, name
