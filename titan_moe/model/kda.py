@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_moe.model.args import ModelArgs
+from titan_moe.model.short_conv import short_conv_silu, short_conv_silu_reference
 from titan_moe.ops.kda import chunk_kda, kda_decode_step
 from titan_moe.ops.nvtx import nvtx_wrap
 
@@ -128,28 +128,18 @@ class KimiDeltaAttention(nn.Module):
     def _short_conv(
         self, x_BTC: torch.Tensor, doc_ids_BT: torch.Tensor | None, conv_state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depthwise causal conv over q|k|v channels, then SiLU; fp32 math.
+        """Depthwise causal conv over q|k|v channels, then SiLU (`titan_moe.model.short_conv`).
 
-        `conv_state [B, conv_size-1, C]` is the left context (zeros when None). Taps that
-        reach back across a document start (per `doc_ids_BT`) are dropped. Returns the
+        `conv_state [B, conv_size-1, C]` is the left context (zeros when None). Returns the
         activations in x's dtype and the new conv state (the last conv_size-1 inputs).
         """
-        B, T, C = x_BTC.shape
-        K = self.conv_size
-        w_CK = torch.cat([self.q_conv_weight, self.k_conv_weight, self.v_conv_weight]).float()
-        left_BLC = x_BTC.new_zeros(B, K - 1, C) if conv_state is None else conv_state.to(x_BTC.dtype)
-        x_ext = torch.cat([left_BLC, x_BTC], dim=1).float()  # [B, K-1+T, C]
-        y_BTC = x_ext[:, K - 1 :] * w_CK[:, K - 1]
-        for s in range(1, K):  # tap reaching s tokens back
-            tap_BTC = x_ext[:, K - 1 - s : K - 1 - s + T] * w_CK[:, K - 1 - s]
-            if doc_ids_BT is not None:
-                same_doc = doc_ids_BT[:, s:] == doc_ids_BT[:, :-s]
-                # the first s tokens read the zero left context, so their mask value is moot
-                head = torch.ones(B, min(s, T), dtype=torch.bool, device=x_BTC.device)
-                tap_BTC = tap_BTC * torch.cat([head, same_doc], dim=1)[..., None]
-            y_BTC = y_BTC + tap_BTC
-        new_state = x_ext[:, x_ext.shape[1] - (K - 1) :].to(x_BTC.dtype)
-        return F.silu(y_BTC).to(x_BTC.dtype), new_state
+        w_CK = torch.cat([self.q_conv_weight, self.k_conv_weight, self.v_conv_weight])
+        if conv_state is not None:  # decode / chunked prefill
+            return short_conv_silu_reference(x_BTC, w_CK, doc_ids_BT, conv_state)
+        B, _, C = x_BTC.shape
+        left = self.conv_size - 1
+        new_state = torch.cat([x_BTC.new_zeros(B, left, C), x_BTC], dim=1)[:, x_BTC.shape[1] :]
+        return short_conv_silu(x_BTC, w_CK, doc_ids_BT), new_state
 
     @nvtx_wrap("kda.inputs")
     def attention_inputs(

@@ -25,11 +25,11 @@ and training logs; tables in BENCHMARKS.md), each run planned on the model code 
   recorded); FSDP2 x EP2, plan 19.9 GiB vs 21.3 GiB allocated per GPU (-6%) with the MoE
   layers' routed experts counted as eager (`measure_eager_experts`; all-fused: 15.9, -25%).
 
-All of these runs predate three changes that make eager layers keep less (SiTU-GLU's
-autograd keeps only its pre-activations; the AttnRes mixers keep no normalised copy of the
-sources; a sub-layer's input is cast to the autocast dtype once, not per projection). The
-plans for the current code, not yet measured: eager 8K none 37.2, full 21.9 GiB; 32K none
-102.8 (now fits one H200), full 29.2; FSDP2 x EP2 compiled 16.1.
+All of these runs predate four changes that make eager layers keep less (SiTU-GLU's and the
+KDA short convolution's autograd keep only their inputs; the AttnRes mixers keep no
+normalised copy of the sources; a sub-layer's input is cast to the autocast dtype once, not
+per projection). The plans for the current code, not yet measured: eager 8K none 35.5, full
+21.8 GiB; 32K none 96.1 (now fits one H200), full 28.7; FSDP2 x EP2 compiled 16.1.
 
 Modules, in the order the plan is built:
 

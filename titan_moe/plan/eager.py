@@ -35,13 +35,14 @@
     (`FakeTensorMode`: the same Python, ops, dtypes, autocast and saved tensors, with no
     storage or arithmetic; k3 at dim 7168: seconds and under 0.5 GB), which agree byte for
     byte with the CPU run on the test config. Cached per model and precision setting.
-  * small_1gpu (fp32 weights, bf16 autocast), KiB per token, eager vs compiled: kda+dense 109
-    vs 60, kda+moe 151 vs 105, mla+moe 108 (+ 2 B x T^2) vs 104. Before three changes they
+  * small_1gpu (fp32 weights, bf16 autocast), KiB per token, eager vs compiled: kda+dense 91
+    vs 60, kda+moe 133 vs 105, mla+moe 108 (+ 2 B x T^2) vs 104. Before four changes they
     were 194, 267 and 218: SiTU-GLU kept seven `[rows, hidden]` intermediates (now its two
-    pre-activations), each AttnRes mixer kept two bf16 copies of the `[S, T, D]` sources (now
+    pre-activations), the short convolution its fp32 padded input and pre-activation (now
+    its bf16 input), each AttnRes mixer kept two bf16 copies of the `[S, T, D]` sources (now
     fp32 with no normalised copy), and autocast made a bf16 copy of a sub-layer's input for
-    every projection (now one cast). What remains: the short convolution keeps fp32 taps;
-    KDA's output norm and gates keep fp32 intermediates; the MLA mask.
+    every projection (now one cast). What remains: KDA's gate, L2 norm, output norm and
+    output gate keep fp32 intermediates; the MLA mask.
   * AC accounting unchanged: op-level SAC keeps the same op outputs as the compiled count (it
     chooses by op) and recomputes the rest of the measured set; the transient is the compiled
     one (2 x the largest kept entry + workspace). Not modelled: the mask construction's
