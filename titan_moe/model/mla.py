@@ -11,6 +11,13 @@
 No positional encoding anywhere (NoPE): scores depend on content and the causal/document mask
 only, so context can grow between training stages without rescaling. No biases.
 
+Packed documents. With ``doc_ids`` the attention is causal within each document. SDPA takes a
+dense ``[B, 1, T, T]`` boolean mask (its kernel keeps it for the backward: T^2 bytes per row,
+1 GiB at 32K). With ``TITAN_MOE_MLA_ATTENTION=flex`` a compiled layer on CUDA runs
+FlexAttention with a block mask built from ``doc_ids`` instead (O(T^2 / 128^2) memory, fully
+masked blocks skipped); eager layers and CPU tensors keep the dense mask (eager FlexAttention
+materialises the scores; FlexAttention has no CPU backward). Opt-in until timed on a GPU.
+
 Precision. Projections and the attention itself (SDPA) run in the input dtype. The SDPA
 output ``o`` is upcast to fp32; the gate ``sigmoid(W_g x)`` is computed in fp32 (from the
 input-dtype logits ``W_g x``), and the product ``sigmoid(W_g x) ⊙ o`` is formed in fp32; that
@@ -27,6 +34,7 @@ cannot fold into ``W_o`` because the gate sits between them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +44,33 @@ from torch import nn
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.packing import same_doc_causal_mask
 from titan_moe.ops.nvtx import nvtx_wrap
+
+
+ATTENTION_ENV = "TITAN_MOE_MLA_ATTENTION"  # sdpa (default) | flex
+
+
+def attention_backend() -> str:
+    """"sdpa" or "flex" (module docstring), from `$TITAN_MOE_MLA_ATTENTION`."""
+    name = os.environ.get(ATTENTION_ENV) or "sdpa"
+    if name not in ("sdpa", "flex"):
+        raise ValueError(f"{ATTENTION_ENV} must be 'sdpa' or 'flex', got {name!r}")
+    return name
+
+
+def flex_doc_causal_attention(
+    q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTV: torch.Tensor, doc_ids_BT: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """FlexAttention, causal within each document of `doc_ids_BT` [B, T]; o [B, H, T, V].
+    Meant for compiled regions (eager FlexAttention is a dense reference)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, _, T, _ = q_BHTK.shape
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids_BT[b, q_idx] == doc_ids_BT[b, kv_idx])
+
+    block_mask = create_block_mask(same_doc_causal, B, None, T, T, device=q_BHTK.device)
+    return flex_attention(q_BHTK, k_BHTK, v_BHTV, block_mask=block_mask, scale=scale)
 
 
 @dataclass
@@ -135,6 +170,8 @@ class GatedMLA(nn.Module):
         q_BHTK, k_BHTK, v_BHTV = (t.transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))
         if doc_ids_BT is None:
             o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=self.scale)
+        elif q_BHTK.is_cuda and torch.compiler.is_compiling() and attention_backend() == "flex":
+            o_BHTV = flex_doc_causal_attention(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT, self.scale)
         else:
             mask_B1TT = same_doc_causal_mask(doc_ids_BT)
             o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, attn_mask=mask_B1TT, scale=self.scale)
