@@ -49,3 +49,20 @@ def test_keeps_only_the_input_and_taps_for_backward():
     assert {x.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()} <= saved and len(saved) == 3  # + doc ids
     y.float().sum().backward()
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_compiled_gradients_equal_eager(with_docs):
+    """Traced by Dynamo (aot_eager), the autograd function gives the eager gradients (torch
+    2.11 once gave zeros here: a no-op cast at the end of the forward)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 12, 6, generator=gen, requires_grad=True)
+    w = torch.randn(6, 4, generator=gen, requires_grad=True)
+    doc_ids = _doc_ids(2, 12, [5]) if with_docs else None
+    g = torch.randn(2, 12, 6, generator=gen)
+    want = torch.autograd.grad(short_conv_silu(x, w, doc_ids), (x, w), g)
+    torch._dynamo.reset()
+    compiled = torch.compile(short_conv_silu, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, w, doc_ids), (x, w), g)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-6

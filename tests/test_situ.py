@@ -157,3 +157,15 @@ def test_bf16_gradients_match_float64():
     g = g64.bfloat16().double()
     assert _rel(zg.grad.double(), g * dg) < 4e-3  # bf16 output rounding: 2^-9 relative
     assert _rel(zu.grad.double(), g * du) < 4e-3
+
+
+def test_compiled_gradients_equal_eager():
+    gen = torch.Generator().manual_seed(5)
+    zg, zu = (3 * torch.randn(64, generator=gen) for _ in range(2))
+    zg.requires_grad_(), zu.requires_grad_()
+    g = torch.randn(64, generator=gen)
+    want = torch.autograd.grad(situ_glu(zg, zu), (zg, zu), g)
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(situ_glu, backend="aot_eager", fullgraph=True)(zg, zu), (zg, zu), g)
+    for a, b in zip(got, want, strict=True):
+        assert _rel(a, b) < 1e-6

@@ -21,6 +21,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """`t.to(dtype)` only when the dtype differs. torch 2.11's Dynamo loses the gradient of an
+    autograd.Function whose forward returns `out.to(out.dtype)` (a no-op cast): compiled, the
+    inputs got zero gradients (seen with aot_eager on the CPU)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """fp32, or the input's dtype when wider (float64 checks)."""
     return torch.promote_types(x.dtype, torch.float32)
@@ -63,8 +70,8 @@ def short_conv_silu_reference(
     compute = _compute_dtype(x_BTC)
     x_ext = torch.cat([left_BLC, x_BTC], dim=1).to(compute)
     y_BTC = _pre_activation(x_ext, w_CK.to(compute), _tap_masks(doc_ids_BT, K, T), T)
-    new_state = x_ext[:, x_ext.shape[1] - (K - 1) :].to(x_BTC.dtype)
-    return F.silu(y_BTC).to(x_BTC.dtype), new_state
+    new_state = _cast(x_ext[:, x_ext.shape[1] - (K - 1) :], x_BTC.dtype)
+    return _cast(F.silu(y_BTC), x_BTC.dtype), new_state
 
 
 class _ShortConvSiLU(torch.autograd.Function):
@@ -86,14 +93,18 @@ class _ShortConvSiLU(torch.autograd.Function):
         y_BTC = _pre_activation(x_ext, w, masks, T)
         sig = torch.sigmoid(y_BTC)
         dy_BTC = grad_BTC.to(compute) * sig * (1 + y_BTC * (1 - sig))  # silu'(y)
-        dx_ext = torch.zeros_like(x_ext)
-        dw_CK = torch.empty_like(w)
-        for s in range(K):  # tap j = K-1-s reads x_ext[:, j : j + T]
-            j = K - 1 - s
+        # Out of place on purpose: torch 2.11's Dynamo traced in-place slice updates of a
+        # buffer in this backward into wrong gradients.
+        dx_BTC = torch.zeros_like(dy_BTC)
+        dw_columns = []
+        for j in range(K):  # tap j reads x_ext[:, j : j + T], i.e. s = K-1-j tokens back
+            s = K - 1 - j
             dy_s = dy_BTC if masks[s] is None else dy_BTC * masks[s]
-            dx_ext[:, j : j + T] += dy_s * w[:, j]
-            dw_CK[:, j] = (dy_s * x_ext[:, j : j + T]).sum(dim=(0, 1))
-        return dx_ext[:, K - 1 :].to(x_BTC.dtype), dw_CK.to(w_CK.dtype), None
+            dw_columns.append((dy_s * x_ext[:, j : j + T]).sum(dim=(0, 1)))
+            # input token t - s receives dy_s[t] * w[j]; inputs before the sequence are dropped
+            dx_BTC = dx_BTC + F.pad((dy_s * w[:, j])[:, s:], (0, 0, 0, min(s, T)))
+        dw_CK = torch.stack(dw_columns, dim=1)
+        return _cast(dx_BTC, x_BTC.dtype), _cast(dw_CK, w_CK.dtype), None
 
 
 def short_conv_silu(x_BTC: Tensor, w_CK: Tensor, doc_ids_BT: Tensor | None = None) -> Tensor:
