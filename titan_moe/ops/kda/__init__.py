@@ -13,7 +13,7 @@ from titan_moe.ops.kda.op import chunk_kda
 from titan_moe.ops.kda.recurrent import kda_decode_step
 from titan_moe.ops.kda.triton_op import register_cuda_kernels
 
-register_cuda_kernels()  # Triton kernels for CUDA tensors when TITAN_MOE_KDA_BACKEND=triton
+register_cuda_kernels()  # Triton kernels for CUDA tensors unless TITAN_MOE_KDA_BACKEND=torch
 
 __all__ = [
     "chunk_kda",

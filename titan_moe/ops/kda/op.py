@@ -12,8 +12,8 @@ compiler by its fake (meta) implementation.
 
 The plain-PyTorch implementations here (`kda_chunk_fwd_torch`, `kda_chunk_bwd_torch`)
 serve every device. `triton_op.register_cuda_kernels` puts the Triton kernels under the
-same names for CUDA tensors (`TITAN_MOE_KDA_BACKEND=triton`), with no change to the
-schemas, fake implementations, autograd wiring or callers.
+same names for CUDA tensors (the default; `TITAN_MOE_KDA_BACKEND=torch` keeps the PyTorch
+path), with no change to the schemas, fake implementations, autograd wiring or callers.
 
 The L2 norm of q/k and the bounded gate stay outside the ops, as differentiable PyTorch
 (see `chunk_kda`), so the ops' contract is the bare recurrence of SPEC §1.
