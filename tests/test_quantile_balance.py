@@ -168,6 +168,7 @@ def _dist_worker(rank, world, init_file, out_dir, scores, bias, k, bins, x_BTD, 
             metrics = update_expert_biases(moe, group=dist.group.WORLD)
             result[f"moe_{rule}{qb_bins}"] = (moe.expert_bias.clone(), metrics)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks past their last collective before teardown (tests/test_parallel.py)
     finally:
         dist.destroy_process_group()
 
