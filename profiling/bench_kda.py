@@ -138,19 +138,13 @@ def bench(args) -> list[dict]:
 def scan_config_runner(bv: int, warps: int):
     """`run_ours` with the sequential state walks' columns per program and warps set
     (`triton_fwd.sequential_scan_config`)."""
+    from bench_moe import env_vars  # profiling/ is on the path when this runs as a script
+
     from titan_moe.ops.kda.triton_fwd import SCAN_BV_ENV, SCAN_WARPS_ENV
 
     def run(inp, backward: bool):
-        saved = {key: os.environ.get(key) for key in (SCAN_BV_ENV, SCAN_WARPS_ENV)}
-        os.environ[SCAN_BV_ENV], os.environ[SCAN_WARPS_ENV] = str(bv), str(warps)
-        try:
+        with env_vars({SCAN_BV_ENV: str(bv), SCAN_WARPS_ENV: str(warps)}):
             return run_ours(inp, backward)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
     return run
 

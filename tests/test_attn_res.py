@@ -306,7 +306,7 @@ def test_compiled_layers_no_graph_break_no_recompile(mode, block_size):
     assert not counters["graph_break"]
     # fp32 through 12 layers; aot_eager's decompositions reorder a few sums (seen: 1.1e-6 on
     # the gradient). A wrong mask or source count is off by orders of magnitude more.
-    assert rel_err(out_c, out_e) < 1e-6 and rel_err(grad_c, grad_e) < 5e-6
+    assert rel_err(out_c, out_e) < 1e-6 and rel_err(grad_c, grad_e) < 2e-6
 
 
 def test_stream_is_a_pytree_of_its_tensors():

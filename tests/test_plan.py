@@ -548,20 +548,19 @@ def test_bad_arguments_give_one_line_and_exit_2(argv, message, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("titan_moe.plan: error:") and message in err, err
 
 
-def test_expert_parallel_compiled_moe_layers_keep_the_eager_experts_bytes():
-    """Under EP the MoE layers are compiled piecewise: the routed experts' fused entries are
-    replaced by their eager bytes, which the fake-tensor measurement gets right (checked
-    against real tensors here), and nothing else changes."""
+def test_eager_routed_experts_keep_what_the_fused_count_says():
+    """Under EP a MoE layer is compiled piecewise and its routed experts run eagerly; the
+    planner counts them as fused (`moe.expert_gate_up` + `moe.expert_hidden`). That holds
+    because SiTU-GLU's autograd keeps only its pre-activations: eager autograd keeps exactly
+    those bytes per routed row (measured here; before, it kept 4 more hidden-sized tensors)."""
     from titan_moe.model.moe import RoutedExperts
-    from titan_moe.plan.eager import EXPERT_ROWS, measure_eager_experts
 
     args = _tiny()
-    per_token = measure_eager_experts(args, BF16, fsdp_enabled=True)
     torch.manual_seed(0)
     experts = RoutedExperts(2, args.moe_latent_dim, args.moe_expert_hidden, args.situ_beta1, args.situ_beta2).bfloat16()
     params = {p.untyped_storage().data_ptr() for p in experts.parameters()}
-    real = []
-    for rows in EXPERT_ROWS:
+    rows_list, kept = (64, 128), []
+    for rows in rows_list:
         x = torch.randn(rows, args.moe_latent_dim, dtype=torch.bfloat16, requires_grad=True)
         saved = {}
 
@@ -571,18 +570,11 @@ def test_expert_parallel_compiled_moe_layers_keep_the_eager_experts_bytes():
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             experts(x, torch.tensor([rows // 2, rows], dtype=torch.int32))
-        real.append(sum(n for ptr, n in saved.items() if ptr not in params | {x.untyped_storage().data_ptr()}))
-    assert per_token == (real[1] - real[0]) / (EXPERT_ROWS[1] - EXPERT_ROWS[0]) * args.top_k
-    fused = 3 * args.top_k * args.moe_expert_hidden * 2  # gate/up and hidden, bf16
-    # SiTU-GLU's autograd keeps only its pre-activations, so eager experts keep what fused
-    # ones do (before it, eager kept 4 more hidden-sized tensors per copy).
-    assert per_token == pytest.approx(fused)
+        kept.append(sum(n for ptr, n in saved.items() if ptr not in params | {x.untyped_storage().data_ptr()}))
+    per_token = (kept[1] - kept[0]) / (rows_list[1] - rows_list[0]) * args.top_k
 
-    ep1, ep2 = (model_activations(args, BF16, Layout(1, 2, 1, ep), "compiled") for ep in (1, 2))
-    for a, b in zip(ep1, ep2, strict=True):
-        names_a, names_b = [e.name for e in a.entries], [e.name for e in b.entries]
-        if "moe.expert_gate_up" not in names_a:
-            assert names_a == names_b
-            continue
-        assert "moe.experts_eager" in names_b and "moe.expert_gate_up" not in names_b
-        assert sum(e.bytes for e in b.entries) - sum(e.bytes for e in a.entries) == pytest.approx(per_token - fused)
+    moe_layer = next(layer for layer in model_activations(args, BF16, Layout(1, 2, 1, 2), "compiled")
+                     if layer.kind.endswith("+moe"))
+    fused = sum(e.bytes for e in moe_layer.entries if e.name in ("moe.expert_gate_up", "moe.expert_hidden"))
+    assert fused == 3 * args.top_k * args.moe_expert_hidden * 2  # gate/up and hidden, bf16
+    assert per_token == fused

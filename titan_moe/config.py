@@ -19,6 +19,7 @@ torchtitan's own keys keep their meaning; `training.dataset` is one of "builtin"
 
 import dataclasses
 import difflib
+import json
 import os
 import sys
 import tomllib
@@ -361,8 +362,6 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
 def run_json_cli(prog: str, run: Any, argv: list[str] | None = None) -> None:
     """Call `run(argv)` and print its summary as one JSON line; a ConfigError becomes one
     `prog: error: ...` line on stderr and exit code 2 (the tools' shared convention)."""
-    import json
-
     try:
         summary = run(argv)
     except ConfigError as e:

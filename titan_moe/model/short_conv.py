@@ -93,8 +93,6 @@ class _ShortConvSiLU(torch.autograd.Function):
         y_BTC = _pre_activation(x_ext, w, masks, T)
         sig = torch.sigmoid(y_BTC)
         dy_BTC = grad_BTC.to(compute) * sig * (1 + y_BTC * (1 - sig))  # silu'(y)
-        # Out of place on purpose: torch 2.11's Dynamo traced in-place slice updates of a
-        # buffer in this backward into wrong gradients.
         dx_BTC = torch.zeros_like(dy_BTC)
         dw_columns = []
         for j in range(K):  # tap j reads x_ext[:, j : j + T], i.e. s = K-1-j tokens back

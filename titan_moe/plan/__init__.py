@@ -22,14 +22,16 @@ and training logs; tables in BENCHMARKS.md), each run planned on the model code 
   planner added all gradients, the whole AttnRes stream and the largest transient at once:
   +9% (8K) and +23% (32K) over the full-AC runs.
 * compiled, selective AC, 8K: one GPU, plan 25.2 GiB vs 26.2 GiB reserved (allocated not
-  recorded); FSDP2 x EP2, plan 19.9 GiB vs 21.3 GiB allocated per GPU (-6%) with the MoE
-  layers' routed experts counted as eager (`measure_eager_experts`; all-fused: 15.9, -25%).
+  recorded); FSDP2 x EP2, 21.3 GiB allocated per GPU against a plan of 15.9 (-25%): under EP
+  the routed experts run eagerly, and eager SiTU-GLU then kept 84 KiB per token where the
+  fused count says 36 (counting that gave 19.9, -6%). SiTU-GLU's autograd now keeps only its
+  pre-activations, so the fused count holds for eager experts (a test pins it).
 
 All of these runs predate four changes that make eager layers keep less (SiTU-GLU's and the
 KDA short convolution's autograd keep only their inputs; the AttnRes mixers keep no
 normalised copy of the sources; a sub-layer's input is cast to the autocast dtype once, not
 per projection). The plans for the current code, not yet measured: eager 8K none 35.5, full
-21.8 GiB; 32K none 96.1 (now fits one H200), full 28.7; FSDP2 x EP2 compiled 16.1.
+21.8 GiB; 32K none 96.1 (now fits one H200), full 28.7; FSDP2 x EP2 compiled 15.9.
 
 Modules, in the order the plan is built:
 

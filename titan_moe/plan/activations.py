@@ -54,7 +54,7 @@ from functools import cached_property
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import max_sources
 
-from titan_moe.plan.eager import eager_profiles, measure_eager_experts
+from titan_moe.plan.eager import eager_profiles
 from titan_moe.plan.layout import ACTIVATION_MODELS, KDA_CHUNK, Layout, Precision
 
 # =========================================================================== activations
@@ -260,26 +260,19 @@ def model_activations(
     `activations`: "compiled" counts what fused layers keep (the entries); "eager" puts the
     bytes eager autograd saves, measured once per layer kind (`eager_profiles`), in `measured`.
     Compiled with expert parallelism, MoE layers are compiled piecewise around their routed
-    experts, which run eagerly (`parallelize.apply_compile`): their kept bytes there are the
-    experts' measured eager bytes (`measure_eager_experts`) instead of the fused count.
+    experts, which run eagerly (`parallelize.apply_compile`); the fused count holds for them
+    too, because SiTU-GLU's autograd keeps only its pre-activations (tests/test_plan.py checks
+    that eager experts keep exactly the `moe.expert_gate_up` and `moe.expert_hidden` bytes).
     """
     if activations not in ACTIVATION_MODELS:
         raise ValueError(f"activations must be one of {ACTIVATION_MODELS}, got {activations!r}")
     profiles = eager_profiles(args, prec, layout.fsdp_enabled) if activations == "eager" else {}
-    eager_experts = None
-    if activations == "compiled" and layout.ep > 1:
-        eager_experts = Entry("moe.experts_eager", measure_eager_experts(args, prec, layout.fsdp_enabled))
     by_kind: dict[tuple[str, bool], LayerActivations] = {}
     layers = []
     for i, kind in enumerate(args.layer_kinds()):
         key = (kind, args.is_moe_layer(i))
         if key not in by_kind:
             layer = layer_activations(args, i, prec, layout)
-            if eager_experts is not None and key[1]:
-                fused = {"moe.expert_gate_up", "moe.expert_hidden"}
-                entries = [e for e in layer.entries if e.name not in fused]
-                at = next(j for j, e in enumerate(layer.entries) if e.name in fused)
-                layer = replace(layer, entries=[*entries[:at], eager_experts, *entries[at:]])
             if key in profiles:
                 layer = replace(layer, measured=profiles[key].per_token, per_seq_sq=profiles[key].per_seq_sq)
             by_kind[key] = layer

@@ -75,7 +75,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import ResidualStream
 from titan_moe.model.decoder import DecoderLayer
-from titan_moe.model.moe import RoutedExperts
 
 from titan_moe.plan.layout import GIB, KDA_CHUNK, Precision
 
@@ -321,50 +320,5 @@ def eager_profiles(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict
             if kind_key not in profiles:
                 profiles[kind_key] = measure_eager_layer(args, i, prec, fsdp_enabled)
         _EAGER_CACHE[key] = profiles
-    return _EAGER_CACHE[key]
-
-
-EXPERT_ROWS = (256, 512)  # routed token copies at which the experts region is measured
-
-
-def measure_eager_experts(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> float:
-    """Bytes eager autograd keeps per local token in the routed experts alone
-    (`RoutedExperts.forward`: two grouped GEMMs around SiTU-GLU over the token's `top_k`
-    copies), not counting the experts' input rows or weights.
-
-    The region that runs eagerly when a MoE layer is compiled piecewise (expert parallelism,
-    `parallelize.apply_compile`). Measured on fake tensors (shapes, dtypes and saved tensors
-    only) with two experts at two row counts; the slope per row times `top_k` is per token.
-    Precision as `measure_eager_layer` (autocast without FSDP). Cached per model and precision.
-    """
-    key = ("experts", repr(args), prec.param, prec.compute, fsdp_enabled)
-    if key in _EAGER_CACHE:
-        return _EAGER_CACHE[key]
-    P, a = _MEASURE_DTYPES[prec.param], _MEASURE_DTYPES[prec.compute]
-    param_dtype = a if fsdp_enabled else P
-    amp = contextlib.nullcontext() if fsdp_enabled or prec.compute == 4 else torch.autocast("cpu", dtype=a)
-    measured = []
-    with FakeTensorMode(allow_non_fake_inputs=False):
-        with torch.device("meta"):
-            experts = RoutedExperts(2, args.moe_latent_dim, args.moe_expert_hidden, args.situ_beta1, args.situ_beta2)
-        for name, p in list(experts.named_parameters()):
-            setattr(experts, name, nn.Parameter(torch.zeros(p.shape, dtype=param_dtype)))
-        excluded = {_storage_key(p.untyped_storage()) for p in experts.parameters()}
-        for rows in EXPERT_ROWS:
-            x_ML = torch.zeros(rows, args.moe_latent_dim, dtype=a, requires_grad=True)
-            offs_E = torch.tensor([rows // 2, rows], dtype=torch.int32)
-            saved: dict[int, torch.UntypedStorage] = {}
-
-            def pack(t: torch.Tensor, saved=saved) -> torch.Tensor:
-                saved[_storage_key(t.untyped_storage())] = t.untyped_storage()
-                return t
-
-            with amp, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = experts(x_ML, offs_E)
-            skip = excluded | {_storage_key(x_ML.untyped_storage())}
-            measured.append(sum(st.nbytes() for k, st in saved.items() if k not in skip))
-            del out
-    per_row = (measured[1] - measured[0]) / (EXPERT_ROWS[1] - EXPERT_ROWS[0])  # weight copies drop out
-    _EAGER_CACHE[key] = per_row * args.top_k
     return _EAGER_CACHE[key]
 
