@@ -265,6 +265,12 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Every rank done before any tears its process group down: torchtitan's rank 0
+            # sleeps 2 s after the last step while the others exit, and a gloo rank that
+            # destroyed its group then sometimes aborted ("terminate called without an active
+            # exception"). Only after a normal end: after a failure a peer may never arrive.
+            torch.distributed.barrier()
     finally:
         if trainer is not None:
             trainer.close()
