@@ -108,10 +108,14 @@ def _stream_before(model: Decoder, layer_idx: int, tokens_BT: torch.Tensor, doc_
         )
         for i in range(layer_idx):
             stream = run_layer(model.layers[str(i)], stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens).end_layer(i)
+    # All four stream tensors on `device`, as the Decoder keeps them: the source count and the
+    # partial-block flag are 0-dim tensors that mask the mixer's logits.
     return dataclasses.replace(
         stream,
         sources_SBTD=stream.sources_SBTD.detach().to(device).requires_grad_(),
+        n_sources=stream.n_sources.to(device),
         partial_BTD=stream.partial_BTD.detach().to(device).requires_grad_(),
+        partial_used=stream.partial_used.to(device),
     )
 
 

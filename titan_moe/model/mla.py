@@ -70,7 +70,11 @@ def flex_doc_causal_attention(
         return (q_idx >= kv_idx) & (doc_ids_BT[b, q_idx] == doc_ids_BT[b, kv_idx])
 
     block_mask = create_block_mask(same_doc_causal, B, None, T, T, device=q_BHTK.device)
-    return flex_attention(q_BHTK, k_BHTK, v_BHTV, block_mask=block_mask, scale=scale)
+    # fp32 at K3's head dims (qk 192, v 128): Inductor's default forward tiles (64 x 64, three
+    # pipeline stages) need 279 KB of shared memory, over the H200's 227 KB; one stage fits.
+    # bf16 (training) keeps the defaults.
+    options = {"fwd_num_stages": 1} if q_BHTK.dtype == torch.float32 else None
+    return flex_attention(q_BHTK, k_BHTK, v_BHTV, block_mask=block_mask, scale=scale, kernel_options=options)
 
 
 @dataclass
