@@ -16,7 +16,10 @@ dense ``[B, 1, T, T]`` boolean mask (its kernel keeps it for the backward: T^2 b
 1 GiB at 32K). With ``TITAN_MOE_MLA_ATTENTION=flex`` a compiled layer on CUDA runs
 FlexAttention with a block mask built from ``doc_ids`` instead (O(T^2 / 128^2) memory, fully
 masked blocks skipped); eager layers and CPU tensors keep the dense mask (eager FlexAttention
-materialises the scores; FlexAttention has no CPU backward). Opt-in until timed on a GPU.
+materialises the scores; FlexAttention has no CPU backward). Opt-in until timed on a GPU;
+it matches the dense mask on the H200 (tests/test_mla.py) but cannot yet run inside a
+compiled layer with activation checkpointing (`create_block_mask` inside the checkpoint is
+rejected by Dynamo; `config.load_config` refuses that combination).
 
 Precision. Projections and the attention itself (SDPA) run in the input dtype. The SDPA
 output ``o`` is upcast to fp32; the gate ``sigmoid(W_g x)`` is computed in fp32 (from the
