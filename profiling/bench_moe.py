@@ -321,6 +321,7 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
 
     from titan_moe.ops.grouped_gemm.op import BACKEND_ENV
     from titan_moe.ops.grouped_gemm.triton_kernel import TMA_ENV
+    from titan_moe.ops.situ.op import BACKEND_ENV as SITU_ENV
 
     ours, theirs = build_layers(cfg, device, dtype)
     if compile_layers:
@@ -336,6 +337,8 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     }
     runs = {
         "ours_native": (ours, {BACKEND_ENV: "native"}),
+        # the same with the experts' SiTU-GLU as one Triton pass per direction
+        "ours_native_situ_triton": (ours, {BACKEND_ENV: "native", SITU_ENV: "triton"}),
         "ours_triton": (ours, {BACKEND_ENV: "triton", TMA_ENV: "0"}),
     }
     if tma_available(device):
@@ -367,7 +370,7 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
         )
     out["rel_err_ours_vs_native"] = {
         name: _layer_agreement(ours, x, grad, env, runs["ours_native"][1])
-        for name, (_, env) in runs.items() if name.startswith("ours_triton")
+        for name, (_, env) in runs.items() if name.startswith("ours_") and name != "ours_native"
     }
     return out
 

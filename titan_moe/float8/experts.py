@@ -37,7 +37,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import has_cuda_capability
 
 from titan_moe.model.moe import RoutedExperts
-from titan_moe.model.situ import situ_glu
+from titan_moe.model.situ import situ_glu_packed
 
 CONVERTER_NAME = "titan_float8_experts"
 GROUP_ALIGNMENT = 16
@@ -125,7 +125,7 @@ class Float8RoutedExperts(RoutedExperts):
         """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent]."""
         w_gate_up, w_down = self.local_weights()  # this rank's experts under expert parallelism
         z_M2H = fp8_grouped_mm(x_ML, w_gate_up.to(x_ML.dtype), offs_E)
-        hidden_MH = situ_glu(z_M2H[:, : self.hidden], z_M2H[:, self.hidden :], self.beta1, self.beta2)
+        hidden_MH = situ_glu_packed(z_M2H, self.beta1, self.beta2)
         return fp8_grouped_mm(hidden_MH, w_down.to(hidden_MH.dtype), offs_E)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from titan_moe.model.situ import DEFAULT_BETA1, DEFAULT_BETA2, situ_glu
+from titan_moe.model.situ import DEFAULT_BETA1, DEFAULT_BETA2, situ_glu_packed
 
 
 class SiTUGLUFeedForward(nn.Module):
@@ -29,8 +29,7 @@ class SiTUGLUFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [..., dim] -> [..., dim]."""
-        z_gate, z_up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(situ_glu(z_gate, z_up, self.beta1, self.beta2))
+        return self.w_down(situ_glu_packed(self.w_gate_up(x), self.beta1, self.beta2))
 
     @torch.no_grad()
     def init_weights(self, init_std: float = 0.02) -> None:

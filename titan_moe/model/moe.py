@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.ffn import SiTUGLUFeedForward
-from titan_moe.model.situ import situ_glu
+from titan_moe.model.situ import situ_glu_packed
 from titan_moe.ops.dispatch import permute, unpermute_combine
 from titan_moe.ops.grouped_gemm import grouped_mm
 from titan_moe.ops.nvtx import nvtx_range
@@ -253,7 +253,7 @@ class RoutedExperts(nn.Module):
         # Under autocast the activations arrive in bf16 while the weights stay fp32; a custom
         # op is not autocast-aware, so cast the weights the way autocast would for a matmul.
         z_M2H = grouped_mm(x_ML, w_gate_up.to(x_ML.dtype), offs_E)
-        hidden_MH = situ_glu(z_M2H[:, : self.hidden], z_M2H[:, self.hidden :], self.beta1, self.beta2)
+        hidden_MH = situ_glu_packed(z_M2H, self.beta1, self.beta2)
         return grouped_mm(hidden_MH, w_down.to(hidden_MH.dtype), offs_E)
 
     def local_weights(self) -> tuple[Tensor, Tensor]:

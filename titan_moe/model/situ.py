@@ -8,7 +8,8 @@ soft clip of SwiGLU's: ``β tanh(z/β) -> z`` as ``z/β -> 0``, so SiTU-GLU equa
 (|tanh| < 1 and 0 < sigmoid < 1). That bound keeps expert outputs finite under bf16/fp8
 training whatever the pre-activations do.
 
-Autograd keeps only the two pre-activations (`_SiTUGLU`): eager PyTorch would keep six
+Autograd keeps only the two pre-activations (`_SiTUGLU`, and the `titan_moe::situ_glu` op
+behind `situ_glu_packed` that the layers call): eager PyTorch would keep six
 intermediates (each tanh, the sigmoid, the scaled branches and the gate), 84 KiB against
 36 KiB per token in small_1gpu's routed experts. The backward recomputes the activations from
 ``z_g`` and ``z_u`` in at least fp32, with the derivatives
@@ -24,6 +25,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from titan_moe.ops.situ import situ_glu_backward_torch, situ_glu_forward_torch
+from titan_moe.ops.situ import situ_glu_packed as ops_situ_glu_packed
 
 DEFAULT_BETA1 = 4.0
 DEFAULT_BETA2 = 25.0
@@ -47,34 +51,33 @@ def situ_glu(z_gate: Tensor, z_up: Tensor, beta1: float = DEFAULT_BETA1, beta2: 
         raise ValueError(f"situ_glu: gate {tuple(z_gate.shape)} and up {tuple(z_up.shape)} shapes differ")
     if torch.is_grad_enabled() and (z_gate.requires_grad or z_up.requires_grad):
         return _SiTUGLU.apply(z_gate, z_up, beta1, beta2)
-    return _situ_glu_forward(z_gate, z_up, beta1, beta2)
+    return situ_glu_forward_torch(z_gate, z_up, beta1, beta2)
 
 
-def _situ_glu_forward(z_gate: Tensor, z_up: Tensor, beta1: float, beta2: float) -> Tensor:
-    gate = beta1 * torch.tanh(z_gate / beta1) * torch.sigmoid(z_gate)
-    up = beta2 * torch.tanh(z_up / beta2)
-    return gate * up
+def situ_glu_packed(z: Tensor, beta1: float = DEFAULT_BETA1, beta2: float = DEFAULT_BETA2) -> Tensor:
+    """SiTU-GLU of a fused gate|up projection `z [..., 2 * hidden]` -> `[..., hidden]`.
+
+    Eager: the `titan_moe::situ_glu` op (`titan_moe.ops.situ`: one Triton pass per direction
+    on CUDA when `$TITAN_MOE_SITU_BACKEND` selects it). Compiled: `situ_glu` on the two
+    halves, which Inductor fuses with its neighbours (an opaque op would stop that).
+    """
+    if torch.compiler.is_compiling():
+        hidden = z.shape[-1] // 2
+        return situ_glu(z[..., :hidden], z[..., hidden:], beta1, beta2)
+    return ops_situ_glu_packed(z, beta1, beta2)
 
 
 class _SiTUGLU(torch.autograd.Function):
     """SiTU-GLU that saves ``z_gate`` and ``z_up`` only and recomputes the rest (module
-    docstring). The backward is made of differentiable ops, so double backward works."""
+    docstring)."""
 
     @staticmethod
     def forward(ctx, z_gate: Tensor, z_up: Tensor, beta1: float, beta2: float) -> Tensor:
         ctx.save_for_backward(z_gate, z_up)
         ctx.betas = (beta1, beta2)
-        return _situ_glu_forward(z_gate, z_up, beta1, beta2)
+        return situ_glu_forward_torch(z_gate, z_up, beta1, beta2)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         z_gate, z_up = ctx.saved_tensors
-        beta1, beta2 = ctx.betas
-        compute = torch.promote_types(grad_out.dtype, torch.float32)
-        zg, zu, g = z_gate.to(compute), z_up.to(compute), grad_out.to(compute)
-        t_g, s, t_u = torch.tanh(zg / beta1), torch.sigmoid(zg), torch.tanh(zu / beta2)
-        gate = beta1 * t_g * s
-        d_gate = (1 - t_g * t_g) * s + gate * (1 - s)
-        grad_gate = g * d_gate * (beta2 * t_u)
-        grad_up = g * gate * (1 - t_u * t_u)
-        return grad_gate.to(z_gate.dtype), grad_up.to(z_up.dtype), None, None
+        return (*situ_glu_backward_torch(z_gate, z_up, grad_out, *ctx.betas), None, None)
