@@ -6,13 +6,15 @@
 Both sides get the same raw inputs and the same semantics: q/k L2-normalised, the bounded
 gate g = -5 * sigmoid(exp(A_log) * (z + dt_bias)) applied to raw z, beta given. fla fuses
 norm and gate into its kernels (`use_qk_l2norm_in_kernel`, `use_gate_in_kernel`,
-`safe_gate`, `lower_bound=-5`); ours runs them as PyTorch ops before the custom op.
+`safe_gate`, `lower_bound=-5`); ours runs them as PyTorch ops before the custom op, or
+as the fused `titan_moe::kda_prepare` op with `TITAN_MOE_KDA_PREPARE=fused`.
 Our side uses the Triton kernels (TITAN_MOE_KDA_BACKEND=triton is set by this script)
 unless `--backend torch`.
 
 `--scan-configs 16x4,64x8` adds rows for ours with the sequential state walks run at those
 columns-per-program x warps (`TITAN_MOE_KDA_SCAN_BV` / `_WARPS`; default 32x8 at dk = 128).
-`--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
+`--variants prep:TITAN_MOE_KDA_PREPARE=fused,...` adds rows for ours with other environment
+switches (read per call by our ops). `--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
 both sides: where the time goes, stage by stage. Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
 CPU), tokens/s, and TFLOP/s by Kimi Linear's forward FLOP count per head
 6*T*dk^2 + 3*T*C*dk + T*C^2 (C = 64), backward counted as twice the forward.
@@ -99,9 +101,13 @@ def bench(args) -> list[dict]:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     shapes = SHAPES_TINY if args.tiny else SHAPES_GPU
     peers = {"ours": run_ours}
+    from titan_moe.ops.kda.triton_fwd import SCAN_BV_ENV, SCAN_WARPS_ENV
+
     for config in filter(None, args.scan_configs.split(",")):
         bv, warps = (int(x) for x in config.split("x"))
-        peers[f"ours_bv{bv}w{warps}"] = scan_config_runner(bv, warps)
+        peers[f"ours_bv{bv}w{warps}"] = env_runner({SCAN_BV_ENV: str(bv), SCAN_WARPS_ENV: str(warps)})
+    for name, env in parse_variants(args.variants).items():
+        peers[f"ours_{name}"] = env_runner(env)
     if args.device == "cuda" and not args.no_fla:
         peers["fla"] = run_fla
     if args.shapes:
@@ -135,15 +141,25 @@ def bench(args) -> list[dict]:
     return rows
 
 
-def scan_config_runner(bv: int, warps: int):
-    """`run_ours` with the sequential state walks' columns per program and warps set
-    (`triton_fwd.sequential_scan_config`)."""
+def parse_variants(spec: str) -> dict[str, dict[str, str]]:
+    """`NAME:VAR=VALUE[+VAR=VALUE],...` -> {NAME: {VAR: VALUE}} (`--variants`)."""
+    variants = {}
+    for item in filter(None, spec.split(",")):
+        name, sep, settings = item.partition(":")
+        pairs = [kv.partition("=") for kv in settings.split("+")]
+        if not sep or not name or any(not k or not eq for k, eq, _ in pairs):
+            raise SystemExit(f"bench_kda: --variants takes NAME:VAR=VALUE[+VAR=VALUE],..., got {item!r}")
+        variants[name] = {k: v for k, _, v in pairs}
+    return variants
+
+
+def env_runner(env: dict[str, str]):
+    """`run_ours` with environment switches set around each call (our ops read them per call:
+    the state walks' columns and warps, `TITAN_MOE_KDA_PREPARE_BACKEND`, ...)."""
     from bench_moe import env_vars  # profiling/ is on the path when this runs as a script
 
-    from titan_moe.ops.kda.triton_fwd import SCAN_BV_ENV, SCAN_WARPS_ENV
-
     def run(inp, backward: bool):
-        with env_vars({SCAN_BV_ENV: str(bv), SCAN_WARPS_ENV: str(warps)}):
+        with env_vars(env):
             return run_ours(inp, backward)
 
     return run
@@ -189,7 +205,10 @@ def main() -> None:
                         help="also profile one call per row and print its N most expensive kernels")
     parser.add_argument("--shapes", default="", help="comma-separated sequence lengths to keep, e.g. 8192,32768")
     parser.add_argument("--scan-configs", default="", metavar="BVxWARPS,...",
-                        help="also time ours with these state-walk configurations, e.g. 16x4,16x8,64x8")
+                        help="also time ours with these state-walk configurations, e.g. 16x4,32x4,64x8")
+    parser.add_argument("--variants", default="", metavar="NAME:VAR=VALUE[+VAR=VALUE],...",
+                        help="also time ours with these environment switches, e.g. "
+                        "prep:TITAN_MOE_KDA_PREPARE_BACKEND=triton")
     parser.add_argument("--watchdog", type=float, default=0.0,
                         help="dump every thread's stack every this many seconds (finding hangs)")
     args = parser.parse_args()

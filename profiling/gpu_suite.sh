@@ -54,7 +54,8 @@ run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
 for section in "${SECTIONS[@]}"; do
     case $section in
         tests) run tests python -m pytest -m gpu -q -rsx --runxfail -o faulthandler_timeout=300 tests ;;
-        kda) run kda python profiling/bench_kda.py --no-fla --kernels 6 --scan-configs 16x4,16x8,64x8 ;;
+        kda) run kda python profiling/bench_kda.py --no-fla --kernels 6 --scan-configs 16x4,32x4,64x8 \
+                --variants prep:TITAN_MOE_KDA_PREPARE=fused ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)

@@ -25,7 +25,9 @@ from tiny import CONFIG, REPO, TINY_ARGS, TINY_CLI
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-OP_RANGES = {"op.kda_chunk_fwd", "op.kda_chunk_bwd", "op.grouped_mm", "op.grouped_mm_dx", "op.grouped_mm_dw",
+# ops that eager layers call and compiled ones replace by the composite Inductor fuses
+EAGER_ONLY_OP_RANGES = {"op.situ_glu", "op.situ_glu_bwd"}
+OP_RANGES = EAGER_ONLY_OP_RANGES | {"op.kda_chunk_fwd", "op.kda_chunk_bwd", "op.grouped_mm", "op.grouped_mm_dx", "op.grouped_mm_dw",
              "op.moe_permute", "op.moe_unpermute_combine", "op.moe_unpermute_combine_backward"}
 IN_LAYER_RANGES = {"kda", "mla", "moe", "ffn", "kda.inputs", "kda.output", "mla.attend",
                    "moe.router", "moe.dispatch", "moe.experts", "moe.combine", "moe.shared"}
@@ -64,10 +66,13 @@ def _expected_counts(args) -> Counter:
     kinds = args.layer_kinds()
     moe = [args.is_moe_layer(i) for i in range(args.n_layers)]
     n_kda, n_mla, n_moe = kinds.count("kda"), kinds.count("mla"), sum(moe)
+    n_situ = args.n_layers - n_moe + n_moe * (2 if args.n_shared_experts else 1)
     expected = Counter({f"layer{i}.{kind}": 1 for i, kind in enumerate(kinds)})
     expected.update({
         "head": 1, "attn_res.mix": 2 * args.n_layers + 1,
         "kda": n_kda, "kda.inputs": n_kda, "kda.output": n_kda, "op.kda_chunk_fwd": n_kda, "op.kda_chunk_bwd": n_kda,
+        # SiTU-GLU: each dense FFN, each MoE layer's routed experts and its shared experts (one module)
+        "op.situ_glu": n_situ, "op.situ_glu_bwd": n_situ,
         "mla": n_mla, "mla.attend": n_mla,
         "ffn": args.n_layers - n_moe, "moe": n_moe, "moe.router": n_moe, "moe.dispatch": n_moe,
         "moe.experts": n_moe, "moe.combine": n_moe, "moe.shared": n_moe if args.n_shared_experts else 0,
@@ -159,10 +164,11 @@ def test_compiled_layers_keep_boundary_and_op_ranges_without_graph_breaks(ranges
         torch._dynamo.reset()
     assert torch.equal(logits, eager_logits)
     expected = _expected_counts(TINY_ARGS)
-    kept = {n: c for n, c in expected.items() if n not in IN_LAYER_RANGES and n != "attn_res.mix"}
+    dropped = IN_LAYER_RANGES | EAGER_ONLY_OP_RANGES | {"attn_res.mix"}
+    kept = {n: c for n, c in expected.items() if n not in dropped}
     # in-layer ranges vanish from the compiled regions; the final AttnRes mix runs outside them
     assert Counter(names) == Counter({**kept, "attn_res.mix": 1})
-    assert set(kept) >= OP_RANGES | {"head", "layer0.kda", "layer3.mla"}
+    assert set(kept) >= (OP_RANGES - EAGER_ONLY_OP_RANGES) | {"head", "layer0.kda", "layer3.mla"}
 
 
 # ---------------------------------------------------------------------------------------------- trainer

@@ -15,8 +15,9 @@ serve every device. `triton_op.register_cuda_kernels` puts the Triton kernels un
 same names for CUDA tensors (the default; `TITAN_MOE_KDA_BACKEND=torch` keeps the PyTorch
 path), with no change to the schemas, fake implementations, autograd wiring or callers.
 
-The L2 norm of q/k and the bounded gate stay outside the ops, as differentiable PyTorch
-(see `chunk_kda`), so the ops' contract is the bare recurrence of SPEC §1.
+The L2 norm of q/k and the bounded gate stay outside these ops, so their contract is the
+bare recurrence of SPEC §1; `chunk_kda` applies them first (in eager mode with
+`TITAN_MOE_KDA_PREPARE=fused`: as the `titan_moe::kda_prepare` op, see `prepare`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from titan_moe.ops.kda.chunk_torch import check_kda_inputs, chunk_kda_torch, prepare_qkg
+from titan_moe.ops.kda.prepare import fused_prepare_selected, kda_prepare
 from titan_moe.ops.nvtx import nvtx_range
 
 FWD_OP = "titan_moe::kda_chunk_fwd"
@@ -246,10 +248,16 @@ def chunk_kda(
         for float64 inputs) if `output_final_state`, else None.
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    q, k, g = prepare_qkg(
-        q, k, g, use_qk_l2norm=use_qk_l2norm, gate_in_kernel=gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-    )
+    both = use_qk_l2norm and gate_in_kernel and A_log is not None and dt_bias is not None
+    if both and not torch.compiler.is_compiling() and fused_prepare_selected():
+        # eager, opted in: both maps as one op (`prepare`; one Triton pass per direction on
+        # CUDA). Otherwise the composite below, same maths, which Inductor fuses when compiled.
+        q, k, g = kda_prepare(q, k, g, A_log, dt_bias, lower_bound)
+    else:
+        q, k, g = prepare_qkg(
+            q, k, g, use_qk_l2norm=use_qk_l2norm, gate_in_kernel=gate_in_kernel,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        )
     if not gate_in_kernel:
         _debug_check_gate(g, lower_bound)
     if scale is None:

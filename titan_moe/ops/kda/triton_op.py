@@ -1,4 +1,5 @@
-"""CUDA kernels for the `titan_moe::kda_chunk_fwd/bwd` ops, from the Triton launchers.
+"""CUDA kernels for the `titan_moe::kda_chunk_fwd/bwd` and `kda_prepare{,_bwd}` ops (the
+latter in `triton_prepare`), from the Triton launchers.
 
     TITAN_MOE_KDA_BACKEND=triton   register the Triton kernels for CUDA tensors (default)
     TITAN_MOE_KDA_BACKEND=torch    keep the plain-PyTorch chunked path on CUDA too
@@ -79,4 +80,8 @@ def register_cuda_kernels() -> bool:
         return False
     torch.library.register_kernel(kda_op.FWD_OP, "cuda", kda_chunk_fwd_triton)
     torch.library.register_kernel(kda_op.BWD_OP, "cuda", kda_chunk_bwd_triton)
+    from titan_moe.ops.kda import prepare, triton_prepare
+
+    torch.library.register_kernel(prepare.FWD_OP, "cuda", triton_prepare.kda_prepare_triton)
+    torch.library.register_kernel(prepare.BWD_OP, "cuda", triton_prepare.kda_prepare_bwd_triton)
     return True
