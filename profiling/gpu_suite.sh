@@ -55,7 +55,7 @@ for section in "${SECTIONS[@]}"; do
     case $section in
         tests) run tests python -m pytest -m gpu -q -rsx --runxfail -o faulthandler_timeout=300 tests ;;
         kda) run kda python profiling/bench_kda.py --no-fla --kernels 6 --scan-configs 16x4,32x4,64x8 \
-                --variants prep:TITAN_MOE_KDA_PREPARE=fused ;;
+                --variants prep:TITAN_MOE_KDA_PREPARE=fused,lean:TITAN_MOE_KDA_WALK=lean,lean_prep:TITAN_MOE_KDA_WALK=lean+TITAN_MOE_KDA_PREPARE=fused ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)

@@ -23,6 +23,9 @@ Tolerances (relative error ||out - ref|| / ||ref||):
   over these few chunks; a wrong transition, boundary or segment start gives errors of
   1e-2 or more. (Seen: ~1e-7.)
 - fp32 outputs and final states vs the float64 recurrence: 1e-4, as in test_kda_triton.
+- fp16 under the lean walk (`TITAN_MOE_KDA_WALK=lean`: W, U, h, V~ in fp16): outputs and
+  final states vs the float64 recurrence 7.5e-4 (test_kda_triton's fp16 bound), parallel
+  vs sequential 2e-3 (see `test_parallel_scan_under_lean_walk`).
 """
 
 from __future__ import annotations
@@ -205,8 +208,10 @@ class Case:
             cu, self.B = None, len(lens)
             args = {n: x.view(self.B, lens[0], *x.shape[2:]) for n, x in self.inp.items()}
         self.args = args
-        self.st = kda_fwd_states(**args, scale=self.scale, initial_state=self.h0, cu_seqlens=cu,
-                                 output_final_state=True, scan="sequential")
+        with pytest.MonkeyPatch.context() as mp:  # the classic walk keeps U, which `parallel` needs
+            mp.setenv(triton_fwd.WALK_ENV, "classic")
+            self.st = kda_fwd_states(**args, scale=self.scale, initial_state=self.h0, cu_seqlens=cu,
+                                     output_final_state=True, scan="sequential")
         self.o_seq = kda_fwd_output(args["q"], args["v"], self.st, self.scale)
         self.o_ref, self.ht_ref = reference(self.inp, self.scale, self.h0, self.bounds)
 
@@ -289,6 +294,36 @@ def test_scan_selection(monkeypatch):
         kda_fwd_states(**inp, scale=0.25)
     with pytest.raises(ValueError, match="sequential"):
         kda_fwd_states(**inp, scale=0.25, scan="fast")
+
+
+@needs_kernels
+def test_parallel_scan_under_lean_walk(monkeypatch):
+    """`TITAN_MOE_KDA_WALK=lean` with fp16 inputs stores W, U, h and V~ in fp16: the parallel
+    scan reads and writes them so (its walks upcast W and U; segment starts stay fp32, in
+    AB), meets the lean walk's fp16 bound against the float64 recurrence (7.5e-4, see
+    test_kda_triton) and agrees with the sequential lean walk to fp16 rounding (2e-3: the
+    sequential walk rounds S and V~ at its dots, the parallel one does not; seen ~3e-4).
+    Segments of one chunk: a middle segment ([A | B] walk) in the 200-token sequence."""
+    monkeypatch.setenv(triton_fwd.WALK_ENV, "lean")
+    lens = [5, 0, 200, 70]
+    bounds = bounds_of(lens)
+    inp, h0 = make_inputs(bounds[-1], 2, 16, 32, "slow", seed=8, n_seqs=len(lens))
+    inp = {n: x.half() if n in ("q", "k", "v") else x for n, x in inp.items()}
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    scale = 0.25
+    o_ref, ht_ref = reference(inp, scale, h0, bounds)
+    runs = {}
+    for scan, L in (("sequential", None), ("parallel", 1)):
+        st = kda_fwd_states(**inp, scale=scale, initial_state=h0, cu_seqlens=cu, output_final_state=True,
+                            scan=scan, segment_chunks=L)
+        assert st.h.dtype == st.v_new.dtype == torch.float16
+        o = kda_fwd_output(inp["q"], inp["v"], st, scale)
+        assert rel_err(o, o_ref) < 7.5e-4, (scan, rel_err(o, o_ref))
+        assert rel_err(st.final_state, ht_ref) < 7.5e-4, (scan, rel_err(st.final_state, ht_ref))
+        runs[scan] = st
+    for name in ("h", "v_new", "final_state"):
+        err = rel_err(getattr(runs["parallel"], name), getattr(runs["sequential"], name))
+        assert err < 2e-3, (name, err)
 
 
 # ----------------------------------------------------------------------------------------

@@ -12,7 +12,11 @@ scan below is always sequential, see `triton_scan` for the forward's parallel on
 
     stage 1  `_bwd_state_scan_kernel`  per sequence, chunks in reverse: store dS' (gradient of
              the state after the chunk), dV~ = A_qk^T dO + (e^{G_last - G} ⊙ K) dS',
-             dS = Diag(e^{G_last}) dS' + scale (Q ⊙ e^G)^T dO - W^T dV~  (ends at dh0)
+             dS = Diag(e^{G_last}) dS' + scale (Q ⊙ e^G)^T dO - W^T dV~  (ends at dh0).
+             Classic or lean, as the forward's walk (`TITAN_MOE_KDA_WALK`, see `triton_fwd`):
+             the lean walk first runs `_bwd_walk_prep_kernel` (per chunk: scale Q ⊙ e^G,
+             and A_qk^T dO into dV~'s buffer) and takes K~, e^{G_last} from the forward's
+             `_wy_kernel`; it stores dS' and dV~ in the input dtype (classic: fp32)
     stage 2  `_bwd_chunk_kernel`  per chunk, everything that needs whole-chunk matrices:
              dA_qk = dO V~^T;  dU = dV~, dW = -dV~ S^T;  dv = beta ⊙ X^T dU;
              dK, dQ, dG from the state terms and from W = X (beta e^G K);
@@ -51,45 +55,93 @@ from titan_moe.ops.kda.triton_fwd import (
 # stage 1: reverse state scan
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_scan_chunk(q, k, G, W, Aqk, do, dh, dv_new, b_dS, i_t, bos, T, boc, i_h, o_k, o_v, scale,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """One chunk of the reverse recurrence: store dS', write dV~, return dS at the chunk start."""
-    tl.store(dh + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_dS)
+def _bwd_walk_prep_kernel(
+    q, G, Aqk, do, q_decay, dv_new, scale, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The lean reverse walk's state-independent terms, one chunk per program:
+    q_decay = scale Q ⊙ e^G (`[TT, H, K]`, input dtype) and dV~'s local part A_qk^T dO,
+    written into dv_new (`[TT, H, V]`, input dtype; the walk adds its state term in place).
+    Grid: (chunks, H).
+    """
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = tl.arange(0, BT)
+    rows = i_t * BT + o_t
+    m_r = (rows < T)[:, None]
+    tok = (bos + rows) * H + i_h
+    p_k = tok[:, None] * K + tl.arange(0, K)[None, :]
+    b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_G = tl.load(G + p_k, mask=m_r, other=0.0)
+    tl.store(q_decay + p_k, (b_q * tl.exp(b_G) * scale).to(q_decay.dtype.element_ty), mask=m_r)
+    b_A = tl.load(Aqk + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
+    for i_v in range(0, V // BV):
+        p_v = tok[:, None] * V + (i_v * BV + tl.arange(0, BV))[None, :]
+        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
+        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PRECISION)
+        tl.store(dv_new + p_v, b_dvn.to(dv_new.dtype.element_ty), mask=m_r)
+
+
+@triton.jit
+def _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, b_dS, i_t, bos, T, boc, i_h, o_k, o_v,
+                    scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    LEAN: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk of the reverse recurrence: store dS', write dV~, return dS at the chunk start.
+
+    b_dS stays fp32; the dots take it (and dV~) in W's dtype (lean: the input dtype, fp32
+    accumulation; classic: fp32, the casts are no-ops). Classic computes K~, scale Q ⊙ e^G,
+    e^{G_last} and A_qk^T dO here; lean loads them (`_wy_kernel`, `_bwd_walk_prep_kernel`:
+    dv_new holds A_qk^T dO on entry).
+    """
+    tl.store(dh + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_dS.to(dh.dtype.element_ty))
     o_t = tl.arange(0, BT)
     rows = i_t * BT + o_t
     m_r = (rows < T)[:, None]
     tok = (bos + rows) * H + i_h
     p_k = tok[:, None] * K + o_k[None, :]
-    last = tl.minimum(i_t * BT + BT, T) - 1
-    b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
-    b_G = tl.load(G + p_k, mask=m_r, other=0.0)
-    b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
-    b_w = tl.load(W + p_k, mask=m_r, other=0.0)
-    b_A = tl.load(Aqk + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
-    b_do = tl.load(do + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0).to(tl.float32)
-
-    b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
-    b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PRECISION)
-    b_dvn += tl.dot(b_k_to_end, b_dS, input_precision=PRECISION)
-    tl.store(dv_new + tok[:, None] * V + o_v[None, :], b_dvn, mask=m_r)
-    b_q_decay = b_q * tl.exp(b_G) * scale
-    b_dS = b_dS * tl.exp(b_G_last)[:, None] + tl.dot(tl.trans(b_q_decay), b_do, input_precision=PRECISION)
-    return b_dS - tl.dot(tl.trans(b_w), b_dvn, input_precision=PRECISION)
+    p_v = tok[:, None] * V + o_v[None, :]
+    if LEAN:
+        b_w = tl.load(W + p_k, mask=m_r, other=0.0)
+        b_k_to_end = tl.load(Kt + p_k, mask=m_r, other=0.0)
+        b_q_decay = tl.load(q_decay + p_k, mask=m_r, other=0.0)
+        b_decay = tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k)
+        # dO may come in another dtype than the inputs
+        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(b_q_decay.dtype)
+        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
+    else:
+        last = tl.minimum(i_t * BT + BT, T) - 1
+        b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+        b_G = tl.load(G + p_k, mask=m_r, other=0.0)
+        b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
+        b_w = tl.load(W + p_k, mask=m_r, other=0.0)
+        b_A = tl.load(Aqk + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
+        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
+        b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
+        b_q_decay = b_q * tl.exp(b_G) * scale
+        b_decay = tl.exp(b_G_last)
+        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PRECISION)
+    b_dvn += tl.dot(b_k_to_end, b_dS.to(b_k_to_end.dtype), input_precision=PRECISION)
+    tl.store(dv_new + p_v, b_dvn.to(dv_new.dtype.element_ty), mask=m_r)
+    b_dS = b_dS * b_decay[:, None] + tl.dot(tl.trans(b_q_decay), b_do, input_precision=PRECISION)
+    return b_dS - tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype), input_precision=PRECISION)
 
 
 @triton.jit
 def _bwd_state_scan_kernel(
-    q, k, G, W, Aqk, do, dh, dv_new, dht, dh0, scale, cu_seqlens, chunk_offsets,
+    q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, dht, dh0, scale, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LEAN: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Walk one sequence's chunks backwards for one head and BV state columns.
 
     q, k, G, W: `[TT, H, K]`; Aqk `[TT, H, BT]`; do `[TT, H, V]`; dh `[chunks, H, K, V]`
-    fp32 receives dS' (gradient of each chunk's final state); dv_new `[TT, H, V]` fp32
-    receives dV~; dht, dh0 `[N, H, K, V]` fp32. Grid: (V // BV, N * H).
+    receives dS' (gradient of each chunk's final state); dv_new `[TT, H, V]` receives dV~;
+    dht, dh0 `[N, H, K, V]` fp32; LEAN only: Kt, q_decay `[TT, H, K]`, decay
+    `[chunks, H, K]` (the classic walk reads q, k, G, Aqk instead). Dtypes per walk in
+    `triton_fwd`'s docstring. Grid: (V // BV, N * H).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -108,13 +160,13 @@ def _bwd_state_scan_kernel(
     if INTERPRETED:  # see `triton_fwd._state_scan_kernel`
         i_t = n_chunks - 1
         while i_t >= 0:
-            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, do, dh, dv_new, b_dS, i_t, bos, T, boc, i_h, o_k, o_v,
-                                   scale, H, K, V, BT, PRECISION)
+            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, b_dS, i_t, bos, T, boc,
+                                   i_h, o_k, o_v, scale, H, K, V, BT, LEAN, PRECISION)
             i_t -= 1
     else:
         for i_r in range(0, n_chunks):
-            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, do, dh, dv_new, b_dS, n_chunks - 1 - i_r, bos, T, boc, i_h,
-                                   o_k, o_v, scale, H, K, V, BT, PRECISION)
+            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, b_dS, n_chunks - 1 - i_r,
+                                   bos, T, boc, i_h, o_k, o_v, scale, H, K, V, BT, LEAN, PRECISION)
     if STORE_DH0:
         tl.store(dh0 + i_n * H * K * V + p_S, b_dS)
 
@@ -132,8 +184,9 @@ def _bwd_chunk_kernel(
     """One chunk: dv, dA_qk, dA_kk, and the non-intra parts of dq, dk, dG, dbeta.
 
     Inputs as in the forward (`[TT, H, ·]`, h/dh `[chunks, H, K, V]`), dv_new = dV~ from
-    stage 1. Writes dAqk (= dO V~^T, lower incl. diagonal), dAkk (= -X^T dX X^T,
-    strictly lower), both `[TT, H, BT]` fp32; dq_part, dk_part, dG_part `[TT, H, K]`,
+    stage 1 (h, dh, v_new, dv_new: fp32 or the input dtype, per walk; upcast on load).
+    Writes dAqk (= dO V~^T, lower incl. diagonal), dAkk (= -X^T dX X^T, strictly lower),
+    both `[TT, H, BT]` fp32; dq_part, dk_part, dG_part `[TT, H, K]`,
     dbeta_part `[TT, H]` fp32; dv `[TT, H, V]` (v's dtype). Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -154,8 +207,8 @@ def _bwd_chunk_kernel(
     for i_v in range(0, V // BV):
         p_v = tok[:, None] * V + (i_v * BV + tl.arange(0, BV))[None, :]
         b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
-        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
-        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
+        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0).to(tl.float32)
+        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_r, other=0.0).to(tl.float32)
         b_dAqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PRECISION)
         b_dX += tl.dot(b_dvn, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
@@ -177,11 +230,11 @@ def _bwd_chunk_kernel(
             o_v = i_v * BV + tl.arange(0, BV)
             p_v = tok[:, None] * V + o_v[None, :]
             p_S = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            b_S = tl.load(h + p_S)
-            b_dS = tl.load(dh + p_S)
+            b_S = tl.load(h + p_S).to(tl.float32)
+            b_dS = tl.load(dh + p_S).to(tl.float32)
             b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
-            b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
-            b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
+            b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0).to(tl.float32)
+            b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
             b_dq_state += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
             b_dk_state += tl.dot(b_vn, tl.trans(b_dS), input_precision=PRECISION)
             b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PRECISION)
@@ -362,18 +415,34 @@ def chunk_kda_bwd_triton(
     n_chunks = st.chunk_indices.shape[0]
     TT = B * T
     f32 = dict(dtype=torch.float32, device=q.device)
-    dh = torch.empty(n_chunks, H, K, V, **f32)
-    dv_new = torch.empty(TT, H, V, **f32)
+    lean = st.walk == "lean"
+    # what the walk writes: fp32 (classic) or the input dtype (lean, `triton_fwd`'s docstring)
+    walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
+    dh = torch.empty(n_chunks, H, K, V, **walk_dt)
+    dv_new = torch.empty(TT, H, V, **walk_dt)
     dh0 = torch.empty(N, H, K, V, **f32) if initial_state is not None else None
     interp = _interpreted()
 
+    q_decay = None
+    if lean:  # the walk's state-independent terms
+        q_decay = torch.empty(TT, H, K, dtype=q.dtype, device=q.device)
+        _bwd_walk_prep_kernel[(n_chunks, H)](
+            q, st.G, st.Aqk, do, q_decay, dv_new, scale, st.cu_seqlens, st.chunk_indices,
+            H=H, K=K, V=V, BT=CHUNK, BV=min(V, 64), PRECISION=st.precision, num_warps=4,
+        )
     BV, warps = sequential_scan_config(K, V)
     _bwd_state_scan_kernel[(V // BV, N * H)](
-        q, k, st.G, st.W, st.Aqk, do, dh, dv_new, dht, dh0, scale, st.cu_seqlens, st.chunk_offsets,
+        q, k, st.G, st.W, st.Aqk, st.k_to_end, q_decay, st.decay, do, dh, dv_new, dht, dh0, scale,
+        st.cu_seqlens, st.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        PRECISION=st.precision, INTERPRETED=interp, num_warps=warps,
-        num_stages=2 if K <= 64 else 1,  # 2 stages need 226 KB of shared memory at dk=128
+        LEAN=lean, PRECISION=st.precision, INTERPRETED=interp, num_warps=warps,
+        # fp32 tiles at dk=128: 2 stages need 226 KB of shared memory (classic); the lean
+        # walk's 16-bit operands (3 [BT, dk] tiles instead of 4 fp32 ones, ~57 KB a stage
+        # at BV = 32) should fit 2 (an estimate, not yet compiled for the GPU)
+        num_stages=2 if K <= 64 or (lean and q.element_size() == 2) else 1,
     )
+    if lean:  # read by the walks only: free them before the stages below
+        q_decay = st.W = st.k_to_end = st.decay = None
 
     dAqk = torch.empty(TT, H, CHUNK, **f32)
     dAkk = torch.empty(TT, H, CHUNK, **f32)

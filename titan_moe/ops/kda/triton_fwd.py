@@ -14,8 +14,9 @@ inside the chunk):
     stage 3  `_state_scan_kernel`     per sequence, chunk by chunk: store S (the chunk's
                                       initial state), V~ = U - W S,
                                       S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~
-                                      (or, with `TITAN_MOE_KDA_SCAN=parallel`, the
-                                      chunk-parallel segment scan of `triton_scan`)
+                                      (classic or lean, see below; or, with
+                                      `TITAN_MOE_KDA_SCAN=parallel`, the chunk-parallel
+                                      segment scan of `triton_scan`)
     stage 4  `_output_kernel`         O = scale (Q ⊙ e^G) S + A_qk V~
 
 Why every 16x16 tile of A is one dense dot (the kernel's contract, SPEC §1): the caller
@@ -35,10 +36,52 @@ result (see `_intra_tiles_kernel`); there is no per-position path. Factors that 
 (c_I - G_j < -87 for distant tiles) flush entries whose true value is below e^{40-87}, i.e.
 negligible next to the O(1) entries. e^80 would overflow fp16, so exp-scaled operands are always fp32 here.
 
-All intermediates (G, A, W, U, the chunk states, V~) are fp32; inputs may be fp32, bf16 or
-fp16 and are upcast on load; `o` is written in v's dtype. Dots run in `ieee` fp32 for fp32
-inputs and in tf32 otherwise (tf32 keeps 10 mantissa bits, more than the bf16 inputs carry);
-the 16x16 tile inverses always use ieee.
+Inputs may be fp32, bf16 or fp16; `o` is written in v's dtype. G and the A matrices are
+always fp32, and every dot outside the walks takes fp32 operands (inputs upcast on load):
+`ieee` for fp32 inputs, tf32 otherwise (tf32 keeps 10 mantissa bits, more than the bf16
+inputs carry); the 16x16 tile inverses always use ieee.
+
+The sequential state walks (stage 3 here, stage 1 of `triton_bwd`) come in two forms,
+chosen by `$TITAN_MOE_KDA_WALK` (read per call by `kda_fwd_states`, which records it in
+the returned state so that the backward walks the same way; the default flips only on
+timings):
+
+    classic (default)  W, U, V~ and the chunk states h are fp32, and so are the walks'
+        operands (tf32 dots for 16-bit inputs). Each step recomputes what does not depend
+        on the state: e^{G_last} and K~ = e^{G_last - G} ⊙ K (backward: also scale Q ⊙ e^G
+        and A_qk^T dO), inside the serial loop and once per block of BV state columns.
+    lean  those terms come from parallel kernels: K~ (input dtype) and e^{G_last} (fp32,
+        `[chunks, H, dk]`) from `_wy_kernel`, scale Q ⊙ e^G and A_qk^T dO (input dtype)
+        from `triton_bwd._bwd_walk_prep_kernel`; a step does only what needs the state:
+        V~ = U - W S and S <- e^{G_last} ⊙ S + K~^T V~ (backward: dV~ += K~ dS',
+        dS = e^{G_last} ⊙ dS' + (scale Q ⊙ e^G)^T dO - W^T dV~), every dot on input-dtype
+        operands (the fp32 register state cast at the dot) with fp32 accumulation, as
+        fla's chunk kernels do. W, U, K~, V~, h (backward: dV~ and dh) are stored in the
+        input dtype, so fp32 inputs keep fp32 throughout (and match classic to rounding).
+        Why: the walks are serial and latency bound, so every exp and dot in the loop is
+        paid chunk after chunk, for every column block; 16-bit operands halve the bytes a
+        step loads and run at the tensor cores' 16-bit rate; h and dh (dk dv / C values a
+        token) are the largest intermediates. h and dh in bf16 (as fla keeps h) rather
+        than fp32 was decided on accuracy: on CPU with bf16 dots emulated (T = 1024,
+        dk = dv = 128, the GPU bf16 test's inputs) the lean errors against the float64
+        recurrence are o 2.4e-3 (classic 1.7e-3, the rounding of o itself), gradients
+        <= 2.6e-3 (bounds 6e-3, 8e-3, 2e-2); fp32 h and dh would take dk from 2.5e-3 to
+        2.4e-3 and dg from 2.0e-3 to 1.8e-3 only.
+
+Bytes per token and head of the forward's intermediates (C = 64; s = 2 for bf16/fp16 inputs,
+4 for fp32; in brackets dk = dv = 128 with bf16 inputs):
+
+    classic  G 4 dk, A_qk / A_kk / A_inv 4 C each, W 4 dk, U 4 dv, V~ 4 dv, h 4 dk dv / C:
+             3840 at the walk, 3584 returned (A_kk freed)
+    lean     G 4 dk, A_qk / A_inv 4 C each (A_kk freed before the walk), W s dk, U s dv
+             (freed after the walk), K~ s dk, V~ s dv, h s dk dv / C, e^{G_last} 4 dk / C:
+             [2568 at the walk, 2312 returned]; with fp32 inputs 4104 / 3592, K~ and
+             e^{G_last} being more than A_kk and U (fp32 inputs are for tests, not training)
+
+and of the backward's walk (`triton_bwd`): classic dh 4 dk dv / C, dV~ 4 dv (1536); lean
+dh s dk dv / C, dV~ s dv, scale Q ⊙ e^G s dk ([1024]), which frees W, K~, e^{G_last} and
+scale Q ⊙ e^G after its walk: at the backward's end classic keeps 7172 B and lean [4612]
+(fp32 inputs 6148).
 
 Token layout: every kernel sees the inputs as one flat token stream `[TT, H, d]`
 (`TT = B*T`), cut into sequences by `cu_seqlens` (fixed-length batches get
@@ -235,18 +278,33 @@ def _store_tril_product(out, b_X00, b_X10, b_X11, b_X20, b_X21, b_X22, b_X30, b_
 
 
 @triton.jit
+def _key_tile(k, G, Kt, b_beta, b_G_last, bos, T, i_t, i_h, I: tl.constexpr, o_k, H: tl.constexpr,
+              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LEAN: tl.constexpr):
+    """Rows of tile I, columns o_k of `beta e^G ⊙ K` (W's right factor); with LEAN also
+    stores them as `K~ = e^{G_last - G} ⊙ K` into Kt (0 on invalid rows: k loads as 0)."""
+    b_G = _load_rows(G, bos, T, i_t, i_h, I, o_k, H, K, BT, BC)
+    b_k = _load_rows(k, bos, T, i_t, i_h, I, o_k, H, K, BT, BC)
+    if LEAN:
+        _store_rows(Kt, b_k * tl.exp(b_G_last[None, :] - b_G), bos, T, i_t, i_h, I, o_k, H, K, BT, BC)
+    return b_beta * tl.exp(b_G) * b_k
+
+
+@triton.jit
 def _wy_kernel(
-    k, v, G, beta, Akk, Ainv, W, U, cu_seqlens, chunk_indices,
+    k, v, G, beta, Akk, Ainv, W, U, Kt, decay, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LEAN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """X = (I + A_kk)^{-1} for one chunk, then W = X (beta e^G ⊙ K) and U = X (beta V).
 
     Akk: `[TT, H, BT]` from `_intra_tiles_kernel`; Ainv: `[TT, H, BT]` fp32 receives X
-    (lower block triangle only); W `[TT, H, K]`, U `[TT, H, V]` fp32. The chunk is 4 tiles
-    of 16 (BT == 4 * BC). X is block lower triangular: diagonal blocks by forward
-    substitution, then X_IJ = -X_II Σ_{J<=M<I} A_IM X_MJ. e^G <= 1 here (G <= 0).
-    Grid: (chunks, H).
+    (lower block triangle only); W `[TT, H, K]`, U `[TT, H, V]` (fp32 in the classic walk,
+    the input dtype in the lean one: stores cast). The chunk is 4 tiles of 16
+    (BT == 4 * BC). X is block lower triangular: diagonal blocks by forward substitution,
+    then X_IJ = -X_II Σ_{J<=M<I} A_IM X_MJ. e^G <= 1 here (G <= 0).
+    With LEAN (the lean walk) also the walk's state-independent factors: Kt `[TT, H, K]`
+    (input dtype) receives K~ = e^{G_last - G} ⊙ K, decay `[chunks, H, K]` fp32 e^{G_last}
+    (G_last = G at the chunk's last valid token). Grid: (chunks, H).
     """
     tl.static_assert(BT == 4 * BC)
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -309,17 +367,19 @@ def _wy_kernel(
     b_b2 = _load_beta(beta, bos, T, i_t, i_h, 2, H, BT, BC)[:, None]
     b_b3 = _load_beta(beta, bos, T, i_t, i_h, 3, H, BT, BC)[:, None]
 
-    # W = X (beta e^G ⊙ K), one block of K columns at a time
+    # W = X (beta e^G ⊙ K), one block of K columns at a time (and K~, e^{G_last} if LEAN)
+    last = tl.minimum(i_t * BT + BT, T) - 1
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_y0 = b_b0 * tl.exp(_load_rows(G, bos, T, i_t, i_h, 0, o_k, H, K, BT, BC)) \
-            * _load_rows(k, bos, T, i_t, i_h, 0, o_k, H, K, BT, BC)
-        b_y1 = b_b1 * tl.exp(_load_rows(G, bos, T, i_t, i_h, 1, o_k, H, K, BT, BC)) \
-            * _load_rows(k, bos, T, i_t, i_h, 1, o_k, H, K, BT, BC)
-        b_y2 = b_b2 * tl.exp(_load_rows(G, bos, T, i_t, i_h, 2, o_k, H, K, BT, BC)) \
-            * _load_rows(k, bos, T, i_t, i_h, 2, o_k, H, K, BT, BC)
-        b_y3 = b_b3 * tl.exp(_load_rows(G, bos, T, i_t, i_h, 3, o_k, H, K, BT, BC)) \
-            * _load_rows(k, bos, T, i_t, i_h, 3, o_k, H, K, BT, BC)
+        if LEAN:
+            b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+            tl.store(decay + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp(b_G_last))
+        else:
+            b_G_last = tl.zeros([BK], dtype=tl.float32)  # unused
+        b_y0 = _key_tile(k, G, Kt, b_b0, b_G_last, bos, T, i_t, i_h, 0, o_k, H, K, BT, BC, LEAN)
+        b_y1 = _key_tile(k, G, Kt, b_b1, b_G_last, bos, T, i_t, i_h, 1, o_k, H, K, BT, BC, LEAN)
+        b_y2 = _key_tile(k, G, Kt, b_b2, b_G_last, bos, T, i_t, i_h, 2, o_k, H, K, BT, BC, LEAN)
+        b_y3 = _key_tile(k, G, Kt, b_b3, b_G_last, bos, T, i_t, i_h, 3, o_k, H, K, BT, BC, LEAN)
         _store_tril_product(W, b_X00, b_X10, b_X11, b_X20, b_X21, b_X22, b_X30, b_X31, b_X32, b_X33,
                             b_y0, b_y1, b_y2, b_y3, bos, T, i_t, i_h, o_k, H, K, BT, BC, PRECISION)
 
@@ -338,24 +398,49 @@ def _wy_kernel(
 # stage 3: the inter-chunk state recurrence
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _scan_chunk(k, W, U, G, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
-    """One chunk of the state recurrence: store S, write V~ = U - W S, return the next S."""
-    tl.store(h + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_S)
+def _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, LEAN: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """One chunk of the state recurrence: store S, write V~ = U - W S, return the next S.
+
+    The state b_S stays fp32; the dots take it (and V~) in W's dtype, so that the lean walk
+    multiplies input-dtype operands (fp32 accumulation) and the classic walk fp32 ones
+    (the casts are then no-ops). Classic computes K~ and e^{G_last} here from k and G;
+    lean loads them from `_wy_kernel`.
+    """
+    tl.store(h + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_S.to(h.dtype.element_ty))
     rows = i_t * BT + tl.arange(0, BT)
     m_r = (rows < T)[:, None]
     tok = (bos + rows) * H + i_h
     b_w = tl.load(W + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
-    b_u = tl.load(U + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0)
-    b_vn = b_u - tl.dot(b_w, b_S, input_precision=PRECISION)
-    tl.store(v_new + tok[:, None] * V + o_v[None, :], b_vn, mask=m_r)
+    b_u = tl.load(U + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0).to(tl.float32)
+    b_vn = b_u - tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PRECISION)
+    tl.store(v_new + tok[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_r)
 
-    last = tl.minimum(i_t * BT + BT, T) - 1
-    b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
-    b_G = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
-    b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0).to(tl.float32)
-    b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
-    return b_S * tl.exp(b_G_last)[:, None] + tl.dot(tl.trans(b_k_to_end), b_vn, input_precision=PRECISION)
+    if LEAN:
+        b_k_to_end = tl.load(Kt + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
+        b_decay = tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k)
+    else:
+        last = tl.minimum(i_t * BT + BT, T) - 1
+        b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+        b_G = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
+        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0).to(tl.float32)
+        b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
+        b_decay = tl.exp(b_G_last)
+    return b_S * b_decay[:, None] + tl.dot(tl.trans(b_k_to_end), b_vn.to(b_k_to_end.dtype), input_precision=PRECISION)
+
+
+WALK_ENV = "TITAN_MOE_KDA_WALK"  # classic | lean: what the sequential walks precompute and store
+WALKS = ("classic", "lean")
+
+
+def selected_walk() -> str:
+    """The state walks' form, `$TITAN_MOE_KDA_WALK` read per call: "classic" (default) or
+    "lean" (module docstring)."""
+    walk = os.environ.get(WALK_ENV) or "classic"
+    if walk not in WALKS:
+        raise ValueError(f"{WALK_ENV} must be one of {WALKS}, got {walk!r}")
+    return walk
 
 
 SCAN_BV_ENV = "TITAN_MOE_KDA_SCAN_BV"  # state columns per program of the sequential walks
@@ -367,30 +452,37 @@ def sequential_scan_config(K: int, V: int) -> tuple[int, int]:
 
     The walks run B*H*(V/BV) programs, each over all chunks of a sequence: at B*H = 16 and
     BV = 32 that is 64 programs for 132 SMs on an H200. Defaults BV = min(V, 32), 8 warps at
-    dk = 128 (4 below); `$TITAN_MOE_KDA_SCAN_BV` (16, 32, 64 or 128; at most V) and
-    `$TITAN_MOE_KDA_SCAN_WARPS` (1-16, a power of two) override them for tuning, read per call.
+    dk = 128 (4 below, and 4 whenever BV = 16, see below); `$TITAN_MOE_KDA_SCAN_BV` (16, 32,
+    64 or 128; at most V) and `$TITAN_MOE_KDA_SCAN_WARPS` (1-16, a power of two) override
+    them for tuning, read per call. Both walks (`$TITAN_MOE_KDA_WALK`) take the same config.
     """
     bv = int(os.environ.get(SCAN_BV_ENV) or min(V, 32))
-    warps = int(os.environ.get(SCAN_WARPS_ENV) or (4 if K <= 64 else 8))
+    warps = int(os.environ.get(SCAN_WARPS_ENV) or (4 if K <= 64 or bv == 16 else 8))
     if bv not in (16, 32, 64, 128) or bv > V:
         raise ValueError(f"{SCAN_BV_ENV} must be 16, 32, 64 or 128 and at most dv = {V}, got {bv}")
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"{SCAN_WARPS_ENV} must be a power of two in [1, 16], got {warps}")
+    if bv == 16 and warps >= 8:
+        # Measured: the backward walk hits an illegal memory access at 16 columns and 8 warps
+        # (H200, Triton 3.6, dk = 128; the interpreter agrees with the reference there).
+        raise ValueError(f"{SCAN_BV_ENV}=16 needs {SCAN_WARPS_ENV} <= 4 (16 x 8 crashes the backward walk)")
     return bv, warps
 
 
 @triton.jit
 def _state_scan_kernel(
-    k, W, U, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    k, W, U, G, Kt, decay, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, LEAN: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Walk one sequence's chunks for one head and one block of BV state columns.
 
-    k, G, W: `[TT, H, K]`; U, v_new: `[TT, H, V]` fp32; h: `[chunks, H, K, V]` fp32
-    receives each chunk's initial state; h0, ht: `[N, H, K, V]` fp32. Per chunk:
-    V~ = U - W S, then S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~, where G_last is
-    G at the chunk's last valid token (all exponents <= 0). Grid: (V // BV, N * H).
+    k, G, W: `[TT, H, K]`; U, v_new: `[TT, H, V]`; h: `[chunks, H, K, V]` receives each
+    chunk's initial state; h0, ht: `[N, H, K, V]` fp32; Kt `[TT, H, K]` and decay
+    `[chunks, H, K]` (LEAN only, see `_wy_kernel`). Dtypes per walk in the module docstring.
+    Per chunk: V~ = U - W S, then S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~, where
+    G_last is G at the chunk's last valid token (all exponents <= 0). Grid: (V // BV, N * H).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -411,13 +503,15 @@ def _state_scan_kernel(
         # on a 1-element array), so it walks the chunks with a while loop.
         i_t = tl.zeros([], dtype=tl.int64)
         while i_t < n_chunks:
-            b_S = _scan_chunk(k, W, U, G, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v, H, K, V, BT, PRECISION)
+            b_S = _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
+                              H, K, V, BT, LEAN, PRECISION)
             i_t += 1
     else:
         # compiled: a for loop, which the compiler software-pipelines (loads of the next
         # chunk overlap this chunk's dots)
         for i_t in range(0, n_chunks):
-            b_S = _scan_chunk(k, W, U, G, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v, H, K, V, BT, PRECISION)
+            b_S = _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
+                              H, K, V, BT, LEAN, PRECISION)
     if STORE_HT:
         tl.store(ht + i_n * H * K * V + p_S, b_S)
 
@@ -434,7 +528,8 @@ def _output_kernel(
     """O = scale (Q ⊙ e^G) S + A_qk V~ for one chunk, head and block of BV outputs.
 
     q, G: `[TT, H, K]`; Aqk: `[TT, H, BT]` (scale included, lower triangle incl. the
-    diagonal is valid); h: `[chunks, H, K, V]`; v_new `[TT, H, V]` fp32; o `[TT, H, V]`.
+    diagonal is valid); h: `[chunks, H, K, V]`, v_new `[TT, H, V]` (fp32 or the input
+    dtype, see the module docstring; upcast on load); o `[TT, H, V]`.
     Grid: (V // BV, chunks, H).
     """
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -448,12 +543,12 @@ def _output_kernel(
 
     b_q = tl.load(q + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0).to(tl.float32)
     b_G = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
-    b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+    b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
     b_o = tl.dot(b_q * tl.exp(b_G) * scale, b_S, input_precision=PRECISION)
 
     m_a = m_r & (o_t[:, None] >= o_t[None, :])
     b_A = tl.load(Aqk + tok[:, None] * BT + o_t[None, :], mask=m_a, other=0.0)
-    b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0)
+    b_vn = tl.load(v_new + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0).to(tl.float32)
     b_o += tl.dot(b_A, b_vn, input_precision=PRECISION)
     tl.store(o + tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_r)
 
@@ -482,13 +577,16 @@ def _chunk_layout(bounds: list[int], device: torch.device) -> tuple[torch.Tensor
 
 @dataclass
 class KDAForwardState:
-    """fp32 intermediates of the chunked forward (stages 1-3), kept for the output stage
-    and the backward pass (`TT = B*T` tokens, `C = 64`).
+    """Intermediates of the chunked forward (stages 1-3), kept for the output stage and
+    the backward pass (`TT = B*T` tokens, `C = 64`; dtypes per walk in the module docstring).
 
     G `[TT, H, dk]`; Aqk, Ainv `[TT, H, C]` (row t holds its chunk's row; the lower
     triangle incl. the diagonal is valid, A_qk includes `scale`); W `[TT, H, dk]`;
     U, v_new `[TT, H, dv]`; h `[chunks, H, dk, dv]` (each chunk's initial state);
-    final_state `[N, H, dk, dv]` or None; the chunk layout; the dot precision used.
+    final_state `[N, H, dk, dv]` fp32 or None; the chunk layout; the dot precision used;
+    the walk ("classic" / "lean") and, lean only, k_to_end `[TT, H, dk]`
+    (e^{G_last - G} ⊙ K) and decay `[chunks, H, dk]` (e^{G_last}). Under the lean walk
+    U is None (only the forward walk reads it).
     """
 
     G: torch.Tensor
@@ -503,6 +601,9 @@ class KDAForwardState:
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
     precision: str
+    walk: str = "classic"
+    k_to_end: torch.Tensor | None = None
+    decay: torch.Tensor | None = None
 
 
 def check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, list[int]]:
@@ -547,6 +648,7 @@ def kda_fwd_states(
     from titan_moe.ops.kda.triton_scan import selected_scan, state_scan_parallel
 
     scan = selected_scan(scan)
+    lean = selected_walk() == "lean"
     N, bounds = check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -561,12 +663,16 @@ def kda_fwd_states(
     Aqk = torch.empty(TT, H, CHUNK, **f32)
     Akk = torch.empty(TT, H, CHUNK, **f32)
     Ainv = torch.empty(TT, H, CHUNK, **f32)
-    W = torch.empty(TT, H, K, **f32)
-    U = torch.empty(TT, H, V, **f32)
-    h = torch.empty(n_chunks, H, K, V, **f32)
-    v_new = torch.empty(TT, H, V, **f32)
+    # what the walk reads and writes: fp32 (classic) or the input dtype (lean, module docstring)
+    walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
+    W = torch.empty(TT, H, K, **walk_dt)
+    U = torch.empty(TT, H, V, **walk_dt)
+    h = torch.empty(n_chunks, H, K, V, **walk_dt)
+    v_new = torch.empty(TT, H, V, **walk_dt)
     ht = torch.empty(N, H, K, V, **f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
+    k_to_end = torch.empty(TT, H, K, **walk_dt) if lean else None
+    decay = torch.empty(n_chunks, H, K, **f32) if lean else None
 
     _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
     _intra_tiles_kernel[(n_chunks * N_TILES, H)](
@@ -574,22 +680,28 @@ def kda_fwd_states(
         H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, num_warps=4,
     )
     _wy_kernel[(n_chunks, H)](
-        k, v, G, beta, Akk, Ainv, W, U, cu, chunk_indices,
-        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=min(K, 64), BV=min(V, 64), PRECISION=precision, num_warps=4,
+        k, v, G, beta, Akk, Ainv, W, U, k_to_end, decay, cu, chunk_indices,
+        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=min(K, 64), BV=min(V, 64), LEAN=lean, PRECISION=precision,
+        num_warps=4,
     )
+    if lean:  # A_kk is dead now (classic frees it on return, as `plan.transient` models)
+        Akk = None
     if scan == "parallel":
         state_scan_parallel(k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets, bounds, precision, segment_chunks)
     else:
         BV, warps = sequential_scan_config(K, V)
         _state_scan_kernel[(V // BV, N * H)](
-            k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets,
+            k, W, U, G, k_to_end, decay, h, v_new, h0, ht, cu, chunk_offsets,
             H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
-            PRECISION=precision, INTERPRETED=_interpreted(), num_warps=warps,
+            LEAN=lean, PRECISION=precision, INTERPRETED=_interpreted(), num_warps=warps,
             num_stages=2,  # one chunk of loads in flight; 3 stages need 255 KB of shared memory at dk=128
         )
+    if lean:  # U is read by the forward walk only (classic keeps it)
+        U = None
     return KDAForwardState(
         G=G, Aqk=Aqk, Ainv=Ainv, W=W, U=U, h=h, v_new=v_new, final_state=ht,
         cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, precision=precision,
+        walk="lean" if lean else "classic", k_to_end=k_to_end, decay=decay,
     )
 
 

@@ -25,11 +25,17 @@ s of chunks c0..c1 maps its initial state to `A_s S + B_s` with `A_s = A_c1 ... 
              nothing here (nobody needs its transition).
     phase 2  `_segment_combine_kernel`, grid (dv / BV, N * H): per sequence,
              S_1 = end of segment 0, S_{s+1} = A_s S_s + B_s; writes each segment's initial
-             state into h at the segment's first chunk (and the final state of sequences
-             with fewer than two segments).
+             state into h at the segment's first chunk, and in fp32 over B_{s-1} in AB
+             (and the final state of sequences with fewer than two segments).
     phase 3  `_segment_walk_kernel`, grid (dv / BV, segments * H): segments s >= 1 walk
-             their chunks again from their true initial state, writing h and V~ exactly
-             like the sequential scan (and the final state, from the last segment).
+             their chunks again from their true initial state (fp32, from AB), writing h
+             and V~ exactly like the sequential scan (and the final state, from the last
+             segment).
+
+The walks keep the state in fp32 and upcast W and U on load: with `TITAN_MOE_KDA_WALK=lean`
+and 16-bit inputs, W, U, h and V~ are in the input dtype (see `triton_fwd`), and this scan
+reads and writes them as such; the lean walk's K~ and e^{G_last} are not used here (the
+scan computes them from k and G, as the classic walk does).
 
 Segment 0 skips the transition (its initial state is known) and the last segment skips
 phase 1 (its transition is never used), so a sequence of one segment is exactly the
@@ -207,14 +213,14 @@ def _state_rows(o_k0, o_c, i, BK: tl.constexpr, STRIDE: tl.constexpr):
 @triton.jit
 def _load_state(p, o_k0, o_c, LOAD: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 STRIDE: tl.constexpr):
-    """Row halves (S0, S1) of columns o_c of a [K, STRIDE] state at p (zeros unless LOAD;
-    S1 is a zero placeholder when K == BK)."""
+    """Row halves (S0, S1) of columns o_c of a [K, STRIDE] state at p, as fp32 (zeros unless
+    LOAD; S1 is a zero placeholder when K == BK)."""
     if LOAD:
-        b_S0 = tl.load(p + _state_rows(o_k0, o_c, 0, BK, STRIDE))
+        b_S0 = tl.load(p + _state_rows(o_k0, o_c, 0, BK, STRIDE)).to(tl.float32)
     else:
         b_S0 = tl.zeros([BK, BV], dtype=tl.float32)
     if LOAD and K > BK:
-        b_S1 = tl.load(p + _state_rows(o_k0, o_c, 1, BK, STRIDE))
+        b_S1 = tl.load(p + _state_rows(o_k0, o_c, 1, BK, STRIDE)).to(tl.float32)
     else:
         b_S1 = tl.zeros([BK, BV], dtype=tl.float32)
     return b_S0, b_S1
@@ -222,10 +228,11 @@ def _load_state(p, o_k0, o_c, LOAD: tl.constexpr, K: tl.constexpr, BK: tl.conste
 
 @triton.jit
 def _store_state(p, b_S0, b_S1, o_k0, o_c, K: tl.constexpr, BK: tl.constexpr, STRIDE: tl.constexpr):
-    """Store the row halves of a state block into columns o_c of a [K, STRIDE] state at p."""
-    tl.store(p + _state_rows(o_k0, o_c, 0, BK, STRIDE), b_S0)
+    """Store the row halves of a state block into columns o_c of a [K, STRIDE] state at p
+    (in p's dtype)."""
+    tl.store(p + _state_rows(o_k0, o_c, 0, BK, STRIDE), b_S0.to(p.dtype.element_ty))
     if K > BK:
-        tl.store(p + _state_rows(o_k0, o_c, 1, BK, STRIDE), b_S1)
+        tl.store(p + _state_rows(o_k0, o_c, 1, BK, STRIDE), b_S1.to(p.dtype.element_ty))
 
 
 @triton.jit
@@ -260,14 +267,14 @@ def _chunk_step(k, W, U, G, h, v_new, b_S0, b_S1, i_t, bos, T, i_h, i_hc, col_u,
     tok = (bos + rows) * H + i_h
     if STORE:
         _store_state(h + (i_hc * H + i_h) * K * V, b_S0, b_S1, o_k0, o_c, K, BK, V)
-    b_vn = tl.load(U + tok[:, None] * V + o_c[None, :], mask=m_r & is_b, other=0.0)
-    b_vn -= tl.dot(tl.load(W + tok[:, None] * K + o_k0[None, :], mask=m_r, other=0.0), b_S0,
-                   input_precision=PRECISION)
+    b_vn = tl.load(U + tok[:, None] * V + o_c[None, :], mask=m_r & is_b, other=0.0).to(tl.float32)
+    b_w0 = tl.load(W + tok[:, None] * K + o_k0[None, :], mask=m_r, other=0.0).to(tl.float32)
+    b_vn -= tl.dot(b_w0, b_S0, input_precision=PRECISION)
     if NK == 2:
-        b_vn -= tl.dot(tl.load(W + tok[:, None] * K + (BK + o_k0)[None, :], mask=m_r, other=0.0), b_S1,
-                       input_precision=PRECISION)
+        b_w1 = tl.load(W + tok[:, None] * K + (BK + o_k0)[None, :], mask=m_r, other=0.0).to(tl.float32)
+        b_vn -= tl.dot(b_w1, b_S1, input_precision=PRECISION)
     if STORE:
-        tl.store(v_new + tok[:, None] * V + o_c[None, :], b_vn, mask=m_r)
+        tl.store(v_new + tok[:, None] * V + o_c[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_r)
     p_last = G + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K
     b_S0 = _decay_half(k, G, b_S0, b_vn, tl.load(p_last + o_k0), tok, m_r, o_k0, K, PRECISION)
     if NK == 2:
@@ -345,8 +352,11 @@ def _segment_combine_kernel(
 ):
     """Phase 2: S_1 = end of segment 0, S_{s+1} = A_s S_s + B_s, one sequence, head and value block.
 
-    Writes S_s into h at segment s's first chunk (s >= 1); writes ht for sequences with
-    at most one segment (phase 3 writes it for the others). Grid: (V // BV, N * H).
+    Writes S_s into h at segment s's first chunk (s >= 1) and, in fp32 whatever h's dtype,
+    S_{s+1} over B_s in AB (each entry of S_{s+1} depends on the same entry of B_s, so the
+    store cannot overtake the load), so that AB[s - 1]'s B columns hold S_s for phase 3
+    (S_1 is already there: segment 0's end state). Writes ht for sequences with at most
+    one segment (phase 3 writes it for the others). Grid: (V // BV, N * H).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -371,17 +381,19 @@ def _segment_combine_kernel(
         if INTERPRETED:
             j = tl.full([], 1, dtype=tl.int64)
             while j < n_seg - 1:
-                tl.store(h + (boc + j * L) * H * K * V + p_S, b_S)
+                tl.store(h + (boc + j * L) * H * K * V + p_S, b_S.to(h.dtype.element_ty))
                 p_seg = (s0 + j) * H * K * (K + V)
                 b_S = tl.dot(tl.load(AB + p_seg + p_A), b_S, input_precision=PRECISION) + tl.load(AB + p_seg + p_B)
+                tl.store(AB + p_seg + p_B, b_S)
                 j += 1
         else:
             for j in range(1, n_seg - 1):
-                tl.store(h + (boc + j * L) * H * K * V + p_S, b_S)
+                tl.store(h + (boc + j * L) * H * K * V + p_S, b_S.to(h.dtype.element_ty))
                 p_seg = (s0 + j) * H * K * (K + V)
                 b_S = tl.dot(tl.load(AB + p_seg + p_A), b_S, input_precision=PRECISION) + tl.load(AB + p_seg + p_B)
+                tl.store(AB + p_seg + p_B, b_S)
         if n_seg >= 2:
-            tl.store(h + (boc + (n_seg - 1) * L) * H * K * V + p_S, b_S)
+            tl.store(h + (boc + (n_seg - 1) * L) * H * K * V + p_S, b_S.to(h.dtype.element_ty))
         else:
             if STORE_HT:
                 tl.store(ht + i_n.to(tl.int64) * H * K * V + p_S, b_S)
@@ -389,11 +401,12 @@ def _segment_combine_kernel(
 
 @triton.jit
 def _segment_walk_kernel(
-    k, W, U, G, h, v_new, ht, cu_seqlens, chunk_offsets, seg_indices, L,
+    k, W, U, G, h, v_new, ht, AB, cu_seqlens, chunk_offsets, seg_indices, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_HT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """Phase 3: segments s >= 1 walk from their true initial state (h at their first chunk).
+    """Phase 3: segments s >= 1 walk from their true initial state (fp32, in the B columns
+    of the previous segment's AB, see `_segment_combine_kernel`).
 
     Writes h and v_new for their chunks, and ht from each sequence's last segment.
     Grid: (V // BV, segments * H).
@@ -404,8 +417,8 @@ def _segment_walk_kernel(
     if j > 0:
         o_k0 = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
-        p_h = h + ((boc + c0) * H + i_h) * K * V
-        b_S0, b_S1 = _load_state(p_h, o_k0, o_v, True, K, BK, BV, V)
+        p_start = AB + ((i_s - 1).to(tl.int64) * H + i_h) * K * (K + V) + K  # B columns of segment s - 1
+        b_S0, b_S1 = _load_state(p_start, o_k0, o_v, True, K, BK, BV, K + V)
         b_S0, b_S1 = _walk(k, W, U, G, h, v_new, b_S0, b_S1, c0, c1, bos, T, boc, i_h, i_v * BV, True,
                            H, K, V, BT, BK, BV, True, PRECISION, INTERPRETED)
         if STORE_HT:
@@ -434,8 +447,9 @@ def state_scan_parallel(
 ) -> int:
     """Stage 3 of the forward, chunk-parallel: fills h, v_new and ht like `_state_scan_kernel`.
 
-    k `[TT, H, K]` (input dtype); W, G `[TT, H, K]`, U `[TT, H, V]` fp32 (stage 2);
-    h `[chunks, H, K, V]`, v_new `[TT, H, V]` fp32 outputs; h0 / ht `[N, H, K, V]` fp32 or
+    k `[TT, H, K]` (input dtype); G `[TT, H, K]` fp32, W `[TT, H, K]`, U `[TT, H, V]` (stage 2);
+    h `[chunks, H, K, V]`, v_new `[TT, H, V]` outputs (W, U, h, v_new: fp32, or the input
+    dtype under the lean walk; upcast on load, cast on store); h0 / ht `[N, H, K, V]` fp32 or
     None; cu_seqlens / chunk_offsets as in `triton_fwd`; bounds = cu_seqlens on the host.
     segment_chunks: L, or None for `default_segment_chunks`. Returns the L used.
     """
@@ -462,7 +476,7 @@ def state_scan_parallel(
     )
     if any(n > L for n in chunk_counts):  # some sequence has a second segment
         _segment_walk_kernel[(V // BV, n_segs * H)](
-            k, W, U, G, h, v_new, ht, cu_seqlens, chunk_offsets, seg_indices, L,
+            k, W, U, G, h, v_new, ht, AB, cu_seqlens, chunk_offsets, seg_indices, L,
             BK=BK, STORE_HT=ht is not None, **common,
         )
     return L
