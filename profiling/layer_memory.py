@@ -15,7 +15,9 @@ T tokens in two documents, the AttnRes stream started from a `[1, T, D]` fp32 em
   the transient together.
 
 All three divided by the tokens. The planner's numbers for the same kind are printed beside:
-its kept bytes (eager profile + T^2 term) and its transient, and their sum for full AC.
+its kept bytes (eager profile + T^2 term), its backward transient and its full-AC backward
+(`LayerActivations.transient_at` / `full_ac_backward_at`; these leave out the incoming stream
+gradient, about 4 KiB per token at small_1gpu's width, which the step walk counts apart).
 Parameter gradients are excluded (`.grad` is set to None by a hook before accumulation
 would allocate; the planner counts gradients separately). Last line: one JSON object.
 """
@@ -111,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({
                 "kind": plan.kind, "layer": i, "T": T,
                 "kept": none["kept"], "backward": none["backward"], "full_ac_backward": full["backward"],
-                "plan_kept": kept_plan, "plan_transient": plan.transient,
-                "plan_full_ac_backward": kept_plan + plan.transient,
+                "plan_kept": kept_plan, "plan_transient": plan.transient_at(T, T * T) / T,
+                "plan_full_ac_backward": plan.full_ac_backward_at(T, T * T) / T,
             })
             r = rows[-1]
             print(f"{kind}{'+moe' if key[1] else '+dense'} layer {i} T={T}: KiB/token measured kept "
                   f"{r['kept'] / 1024:.1f} backward {r['backward'] / 1024:.1f} full-AC backward "
                   f"{r['full_ac_backward'] / 1024:.1f} | planned kept {kept_plan / 1024:.1f} transient "
-                  f"{plan.transient / 1024:.1f} full-AC {r['plan_full_ac_backward'] / 1024:.1f}", flush=True)
+                  f"{r['plan_transient'] / 1024:.1f} full-AC {r['plan_full_ac_backward'] / 1024:.1f}", flush=True)
             torch.cuda.empty_cache()
         for h in hooks:
             h.remove()

@@ -169,7 +169,7 @@ def test_activation_bytes_scale_with_tokens_and_ac_orders_them(flavor):
             return [ph.activations for ph in activation_memory(args, BF16, layout, ac, b, s).phases]
 
         base, one, two = phases(1, 0), phases(1, 1024), phases(1, 2048)  # base: per-layer constants
-        assert len(base) == args.n_layers + 3
+        assert len(base) == 2 * args.n_layers + 3
         for b0, b1, b2 in zip(base, one, two):
             assert b2 - b0 == pytest.approx(2 * (b1 - b0), rel=1e-12, abs=1e-6)
         assert phases(2, 1024) == pytest.approx(two, rel=1e-12)
@@ -203,12 +203,16 @@ def _toy_params(layer_grads: list[float], head: float, rest: float, temp: float 
 #   AC none, held: layer 0 400*10 + 3000 = 7000, layer 1 1000*10 + 7 + 5000 = 15007;
 #     in backward: 650*10 = 6500 and 2000*10 = 20000.
 #   AC full, held 0; in backward: 7000 + 6500 = 13500 and 15007 + 20000 = 35007.
+#   Forward of layer i: the held bytes of layers < i, the stream of layers <= i, its forward
+#   peak (fused: its whole kept set without AC, nothing under full AC).
 TOY_ACTIVATIONS = {
-    "none": {"loss and head backward": 7000 + 15007 + 640 + 440 + 700 + 640,
+    "none": {"forward layer 0": 7000 + 320, "forward layer 1": 7000 + 15007 + 640,
+             "loss and head backward": 7000 + 15007 + 640 + 440 + 700 + 640,
              "backward layer 1": 7000 + 15007 + 20000 + 640 + 320,
              "backward layer 0": 7000 + 6500 + 320 + 320,
              "backward embedding": 320, "optimizer step": 0},
-    "full": {"loss and head backward": 320 + 440 + 700 + 640,
+    "full": {"forward layer 0": 160, "forward layer 1": 320,
+             "loss and head backward": 320 + 440 + 700 + 640,
              "backward layer 1": 35007 + 320 + 320,
              "backward layer 0": 13500 + 160 + 320,
              "backward embedding": 320, "optimizer step": 0},
@@ -216,19 +220,21 @@ TOY_ACTIVATIONS = {
 # Static 10000 + 20000 + 100 = 30100 in every phase. Gradients: layer-1 peak case: head 1000,
 # layers [3000, 5000], rest 1000; optimizer-step peak case: head 500, layers [40000, 1000], rest
 # 500, foreach temporaries 3000.
+_TOY_FORWARD = {"none": {"forward layer 0": 30100 + 7320, "forward layer 1": 30100 + 22647},
+                "full": {"forward layer 0": 30100 + 160, "forward layer 1": 30100 + 320}}
 TOY_TOTALS = {
-    "layer": {"none": {"loss and head backward": 30100 + 24427, "backward layer 1": 30100 + 1000 + 42967,
-                       "backward layer 0": 30100 + 6000 + 14140, "backward embedding": 30100 + 9000 + 320,
-                       "optimizer step": 30100 + 10000},
-              "full": {"loss and head backward": 30100 + 2100, "backward layer 1": 30100 + 1000 + 35647,
-                       "backward layer 0": 30100 + 6000 + 13980, "backward embedding": 30100 + 9000 + 320,
-                       "optimizer step": 30100 + 10000}},
-    "optimizer": {"none": {"loss and head backward": 30100 + 24427, "backward layer 1": 30100 + 500 + 42967,
-                           "backward layer 0": 30100 + 1500 + 14140, "backward embedding": 30100 + 41500 + 320,
-                           "optimizer step": 30100 + 42000 + 3000},
-                  "full": {"loss and head backward": 30100 + 2100, "backward layer 1": 30100 + 500 + 35647,
-                           "backward layer 0": 30100 + 1500 + 13980, "backward embedding": 30100 + 41500 + 320,
-                           "optimizer step": 30100 + 42000 + 3000}},
+    "layer": {"none": {**_TOY_FORWARD["none"], "loss and head backward": 30100 + 24427,
+                       "backward layer 1": 30100 + 1000 + 42967, "backward layer 0": 30100 + 6000 + 14140,
+                       "backward embedding": 30100 + 9000 + 320, "optimizer step": 30100 + 10000},
+              "full": {**_TOY_FORWARD["full"], "loss and head backward": 30100 + 2100,
+                       "backward layer 1": 30100 + 1000 + 35647, "backward layer 0": 30100 + 6000 + 13980,
+                       "backward embedding": 30100 + 9000 + 320, "optimizer step": 30100 + 10000}},
+    "optimizer": {"none": {**_TOY_FORWARD["none"], "loss and head backward": 30100 + 24427,
+                           "backward layer 1": 30100 + 500 + 42967, "backward layer 0": 30100 + 1500 + 14140,
+                           "backward embedding": 30100 + 41500 + 320, "optimizer step": 30100 + 42000 + 3000},
+                  "full": {**_TOY_FORWARD["full"], "loss and head backward": 30100 + 2100,
+                           "backward layer 1": 30100 + 500 + 35647, "backward layer 0": 30100 + 1500 + 13980,
+                           "backward embedding": 30100 + 41500 + 320, "optimizer step": 30100 + 42000 + 3000}},
 }
 TOY_PEAKS = {("layer", "none"): ("backward layer 1", 74067), ("layer", "full"): ("backward layer 1", 66747),
              ("optimizer", "none"): ("optimizer step", 75100), ("optimizer", "full"): ("optimizer step", 75100)}
@@ -290,7 +296,7 @@ def test_step_peak_bounds(flavor, layout, activations):
         m = plan.params
         for ac in AC_MODES:
             totals = dict(plan.phase_totals(ac))
-            assert len(totals) == args.n_layers + 3
+            assert len(totals) == 2 * args.n_layers + 3
             assert all(plan.total(ac) >= v for v in totals.values())
             assert plan.total(ac) in totals.values()
             everything = m.params + m.grads + m.optimizer + m.buffers + m.fsdp_gathered
@@ -412,23 +418,35 @@ def test_eager_keeps_at_least_the_compiled_count_for_every_layer_kind(flavor, fs
 
 
 def test_eager_layers_enter_the_ac_accounting():
-    """AC none keeps every layer's measured bytes and T^2 term; full AC keeps none of them
-    (only the stream) and recomputes one layer; op-level SAC keeps the compiled SAC set."""
+    """AC none keeps every layer's measured bytes and T^2 term and adds, in a layer's backward,
+    its measured transient; full AC keeps none of them (only the stream) and holds, in a
+    layer's backward, its measured recompute + transient; op-level SAC keeps the compiled SAC
+    set. Checked phase by phase against the compiled plan (same stream and constants)."""
     args = _tiny()
     layout = Layout(1, 1, 1, 1)
     compiled = model_activations(args, FP32_MASTER, layout, "compiled")
     eager = model_activations(args, FP32_MASTER, layout, "eager")
     B, T = 2, 1024
-    extra = sum((e.kept - c.kept) * B * T + e.per_seq_sq * B * T * T for c, e in zip(compiled, eager))
-    assert extra > 0
+    t, sq = B * T, B * T * T
+    extra = [(e.kept - c.kept) * t + e.per_seq_sq * sq for c, e in zip(compiled, eager)]
+    assert sum(extra) > 0
     mem = {(name, ac): activation_memory(args, FP32_MASTER, layout, ac, B, T, layers)
            for name, layers in (("compiled", compiled), ("eager", eager)) for ac in AC_MODES}
     assert mem["eager", "none"].detail["layers_kept"] - mem["compiled", "none"].detail["layers_kept"] == (
-        pytest.approx(extra, rel=1e-12))
+        pytest.approx(sum(extra), rel=1e-12))
     for ac in ("full", "selective"):
         for part in ("layers_kept", "stream_kept", "head_kept"):
             assert mem["eager", ac].detail[part] == mem["compiled", ac].detail[part], (ac, part)
-    assert mem["eager", "full"].peak > mem["compiled", "full"].peak
+    for ac in ("none", "full"):
+        phase = {name: {ph.name: ph.activations for ph in mem[name, ac].phases} for name in ("compiled", "eager")}
+        for i, (c, e) in enumerate(zip(compiled, eager)):
+            assert e.peaks is not None and c.peaks is None
+            if ac == "none":
+                expected = sum(extra[: i + 1]) + e.transient_at(t, sq) - c.transient_at(t, sq)
+            else:
+                expected = e.full_ac_backward_at(t, sq) - c.full_ac_backward_at(t, sq)
+            got = phase["eager"][f"backward layer {i}"] - phase["compiled"][f"backward layer {i}"]
+            assert got == pytest.approx(expected, rel=1e-9, abs=1e-3), (ac, i)
     assert mem["eager", "full"].peak < mem["eager", "selective"].peak < mem["eager", "none"].peak
 
 
@@ -487,7 +505,7 @@ def test_cli_k3_on_2048_gpus_prints_a_json_summary(capsys):
     assert summary["total_params"] == count_params(_meta_model(FLAVORS["k3"]), FLAVORS["k3"]).total
     assert all(lay["dp_replicate"] * lay["dp_shard"] * lay["cp"] == 2048 for lay in summary["layouts"])
     phases = {"loss and head backward", "backward embedding", "optimizer step",
-              *(f"backward layer {i}" for i in range(FLAVORS["k3"].n_layers))}
+              *(f"{step} layer {i}" for i in range(FLAVORS["k3"].n_layers) for step in ("forward", "backward"))}
     assert all(set(lay["peak_phase"]) == set(AC_MODES) and set(lay["peak_phase"].values()) <= phases
                for lay in summary["layouts"])
     assert summary["optimizer_implementation"] == "fused"

@@ -16,22 +16,25 @@ JSON object; each layout's entry names the phase of the step where each AC mode 
 peak allocated memory of `small_1gpu` runs on one or two H200s (`profiling/memory_check.py`
 and training logs; tables in BENCHMARKS.md), each run planned on the model code it ran:
 
-* eager, one GPU, steps 1-3: AC none 8K 51.2 GiB vs 52.45 measured (-2%), 32K 159 GiB where
-  the run ran out of memory (> 138 GiB allocated); full AC 8K 22.8 vs 22.43 (+2%), 32K 32.8
-  vs 31.11 (+5%). The constants were not fitted to these runs. Before the step walk the
-  planner added all gradients, the whole AttnRes stream and the largest transient at once:
-  +9% (8K) and +23% (32K) over the full-AC runs.
+* eager, one GPU, max allocated over steps 1-3, the code of commit 9d1e05e: AC none 8K
+  37.2 GiB vs 37.34 measured (-0.4%), 32K 103.0 vs 103.12 (-0.1%); full AC 8K 23.1 vs 23.22
+  (-0.6%), 32K 34.7 vs 34.80 (-0.4%). Nothing was fitted to these runs: per layer kind the
+  planner measures, op by op on the CPU, what eager autograd keeps (`.eager`) and what the
+  forward and the backward allocate above their start (`.transient`, the GPU kernels'
+  allocations included), and it reproduces `profiling/layer_memory.py`'s H200 numbers for
+  single layers to 0.1 KiB per token (2% at one point). Before the transients were measured
+  (`2 x largest kept entry + workspace`: 90-108 KiB per token where the layers add 192-270)
+  the same runs were planned at 35.5, 96.1, 21.8 and 28.7 GiB (32K full AC -18%).
+* earlier eager runs (before four changes made eager layers keep less: SiTU-GLU's and the KDA
+  short convolution's autograd keep only their inputs, the AttnRes mixers keep no normalised
+  copy of the sources, a sub-layer's input is cast once): AC none 8K 51.2 GiB planned vs
+  52.45 measured, full AC 8K 22.8 vs 22.43, 32K 32.8 vs 31.11.
 * compiled, selective AC, 8K: one GPU, plan 25.2 GiB vs 26.2 GiB reserved (allocated not
   recorded); FSDP2 x EP2, 21.3 GiB allocated per GPU against a plan of 15.9 (-25%): under EP
   the routed experts run eagerly, and eager SiTU-GLU then kept 84 KiB per token where the
   fused count says 36 (counting that gave 19.9, -6%). SiTU-GLU's autograd now keeps only its
-  pre-activations, so the fused count holds for eager experts (a test pins it).
-
-All of these runs predate four changes that make eager layers keep less (SiTU-GLU's and the
-KDA short convolution's autograd keep only their inputs; the AttnRes mixers keep no
-normalised copy of the sources; a sub-layer's input is cast to the autocast dtype once, not
-per projection). The plans for the current code, not yet measured: eager 8K none 35.5, full
-21.8 GiB; 32K none 96.1 (now fits one H200), full 28.7; FSDP2 x EP2 compiled 15.9.
+  pre-activations, so the fused count holds for eager experts (a test pins it). Fused layers'
+  transients are still the heuristic (not measured: Inductor's backward graphs are not run).
 
 Modules, in the order the plan is built:
 
@@ -42,12 +45,21 @@ Modules, in the order the plan is built:
 * :mod:`.activations`: the compiled model's kept bytes per token (`layer_activations`,
   `model_activations`);
 * :mod:`.eager`: eager activations measured on the CPU (`measure_eager_layer`, `eager_profiles`);
+* :mod:`.transient`: what eager layers' forward and backward allocate, op by op, without AC
+  and under full AC (`measure_layer_peaks`, `layer_peaks`; the KDA launchers' tensors,
+  `kda_fwd_allocations`, `kda_bwd_allocations`);
 * :mod:`.step`: the step walk over the phases (`activation_memory`) and the per-layout plans
   (`plan_layout`, `plan_gpus`, `min_gpus`);
 * :mod:`.cli`: the command line (`run_plan`, `main`).
 """
 
-from titan_moe.plan.activations import Entry, LayerActivations, layer_activations, model_activations
+from titan_moe.plan.activations import (
+    Entry,
+    LayerActivations,
+    kda_bwd_workspace_per_token,
+    layer_activations,
+    model_activations,
+)
 from titan_moe.plan.cli import PlanOptions, main, parse_args, run_plan
 from titan_moe.plan.eager import (
     EagerProfile,
@@ -82,6 +94,18 @@ from titan_moe.plan.params import (
     sharded_numel,
     sharding_checks,
 )
+from titan_moe.plan.transient import (
+    LayerPeaks,
+    LiveBytes,
+    PeakProfile,
+    backward_peak,
+    kda_bwd_allocations,
+    kda_fwd_allocations,
+    layer_counter,
+    layer_peaks,
+    measure_layer_peaks,
+    peak_profiles,
+)
 from titan_moe.plan.step import (
     ActivationMemory,
     LayoutPlan,
@@ -97,11 +121,12 @@ from titan_moe.plan.step import (
 __all__ = [
     "AC_MODES", "ACTIVATION_MODELS", "CP_DEGREES", "GIB", "KDA_CHUNK", "MAX_SEARCH_GPUS",
     "OPTIMIZER_IMPLEMENTATIONS", "ActivationMemory", "EagerProfile", "Entry", "GpuKernelSaves",
-    "LayerActivations", "Layout", "LayoutPlan", "ParamInventory", "ParamMemory", "Phase",
-    "PlanOptions", "Precision", "_stream_bytes_per_token", "activation_memory",
-    "autocast_weight_copies", "eager_profiles", "eager_saved_bytes", "enumerate_layouts",
+    "LayerActivations", "LayerPeaks", "Layout", "LayoutPlan", "LiveBytes", "ParamInventory", "ParamMemory",
+    "PeakProfile", "Phase", "PlanOptions", "Precision", "_stream_bytes_per_token", "activation_memory",
+    "autocast_weight_copies", "backward_peak", "eager_profiles", "eager_saved_bytes", "enumerate_layouts",
     "expert_shard_numel", "fsdp_shard_numel", "gathered_numel", "inventory", "is_routed_expert",
-    "layer_activations", "layer_policies", "main", "measure_eager_layer", "min_gpus",
-    "model_activations", "param_memory", "parse_args", "plan_gpus", "plan_layout", "run_plan",
-    "sharded_numel", "sharding_checks", "zero_layer",
+    "kda_bwd_allocations", "kda_bwd_workspace_per_token", "kda_fwd_allocations", "layer_activations",
+    "layer_counter", "layer_peaks", "layer_policies", "main", "measure_eager_layer", "measure_layer_peaks",
+    "min_gpus", "model_activations", "param_memory", "parse_args", "peak_profiles", "plan_gpus", "plan_layout",
+    "run_plan", "sharded_numel", "sharding_checks", "zero_layer",
 ]

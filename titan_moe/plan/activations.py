@@ -36,14 +36,21 @@ slots = `attn_res.max_sources`):
     sub-layer; none mode keeps the running sum `2 D s` per layer.
   head: a prologue (final mix + norm) and the log-softmax output of the loss `V * 4`.
   transient peaks: head `V * 8`, two more fp32 `[T, V]` tensors (forward: the fp32 logits
-    next to the `a` ones; backward: the gradients into and out of log-softmax); one layer
-    in backward `2 * largest kept tensor` (the gradients of the op being differentiated)
-    plus workspaces: KDA op (Triton launchers, fp32 per head, C = 64):
-    `(5C + 5dk + 3dv + 2 dk dv / C + 1) * 4 * H` (recomputed forward states G, A_qk, A_kk,
-    A_inv, W, U, v_new, chunk states h, plus dh, dv_new, dA_qk, dA_kk, dq/dk partials, dG,
-    dbeta); QB histogram `32 n` (fp32 margins + temporary, three int64 [T, n] index tensors);
-    EP all-to-all send + receive buffers `2 k L a` (ep > 1); MLA ring-attention K/V double
-    buffer `2 H (n + r + v) a` (cp > 1); AttnRes stream gradients `(S+1) D s`.
+    next to the `a` ones; backward: the gradients into and out of log-softmax). One layer in
+    backward: eager layers (`--activations eager`) measured, op by op, what their backward
+    allocates (`transient.measure_layer_peaks`: autograd's gradients and temporaries, the
+    KDA Triton launchers' tensors, SDPA's memory-efficient backward; without AC and, as the
+    whole "in backward" of full AC, recompute included; also their forward's peak, for the
+    step walk's forward phases); fused layers a heuristic, `2 *
+    largest kept tensor` (the gradients of the op being differentiated) plus workspaces: KDA
+    op, the Triton backward launcher's fp32 tensors at its peak (`transient.
+    kda_bwd_allocations`, contiguous inputs): `(4C + 5dk + 3dv + 2 dk dv / C + 1) * 4 * H`
+    (the recomputed forward's G, A_qk, A_inv, W, U, v_new, chunk states h; dh, dv_new, dA_qk,
+    dA_kk, dq/dk partials, dG, dbeta partial); QB histogram `32 n` (fp32 margins + temporary,
+    three int64 [T, n] index tensors: the recompute's). Both add, by layout: EP all-to-all
+    send + receive buffers `2 k L a` (ep > 1); MLA ring-attention K/V double buffer
+    `2 H (n + r + v) a` (cp > 1). The AttnRes stream gradients `(S+1) D s` are counted by the
+    step walk, not here.
 """
 
 from __future__ import annotations
@@ -51,11 +58,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+import torch
+
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import max_sources
 
 from titan_moe.plan.eager import eager_profiles
 from titan_moe.plan.layout import ACTIVATION_MODELS, KDA_CHUNK, Layout, Precision
+from titan_moe.plan.transient import LayerPeaks, _peak, kda_bwd_allocations, layer_peaks
 
 # =========================================================================== activations
 @dataclass(frozen=True)
@@ -79,16 +89,23 @@ class LayerActivations:
 
     `measured` (eager model): bytes per token eager autograd saves, measured by
     `measure_eager_layer`; it replaces the entries' sum as `kept` (the entries still decide
-    what op-level SAC keeps and the transient). `per_seq_sq`: bytes per sequence per squared
-    local sequence length, kept like `kept` (eager MLA: the additive document mask).
+    what op-level SAC keeps). `per_seq_sq`: bytes per sequence per squared local sequence
+    length, kept like `kept` (eager MLA: the additive document mask). `peaks` (eager model,
+    `transient.measure_layer_peaks`): what the layer's forward and backward allocate above
+    their start, measured op by op, without AC and under full AC; they replace the fused
+    heuristic (`2 * largest kept entry + workspace`, nothing for the forward).
+    `layout_workspace`: the layout's buffers per token (EP all-to-all, ring attention),
+    added to every transient.
     """
 
     kind: str
     entries: list[Entry]
-    workspace: float  # bytes per token, alive only while the layer runs backward
+    workspace: float  # fused heuristic: bytes per token, alive only while the layer runs backward
     constant: float = 0.0  # bytes per layer, independent of tokens (kept like `kept` tensors)
     measured: float | None = None
     per_seq_sq: float = 0.0
+    peaks: LayerPeaks | None = None
+    layout_workspace: float = 0.0
 
     @cached_property
     def kept(self) -> float:
@@ -117,8 +134,43 @@ class LayerActivations:
 
     @cached_property
     def transient(self) -> float:
+        """Bytes per token the backward adds above the kept tensors, without AC (measured:
+        where T^2 terms do not matter)."""
+        if self.peaks is not None:
+            return self.peaks.backward.per_token + self.layout_workspace
         largest = max((e.bytes for e in self.entries if e.kept), default=0.0)
-        return 2 * largest + self.workspace
+        return 2 * largest + self.workspace + self.layout_workspace
+
+    def transient_at(self, tokens: float, seq_sq: float) -> float:
+        """Bytes the backward adds above its start without AC (and in op-level SAC's backward,
+        above the rematerialised tensors), for `tokens` local tokens whose sequences' squared
+        lengths sum to `seq_sq`."""
+        if self.peaks is not None:
+            return self.peaks.backward.at(tokens, seq_sq) + self.layout_workspace * tokens
+        return self.transient * tokens
+
+    def full_ac_backward_at(self, tokens: float, seq_sq: float) -> float:
+        """Bytes alive in the backward under full AC above its start, recompute included
+        (measured; else kept + T^2 term + transient), without the per-layer constant and the
+        autocast weight copies (the step walk adds those)."""
+        if self.peaks is not None:
+            return self.peaks.full_backward.at(tokens, seq_sq) + self.layout_workspace * tokens
+        return (self.kept + self.transient) * tokens + self.per_seq_sq * seq_sq
+
+    @cached_property
+    def full_ac_backward_sq(self) -> float:
+        """The T^2 term beside the largest per-token one (display; eager MLA: its mask)."""
+        if self.peaks is not None:
+            return max(self.peaks.full_backward.points)[1]
+        return self.per_seq_sq
+
+    def forward_at(self, full_ac: bool, tokens: float, seq_sq: float) -> float:
+        """High-water mark of the layer's forward above its start (measured; else what a fused
+        layer keeps, nothing under full AC), without constants."""
+        if self.peaks is not None:
+            profile = self.peaks.full_forward if full_ac else self.peaks.forward
+            return profile.at(tokens, seq_sq) + self.layout_workspace * tokens
+        return 0.0 if full_ac else self.kept * tokens + self.per_seq_sq * seq_sq
 
 
 def _prologue(prefix: str, args: ModelArgs, s: int, a: int) -> list[Entry]:
@@ -135,7 +187,7 @@ def _prologue(prefix: str, args: ModelArgs, s: int, a: int) -> list[Entry]:
 
 def _kda(args: ModelArgs, a: int) -> tuple[list[Entry], float]:
     H, dk = args.kda_n_heads, args.kda_head_dim
-    dv, I, D, C = dk, H * dk, args.dim, KDA_CHUNK
+    dv, I, D = dk, H * dk, args.dim
     e = [
         Entry("kda.wq", I * a, kept=False, mm=True),
         Entry("kda.wk", I * a, kept=False, mm=True),
@@ -154,8 +206,23 @@ def _kda(args: ModelArgs, a: int) -> tuple[list[Entry], float]:
         Entry("kda.wo_in", I * a),
         Entry("kda.wo", D * a, kept=False, mm=True),
     ]
-    workspace = (5 * C + 5 * dk + 3 * dv + 2 * dk * dv / C + 1) * 4 * H
-    return e, workspace
+    return e, kda_bwd_workspace_per_token(H, dk, dv)
+
+
+def kda_bwd_workspace_per_token(H: int, dk: int, dv: int) -> float:
+    """Bytes per token of the KDA Triton backward launcher's own tensors at its peak (its
+    outputs, the op's gradients, excluded), from `transient.kda_bwd_allocations` with
+    contiguous bf16 inputs over whole chunks: `(4C + 5dk + 3dv + 2 dk dv / C + 1) * 4 * H`
+    (and the chunk layout's int32s)."""
+    T = 16 * KDA_CHUNK
+    with torch.device("meta"):
+        q = torch.empty(1, T, H, dk, dtype=torch.bfloat16)
+        v = torch.empty(1, T, H, dv, dtype=torch.bfloat16)
+        g = torch.empty(1, T, H, dk)
+        beta = torch.empty(1, T, H)
+    events = kda_bwd_allocations(q, q, v, g, beta, 1.0, None, None, v, None)
+    outputs = sum(n for name, n in events if name in ("dq", "dk", "dv", "dg", "dbeta"))
+    return (_peak(events) - outputs) / T
 
 
 def _mla(args: ModelArgs, a: int, cp: int) -> tuple[list[Entry], float]:
@@ -179,8 +246,8 @@ def _mla(args: ModelArgs, a: int, cp: int) -> tuple[list[Entry], float]:
         Entry("mla.w_o_in", H * v * a),
         Entry("mla.w_o", D * a, kept=False, mm=True),
     ]
-    workspace = 2 * H * (n + r + v) * a if cp > 1 else 0.0
-    return e, workspace
+    ring = 2 * H * (n + r + v) * a if cp > 1 else 0.0
+    return e, ring
 
 
 def _dense_ffn(args: ModelArgs, a: int) -> list[Entry]:
@@ -192,7 +259,7 @@ def _dense_ffn(args: ModelArgs, a: int) -> list[Entry]:
     ]
 
 
-def _moe(args: ModelArgs, a: int, ep: int) -> tuple[list[Entry], float]:
+def _moe(args: ModelArgs, a: int, ep: int) -> tuple[list[Entry], float, float]:
     D, n, k = args.dim, args.n_routed_experts, args.top_k
     L, h = args.moe_latent_dim, args.moe_expert_hidden
     e = [
@@ -216,12 +283,9 @@ def _moe(args: ModelArgs, a: int, ep: int) -> tuple[list[Entry], float]:
             Entry("moe.shared_hidden", Fs * a),
             Entry("moe.shared_down", D * a, kept=False, mm=True),
         ]
-    workspace = 0.0
-    if args.balance_rule == "qb" and args.qb_bins > 0 and k < n:
-        workspace += 32 * n
-    if ep > 1:
-        workspace += 2 * k * L * a
-    return e, workspace
+    qb = 32 * n if args.balance_rule == "qb" and args.qb_bins > 0 and k < n else 0.0
+    all_to_all = 2 * k * L * a if ep > 1 else 0.0
+    return e, qb, all_to_all
 
 
 def layer_activations(
@@ -231,17 +295,20 @@ def layer_activations(
     a, s = prec.compute, prec.stream(layout.fsdp_enabled)
     kind = args.layer_kinds()[layer_idx]
     entries = _prologue("attn", args, s, a)
+    layout_workspace = 0.0
     if kind == "kda":
         attn, workspace = _kda(args, a)
     else:
-        attn, workspace = _mla(args, a, layout.cp)
+        attn, ring = _mla(args, a, layout.cp)
+        workspace, layout_workspace = 0.0, ring
     entries += attn
     entries += _prologue("ffn", args, s, a)
     constant = 0.0
     if args.is_moe_layer(layer_idx):
-        moe, moe_ws = _moe(args, a, layout.ep)
+        moe, qb, all_to_all = _moe(args, a, layout.ep)
         entries += moe
-        workspace += moe_ws
+        workspace += qb
+        layout_workspace += all_to_all
         weight_bytes = a if layout.fsdp_enabled else prec.param
         if weight_bytes != 4:
             constant = args.n_routed_experts * args.dim * 4
@@ -249,7 +316,7 @@ def layer_activations(
     else:
         entries += _dense_ffn(args, a)
         kind += "+dense"
-    return LayerActivations(kind, entries, workspace, constant)
+    return LayerActivations(kind, entries, workspace, constant, layout_workspace=layout_workspace)
 
 
 def model_activations(
@@ -258,7 +325,8 @@ def model_activations(
     """Every layer's `LayerActivations`; layers of one kind share one object.
 
     `activations`: "compiled" counts what fused layers keep (the entries); "eager" puts the
-    bytes eager autograd saves, measured once per layer kind (`eager_profiles`), in `measured`.
+    bytes eager autograd saves, measured once per layer kind (`eager_profiles`), in `measured`
+    and what its forward and backward allocate (`layer_peaks`) in `peaks`.
     Compiled with expert parallelism, MoE layers are compiled piecewise around their routed
     experts, which run eagerly (`parallelize.apply_compile`); the fused count holds for them
     too, because SiTU-GLU's autograd keeps only its pre-activations (tests/test_plan.py checks
@@ -266,7 +334,9 @@ def model_activations(
     """
     if activations not in ACTIVATION_MODELS:
         raise ValueError(f"activations must be one of {ACTIVATION_MODELS}, got {activations!r}")
-    profiles = eager_profiles(args, prec, layout.fsdp_enabled) if activations == "eager" else {}
+    eager = activations == "eager"
+    profiles = eager_profiles(args, prec, layout.fsdp_enabled) if eager else {}
+    peaks = layer_peaks(args, prec, layout.fsdp_enabled) if eager else {}
     by_kind: dict[tuple[str, bool], LayerActivations] = {}
     layers = []
     for i, kind in enumerate(args.layer_kinds()):
@@ -274,7 +344,8 @@ def model_activations(
         if key not in by_kind:
             layer = layer_activations(args, i, prec, layout)
             if key in profiles:
-                layer = replace(layer, measured=profiles[key].per_token, per_seq_sq=profiles[key].per_seq_sq)
+                layer = replace(layer, measured=profiles[key].per_token, per_seq_sq=profiles[key].per_seq_sq,
+                                peaks=peaks[key])
             by_kind[key] = layer
         layers.append(by_kind[key])
     return layers

@@ -23,6 +23,7 @@ from titan_moe.plan.params import OPTIMIZER_IMPLEMENTATIONS, inventory, sharding
 from titan_moe.plan.step import (
     LayoutPlan, _head_kept_per_token, _stream_bytes_per_token, min_gpus, plan_gpus,
 )
+from titan_moe.plan.transient import layer_peaks
 
 # =========================================================================== CLI
 @dataclass
@@ -122,6 +123,8 @@ def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout, 
     parts = [
         f"{kind} kept {l.kept / 1024:.0f}" + (f" + {l.per_seq_sq:g} B x T^2" if l.per_seq_sq else "")
         + f" / SAC {l.sac_kept / 1024:.0f} / transient {l.transient / 1024:.0f}"
+        + f" / full-AC backward {l.full_ac_backward_at(1.0, 0.0) / 1024:.0f}"
+        + (f" + {l.full_ac_backward_sq:g} B x T^2" if l.full_ac_backward_sq else "")
         for kind, l in seen.items()
     ]
     s = prec.stream(layout.fsdp_enabled)
@@ -135,11 +138,14 @@ def _eager_summary(args: ModelArgs, prec: Precision, plans: list[LayoutPlan]) ->
     """The eager profiles the plans used, per FSDP setting and layer kind (JSON-ready)."""
     out: dict[str, dict] = {}
     for fsdp in sorted({p.layout.fsdp_enabled for p in plans}):
-        profiles = eager_profiles(args, prec, fsdp)
+        profiles, peaks = eager_profiles(args, prec, fsdp), layer_peaks(args, prec, fsdp)
         out["fsdp" if fsdp else "no_fsdp"] = {
             p.kind: {"kib_per_token": p.per_token / 1024, "bytes_per_seq_sq": p.per_seq_sq,
-                     "measured_on": "fake" if p.fake else "cpu", "experts_built": list(p.experts)}
-            for p in profiles.values()
+                     "measured_on": "fake" if p.fake else "cpu", "experts_built": list(p.experts),
+                     # [KiB per token, bytes per sequence per T^2] at each op that can be the peak
+                     **{f"{name}_peaks": [[l / 1024, q] for l, q in getattr(peaks[key], name).points]
+                        for name in ("forward", "backward", "full_forward", "full_backward")}}
+            for key, p in profiles.items()
         }
     return out
 
@@ -195,7 +201,9 @@ def run_plan(argv: list[str] | None = None) -> dict:
     _print_activation_summary(args, prec, plans[0].layout, activations)
     if activations == "eager":
         print("  eager activations: measured per layer kind with saved-tensor hooks on CPU (fake tensors for "
-              "large layers), SDPA and RMSNorm saving what their CUDA kernels save (see the module docstring)")
+              "large layers), SDPA and RMSNorm saving what their CUDA kernels save (see the module docstring); "
+              "transients and full-AC backward: live bytes op by op, GPU kernels' allocations included "
+              "(titan_moe.plan.transient)")
     elif not compiled:
         print("  note: [compile] is off but --activations compiled: the counts assume fused layers, and eager "
               "PyTorch keeps about twice as much per layer (--activations eager measures it)")

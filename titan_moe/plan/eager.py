@@ -43,23 +43,27 @@
     fp32 with no normalised copy), and autocast made a bf16 copy of a sub-layer's input for
     every projection (now one cast). What remains: KDA's gate, L2 norm, output norm and
     output gate keep fp32 intermediates; the MLA mask.
-  * AC accounting unchanged: op-level SAC keeps the same op outputs as the compiled count (it
-    chooses by op) and recomputes the rest of the measured set; the transient is the compiled
-    one (2 x the largest kept entry + workspace). Not modelled: the mask construction's
-    `[T, T]` bool temporaries (forward only) and the head's eager extras (its final mixer).
+  * AC accounting: op-level SAC keeps the same op outputs as the compiled count (it chooses by
+    op) and recomputes the rest of the measured set. What the backward adds ("transient") and,
+    under full AC, the recompute and backward together are measured too, op by op
+    (`transient.measure_layer_peaks`, with the stand-ins above allocating in their backward
+    what the CUDA kernels do); fused layers keep the heuristic (2 x the largest kept entry +
+    workspace). Not modelled: the head's eager extras (its final mixer).
 AC modes (torchtitan's `apply_ac`, one checkpoint per decoder layer). Per layer, what it
 holds from its forward to its backward ("held") and what it adds while it runs backward
 ("in backward"); "whole" = its kept tensors + T^2 term + per-layer constant + autocast copies:
-  none:      held = whole; in backward = its transient.
+  none:      held = whole; in backward = its transient (eager: measured, `transient_at`).
   full:      held = nothing (its input is a stream tensor, counted with the stream);
-             in backward = whole (recomputed) + its transient.
+             in backward = whole (recomputed) + its transient; eager: the measured
+             recompute and backward (`full_ac_backward_at`) + constant + copies.
   selective: follows the config's `activation_checkpoint.selective_ac_option`.
              "op" (op-level SAC with torchtitan's save list): held = the outputs of every
              other `aten.mm` in forward order (1st, 3rd, ...) and the SDPA outputs; in
              backward = the recomputed rest of the kept tensors (custom ops, KDA and grouped
-             GEMM, included) + T^2 term + constant + copies + its transient.
+             GEMM, included) + T^2 term + constant + copies + its transient (no AC's).
              An integer k (torchtitan's default "2"): every k-th layer fully checkpointed,
              the others not at all.
+The step walk (`step.py`) also has a phase per layer's forward, with its measured forward peak.
 """
 
 from __future__ import annotations
@@ -90,24 +94,42 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 class _EfficientAttentionSaves(torch.autograd.Function):
-    """SDPA that saves what the GPU's memory-efficient kernel saves for its backward.
+    """SDPA that saves, and in its backward allocates, what the GPU's memory-efficient kernel
+    does (`_scaled_dot_product_efficient_attention` and its backward, torch 2.11).
 
-    A measuring device, forward only. CPU SDPA takes the math path for our shapes (fp32
-    upcasts, `[B, H, T, T]` probabilities saved), which the GPU kernel does not. This one
-    computes the values with any backend under no_grad and saves q, k, v (the callers'
-    tensors), the output (written `[B, T, H, v]` by the kernel), the fp32 logsumexp
+    A measuring device. CPU SDPA takes the math path for our shapes (fp32 upcasts, `[B, H, T,
+    T]` probabilities saved), which the GPU kernel does not. Forward: the values come from
+    any backend under no_grad when `values` is set, else the output is zeros (only bytes
+    wanted: then no CPU temporaries either); it saves q, k, v (the
+    callers' tensors), the output (written `[B, T, H, v]` by the kernel), the fp32 logsumexp
     `[B, H, ceil32(T)]` and, for a boolean mask, the additive bias in q's dtype that
     `scaled_dot_product_attention` converts it to (last dim padded to 16).
+
+    Backward (values are zeros; `_efficient_attention_backward` in
+    aten/src/ATen/native/transformers/cuda/attention_backward.cu): the gradient of the output
+    made contiguous in `[B, T, H, v]`, dq, dk, dv in the input dtype and `[B, T, H, ·]`
+    layout, fp32 `delta` `[B, H, T]`, and the kernel's fp32 workspace
+    (`mem_eff_attention/kernel_backward.h`, `Params::workspace_size`): the dQ accumulator,
+    `ceil(T / BI) * ceil(dqk / BJ) * (BI * BJ + 4)` floats per (batch, head), plus dK/dV
+    accumulators of `splits * BJ * (ceil_BI(dqk) + ceil_BI(dv))` floats when the head dim
+    exceeds the block (`kOutputInRF` false), `splits = min(ceil(T / BJ), 200 // (B H))`, taken
+    at its cap (training lengths: T >= 1600 at 8 heads).
+    Blocks: 64 x 64 for head dims over 128 (the `k65536` kernels), 128 x 64 otherwise (the
+    `k128` kernels of sm80+; an assumption, not read from a GPU). dQ: `dqk * 4` bytes per
+    token and head; the dK/dV part does not grow with T (16 MiB at small_1gpu's 8 heads).
     """
 
     @staticmethod
-    def forward(ctx, q_BHTK, k_BHTK, v_BHTV, mask, scale, is_causal):
-        with torch.no_grad():
-            o_BHTV = torch.nn.functional.scaled_dot_product_attention(
-                q_BHTK, k_BHTK, v_BHTV, attn_mask=mask, is_causal=is_causal, scale=scale
-            )
+    def forward(ctx, q_BHTK, k_BHTK, v_BHTV, mask, scale, is_causal, values):
         B, H, T, _ = q_BHTK.shape
-        out_BHTV = o_BHTV.transpose(1, 2).contiguous().transpose(1, 2)
+        if values:
+            with torch.no_grad():
+                o_BHTV = torch.nn.functional.scaled_dot_product_attention(
+                    q_BHTK, k_BHTK, v_BHTV, attn_mask=mask, is_causal=is_causal, scale=scale
+                )
+            out_BHTV = o_BHTV.transpose(1, 2).contiguous().transpose(1, 2)
+        else:
+            out_BHTV = v_BHTV.new_zeros(B, T, H, v_BHTV.shape[-1]).transpose(1, 2)
         lse_BHT = q_BHTK.new_empty(B, H, _round_up(T, 32), dtype=torch.float32)
         saved = [q_BHTK, k_BHTK, v_BHTV, out_BHTV, lse_BHT]
         if mask is not None:
@@ -120,55 +142,85 @@ class _EfficientAttentionSaves(torch.autograd.Function):
         return out_BHTV
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError("the eager-activation measuring stand-in has no backward")
+    def backward(ctx, grad_BHTV):
+        q_BHTK, k_BHTK, v_BHTV = ctx.saved_tensors[:3]
+        B, H, T, K = q_BHTK.shape
+        Tk, V = k_BHTK.shape[2], v_BHTV.shape[3]
+        grad_BTHV = grad_BHTV.transpose(1, 2).contiguous()
+        dq_BHTK = q_BHTK.new_zeros(B, T, H, K).transpose(1, 2)
+        dk_BHTK = k_BHTK.new_zeros(B, Tk, H, K).transpose(1, 2)
+        dv_BHTV = v_BHTV.new_zeros(B, Tk, H, V).transpose(1, 2)
+        delta_BHT = q_BHTK.new_zeros(B, H, T, dtype=torch.float32)
+        block_i, block_j = (64, 64) if max(K, V) > 128 else (128, 64)
+        floats = -(-T // block_i) * -(-K // block_j) * (block_i * block_j + 4)
+        if max(K, V) > block_i:  # key splits at their cap, which training lengths reach
+            floats += max(1, 200 // (B * H)) * block_j * (_round_up(K, block_i) + _round_up(V, block_i))
+        workspace = q_BHTK.new_zeros(B * H * _round_up(floats, 4) * 4, dtype=torch.uint8)
+        del grad_BTHV, delta_BHT, workspace
+        return dq_BHTK, dk_BHTK, dv_BHTV, None, None, None, None
 
 
 class _FusedRMSNormSaves(torch.autograd.Function):
     """RMSNorm that saves what CUDA's fused `_fused_rms_norm` saves: input, fp32 rstd `[..., 1]`
-    and the weight. A measuring device, forward only (the CPU build decomposes rms_norm and
-    also saves the normalised input)."""
+    and the weight. A measuring device (the CPU build decomposes rms_norm and also saves the
+    normalised input): the values come from the composite when `values` is set, else the
+    output is zeros; the backward allocates what `_fused_rms_norm_backward` returns,
+    the input gradient and the weight gradient (values: zeros)."""
 
     @staticmethod
-    def forward(ctx, x, normalized_shape, weight, eps):
-        with torch.no_grad():
-            y = torch.nn.functional.rms_norm(x, normalized_shape, weight, eps)
-            dims = tuple(range(-len(normalized_shape), 0))
-            eps = torch.finfo(x.dtype).eps if eps is None else eps
-            rstd = torch.rsqrt(x.float().square().mean(dims, keepdim=True) + eps)
+    def forward(ctx, x, normalized_shape, weight, eps, values):
+        dims = tuple(range(-len(normalized_shape), 0))
+        if values:
+            with torch.no_grad():
+                y = torch.nn.functional.rms_norm(x, normalized_shape, weight, eps)
+                eps = torch.finfo(x.dtype).eps if eps is None else eps
+                rstd = torch.rsqrt(x.float().square().mean(dims, keepdim=True) + eps)
+        else:
+            y = torch.zeros_like(x)
+            rstd = x.new_zeros(*x.shape[: x.dim() - len(dims)], *(1,) * len(dims), dtype=torch.float32)
         ctx.save_for_backward(x, rstd, weight)
         return y
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError("the eager-activation measuring stand-in has no backward")
+    def backward(ctx, grad):
+        x, _, weight = ctx.saved_tensors
+        dx = torch.zeros_like(x)
+        dweight = torch.zeros_like(weight) if weight is not None and ctx.needs_input_grad[2] else None
+        return dx, None, dweight, None, None
 
 
-def _sdpa_saves(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _sdpa_saves(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                *, values: bool = True):
     if dropout_p or enable_gqa:
         raise ValueError("the eager-activation measurement models SDPA without dropout or GQA")
     if torch.is_autocast_enabled("cpu"):  # SDPA is on autocast's lower-precision list
         dtype = torch.get_autocast_dtype("cpu")
         query, key, value = (t.to(dtype) for t in (query, key, value))
-    return _EfficientAttentionSaves.apply(query, key, value, attn_mask, scale, is_causal)
+    return _EfficientAttentionSaves.apply(query, key, value, attn_mask, scale, is_causal, values)
 
 
 class GpuKernelSaves(torch.overrides.TorchFunctionMode):
-    """Routes SDPA and (matching-dtype) RMSNorm to stand-ins that save what their CUDA kernels
-    save; every other op runs as is. RMSNorm with an input dtype other than the weight's
-    falls back to the composite on CUDA too, so it is left alone."""
+    """Routes SDPA and (matching-dtype) RMSNorm to stand-ins that save, and allocate in their
+    backward, what their CUDA kernels do; every other op runs as is. RMSNorm with an input
+    dtype other than the weight's falls back to the composite on CUDA too, so it is left
+    alone. `values=False`: the stand-ins return zeros (only bytes are measured; no CPU-only
+    temporaries)."""
+
+    def __init__(self, values: bool = True):
+        super().__init__()
+        self.values = values
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
-            return _sdpa_saves(*args, **kwargs)
+            return _sdpa_saves(*args, **kwargs, values=self.values)
         if func is torch.nn.functional.rms_norm:
             names = ("input", "normalized_shape", "weight", "eps")
             bound = dict(zip(names, args)) | kwargs
             x, weight = bound["input"], bound.get("weight")
             if weight is None or weight.dtype == x.dtype:
                 shape = tuple(bound["normalized_shape"])
-                return _FusedRMSNormSaves.apply(x, shape, weight, bound.get("eps"))
+                return _FusedRMSNormSaves.apply(x, shape, weight, bound.get("eps"), self.values)
         return func(*args, **kwargs)
 
 
@@ -309,16 +361,22 @@ def measure_eager_layer(
 _EAGER_CACHE: dict[tuple, dict[tuple[str, bool], EagerProfile]] = {}
 
 
-def eager_profiles(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict[tuple[str, bool], EagerProfile]:
-    """`measure_eager_layer` for the first layer of each (kind, is_moe), cached per model and
-    precision setting (the layouts of one plan share two settings: with and without FSDP)."""
+def per_layer_kind(cache: dict, args: ModelArgs, prec: Precision, fsdp_enabled: bool, measure) -> dict:
+    """`measure(args, layer_idx, prec, fsdp_enabled)` for the first layer of each (kind,
+    is_moe), as {(kind, is_moe): result}, kept in `cache` per model and precision setting."""
     key = (repr(args), prec.param, prec.compute, fsdp_enabled)
-    if key not in _EAGER_CACHE:
-        profiles = {}
+    if key not in cache:
+        results = {}
         for i, kind in enumerate(args.layer_kinds()):
             kind_key = (kind, args.is_moe_layer(i))
-            if kind_key not in profiles:
-                profiles[kind_key] = measure_eager_layer(args, i, prec, fsdp_enabled)
-        _EAGER_CACHE[key] = profiles
-    return _EAGER_CACHE[key]
+            if kind_key not in results:
+                results[kind_key] = measure(args, i, prec, fsdp_enabled)
+        cache[key] = results
+    return cache[key]
+
+
+def eager_profiles(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict[tuple[str, bool], EagerProfile]:
+    """`measure_eager_layer` per layer kind, cached (the layouts of one plan share two
+    precision settings: with and without FSDP)."""
+    return per_layer_kind(_EAGER_CACHE, args, prec, fsdp_enabled, measure_eager_layer)
 

@@ -5,6 +5,14 @@ place); `optimizers.step()`). AdamW creates its states in the first `step()`, so
 peak in step 2 or 3 and every phase holds the optimizer states. Every phase holds parameters
 + optimizer states + buffers, and the FSDP working memory above (one bound for the whole
 forward and backward, not split by phase) in all phases but the optimizer step. They add:
+  forward layer i, i = 0 .. n-1: the held bytes of layers < i; the stream tensors of layers
+    <= i (as below; layer i's own partial sums, also in its forward peak, counted twice: an
+    upper bound); layer i's forward peak above its start (eager: measured, `LayerActivations.
+    forward_at`: its kept tensors and forward temporaries, under full AC only the
+    temporaries; fused: its kept set, nothing under full AC) plus, without full AC, its
+    constant and autocast weight copies; no gradient (zero_grad freed them). These phases
+    matter where the forward's temporaries outgrow what the backward adds: MLA's document
+    mask, whose construction holds a bool `[T, T]` and its negation beside the bf16 bias.
   loss and head backward: every layer's held bytes, the whole stream, the head's kept tensors
     and autocast copies and the head transient (`V * 8`: the forward's fp32 logits and the
     backward's log-softmax gradients take the same budget, one phase for both); no gradient.
@@ -12,18 +20,22 @@ forward and backward, not split by phase) in all phases but the optimizer step. 
     of layers <= i; the stream tensors of layers <= i (their partial sums; block mode: the
     initial buffer and those of closed blocks up to i's; full mode: the initial buffer and
     those pushed by layers <= i); the stream gradients `(S+1) D s` (2 D s without AttnRes);
-    layer i's "in backward" bytes. Layer i's own gradients are not counted: they are written
-    op by op during its backward, after its recompute (an approximation that leaves out at
-    most one layer's gradients).
+    layer i's "in backward" bytes (activations.py's AC table: without AC its transient,
+    under full AC its recompute and transient together, measured op by op for eager layers
+    with the stream gradients already allocated, so they are not in the layer's bytes).
+    Layer i's own gradients are not counted: they are written op by op during its backward,
+    after its recompute (an approximation that leaves out at most one layer's gradients; the
+    measured transients leave out the weight gradients' temporaries too).
   backward embedding: the gradients of the head and all layers, the stream gradients.
   optimizer step: all gradients and the optimizer's temporaries; no activations, no FSDP
     units gathered.
 The step's peak (`total_*` in the JSON) is the largest phase; `activations_*` is the
 activations' own high-water mark over the phases, so the table's columns do not add up to the
-total. Not modelled: the forward's transients inside a layer (the held bytes of the layers
-before it plus a few ops' outputs, a fraction of one layer's kept set: below the loss phase
-without AC, below a recompute under full AC), the embedding's gradient while it is written,
-the clip's scalars.
+total. Not modelled: autocast's weight cache (each layer's bf16 weight copies, cached until the
+forward's autocast region ends: under full AC every layer's copies at the end of the forward,
+0.3 GiB for small_1gpu), the gradient of a closing block's source buffer (index_copy's
+backward allocates a second `[S, D]` buffer between layers), the embedding's gradient while it
+is written, the clip's scalars.
 """
 
 from __future__ import annotations
@@ -145,18 +157,21 @@ def activation_memory(
         layers = model_activations(args, prec, layout)
 
     copies, head_copy = weight_copies or ([0.0] * len(layers), 0.0)
-    held, during = [], []  # per layer: bytes from its forward to its backward; extra while in backward
+    held, during, forward = [], [], []  # per layer: forward to backward; extra in backward; forward's peak
     for layer, policy, copy in zip(layers, policies, copies):
         whole = layer.kept * t + layer.per_seq_sq * seq_sq + layer.constant + copy
+        transient = layer.transient_at(t, seq_sq)
         if policy == "none":
             held.append(whole)
-            during.append(layer.transient * t)
-        elif policy == "full":
+            during.append(transient)
+        elif policy == "full":  # recompute + transient (measured together for eager layers)
             held.append(0.0)
-            during.append(whole + layer.transient * t)
+            during.append(layer.full_ac_backward_at(t, seq_sq) + layer.constant + copy)
         else:  # op-level SAC: its saved set is held, the rest (and the copies) rematerialised
             held.append(layer.sac_kept * t)
-            during.append(whole + (layer.sac_recompute - layer.kept + layer.transient) * t)
+            during.append(whole + (layer.sac_recompute - layer.kept) * t + transient)
+        full = policy == "full"
+        forward.append(layer.forward_at(full, t, seq_sq) + (0.0 if full else layer.constant + copy))
     L = len(layers)
     S = max_sources(args.attn_res, args.n_layers, args.attn_res_block_size)
     stream_grads = ((S + 1) if args.attn_res != "none" else 2) * D * s * t
@@ -165,8 +180,13 @@ def activation_memory(
     head_transient = args.vocab_size * 8 * t
     layers_kept = sum(held)
     kept = layers_kept + stream + head_kept + head_copy
-    phases = [Phase("loss and head backward", kept + head_transient, grad_units=0)]
     held_upto = list(accumulate(held))  # held bytes of layers 0..i
+    phases = [
+        Phase(f"forward layer {i}", (held_upto[i - 1] if i else 0.0) + forward[i]
+              + _stream_bytes_per_token(args, s, policies, upto=i) * t, grad_units=0)
+        for i in range(L)
+    ]
+    phases.append(Phase("loss and head backward", kept + head_transient, grad_units=0))
     for i in reversed(range(L)):
         stream_i = _stream_bytes_per_token(args, s, policies, upto=i) * t
         acts = held_upto[i] + during[i] + stream_i + stream_grads

@@ -1,0 +1,508 @@
+"""What a layer's forward and backward allocate, measured op by op (`measure_layer_peaks`,
+`layer_peaks`): the eager model's transient and full-AC recompute (they replace the fused
+heuristic `2 x largest kept entry + workspace`, `activations.LayerActivations`).
+
+What is measured. Bytes alive above the start of a stretch of one layer's step, at every op:
+its forward, and its backward ("transient": without AC the kept tensors are freed as the
+backward consumes them, gradients, temporaries and workspaces come and go), without AC and
+with the layer under non-reentrant `torch.utils.checkpoint` (torchtitan's full AC: its
+backward then holds the recompute of the forward too). The layer runs as training runs it:
+the first layer of each kind with zero weights and all its routed experts, one packed row of
+T tokens (one document), precision as `eager.measure_eager_layer` (without FSDP weights and
+stream in `training.dtype` under CPU autocast to the compute dtype, with FSDP both in the
+compute dtype), the AttnRes stream as leaf tensors. The backward starts where the model's
+backward enters the layer: the gradients of its output stream tensors (`(S+1) D s` per token,
+the step walk's "stream gradients") are allocated first, then the start is marked; the
+gradients of its input stream tensors accumulate into them in place, as in the model.
+Parameter gradients are freed as they are accumulated, and weight-sized tensors drop out
+anyway (below): the step walk counts gradients per layer.
+
+How. `LiveBytes`, a TorchDispatchMode, sees every op (forward, backward, recompute) and keeps
+the bytes of the storages alive: a storage that an op returns and that none of its inputs
+shares counts from then on, until the storage is freed (a weakref finalizer: a storage keeps
+its Python object while C++ holds it, whoever holds it: autograd's saved variables, the
+engine's input buffers). The high-water mark is taken after every op (its inputs and outputs
+alive together). Only the op's outputs are seen, never a CPU kernel's own temporaries.
+
+GPU kernels, whose CPU counterparts allocate differently:
+  * SDPA and fused RMSNorm: the stand-ins of `eager.GpuKernelSaves` (values off), which save
+    and, in their backward, allocate what the CUDA kernels do (memory-efficient attention:
+    dq, dk, dv, fp32 delta and the kernel's fp32 dQ accumulator; see
+    `eager._EfficientAttentionSaves`).
+  * The KDA ops (`titan_moe::kda_chunk_fwd/bwd`): their outputs as the CPU (or fake)
+    implementation returns them; the Triton launchers' own tensors are added as a spike while
+    the op runs, from `kda_fwd_allocations` / `kda_bwd_allocations`, which replay the
+    launchers' `torch.empty` calls in order (`triton_fwd.kda_fwd_states`, `kda_fwd_output`,
+    `triton_bwd.chunk_kda_bwd_triton`; the default sequential state scan and classic walk; a
+    test runs the launchers with their kernels stubbed out and compares). The backward's
+    peak, per token and head in fp32 words (C = 64, K = dk, V = dv), all alive at its end:
+    G K, A_qk C, A_inv C, W K, U V, v_new V, h K V / C (the recomputed forward; A_kk C was
+    freed on return), dh K V / C, dv_new V, dA_qk C, dA_kk C, dq/dk partials 2 K, dG K,
+    dbeta partial 1 = `4C + 5K + 3V + 2KV/C + 1` words; then the outputs dq, dk, dv in the
+    input dtype, dg fp32 K and dbeta fp32, and a contiguous copy of v (a slice of the short
+    convolution's q|k|v output). small_1gpu (H 8, K = V = 128): 56 KiB per token, 68 with the
+    outputs and the copy.
+  * Grouped GEMM and token dispatch ops: their outputs are what the CUDA paths allocate
+    (`torch._grouped_mm` and the Triton kernels need no workspace beyond cuBLAS's constant).
+    Any other custom op (`titan_moe::*`) is counted through the Python function it was defined
+    with, run op by op: what its CUDA path runs unless it registers a CUDA kernel (SiTU-GLU's
+    `titan_moe::situ_glu` with its default `auto` backend; with a Triton kernel selected,
+    which allocates its outputs only, that counts the reference's fp32 temporaries too: an
+    upper bound).
+  * Autocast: CPU autocast stands in for CUDA's. Both cast matmul inputs to bf16; CUDA's
+    also runs rms_norm, exp, sum, softmax, ... in fp32. The layers do their norms, gates and
+    mixers in fp32 explicitly; what differs is MLA's two latent RMSNorms (bf16 inputs,
+    composite on the CPU, fp32 fused on CUDA): a few KiB per token, not corrected.
+
+Per token, not fitted. The same ops run at three lengths T (128, 256, 384: `TRANSIENT_TOKENS`),
+so allocation i is the same tensor in each run; its three sizes give `c + L T + Q T^2` exactly
+(shapes are affine in T over multiples of 128, or quadratic for MLA's `[T, T]` mask). The constant c is dropped (weights' autocast
+copies and gradients, scalars: the step walk counts those), and every op of a stretch gives a
+point (L, Q): the bytes per token and per T^2 alive above the stretch's start. The stretch's
+high-water mark at any length is the largest `L t + Q sum(T^2)` over the points
+(`PeakProfile`): where the peak falls may move with T (the recomputed mask's bool `[T, T]`
+temporaries outgrow the per-token tensors at long T). Real CPU tensors for small layers, fake
+ones (`FakeTensorMode`: no storage, no arithmetic) for large ones: the same bytes, a test
+checks it. Cached per model and precision setting; about 1.5 s per layer kind.
+
+Checked against the H200 (torch 2.11, the model code of commit 9d1e05e,
+`profiling/layer_memory.py`, which measures from `backward()` with only the output partial
+sum given a gradient; `layer_counter(..., model_stream=False)` reproduces that harness, all
+allocations counted). small_1gpu, KiB per token at 8K / 32K, H200 vs this measurement:
+backward kda+dense 199.0 / 195.8 vs 195.0 / 195.8, kda+moe 266.7 / 272.1 vs 266.7 / 272.1,
+mla+moe 266.7 / 272.1 vs 266.7 / 272.1; full-AC backward kda+dense 293.8 / 291.4 vs 293.8 /
+291.4, kda+moe 424.3 / 414.2 vs 424.3 / 414.2, mla+moe 415.2 / 453.3 vs 415.1 / 453.3. Per
+token, the planner's numbers (model stream, constants out): transient 192, 270, 270; full-AC
+backward 287, 407, 382 + 2 B x T^2. The fused heuristic says transient 90, 108, 50.
+
+Not modelled: the parallel KDA state scan (`TITAN_MOE_KDA_SCAN=parallel`: its
+`[segments, H, dk, dk + dv]` transition buffer) and the lean walk (`TITAN_MOE_KDA_WALK`),
+head dims the KDA kernels do not cover (the op then runs its PyTorch backward, far larger),
+EP's all-to-all and CP's ring-attention buffers (added by `activations.layer_activations`),
+the SDPA kernel's dK/dV accumulators (16 MiB, constant), allocator rounding (512 B blocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+from titan_moe.model.args import ModelArgs
+from titan_moe.model.attn_res import ResidualStream, max_sources
+from titan_moe.model.decoder import DecoderLayer
+
+from titan_moe.plan.eager import GpuKernelSaves, _fit_tokens, per_layer_kind, zero_layer
+from titan_moe.plan.layout import KDA_CHUNK, Precision
+
+_DTYPES = {4: torch.float32, 2: torch.bfloat16}
+# Measuring lengths: multiples of 128, so that every size is affine in T (or T^2) over them
+# (`ceil(T / 128)` blocks of the attention backward's dQ accumulator, 64-token KDA chunks).
+TRANSIENT_TOKENS = (128, 256, 384)
+REAL_TENSOR_BUDGET = 64 * 2**20  # real CPU tensors are faster than fake ones only for small layers
+
+
+# =========================================================================== live bytes
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages alive (`current`) and their high-water mark since the
+    last mark (`peak`; `start`: the bytes at that mark), op by op (module docstring, "How").
+    Only storages created while the mode is active count. Custom ops (module docstring, "GPU
+    kernels"): the KDA chunk ops add their launchers' tensors as a spike while they run
+    (`kda_fwd_allocations`, `kda_bwd_allocations`), grouped GEMM and token dispatch count
+    their outputs, any other `titan_moe::` op runs its Python implementation op by op.
+
+    Everything is also logged in `events`, in order: ("alloc", i) and ("free", i) for
+    allocation number i (`sizes[i]` bytes), ("spike", j) (`spikes[j]` bytes above the
+    current ones), ("op", 0) after every op, ("mark", name).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}  # storage key -> allocation number
+        self.sizes: list[int] = []
+        self.spikes: list[int] = []
+        self.events: list[tuple[str, int | str]] = []
+        self.current = self.peak = self.start = 0
+        self._finalizers: list[weakref.finalize] = []
+
+    def mark(self, name: str) -> int:
+        self.events.append(("mark", name))
+        self.peak = self.start = self.current
+        return self.current
+
+    def _free(self, key: int) -> None:
+        number = self.live.pop(key)
+        self.events.append(("free", number))
+        self.current -= self.sizes[number]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._name in _MIRRORED_OPS:
+            spike = _peak(_MIRRORED_OPS[func._name](*args, **kwargs))
+            self.events.append(("spike", len(self.spikes)))
+            self.spikes.append(spike)
+            self.peak = max(self.peak, self.current + spike)
+        elif func.namespace == "titan_moe" and func._name not in _OPAQUE_OPS:
+            implementation = _python_implementation(func)
+            if implementation is not None:  # what CUDA runs too: count its ops (with this mode on again)
+                with self:
+                    return implementation(*args, **kwargs)
+        out = func(*args, **kwargs)
+        # not by the schema: `to`, `reshape`, `_unsafe_view` may or may not return an input's storage
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self.live:
+                continue
+            self.live[key] = len(self.sizes)
+            self.events.append(("alloc", len(self.sizes)))
+            self.sizes.append(storage.nbytes())
+            self.current += self.sizes[-1]
+            self._finalizers.append(weakref.finalize(storage, self._free, key))
+        self.events.append(("op", 0))
+        self.peak = max(self.peak, self.current)
+        return out
+
+    def __enter__(self):
+        self._depth = getattr(self, "_depth", 0) + 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if not self._depth:  # the last exit (custom ops re-enter the mode): stop counting frees
+            for fin in self._finalizers:
+                fin.detach()
+        return super().__exit__(*exc)
+
+
+# Custom ops whose CUDA kernels allocate their outputs and nothing that grows with T: counted
+# by their outputs (the CPU or fake implementation's). The KDA chunk ops add their launchers'
+# tensors (`_MIRRORED_OPS`); any other custom op is counted through its Python implementation.
+_OPAQUE_OPS = frozenset(f"titan_moe::{name}" for name in (
+    "grouped_mm", "grouped_mm_dx", "grouped_mm_dw",  # torch._grouped_mm / Triton: outputs
+    "moe_permute", "moe_unpermute_combine", "moe_unpermute_combine_backward",  # Triton: outputs
+))
+
+
+@functools.cache
+def _python_implementation(func):
+    """The Python function a `torch.library.custom_op` was defined with (None for other ops)."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(func._name)
+    return None if opdef is None else opdef._init_fn
+
+
+# =========================================================================== KDA launchers
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _peak(events: list[tuple[str, int]]) -> int:
+    """High-water mark of a list of (name, +bytes allocated / -bytes freed) events."""
+    now = top = 0
+    for _, delta in events:
+        now += delta
+        top = max(top, now)
+    return top
+
+
+def _chunk_counts(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, int]:
+    """(sequences N, chunks): the launchers' chunk layout. With `cu_seqlens` the chunk count
+    depends on the document lengths, unknown to shapes alone: the bound `ceil(TT/C) + N - 1`
+    (exact for one document)."""
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        return B, B * -(-T // KDA_CHUNK)
+    N = cu_seqlens.shape[0] - 1
+    return N, -(-B * T // KDA_CHUNK) + N - 1
+
+
+def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state) -> list[str]:
+    """`triton_fwd.kda_fwd_states`: appends its allocations and frees to `events`, returns
+    the names of what it returns (the `KDAForwardState`)."""
+    B, T, H, K = q.shape
+    V, TT, C, f32 = v.shape[-1], B * T, KDA_CHUNK, 4
+    N, chunks = _chunk_counts(q, cu_seqlens)
+    layout = [("cu_seqlens", (N + 1) * 4), ("chunk_indices", chunks * 2 * 4), ("chunk_offsets", (N + 1) * 4)]
+    copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in zip("qkvg", (q, k, v, g)) if not x.is_contiguous()]
+    if not beta.is_contiguous():
+        copies.append(("beta_contiguous", _nbytes(beta)))
+    states = [
+        ("G", TT * H * K * f32), ("Aqk", TT * H * C * f32), ("Akk", TT * H * C * f32), ("Ainv", TT * H * C * f32),
+        ("W", TT * H * K * f32), ("U", TT * H * V * f32), ("h", chunks * H * K * V * f32), ("v_new", TT * H * V * f32),
+    ]
+    if output_final_state:
+        states.append(("ht", N * H * K * V * f32))
+    events += layout + copies + states
+    freed = dict(copies + [s for s in states if s[0] == "Akk"])
+    events += [(name, -n) for name, n in freed.items()]
+    return [name for name, _ in layout + states if name not in freed]
+
+
+def kda_fwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+    """The tensors `triton_op.kda_chunk_fwd_triton` allocates, in order, as (name, bytes)
+    events (negative: freed); its output `o` stays. Arguments as the op's (shapes, dtypes
+    and contiguity are read, never values)."""
+    events: list[tuple[str, int]] = []
+    states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state)
+    sizes = dict(events)
+    q_copy = [] if q.is_contiguous() else [("q_contiguous_out", _nbytes(q))]
+    events += q_copy + [("o", q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] * v.element_size())]
+    events += [(name, -n) for name, n in q_copy]
+    events += [(name, -sizes[name]) for name in states if name != "ht"]
+    return events
+
+
+def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+    """The tensors `triton_op.kda_chunk_bwd_triton` allocates (the forward recompute of
+    `kda_fwd_states`, then `chunk_kda_bwd_triton`'s own), in order, as (name, bytes) events
+    (negative: freed); its outputs dq, dk, dv, dg, dbeta (and dh0) stay."""
+    B, T, H, K = q.shape
+    V, TT, C, f32 = v.shape[-1], B * T, KDA_CHUNK, 4
+    N, chunks = _chunk_counts(q, cu_seqlens)
+    events: list[tuple[str, int]] = []
+    states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state=False)
+    copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in
+              (("q", q), ("k", k), ("v", v), ("beta", beta), ("do", do)) if not x.is_contiguous()]
+    scan = [("dh", chunks * H * K * V * f32), ("dv_new", TT * H * V * f32)]  # stage 1
+    if initial_state is not None:
+        scan.append(("dh0", N * H * K * V * f32))
+    chunk = [("dAqk", TT * H * C * f32), ("dAkk", TT * H * C * f32), ("dq_part", TT * H * K * f32),
+             ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), ("dbeta_part", TT * H * f32),
+             ("dv", _nbytes(v))]  # stage 2
+    intra = [("dq", _nbytes(q)), ("dk", _nbytes(k)), ("dbeta", _nbytes(beta))]  # stage 3
+    events += copies + scan + chunk + intra + [("dg", _nbytes(g))]  # stage 4: dg
+    sizes = dict(events)
+    work = copies + [(name, n) for name, n in scan + chunk if name not in ("dh0", "dv")]
+    events += [(name, -sizes[name]) for name in states] + [(name, -n) for name, n in work]
+    return events
+
+
+_MIRRORED_OPS = {"titan_moe::kda_chunk_fwd": kda_fwd_allocations, "titan_moe::kda_chunk_bwd": kda_bwd_allocations}
+
+
+# =========================================================================== measurement
+class _StreamGradients(torch.autograd.Function):
+    """Identity on a layer's output stream tensors. Its backward is where the model's
+    backward enters the layer: it allocates the gradients of those tensors (as the later
+    layers would have left them), marks the counter ("backward") and hands them on."""
+
+    @staticmethod
+    def forward(ctx, counter, *tensors):
+        ctx.counter = counter
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        fresh = tuple(torch.zeros_like(g) for g in grads)
+        ctx.counter.mark("backward")
+        return (None, *fresh)
+
+
+def _leaf_stream(args: ModelArgs, layer_idx: int, T: int, dtype: torch.dtype) -> ResidualStream:
+    """The AttnRes stream as layer `layer_idx` receives it, with leaf tensors (zeros)."""
+    D, L, bs = args.dim, args.n_layers, args.attn_res_block_size
+    S = max_sources(args.attn_res, L, bs)
+    sources = torch.zeros(S, 1, T, D, dtype=dtype, requires_grad=args.attn_res != "none")
+    partial = torch.zeros(1, T, D, dtype=dtype, requires_grad=True)
+    if args.attn_res == "block":
+        n, used = 1 + layer_idx // bs, layer_idx % bs != 0
+    elif args.attn_res == "full":
+        n, used = 1 + 2 * layer_idx, False
+    else:
+        n, used = 0, True
+    return ResidualStream(sources, torch.full((), n, dtype=torch.int64), partial, torch.full((), used), args.attn_res, bs)
+
+
+def layer_counter(
+    layer, args: ModelArgs, layer_idx: int, T: int, stream_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+    full_ac: bool, model_stream: bool = True,
+) -> LiveBytes:
+    """One forward and backward of `layer` (a `zero_layer`) over one packed row of T tokens
+    (one document) under a `LiveBytes`, marked "forward" where its forward starts and
+    "backward" where its backward does; returns the counter (`peak - start`: what the
+    backward adds at its high-water mark). `full_ac`: the layer under non-reentrant
+    `torch.utils.checkpoint`. Run it under a FakeTensorMode (or on small real tensors).
+
+    `model_stream=True` (the planner's): stream inputs are leaves, every output stream tensor
+    receives a gradient, allocated before the backward's start (module docstring). False:
+    what `profiling/layer_memory.py` measures on the GPU: the stream started from a
+    `[1, T, D]` embedding, only the output partial sum given a gradient (by
+    `(out * probe).sum()`), the start at `backward()`: the incoming gradient, the stream's
+    input gradients and the embedding's are then part of the transient.
+    """
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in layer.parameters()]
+    doc_ids_BT = torch.zeros(1, T, dtype=torch.int32)
+    cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
+    if model_stream:
+        stream = _leaf_stream(args, layer_idx, T, stream_dtype)
+    else:
+        embed_BTD = torch.zeros(1, T, args.dim, dtype=stream_dtype, requires_grad=True)
+        stream = ResidualStream.start(embed_BTD, args.attn_res, args.n_layers, args.attn_res_block_size)
+        probe_BTD = torch.zeros(1, T, args.dim, dtype=stream_dtype)
+    counter = LiveBytes()
+    amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+
+    def run(*tensors):
+        return layer(tensors, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens)
+
+    try:
+        with warnings.catch_warnings(), GpuKernelSaves(values=False), counter:
+            warnings.simplefilter("ignore")  # rms_norm's "cannot dispatch to fused" dtype notes
+            counter.mark("forward")
+            with amp:
+                if full_ac:  # the recompute runs in backward, outside this block: re-enter the stand-ins
+                    out = checkpoint(run, *stream.tensors(), use_reentrant=False, preserve_rng_state=False,
+                                     context_fn=lambda: (contextlib.nullcontext(), GpuKernelSaves(values=False)))
+                else:
+                    out = run(*stream.tensors())
+            if model_stream:
+                floats = [t for t in out if t.is_floating_point() and t.requires_grad]
+                loss = sum(t.sum() for t in _StreamGradients.apply(counter, *floats))
+                del floats, out
+            else:  # layer_memory.py holds `out` through the backward
+                loss = (out[2] * probe_BTD).sum()
+            counter.mark("loss" if model_stream else "backward")
+            loss.backward()
+        return counter
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def backward_peak(*args, **kwargs) -> int:
+    """Bytes the backward adds at its high-water mark, every allocation counted (arguments
+    as `layer_counter`)."""
+    counter = layer_counter(*args, **kwargs)
+    return counter.peak - counter.start
+
+
+@dataclass(frozen=True)
+class PeakProfile:
+    """The high-water mark of one stretch of a layer's step (its forward, or its backward),
+    above the bytes at its start, as a function of the local tokens `t` and the sum over
+    sequences of `T^2`: `max((L t + Q seq_sq) for (L, Q) in points)`, each point the bytes
+    per token `L` and per sequence per T^2 `Q` alive at one op (only the Pareto-optimal
+    ones are kept). One pair per op, not one fit of the peak: where the peak falls may move
+    with T (a T^2 mask outgrowing the per-token tensors)."""
+
+    points: tuple[tuple[float, float], ...] = ((0.0, 0.0),)
+
+    def at(self, tokens: float, seq_sq: float) -> float:
+        return max(l * tokens + q * seq_sq for l, q in self.points)
+
+    @property
+    def per_token(self) -> float:
+        """The largest per-token term (the peak per token where T^2 terms do not matter)."""
+        return max(l for l, _ in self.points)
+
+
+def _pareto(points: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    front: list[tuple[float, float]] = []
+    for l, q in sorted(set(points), key=lambda p: (-p[0], -p[1])):
+        if not front or q > front[-1][1]:
+            front.append((l, q))
+    return tuple(front)
+
+
+def peak_profiles(runs: list[LiveBytes], tokens: tuple[int, int, int]) -> dict[str, PeakProfile]:
+    """`PeakProfile` of every marked stretch of three runs of the same ops at the equally
+    spaced lengths `tokens`: allocation i (and spike j) is the same tensor in each run, its
+    sizes give `c + L T + Q T^2` (exact: shapes are affine in T, or T^2 for the mask), the
+    constant c is dropped (weights' casts and gradients, scalars: module docstring, "Fit").
+    Keyed by mark name (the last stretch of a name)."""
+    if len({tuple(kind for kind, _ in run.events) for run in runs}) != 1 or len({len(r.sizes) for r in runs}) != 1:
+        raise RuntimeError("the measuring runs did not allocate the same tensors in the same order")
+    alloc = [_fit_tokens(list(sizes), tokens) for sizes in zip(*(run.sizes for run in runs))]
+    spike = [_fit_tokens(list(sizes), tokens) for sizes in zip(*(run.spikes for run in runs))]
+    profiles: dict[str, PeakProfile] = {}
+    L = Q = L0 = Q0 = 0.0
+    name, points = None, [(0.0, 0.0)]
+    for kind, value in runs[0].events + [("mark", None)]:
+        if kind == "alloc" or kind == "free":
+            sign = 1 if kind == "alloc" else -1
+            L, Q = L + sign * alloc[value][0], Q + sign * alloc[value][1]
+        elif kind == "op":
+            points.append((L - L0, Q - Q0))
+        elif kind == "spike":
+            points.append((L - L0 + spike[value][0], Q - Q0 + spike[value][1]))
+        else:
+            if name is not None:
+                profiles[name] = PeakProfile(_pareto(points))
+            name, points, L0, Q0 = value, [(0.0, 0.0)], L, Q
+    return profiles
+
+
+@dataclass(frozen=True)
+class LayerPeaks:
+    """What one layer kind's step allocates above the bytes alive at the start of its
+    forward (`forward`) and of its backward (`backward`), without AC and under full AC
+    (`full_forward`; `full_backward`: recompute and backward together)."""
+
+    kind: str
+    forward: PeakProfile
+    backward: PeakProfile
+    full_forward: PeakProfile
+    full_backward: PeakProfile
+
+
+def measure_layer_peaks(
+    args: ModelArgs, layer_idx: int, prec: Precision, fsdp_enabled: bool,
+    tokens: tuple[int, int, int] = TRANSIENT_TOKENS, model_stream: bool = True, fake: bool | None = None,
+) -> LayerPeaks:
+    """`layer_counter` runs of decoder layer `layer_idx` without AC and under full AC at three
+    lengths, turned into `PeakProfile`s (module docstring, "Fit"). Precision as
+    `eager.measure_eager_layer`; with all `n_routed_experts` experts. `fake=None`: real CPU
+    tensors when the layer's weights and their autocast copies fit `REAL_TENSOR_BUDGET`, else
+    fake ones (the same bytes: a test checks it).
+    """
+    if any(T % KDA_CHUNK for T in tokens) or tokens[2] - tokens[1] != tokens[1] - tokens[0]:
+        raise ValueError(f"measuring lengths must be equally spaced multiples of {KDA_CHUNK}, got {tokens}")
+    P, a = _DTYPES[prec.param], _DTYPES[prec.compute]
+    param_dtype = stream_dtype = a if fsdp_enabled else P
+    autocast_dtype = None if fsdp_enabled or prec.compute == 4 else a
+    if fake is None:
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in DecoderLayer(layer_idx, args).parameters())
+        fake = numel * (param_dtype.itemsize + (prec.compute if autocast_dtype is not None else 0)) > REAL_TENSOR_BUDGET
+    with FakeTensorMode(allow_non_fake_inputs=False) if fake else _one_thread():
+        layer = zero_layer(args, layer_idx, param_dtype)
+        none, full = (
+            peak_profiles([layer_counter(layer, args, layer_idx, T, stream_dtype, autocast_dtype, full_ac, model_stream)
+                           for T in tokens], tokens)
+            for full_ac in (False, True)
+        )
+    kind = args.layer_kinds()[layer_idx] + ("+moe" if args.is_moe_layer(layer_idx) else "+dense")
+    return LayerPeaks(kind, none["forward"], none["backward"], full["forward"], full["backward"])
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread while small real tensors are measured: their ops take microseconds,
+    and a second thread only adds contention (seconds on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+_PEAKS_CACHE: dict[tuple, dict[tuple[str, bool], LayerPeaks]] = {}
+
+
+def layer_peaks(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict[tuple[str, bool], LayerPeaks]:
+    """`measure_layer_peaks` per layer kind, cached per model and precision setting."""
+    return per_layer_kind(_PEAKS_CACHE, args, prec, fsdp_enabled, measure_layer_peaks)
