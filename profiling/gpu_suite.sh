@@ -15,6 +15,8 @@
 #   train      small_1gpu eager and compiled, 30 steps each (tokens/s, memory)
 #   train_ep   small_1gpu FSDP2 x EP2 compiled, 30 steps (needs 2 GPUs)
 #   fp8        small_1gpu compiled, fp8 linears and experts, 30 steps
+#   aoti       profiling/aoti_isolate.py: which layer kind's AOTInductor package fails on CUDA
+#              (not in the default list)
 # Time limits per section: $SUITE_TIMEOUT seconds (default 540). SUITE_DRY_RUN=1 writes each
 # command to summary.txt instead of running it; SUITE_GPUS overrides the GPU count (both for
 # checking the script without a GPU).
@@ -68,6 +70,7 @@ for section in "${SECTIONS[@]}"; do
                 --validation.local_batch_size 2 --job.dump_folder "$OUT/train_ep" ;;
         fp8) run fp8 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable "${FP8[@]}" \
                 --job.dump_folder "$OUT/fp8" ;;
+        aoti) run aoti python profiling/aoti_isolate.py --device cuda ;;
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done

@@ -277,3 +277,26 @@ def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
     assert _gpu_suite(tmp_path, "warp_drive", gpus="1").returncode == 2
     no_gpu = _gpu_suite(tmp_path, gpus="0", dry=False)
     assert no_gpu.returncode == 2 and "no CUDA device" in no_gpu.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# profiling/aoti_isolate.py
+# ---------------------------------------------------------------------------------------
+def _aoti_isolate(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "profiling/aoti_isolate.py", *argv], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=600)
+
+
+def test_aoti_isolate_rejects_unknown_cases():
+    proc = _aoti_isolate("--device", "cpu", "--cases", "linear,mla_sparse")
+    assert proc.returncode == 2 and "unknown cases ['mla_sparse']" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TITAN_MOE_TEST_AOTI") != "1",
+                    reason="AOTInductor's C++ build costs ~20 s per case on 2 cores; set TITAN_MOE_TEST_AOTI=1 to run")
+def test_aoti_isolate_runs_a_model_case_on_cpu():
+    proc = _aoti_isolate("--device", "cpu", "--cases", "mla_dense")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    assert row["case"] == "mla_dense" and row["ok"] and row["rel_err"] < 1e-5
