@@ -15,6 +15,8 @@
 #   train      small_1gpu eager and compiled, 30 steps each (tokens/s, memory)
 #   train_ep   small_1gpu FSDP2 x EP2 compiled, 30 steps (needs 2 GPUs)
 #   fp8        small_1gpu compiled, fp8 linears and experts, 30 steps
+#   regions    small_1gpu compiled with [compile] moe_regions = "piecewise" (torchtitan's MoE
+#              compile) beside the default whole-layer regions, 30 steps each (not in the default list)
 #   aoti       profiling/aoti_isolate.py: which layer kind's AOTInductor package fails on CUDA
 #              (not in the default list)
 # Time limits per section: $SUITE_TIMEOUT seconds (default 540). SUITE_DRY_RUN=1 writes each
@@ -70,6 +72,11 @@ for section in "${SECTIONS[@]}"; do
                 --validation.local_batch_size 2 --job.dump_folder "$OUT/train_ep" ;;
         fp8) run fp8 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable "${FP8[@]}" \
                 --job.dump_folder "$OUT/fp8" ;;
+        regions)
+            run regions_whole torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable \
+                --job.dump_folder "$OUT/regions_whole"
+            run regions_piecewise torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable \
+                --compile.moe_regions piecewise --job.dump_folder "$OUT/regions_piecewise" ;;
         aoti) run aoti python profiling/aoti_isolate.py --device cuda ;;
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac

@@ -96,6 +96,12 @@ class Compile:
     """Our FX passes (`titan_moe.compile_passes.PASSES`, e.g. ["router_fusion"]) run on every
     compiled region's graph before autograd; empty: none."""
 
+    moe_regions: str = "auto"
+    """How MoE layers are compiled: "auto" = one region per layer, piecewise around the
+    experts under expert parallelism (where the all-to-all must stay eager); "piecewise" = always
+    piecewise, with the experts eager (torchtitan 0.2.2's way for MoE blocks), to measure what
+    the whole-layer region gains."""
+
 
 @dataclass
 class Validation:
@@ -354,6 +360,8 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     try:
         _check_compile_with_ac(model_args_from_config(config), config)
         _check_compile_passes(config.compile.passes)
+        if config.compile.moe_regions not in ("auto", "piecewise"):
+            raise ValueError(f"compile.moe_regions must be 'auto' or 'piecewise', got {config.compile.moe_regions!r}")
     except ValueError as e:
         raise ConfigError(f"{path or 'command line'}: {e}") from None
     return config

@@ -185,12 +185,15 @@ def apply_compile(model: nn.Module, compile_config, ep_enabled: bool) -> None:
     compiled piecewise instead, as torchtitan does for DeepSeek-V3: each child module
     (mixers, norms, attention) is a region, and the MoE's :meth:`LatentMoE.route_and_sort`
     and :meth:`LatentMoE.combine` are two more; the experts and their exchange run eagerly.
-    `[compile] passes` run inside every region (:func:`compile_backend`).
+    `[compile] moe_regions = "piecewise"` compiles MoE layers that way without EP too (for
+    measuring the whole-layer region's gain). `[compile] passes` run inside every region
+    (:func:`compile_backend`).
     """
     backend = compile_backend(compile_config)
+    piecewise = ep_enabled or getattr(compile_config, "moe_regions", "auto") == "piecewise"
     for name, layer in model.layers.named_children():
         block = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
-        if not (ep_enabled and getattr(block, "is_moe", False)):
+        if not (piecewise and getattr(block, "is_moe", False)):
             model.layers.register_module(name, torch.compile(layer, backend=backend, fullgraph=True))
             continue
         for child_name, child in block.named_children():
@@ -202,7 +205,7 @@ def apply_compile(model: nn.Module, compile_config, ep_enabled: bool) -> None:
                 block.register_module(child_name, torch.compile(child, backend=backend, fullgraph=True))
     passes = f" with passes {list(compile_config.passes)}" if getattr(compile_config, "passes", None) else ""
     logger.info("Compiled each layer with torch.compile" + passes
-                + (" (MoE layers piecewise around EP)" if ep_enabled else ""))
+                + (" (MoE layers piecewise around the experts)" if piecewise else ""))
 
 
 # =========================================================================== FSDP
