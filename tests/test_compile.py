@@ -29,15 +29,19 @@ def _batch(step: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]
     return tokens, doc_ids
 
 
-def _eager_and_compiled(args, wrap=lambda layer: layer) -> tuple[Decoder, Decoder]:
-    """A seeded decoder and a copy whose layers are `wrap`ped, then compiled (aot_eager);
-    Dynamo's caches and counters are reset."""
+def _seeded_pair(args) -> tuple[Decoder, Decoder]:
+    """A seeded decoder and a deep copy of it; Dynamo's caches and counters are reset."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     eager = Decoder(args)
     eager.init_weights()
-    compiled = copy.deepcopy(eager)
+    return eager, copy.deepcopy(eager)
+
+
+def _eager_and_compiled(args, wrap=lambda layer: layer) -> tuple[Decoder, Decoder]:
+    """`_seeded_pair` with the copy's layers `wrap`ped, then compiled (aot_eager)."""
+    eager, compiled = _seeded_pair(args)
     for name, layer in compiled.layers.named_children():
         compiled.layers.register_module(name, torch.compile(wrap(layer), backend="aot_eager", fullgraph=True))
     return eager, compiled
@@ -125,12 +129,7 @@ def test_piecewise_moe_regions_match_eager():
     from titan_moe.model.moe import LatentMoE
     from titan_moe.parallelize import apply_compile
 
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    eager = Decoder(ARGS)
-    eager.init_weights()
-    compiled = copy.deepcopy(eager)
+    eager, compiled = _seeded_pair(ARGS)
     apply_compile(compiled, SimpleNamespace(backend="aot_eager", passes=[], moe_regions="piecewise"), ep_enabled=False)
     for layer in compiled.layers.values():
         moe = [m for m in layer.modules() if isinstance(m, LatentMoE)]
