@@ -400,6 +400,49 @@ def test_walk_switch_rejects_unknown_values(monkeypatch):
         chunk_kda_bwd_triton(**inp, scale=1.0, do=torch.zeros_like(inp["v"]))
 
 
+class _StageLimitedKernel:
+    """Stands in for a `@triton.jit` kernel that only compiles with <= `fits` pipeline stages."""
+
+    __name__ = "stage_limited"
+
+    def __init__(self, fits: int):
+        self.fits, self.stages_tried = fits, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            self.stages_tried.append(num_stages)
+            if num_stages > self.fits:
+                raise OutOfResources(300_000, 232_448, "shared memory")
+
+        return launch
+
+
+def test_launch_falls_back_to_fewer_stages():
+    """The lean backward walk's 2 stages are an estimate: if they do not fit, 1 is used."""
+    import logging
+
+    from titan_moe.ops import triton_runtime
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    triton_runtime.logger.addHandler(handler)
+    try:
+        kernel = _StageLimitedKernel(fits=1)
+        triton_runtime.launch_with_fewer_stages_if_needed(kernel, (1,), "arg", num_stages=3, BV=32)
+    finally:
+        triton_runtime.logger.removeHandler(handler)
+    assert kernel.stages_tried == [3, 2, 1]
+    assert any("stage_limited: 3 pipeline stages do not fit" in m for m in messages), messages
+    launch_with_fewer_stages_if_needed = triton_runtime.launch_with_fewer_stages_if_needed
+    hopeless = _StageLimitedKernel(fits=0)
+    with pytest.raises(Exception, match="shared memory"):
+        launch_with_fewer_stages_if_needed(hopeless, (1,), num_stages=2)
+    assert hopeless.stages_tried == [2, 1]
+
+
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")
 def test_in_fresh_interpreter_process():
     """Runs this file's tests under the interpreter in a fresh process."""

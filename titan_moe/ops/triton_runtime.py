@@ -7,8 +7,13 @@ cannot run the other way. Each kernel module answers through its own kernel obje
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
+
+logger = logging.getLogger(__name__)
 
 
 def is_interpreted(kernel) -> bool:
@@ -32,3 +37,29 @@ def check_runs_on(kernel, device: torch.device, caller: str, module: str) -> Non
             f"{module} was imported; got device {device} "
             f"(interpreter {'on' if is_interpreted(kernel) else 'off'})"
         )
+
+
+def launch_with_fewer_stages_if_needed(kernel, grid, *args, num_stages: int, **kwargs) -> None:
+    """`kernel[grid](*args, num_stages=num_stages, **kwargs)`; if the compiled kernel needs more
+    shared memory than the GPU has (`OutOfResources`, raised while compiling, before anything
+    runs), launch again with one stage fewer, down to 1, with one warning per kernel and
+    stage count. For launch configurations chosen from estimates rather than compiled."""
+    while True:
+        try:
+            kernel[grid](*args, num_stages=num_stages, **kwargs)
+            return
+        except OutOfResources as e:
+            if num_stages <= 1:
+                raise
+            name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+            _warn_once(name, num_stages, e)
+            num_stages -= 1
+
+
+_WARNED: set[tuple[str, int]] = set()
+
+
+def _warn_once(name: str, num_stages: int, error: Exception) -> None:
+    if (name, num_stages) not in _WARNED:
+        _WARNED.add((name, num_stages))
+        logger.warning("%s: %d pipeline stages do not fit (%s); using %d", name, num_stages, error, num_stages - 1)

@@ -49,6 +49,7 @@ from titan_moe.ops.kda.triton_fwd import (
     kda_fwd_states,
     sequential_scan_config,
 )
+from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
 
 # ----------------------------------------------------------------------------------------
@@ -431,14 +432,16 @@ def chunk_kda_bwd_triton(
             H=H, K=K, V=V, BT=CHUNK, BV=min(V, 64), PRECISION=st.precision, num_warps=4,
         )
     BV, warps = sequential_scan_config(K, V)
-    _bwd_state_scan_kernel[(V // BV, N * H)](
+    launch_with_fewer_stages_if_needed(
+        _bwd_state_scan_kernel, (V // BV, N * H),
         q, k, st.G, st.W, st.Aqk, st.k_to_end, q_decay, st.decay, do, dh, dv_new, dht, dh0, scale,
         st.cu_seqlens, st.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         LEAN=lean, PRECISION=st.precision, INTERPRETED=interp, num_warps=warps,
         # fp32 tiles at dk=128: 2 stages need 226 KB of shared memory (classic); the lean
         # walk's 16-bit operands (3 [BT, dk] tiles instead of 4 fp32 ones, ~57 KB a stage
-        # at BV = 32) should fit 2 (an estimate, not yet compiled for the GPU)
+        # at BV = 32) should fit 2 (an estimate, not yet compiled for the GPU: if it does not,
+        # the launch falls back to 1 stage with a warning)
         num_stages=2 if K <= 64 or (lean and q.element_size() == 2) else 1,
     )
     if lean:  # read by the walks only: free them before the stages below
