@@ -113,12 +113,17 @@ def _kda_inputs(T: int, H: int, K: int):
 _LAYOUT = ("cu_seqlens", "chunk_indices", "chunk_offsets")  # host lists turned into tensors: not dispatched
 
 
+@pytest.mark.parametrize("walk", ["classic", "lean"])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_kda_allocations_replay_the_triton_launchers(direction, monkeypatch):
+def test_kda_allocations_replay_the_triton_launchers(direction, walk, monkeypatch):
     """The launchers, run on CPU tensors with their kernels stubbed out, allocate exactly the
     tensors `kda_fwd_allocations` / `kda_bwd_allocations` list, in that order, and peak where
     they say (the chunk layout's int32 tensors come from host lists: not dispatched, not
-    compared)."""
+    compared), for both state walks (`TITAN_MOE_KDA_WALK`; lean: bf16 walk tensors, its
+    precomputed factors, U and the backward walk's inputs freed early)."""
+    from titan_moe.ops.kda.triton_fwd import WALK_ENV
+
+    monkeypatch.setenv(WALK_ENV, walk)
     _stub_kernels(monkeypatch)
     from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton
     from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton

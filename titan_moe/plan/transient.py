@@ -33,8 +33,9 @@ GPU kernels, whose CPU counterparts allocate differently:
     implementation returns them; the Triton launchers' own tensors are added as a spike while
     the op runs, from `kda_fwd_allocations` / `kda_bwd_allocations`, which replay the
     launchers' `torch.empty` calls in order (`triton_fwd.kda_fwd_states`, `kda_fwd_output`,
-    `triton_bwd.chunk_kda_bwd_triton`; the default sequential state scan and classic walk; a
-    test runs the launchers with their kernels stubbed out and compares). The backward's
+    `triton_bwd.chunk_kda_bwd_triton`; the default sequential state scan, and the state walk
+    that `$TITAN_MOE_KDA_WALK` selects, classic or lean; a test runs the launchers with their
+    kernels stubbed out and compares, for both walks). The backward's
     peak, per token and head in fp32 words (C = 64, K = dk, V = dv), all alive at its end:
     G K, A_qk C, A_inv C, W K, U V, v_new V, h K V / C (the recomputed forward; A_kk C was
     freed on return), dh K V / C, dv_new V, dA_qk C, dA_kk C, dq/dk partials 2 K, dG K,
@@ -76,7 +77,7 @@ token, the planner's numbers (model stream, constants out): transient 192, 270, 
 backward 287, 407, 382 + 2 B x T^2. The fused heuristic says transient 90, 108, 50.
 
 Not modelled: the parallel KDA state scan (`TITAN_MOE_KDA_SCAN=parallel`: its
-`[segments, H, dk, dk + dv]` transition buffer) and the lean walk (`TITAN_MOE_KDA_WALK`),
+`[segments, H, dk, dk + dv]` transition buffer),
 head dims the KDA kernels do not cover (the op then runs its PyTorch backward, far larger),
 EP's all-to-all and CP's ring-attention buffers (added by `activations.layer_activations`),
 the SDPA kernel's dK/dV accumulators (16 MiB, constant), allocator rounding (512 B blocks).
@@ -229,11 +230,22 @@ def _chunk_counts(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int
     return N, -(-B * T // KDA_CHUNK) + N - 1
 
 
+def _walk_bytes(q: torch.Tensor) -> tuple[bool, int]:
+    """(lean, bytes per element of the walks' tensors): `$TITAN_MOE_KDA_WALK` as the launchers
+    read it; lean stores them in the input dtype, classic in fp32."""
+    # imported here: importing Triton decides interpreted vs compiled kernels for the process
+    from titan_moe.ops.kda.triton_fwd import selected_walk
+
+    lean = selected_walk() == "lean"
+    return lean, q.element_size() if lean else 4
+
+
 def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state) -> list[str]:
     """`triton_fwd.kda_fwd_states`: appends its allocations and frees to `events`, returns
     the names of what it returns (the `KDAForwardState`)."""
     B, T, H, K = q.shape
     V, TT, C, f32 = v.shape[-1], B * T, KDA_CHUNK, 4
+    lean, w = _walk_bytes(q)
     N, chunks = _chunk_counts(q, cu_seqlens)
     layout = [("cu_seqlens", (N + 1) * 4), ("chunk_indices", chunks * 2 * 4), ("chunk_offsets", (N + 1) * 4)]
     copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in zip("qkvg", (q, k, v, g)) if not x.is_contiguous()]
@@ -241,12 +253,16 @@ def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state) -> lis
         copies.append(("beta_contiguous", _nbytes(beta)))
     states = [
         ("G", TT * H * K * f32), ("Aqk", TT * H * C * f32), ("Akk", TT * H * C * f32), ("Ainv", TT * H * C * f32),
-        ("W", TT * H * K * f32), ("U", TT * H * V * f32), ("h", chunks * H * K * V * f32), ("v_new", TT * H * V * f32),
+        ("W", TT * H * K * w), ("U", TT * H * V * w), ("h", chunks * H * K * V * w), ("v_new", TT * H * V * w),
     ]
     if output_final_state:
         states.append(("ht", N * H * K * V * f32))
+    if lean:  # the walk's precomputed factors K~ and e^{G_last}
+        states += [("k_to_end", TT * H * K * w), ("decay", chunks * H * K * f32)]
     events += layout + copies + states
-    freed = dict(copies + [s for s in states if s[0] == "Akk"])
+    # A_kk dies after the WY kernel, the lean walk's U after the walk; nothing is allocated in
+    # between, so freeing them here gives the same peak
+    freed = dict(copies + [s for s in states if s[0] == "Akk" or (lean and s[0] == "U")])
     events += [(name, -n) for name, n in freed.items()]
     return [name for name, _ in layout + states if name not in freed]
 
@@ -276,17 +292,25 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
     states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state=False)
     copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in
               (("q", q), ("k", k), ("v", v), ("beta", beta), ("do", do)) if not x.is_contiguous()]
-    scan = [("dh", chunks * H * K * V * f32), ("dv_new", TT * H * V * f32)]  # stage 1
+    lean, w = _walk_bytes(q)
+    scan = [("dh", chunks * H * K * V * w), ("dv_new", TT * H * V * w)]  # stage 1
     if initial_state is not None:
         scan.append(("dh0", N * H * K * V * f32))
+    walk_only = []
+    if lean:  # scale Q e^G for the walk; after it, the walk's inputs are freed (before stage 2)
+        scan.append(("q_decay", TT * H * K * q.element_size()))
+        walk_only = ["q_decay", "W", "k_to_end", "decay"]
     chunk = [("dAqk", TT * H * C * f32), ("dAkk", TT * H * C * f32), ("dq_part", TT * H * K * f32),
              ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), ("dbeta_part", TT * H * f32),
              ("dv", _nbytes(v))]  # stage 2
     intra = [("dq", _nbytes(q)), ("dk", _nbytes(k)), ("dbeta", _nbytes(beta))]  # stage 3
-    events += copies + scan + chunk + intra + [("dg", _nbytes(g))]  # stage 4: dg
+    events += copies + scan
     sizes = dict(events)
-    work = copies + [(name, n) for name, n in scan + chunk if name not in ("dh0", "dv")]
-    events += [(name, -sizes[name]) for name in states] + [(name, -n) for name, n in work]
+    events += [(name, -sizes[name]) for name in walk_only]
+    events += chunk + intra + [("dg", _nbytes(g))]  # stage 4: dg
+    sizes = dict(events)
+    work = copies + [(name, n) for name, n in scan + chunk if name not in ("dh0", "dv", *walk_only)]
+    events += [(name, -sizes[name]) for name in states if name not in walk_only] + [(name, -n) for name, n in work]
     return events
 
 
