@@ -434,7 +434,8 @@ def test_cuda_programs_match_eager(tmp_path):
 @pytest.mark.xfail(torch.__version__.startswith("2.11"), strict=False,
                    reason="torch 2.11+cu130 (H200, 2026-11-30): the prefill package builds in ~90 s, then "
                    "aoti_load_package dies with SIGSEGV; the same with the weights left out of the .so "
-                   "(package_constants_in_so=False), so it is not the constants crash of pytorch issue 172739")
+                   "(package_constants_in_so=False), so it is not the constants crash of pytorch issue 172739; a bare "
+                   "nn.Linear package without titan_moe imported crashes the same way (profiling/aoti_isolate.py)")
 def test_cuda_aoti_packages_match_eager(tmp_path):
     """AOTInductor packages of the same programs on the GPU against eager (Inductor's fused
     reductions reorder fp32 sums: 1e-3), compiled and loaded in a fresh process."""

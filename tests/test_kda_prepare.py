@@ -102,13 +102,16 @@ def test_bad_inputs_are_rejected():
 
 
 def test_chunk_kda_calls_the_op_when_selected(monkeypatch):
-    """With TITAN_MOE_KDA_PREPARE=fused, chunk_kda(use_qk_l2norm=True, gate_in_kernel=True)
-    goes through kda_prepare, with the same result as the composite path; not by default."""
+    """By default (and with TITAN_MOE_KDA_PREPARE=fused) chunk_kda(use_qk_l2norm=True,
+    gate_in_kernel=True) goes through kda_prepare, with the same result as the composite
+    path; with `composite` it does not."""
     from titan_moe.ops.kda import chunk_kda
     from titan_moe.ops.kda import op as kda_op
     from titan_moe.ops.kda.prepare import PREPARE_ENV, fused_prepare_selected
 
     monkeypatch.delenv(PREPARE_ENV, raising=False)
+    assert fused_prepare_selected()
+    monkeypatch.setenv(PREPARE_ENV, "composite")
     assert not fused_prepare_selected()
     monkeypatch.setenv(PREPARE_ENV, "single")
     with pytest.raises(ValueError, match=PREPARE_ENV):

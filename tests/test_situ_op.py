@@ -5,7 +5,9 @@ form in test_situ.py).
 Without CUDA the kernels run under the Triton interpreter (fp32 and fp16); with CUDA they
 run compiled, plus a bf16 check. Tolerances (relative error): fp32, 1e-6 (the kernels'
 tanh is a few ulp from torch.tanh, small arguments included); fp16/bf16 outputs
-are the fp32 values rounded once (fp16 5e-4, bf16 4e-3 relative per entry).
+are the fp32 values rounded once (fp16 5e-4 relative per entry against the fp16 composite;
+bf16 against the fp32 reference, 3e-3: one rounding is at most 2^-9 per entry, while the
+bf16 composite itself rounds after every op and sits ~4e-3 from both).
 """
 
 from __future__ import annotations
@@ -38,15 +40,18 @@ def _reference(z):
     return situ_glu(z[..., :hidden], z[..., hidden:], B1, B2)
 
 
-def _check(z, out_tol, grad_tol, seed=0):
+def _check(z, out_tol, grad_tol, seed=0, reference_dtype=None):
+    """Output and dz of the op against `_reference` run on z in `reference_dtype` (default
+    z's own: the same roundings; fp32 for a bf16 z, whose composite rounds after every op)."""
     gen = torch.Generator().manual_seed(seed)
+    z_ref = z.detach().to(reference_dtype or z.dtype).requires_grad_()
     out = situ_glu_packed(z, B1, B2)
-    want = _reference(z)
+    want = _reference(z_ref)
     assert out.dtype == z.dtype and out.shape == want.shape
     assert rel_err(out, want) < out_tol, rel_err(out, want)
     w = torch.randn(out.shape, generator=gen).to(z.device, z.dtype)
     (dz,) = torch.autograd.grad((out * w).sum(), z)
-    (dz_ref,) = torch.autograd.grad((want * w).sum(), z)
+    (dz_ref,) = torch.autograd.grad((want * w.to(want.dtype)).sum(), z_ref)
     assert dz.dtype == z.dtype and dz.shape == z.shape
     assert rel_err(dz, dz_ref) < grad_tol, rel_err(dz, dz_ref)
 
@@ -74,9 +79,12 @@ def test_bad_inputs_and_backend_are_rejected(monkeypatch):
         situ_glu_packed(torch.randn(3, 4), B1, B2)
 
 
-def test_auto_backend_is_torch_until_timed(monkeypatch):
+def test_auto_backend_is_triton_on_cuda_only(monkeypatch):
     monkeypatch.delenv(situ_op.BACKEND_ENV, raising=False)
-    assert situ_op.resolve_backend() == "torch"
+    assert situ_op.resolve_backend(torch.device("cpu")) == "torch"
+    assert situ_op.resolve_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv(situ_op.BACKEND_ENV, "torch")
+    assert situ_op.resolve_backend(torch.device("cuda")) == "torch"
 
 
 def test_compiled_layer_path_keeps_eager_results():
@@ -125,4 +133,4 @@ def test_in_fresh_interpreter_process():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_bf16_at_expert_shape(monkeypatch):
     monkeypatch.setenv(situ_op.BACKEND_ENV, "triton")
-    _check(_z((8192, 2 * 768), torch.bfloat16, seed=6, device="cuda"), 4e-3, 4e-3)
+    _check(_z((8192, 2 * 768), torch.bfloat16, seed=6, device="cuda"), 3e-3, 3e-3, reference_dtype=torch.float32)

@@ -25,11 +25,13 @@ backward, where the composite runs about a dozen elementwise and reduction kerne
 casts and gradient sums around the KDA op they took about 5.9 ms of a 25 ms forward+backward
 at T = 32K on the H200, BENCHMARKS.md).
 
-`chunk_kda` calls it in eager mode when `$TITAN_MOE_KDA_PREPARE=fused` (read per call);
-default `composite` (the PyTorch composite, also what compiled layers use, since Inductor
-fuses it with its neighbours). Opt-in until timed on a GPU: the op also keeps less for the
-backward (q, k, z in their dtypes: 14 KiB per token less than the composite in a small_1gpu
-KDA layer, measured by the planner's eager profile), which changes eager memory too.
+`chunk_kda` calls it in eager mode unless `$TITAN_MOE_KDA_PREPARE=composite` (read per call;
+default `fused`); compiled layers always take the PyTorch composite, which Inductor fuses
+with its neighbours. Measured on the H200 at T = 32K (BENCHMARKS.md, "SiTU-GLU kernels, lean
+KDA walks and fused KDA input maps"): eager forward+backward 20.0 ms with the op against
+25.3 ms with the composite. The op also keeps less for the backward (q, k, z in their
+dtypes: 14 KiB per token less than the composite in a small_1gpu KDA layer, measured by the
+planner's eager profile).
 """
 
 from __future__ import annotations
@@ -42,15 +44,16 @@ from torch import Tensor
 from titan_moe.ops.kda.gate import check_lower_bound
 from titan_moe.ops.nvtx import nvtx_range
 
-PREPARE_ENV = "TITAN_MOE_KDA_PREPARE"  # composite (default) | fused
+PREPARE_ENV = "TITAN_MOE_KDA_PREPARE"  # fused (default) | composite
 FWD_OP = "titan_moe::kda_prepare"
 BWD_OP = "titan_moe::kda_prepare_bwd"
 EPS = 1e-6
 
 
 def fused_prepare_selected() -> bool:
-    """Whether `chunk_kda` uses this op in eager mode: `$TITAN_MOE_KDA_PREPARE` = "fused"."""
-    name = os.environ.get(PREPARE_ENV) or "composite"
+    """Whether `chunk_kda` uses this op in eager mode: `$TITAN_MOE_KDA_PREPARE` = "fused"
+    (default) or "composite"."""
+    name = os.environ.get(PREPARE_ENV) or "fused"
     if name not in ("composite", "fused"):
         raise ValueError(f"{PREPARE_ENV} must be 'composite' or 'fused', got {name!r}")
     return name == "fused"
