@@ -8,7 +8,8 @@
 #
 # Sections (default: all that the GPU count allows, in this order):
 #   tests      pytest -m gpu (the kernels against their references, CUDA export, compile)
-#   kda        profiling/bench_kda.py: our op at the shapes, state-walk configurations
+#   kda        profiling/bench_kda.py: our op at the shapes, with the forward's
+#              intermediates kept for the backward (TITAN_MOE_KDA_KEEP=1) and the old classic walk
 #   kda_fla    profiling/bench_kda.py --kernels 6: ours against fla in the same run (fla's
 #              autotuning takes minutes on a fresh machine)
 #   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
@@ -58,8 +59,8 @@ run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
 for section in "${SECTIONS[@]}"; do
     case $section in
         tests) run tests python -m pytest -m gpu -q -rsx --runxfail -o faulthandler_timeout=300 tests ;;
-        kda) run kda python profiling/bench_kda.py --no-fla --kernels 6 --scan-configs 16x4,32x4,64x8 \
-                --variants prep:TITAN_MOE_KDA_PREPARE=fused,lean:TITAN_MOE_KDA_WALK=lean,lean_prep:TITAN_MOE_KDA_WALK=lean+TITAN_MOE_KDA_PREPARE=fused ;;
+        kda) run kda python profiling/bench_kda.py --no-fla --kernels 6 \
+                --variants keep:TITAN_MOE_KDA_KEEP=1,classic:TITAN_MOE_KDA_WALK=classic+TITAN_MOE_KDA_PREPARE=composite ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)

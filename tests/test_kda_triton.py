@@ -309,6 +309,19 @@ LEAN_LENS = [5, 0, 100]  # shorter than a tile, empty, a chunk and 36 tokens
 _WALK_RUNS: dict[tuple, tuple] = {}
 
 
+def walk_inputs(dtype: torch.dtype):
+    """(inputs, do, h0, dht, cu_seqlens, scale) of `walk_run`: H = 2, dk = 32, dv = 64 over
+    the packed `LEAN_LENS`, slow decay."""
+    T, H, N, dk, dv = sum(LEAN_LENS), 2, len(LEAN_LENS), 32, 64
+    inp = make_inputs(1, T, H, dk, dv, "slow", seed=17, dtype=dtype)
+    gen = torch.Generator().manual_seed(17)
+    do = torch.randn(1, T, H, dv, generator=gen).to(DEVICE, dtype)
+    h0 = torch.randn(N, H, dk, dv, generator=gen).to(DEVICE)
+    dht = torch.randn(N, H, dk, dv, generator=gen).to(DEVICE)
+    cu_seqlens = torch.tensor([0] + LEAN_LENS).cumsum(0).to(torch.int32).to(DEVICE)
+    return inp, do, h0, dht, cu_seqlens, dk**-0.5
+
+
 def walk_run(monkeypatch, walk: str, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Forward (o, final state) and all six gradients under `walk`, on packed sequences
     with initial states and a final-state gradient, and the float64 references; cached
@@ -316,14 +329,7 @@ def walk_run(monkeypatch, walk: str, dtype: torch.dtype) -> tuple[list[torch.Ten
     key = (walk, dtype)
     if key not in _WALK_RUNS:
         monkeypatch.setenv(triton_fwd.WALK_ENV, walk)
-        T, H, N, dk, dv = sum(LEAN_LENS), 2, len(LEAN_LENS), 32, 64
-        inp = make_inputs(1, T, H, dk, dv, "slow", seed=17, dtype=dtype)
-        gen = torch.Generator().manual_seed(17)
-        do = torch.randn(1, T, H, dv, generator=gen).to(DEVICE, dtype)
-        h0 = torch.randn(N, H, dk, dv, generator=gen).to(DEVICE)
-        dht = torch.randn(N, H, dk, dv, generator=gen).to(DEVICE)
-        cu_seqlens = torch.tensor([0] + LEAN_LENS).cumsum(0).to(torch.int32).to(DEVICE)
-        scale = dk**-0.5
+        inp, do, h0, dht, cu_seqlens, scale = walk_inputs(dtype)
         o, ht = chunk_kda_fwd_triton(**inp, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
                                      output_final_state=True)
         grads = chunk_kda_bwd_triton(**inp, scale=scale, do=do, initial_state=h0, cu_seqlens=cu_seqlens, dht=dht)
@@ -373,7 +379,7 @@ def test_lean_walk_storage(monkeypatch):
         assert st.decay.dtype == torch.float32 and st.decay.shape == (2, 1, 16)
         G_last = st.G[[63, 69], 0]  # the last valid token of each chunk
         assert torch.allclose(st.decay[:, 0], torch.exp(G_last), rtol=1e-6, atol=0)
-        monkeypatch.delenv(triton_fwd.WALK_ENV)
+        monkeypatch.setenv(triton_fwd.WALK_ENV, "classic")
         st = kda_fwd_states(**inp, scale=0.25)
         assert st.walk == "classic" and st.k_to_end is None and st.decay is None
         for name in ("W", "U", "v_new", "h"):
@@ -381,12 +387,12 @@ def test_lean_walk_storage(monkeypatch):
 
 
 def test_walk_switch_rejects_unknown_values(monkeypatch):
-    """`TITAN_MOE_KDA_WALK`: unset or empty is classic, lean and classic are taken, anything
+    """`TITAN_MOE_KDA_WALK`: unset or empty is lean, lean and classic are taken, anything
     else raises before a kernel runs."""
     monkeypatch.delenv(triton_fwd.WALK_ENV, raising=False)
-    assert triton_fwd.selected_walk() == "classic"
+    assert triton_fwd.selected_walk() == "lean"
     monkeypatch.setenv(triton_fwd.WALK_ENV, "")
-    assert triton_fwd.selected_walk() == "classic"
+    assert triton_fwd.selected_walk() == "lean"
     for walk in ("lean", "classic"):
         monkeypatch.setenv(triton_fwd.WALK_ENV, walk)
         assert triton_fwd.selected_walk() == walk
@@ -398,6 +404,44 @@ def test_walk_switch_rejects_unknown_values(monkeypatch):
         chunk_kda_fwd_triton(**inp, scale=1.0)
     with pytest.raises(ValueError, match="TITAN_MOE_KDA_WALK"):
         chunk_kda_bwd_triton(**inp, scale=1.0, do=torch.zeros_like(inp["v"]))
+
+
+# ----------------------------------------------------------------------------------------
+# the kept forward (TITAN_MOE_KDA_KEEP: the backward reads the forward's intermediates)
+# ----------------------------------------------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("walk,dtype", [("lean", torch.float16), ("lean", torch.float32), ("classic", torch.float32)])
+def test_kept_forward_backward_equals_recomputing(walk, dtype, monkeypatch):
+    """`kept_forward` + `chunk_kda_bwd_triton(kept=...)` run the same kernels on the same
+    values as the recomputing pair, so every output and gradient is bit-identical; the
+    residuals have `residual_specs`' shapes (h and decay padded to `max_chunk_rows`: here 4
+    rows for 3 chunks, the packed sequences of `walk_run`)."""
+    got_recompute, _ = walk_run(monkeypatch, walk, dtype)
+    monkeypatch.setenv(triton_fwd.WALK_ENV, walk)
+    inp, do, h0, dht, cu_seqlens, scale = walk_inputs(dtype)
+    o, ht, residuals = triton_fwd.kept_forward(**inp, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
+                                               output_final_state=True)
+    specs = triton_fwd.residual_specs(inp["q"], inp["v"], len(LEAN_LENS), True, walk)
+    assert [(tuple(r.shape), r.dtype) for r in residuals] == specs
+    assert residuals[triton_fwd.RESIDUAL_NAMES.index("h")].shape[0] == 4
+    grads = chunk_kda_bwd_triton(**inp, scale=scale, do=do, initial_state=h0, cu_seqlens=cu_seqlens, dht=dht,
+                                 kept=residuals)
+    for name, x, y in zip(("o", "ht", *GRAD_NAMES), [o, ht, *grads], got_recompute, strict=True):
+        assert torch.equal(x, y), (name, rel_err(x, y))
+
+
+def test_kept_residuals_are_checked():
+    """A residual list of the wrong length, shape or dtype is refused before any kernel runs."""
+    inp = make_inputs(1, 70, 2, 16, 32, "rand", seed=3)
+    specs = triton_fwd.residual_specs(inp["q"], inp["v"], 1, False, "lean")
+    residuals = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    assert residuals[triton_fwd.RESIDUAL_NAMES.index("h")].shape == (2, 2, 16, 32)
+    do = torch.zeros_like(inp["v"])
+    with pytest.raises(ValueError, match="expected 8 residuals"):
+        chunk_kda_bwd_triton(**inp, scale=1.0, do=do, kept=residuals[:-1])
+    residuals[0] = torch.empty(70, 2, 15)
+    with pytest.raises(ValueError, match="residual G"):
+        chunk_kda_bwd_triton(**inp, scale=1.0, do=do, kept=residuals)
 
 
 class _StageLimitedKernel:

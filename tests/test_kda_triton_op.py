@@ -50,6 +50,16 @@ CHECK = textwrap.dedent(
                 # fp32 both ways; dg sums many cancelling terms (see test_kda_triton.py)
                 assert rel(a, b) < (2e-3 if name == "dg" else 1e-4), (name, rel(a, b))
 
+        # the kept pair (TITAN_MOE_KDA_KEEP): the same outputs and, reading the residuals, the
+        # same gradients bit for bit
+        from titan_moe.ops.kda.kept import kda_chunk_bwd_kept_triton, kda_chunk_fwd_kept_triton
+
+        o_k, s_k, *residuals = kda_chunk_fwd_kept_triton(q, k, v, g, beta, D**-0.5, h0, cu_seqlens, want_state)
+        assert torch.equal(o_k, o_t) and torch.equal(s_k, s_t) and len(residuals) == 8
+        grads_k = kda_chunk_bwd_kept_triton(q, k, v, g, beta, D**-0.5, h0, cu_seqlens, do, dht, *residuals)
+        for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], grads_k, grads_t):
+            assert torch.equal(a, b), name
+
     # float64 is outside the kernels: the adapter hands it to the PyTorch implementation.
     o64, _ = kda_chunk_fwd_triton(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                   D**-0.5, None, None, False)

@@ -546,6 +546,25 @@ def test_cli_activations_flag_defaults_to_the_compile_setting(capsys):
     assert eager["params"] == compiled["params"] and forced["layouts"][0]["gib"] == eager
 
 
+def test_cli_reports_the_unplanned_kda_keep_residuals(capsys, monkeypatch):
+    """TITAN_MOE_KDA_KEEP=1: the plan is the recomputing one (same bytes) and says so, with
+    the kept residuals per token: per head, fp32 G, A_qk, A_inv (dk + 2C), the lean walk's
+    W, K~, V~ and chunk states (2 dk + dv + dk dv / C, 16-bit) and e^{G_last} (dk / C fp32)."""
+    from titan_moe.plan.activations import kept_residual_bytes_per_token
+
+    base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141")
+    _, plain = _run(capsys, *base)
+    monkeypatch.setenv("TITAN_MOE_KDA_KEEP", "1")
+    lines, kept = _run(capsys, *base)
+    text = "\n".join(lines)
+    assert kept["layouts"] == plain["layouts"]
+    args = FLAVORS["debug"]
+    H, dk, C = args.kda_n_heads, args.kda_head_dim, 64
+    want = H * (4 * (dk + 2 * C) + 2 * (3 * dk + dk * dk / C) + 4 * dk / C)
+    assert kept_residual_bytes_per_token(args) == pytest.approx(want)
+    assert "NOT MODELLED: TITAN_MOE_KDA_KEEP=1" in text and f"{want / 1024:.1f} KiB" in text
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--gpus", "0"], "--gpus must be >= 1"),
     (["--gpus", "eight"], "bad value for --gpus"),

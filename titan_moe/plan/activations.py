@@ -55,6 +55,7 @@ slots = `attn_res.max_sources`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -223,6 +224,21 @@ def kda_bwd_workspace_per_token(H: int, dk: int, dv: int) -> float:
     events = kda_bwd_allocations(q, q, v, g, beta, 1.0, None, None, v, None)
     outputs = sum(n for name, n in events if name in ("dq", "dk", "dv", "dg", "dbeta"))
     return (_peak(events) - outputs) / T
+
+
+def kept_residual_bytes_per_token(args: ModelArgs, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Bytes per token one KDA layer's forward keeps for its backward under
+    `TITAN_MOE_KDA_KEEP=1` (`triton_fwd.residual_specs`, whole chunks of one sequence, the
+    walk `$TITAN_MOE_KDA_WALK` selects). Not part of the plan yet: `cli` reports it."""
+    # imported here: importing Triton decides interpreted vs compiled kernels for the process
+    from titan_moe.ops.kda.triton_fwd import residual_specs, selected_walk
+
+    H, dk = args.kda_n_heads, args.kda_head_dim
+    T = 16 * KDA_CHUNK
+    with torch.device("meta"):
+        q = torch.empty(1, T, H, dk, dtype=dtype)
+    specs = residual_specs(q, q, 1, False, selected_walk())
+    return sum(math.prod(shape) * dt.itemsize for shape, dt in specs) / T
 
 
 def _mla(args: ModelArgs, a: int, cp: int) -> tuple[list[Entry], float]:

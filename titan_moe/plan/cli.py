@@ -16,7 +16,8 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.flops import count_params
 
-from titan_moe.plan.activations import LayerActivations, model_activations
+from titan_moe.ops.kda.op import KEEP_ENV, keep_selected
+from titan_moe.plan.activations import LayerActivations, kept_residual_bytes_per_token, model_activations
 from titan_moe.plan.eager import eager_profiles
 from titan_moe.plan.layout import AC_MODES, ACTIVATION_MODELS, GIB, MAX_SEARCH_GPUS, Layout, Precision
 from titan_moe.plan.params import OPTIMIZER_IMPLEMENTATIONS, inventory, sharding_checks
@@ -193,6 +194,10 @@ def run_plan(argv: list[str] | None = None) -> dict:
     print(f"  tokens per GPU = local_batch {local_batch} x seq_len {seq_len} / cp;  fit: total <= "
           f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
           f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
+    if keep_selected():
+        print(f"  NOT MODELLED: {KEEP_ENV}=1 (KDA forward intermediates kept for the backward) holds "
+              f"{kept_residual_bytes_per_token(args) / 1024:.1f} KiB more per token in each KDA layer "
+              f"until its backward (AC none), and skips the backward's recompute; the plan below assumes 0")
     sac_text = "op-level SAC" if sac_option == "op" else f"layer SAC, 1 layer in {sac_option} checkpointed"
     print(f"  AC: one checkpoint per decoder layer; selective = {sac_text} "
           f"(activation_checkpoint.selective_ac_option = {sac_option!r})")

@@ -314,7 +314,16 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
     return events
 
 
-_MIRRORED_OPS = {"titan_moe::kda_chunk_fwd": kda_fwd_allocations, "titan_moe::kda_chunk_bwd": kda_bwd_allocations}
+def _kda_bwd_kept_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, *residuals):
+    # planned as the recomputing backward (an over-estimate); the kept residuals themselves
+    # are not planned (`cli` says so)
+    return kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
+
+
+_MIRRORED_OPS = {
+    "titan_moe::kda_chunk_fwd": kda_fwd_allocations, "titan_moe::kda_chunk_bwd": kda_bwd_allocations,
+    "titan_moe::kda_chunk_fwd_kept": kda_fwd_allocations, "titan_moe::kda_chunk_bwd_kept": _kda_bwd_kept_allocations,
+}
 
 
 # =========================================================================== measurement

@@ -6,6 +6,7 @@
     kda_gate             the bounded decay gate
 """
 
+from titan_moe.ops.kda import kept  # noqa: F401  (registers the kept-intermediates ops)
 from titan_moe.ops.kda.chunk_torch import chunk_kda_torch, l2norm
 from titan_moe.ops.kda.gate import kda_gate
 from titan_moe.ops.kda.naive import naive_recurrent_kda

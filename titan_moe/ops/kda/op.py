@@ -16,8 +16,10 @@ same names for CUDA tensors (the default; `TITAN_MOE_KDA_BACKEND=torch` keeps th
 path), with no change to the schemas, fake implementations, autograd wiring or callers.
 
 The L2 norm of q/k and the bounded gate stay outside these ops, so their contract is the
-bare recurrence of SPEC §1; `chunk_kda` applies them first (in eager mode with
-`TITAN_MOE_KDA_PREPARE=fused`: as the `titan_moe::kda_prepare` op, see `prepare`).
+bare recurrence of SPEC §1; `chunk_kda` applies them first (in eager mode as the
+`titan_moe::kda_prepare` op, see `prepare`). With `TITAN_MOE_KDA_KEEP=1` and autograd
+recording, `chunk_kda` calls `titan_moe::kda_chunk_fwd_kept` instead, which
+also returns the forward's intermediates for its backward (`kept`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from titan_moe.ops.kda.chunk_torch import check_kda_inputs, chunk_kda_torch, pre
 from titan_moe.ops.kda.prepare import fused_prepare_selected, kda_prepare
 from titan_moe.ops.nvtx import nvtx_range
 
+KEEP_ENV = "TITAN_MOE_KDA_KEEP"  # 0 (default): the backward recomputes; 1: `kept` ops
 FWD_OP = "titan_moe::kda_chunk_fwd"
 BWD_OP = "titan_moe::kda_chunk_bwd"
 DEBUG_ENV = "TITAN_MOE_DEBUG"
@@ -193,6 +196,15 @@ kda_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------
 # public entry point
 # ----------------------------------------------------------------------------------------
+def keep_selected() -> bool:
+    """`$TITAN_MOE_KDA_KEEP`, read per call: "1" keeps the forward's intermediates for the
+    backward (the `titan_moe::kda_chunk_fwd_kept` op, see `kept`); "0" or unset recomputes."""
+    value = os.environ.get(KEEP_ENV) or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{KEEP_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _debug_check_gate(g: Tensor, lower_bound: float) -> None:
     """With TITAN_MOE_DEBUG=1, outside compiled code: g must lie in [lower_bound, 0]."""
     if torch.compiler.is_compiling() or os.environ.get(DEBUG_ENV, "0") != "1":
@@ -250,7 +262,7 @@ def chunk_kda(
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     both = use_qk_l2norm and gate_in_kernel and A_log is not None and dt_bias is not None
     if both and not torch.compiler.is_compiling() and fused_prepare_selected():
-        # eager, opted in: both maps as one op (`prepare`; one Triton pass per direction on
+        # eager (default): both maps as one op (`prepare`; one Triton pass per direction on
         # CUDA). Otherwise the composite below, same maths, which Inductor fuses when compiled.
         q, k, g = kda_prepare(q, k, g, A_log, dt_bias, lower_bound)
     else:
@@ -262,7 +274,12 @@ def chunk_kda(
         _debug_check_gate(g, lower_bound)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, final_state = torch.ops.titan_moe.kda_chunk_fwd(
-        q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state
+    args = (q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state)
+    records = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
     )
+    if records and keep_selected():  # the forward's intermediates kept for the backward (`kept`)
+        o, final_state = torch.ops.titan_moe.kda_chunk_fwd_kept(*args)[:2]
+    else:
+        o, final_state = torch.ops.titan_moe.kda_chunk_fwd(*args)
     return o, (final_state if output_final_state else None)

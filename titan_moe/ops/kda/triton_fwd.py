@@ -43,14 +43,16 @@ inputs carry); the 16x16 tile inverses always use ieee.
 
 The sequential state walks (stage 3 here, stage 1 of `triton_bwd`) come in two forms,
 chosen by `$TITAN_MOE_KDA_WALK` (read per call by `kda_fwd_states`, which records it in
-the returned state so that the backward walks the same way; the default flips only on
-timings):
+the returned state so that the backward walks the same way). Lean is the default: at
+T = 32K on the H200 its forward+backward took 20.7 ms against classic's 25.3 (15.3 against
+20.0 with the fused input maps; BENCHMARKS.md, "SiTU-GLU kernels, lean KDA walks and fused
+KDA input maps"):
 
-    classic (default)  W, U, V~ and the chunk states h are fp32, and so are the walks'
+    classic  W, U, V~ and the chunk states h are fp32, and so are the walks'
         operands (tf32 dots for 16-bit inputs). Each step recomputes what does not depend
         on the state: e^{G_last} and K~ = e^{G_last - G} ⊙ K (backward: also scale Q ⊙ e^G
         and A_qk^T dO), inside the serial loop and once per block of BV state columns.
-    lean  those terms come from parallel kernels: K~ (input dtype) and e^{G_last} (fp32,
+    lean (default)  those terms come from parallel kernels: K~ (input dtype) and e^{G_last} (fp32,
         `[chunks, H, dk]`) from `_wy_kernel`, scale Q ⊙ e^G and A_qk^T dO (input dtype)
         from `triton_bwd._bwd_walk_prep_kernel`; a step does only what needs the state:
         V~ = U - W S and S <- e^{G_last} ⊙ S + K~^T V~ (backward: dV~ += K~ dS',
@@ -430,14 +432,14 @@ def _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k
     return b_S * b_decay[:, None] + tl.dot(tl.trans(b_k_to_end), b_vn.to(b_k_to_end.dtype), input_precision=PRECISION)
 
 
-WALK_ENV = "TITAN_MOE_KDA_WALK"  # classic | lean: what the sequential walks precompute and store
+WALK_ENV = "TITAN_MOE_KDA_WALK"  # lean (default) | classic: what the sequential walks precompute and store
 WALKS = ("classic", "lean")
 
 
 def selected_walk() -> str:
-    """The state walks' form, `$TITAN_MOE_KDA_WALK` read per call: "classic" (default) or
-    "lean" (module docstring)."""
-    walk = os.environ.get(WALK_ENV) or "classic"
+    """The state walks' form, `$TITAN_MOE_KDA_WALK` read per call: "lean" (default) or
+    "classic" (module docstring)."""
+    walk = os.environ.get(WALK_ENV) or "lean"
     if walk not in WALKS:
         raise ValueError(f"{WALK_ENV} must be one of {WALKS}, got {walk!r}")
     return walk
@@ -638,11 +640,15 @@ def kda_fwd_states(
     output_final_state: bool = False,
     scan: str | None = None,
     segment_chunks: int | None = None,
+    chunk_rows: int | None = None,
 ) -> KDAForwardState:
     """Stages 1-3 of the forward: chunk cumsum, A_qk / WY factors, the state scan.
 
     Arguments as for `chunk_kda_fwd_triton`. The backward pass calls this to recompute
-    what it needs instead of keeping it from the forward.
+    what it needs, unless the forward kept it (`titan_moe.ops.kda.kept`). `chunk_rows`
+    (at least the chunk count) sizes h and decay along their first dimension: the kept
+    forward allocates the shape-only bound `max_chunk_rows` so that its outputs' shapes do
+    not depend on cu_seqlens' values; the rows past the chunk count stay unwritten.
     """
     # late import: triton_scan imports this module
     from titan_moe.ops.kda.triton_scan import selected_scan, state_scan_parallel
@@ -654,6 +660,9 @@ def kda_fwd_states(
     V = v.shape[-1]
     cu, chunk_indices, chunk_offsets = _chunk_layout(bounds, q.device)
     n_chunks = chunk_indices.shape[0]
+    rows = n_chunks if chunk_rows is None else chunk_rows
+    if rows < n_chunks:
+        raise ValueError(f"chunk_rows={chunk_rows} is below the chunk count {n_chunks}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -667,12 +676,12 @@ def kda_fwd_states(
     walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
     W = torch.empty(TT, H, K, **walk_dt)
     U = torch.empty(TT, H, V, **walk_dt)
-    h = torch.empty(n_chunks, H, K, V, **walk_dt)
+    h = torch.empty(rows, H, K, V, **walk_dt)
     v_new = torch.empty(TT, H, V, **walk_dt)
     ht = torch.empty(N, H, K, V, **f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     k_to_end = torch.empty(TT, H, K, **walk_dt) if lean else None
-    decay = torch.empty(n_chunks, H, K, **f32) if lean else None
+    decay = torch.empty(rows, H, K, **f32) if lean else None
 
     _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
     _intra_tiles_kernel[(n_chunks * N_TILES, H)](
@@ -702,6 +711,81 @@ def kda_fwd_states(
         G=G, Aqk=Aqk, Ainv=Ainv, W=W, U=U, h=h, v_new=v_new, final_state=ht,
         cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, precision=precision,
         walk="lean" if lean else "classic", k_to_end=k_to_end, decay=decay,
+    )
+
+
+RESIDUAL_NAMES = ("G", "Aqk", "Ainv", "W", "h", "v_new", "k_to_end", "decay")
+
+
+def max_chunk_rows(B: int, T: int, N: int, varlen: bool) -> int:
+    """An upper bound on the chunk count from shapes alone: B * ceil(T / C) without packing;
+    with N packed sequences over T tokens, sum ceil(len_n / C) <= T // C + N."""
+    return T // CHUNK + N if varlen else B * (-(-T // CHUNK))
+
+
+def residual_specs(
+    q: torch.Tensor, v: torch.Tensor, N: int, varlen: bool, walk: str
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each of `RESIDUAL_NAMES` as `kept_forward` returns them (the fake
+    implementation of the kept-forward op builds its outputs from this). A residual the walk
+    does not make (classic: k_to_end, decay) is an empty `[0]` fp32 tensor."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    TT, rows = B * T, max_chunk_rows(B, T, N, varlen)
+    lean = walk == "lean"
+    walk_dtype, f32 = (q.dtype if lean else torch.float32), torch.float32
+    return [
+        ((TT, H, K), f32), ((TT, H, CHUNK), f32), ((TT, H, CHUNK), f32), ((TT, H, K), walk_dtype),
+        ((rows, H, K, V), walk_dtype), ((TT, H, V), walk_dtype),
+        ((TT, H, K) if lean else (0,), walk_dtype if lean else f32), ((rows, H, K) if lean else (0,), f32),
+    ]
+
+
+def kept_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """`chunk_kda_fwd_triton` that also returns the intermediates the backward needs
+    (`RESIDUAL_NAMES`, shapes in `residual_specs`), so that `chunk_kda_bwd_triton(kept=...)`
+    does not recompute them. Uses the sequential state walk."""
+    B, T = q.shape[:2]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    rows = max_chunk_rows(B, T, N, cu_seqlens is not None)
+    st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+                        scan="sequential", chunk_rows=rows)
+    o = kda_fwd_output(q, v, st, scale)
+    empty = q.new_empty(0, dtype=torch.float32)
+    residuals = [getattr(st, name) for name in RESIDUAL_NAMES]
+    return o, st.final_state, [empty if r is None else r for r in residuals]
+
+
+def state_from_residuals(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, residuals: list[torch.Tensor],
+) -> KDAForwardState:
+    """The `KDAForwardState` that `kept_forward` built, from its residuals (the chunk layout
+    is recomputed: one host read of cu_seqlens, as the recomputing backward does)."""
+    N, bounds = check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if len(residuals) != len(RESIDUAL_NAMES):
+        raise ValueError(f"expected {len(RESIDUAL_NAMES)} residuals {RESIDUAL_NAMES}, got {len(residuals)}")
+    walk = "lean" if residuals[RESIDUAL_NAMES.index("k_to_end")].numel() else "classic"
+    for (shape, dtype), r, name in zip(residual_specs(q, v, N, cu_seqlens is not None, walk), residuals, RESIDUAL_NAMES):
+        if tuple(r.shape) != shape or r.dtype != dtype:
+            raise ValueError(f"residual {name}: expected {dtype} {shape}, got {r.dtype} {tuple(r.shape)}")
+    cu, chunk_indices, chunk_offsets = _chunk_layout(bounds, q.device)
+    fields = dict(zip(RESIDUAL_NAMES, residuals))
+    if walk == "classic":
+        fields["k_to_end"] = fields["decay"] = None
+    return KDAForwardState(
+        U=None, final_state=None, cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+        precision="ieee" if q.dtype == torch.float32 else "tf32", walk=walk, **fields,
     )
 
 

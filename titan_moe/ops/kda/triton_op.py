@@ -28,7 +28,15 @@ BACKEND_ENV = "TITAN_MOE_KDA_BACKEND"
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
-def _kernels_cover(q: Tensor, v: Tensor, g: Tensor) -> bool:
+_registered = False
+
+
+def kernels_registered() -> bool:
+    """Whether `register_cuda_kernels` put the Triton kernels under the ops."""
+    return _registered
+
+
+def kernels_cover(q: Tensor, v: Tensor, g: Tensor) -> bool:
     return (
         q.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and g.dtype != torch.float16
@@ -39,7 +47,7 @@ def _kernels_cover(q: Tensor, v: Tensor, g: Tensor) -> bool:
 
 def kda_chunk_fwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
     """`titan_moe::kda_chunk_fwd` contract on top of `chunk_kda_fwd_triton`."""
-    if not _kernels_cover(q, v, g):
+    if not kernels_cover(q, v, g):
         return kda_op.kda_chunk_fwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
     from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton
 
@@ -53,15 +61,16 @@ def kda_chunk_fwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, out
     return o, final_state
 
 
-def kda_chunk_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
-    """`titan_moe::kda_chunk_bwd` contract on top of `chunk_kda_bwd_triton`."""
-    if not _kernels_cover(q, v, g):
+def kda_chunk_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None):
+    """`titan_moe::kda_chunk_bwd` contract on top of `chunk_kda_bwd_triton` (`kept`: the
+    residuals of `triton_fwd.kept_forward`, or None to recompute them)."""
+    if not kernels_cover(q, v, g):
         return kda_op.kda_chunk_bwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
     from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton
 
     with nvtx_range("op.kda_chunk_bwd"):
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_triton(
-            q, k, v, g, beta, scale, do, initial_state=initial_state, cu_seqlens=cu_seqlens, dht=dht
+            q, k, v, g, beta, scale, do, initial_state=initial_state, cu_seqlens=cu_seqlens, dht=dht, kept=kept
         )
     dh0 = q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0.to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
@@ -76,12 +85,15 @@ def selected_backend() -> str:
 
 def register_cuda_kernels() -> bool:
     """Register the Triton kernels for CUDA when selected; return whether they were."""
+    global _registered
     if selected_backend() != "triton" or not torch.cuda.is_available():
         return False
     torch.library.register_kernel(kda_op.FWD_OP, "cuda", kda_chunk_fwd_triton)
     torch.library.register_kernel(kda_op.BWD_OP, "cuda", kda_chunk_bwd_triton)
-    from titan_moe.ops.kda import prepare, triton_prepare
+    from titan_moe.ops.kda import kept, prepare, triton_prepare
 
+    kept.register_cuda_kernels()
     torch.library.register_kernel(prepare.FWD_OP, "cuda", triton_prepare.kda_prepare_triton)
     torch.library.register_kernel(prepare.BWD_OP, "cuda", triton_prepare.kda_prepare_bwd_triton)
+    _registered = True
     return True

@@ -1,0 +1,141 @@
+"""KDA ops that keep the forward's intermediates for the backward (`$TITAN_MOE_KDA_KEEP`).
+
+    kda_chunk_fwd_kept(q, k, v, g, beta, scale, initial_state?, cu_seqlens?, output_final_state)
+        -> (o, final_state, G, Aqk, Ainv, W, h, v_new, k_to_end, decay)
+    kda_chunk_bwd_kept(q, k, v, g, beta, scale, initial_state?, cu_seqlens?, do, dht?,
+                       G, Aqk, Ainv, W, h, v_new, k_to_end, decay)
+        -> (dq, dk, dv, dg, dbeta, dh0)
+
+The same contract as `kda_chunk_fwd` / `kda_chunk_bwd` (see `op`) plus the eight residuals
+of the Triton forward (`triton_fwd.RESIDUAL_NAMES`; shapes and dtypes in
+`triton_fwd.residual_specs`: the chunk-local cumsum G, A_qk, (I + A_kk)^-1, W, the chunk
+states h, V~, and under the lean walk K~ and e^{G_last}). The recomputing backward runs the
+forward's stages 1-3 again (cumsum, tiles, WY factors, state walk: about 2.7 of 15.3 ms at
+T = 32K on the H200, BENCHMARKS.md); with these ops it reads them instead, at the price of
+holding them from the forward to the backward: per token and head 4 (dk + 2 C) bytes plus
+(2 dk + dv + dk dv / C) walk-dtype elements (dk = dv = 128, C = 64, bf16: 2.25 KiB; 16 heads:
+36 KiB per token and layer). Under full activation checkpointing the layer's forward is rerun
+right before its backward, so the residuals live only for that layer's backward.
+
+`chunk_kda` uses these ops when `$TITAN_MOE_KDA_KEEP=1` and autograd records the call
+(default 0: the trade has not been timed end to end, and the memory planner plans the
+recomputing ops: with the switch on it says that the residuals, `plan.activations.
+kept_residual_bytes_per_token`, are not in its numbers). On the CPU (and for shapes the Triton kernels do not cover) the forward returns
+empty `[0]` residuals and the backward recomputes, exactly as `kda_chunk_bwd`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from titan_moe.ops.kda import op as kda_op
+from titan_moe.ops.nvtx import nvtx_range
+
+FWD_OP = "titan_moe::kda_chunk_fwd_kept"
+BWD_OP = "titan_moe::kda_chunk_bwd_kept"
+N_RESIDUALS = 8
+
+
+def _empty_residuals(q: Tensor) -> list[Tensor]:
+    return [q.new_empty(0, dtype=torch.float32) for _ in range(N_RESIDUALS)]
+
+
+def _kernels_make_residuals(q: Tensor, v: Tensor, g: Tensor) -> bool:
+    """Whether the registered CUDA implementation takes these inputs (else: empty residuals)."""
+    from titan_moe.ops.kda import triton_op
+
+    return q.device.type == "cuda" and triton_op.kernels_registered() and triton_op.kernels_cover(q, v, g)
+
+
+@torch.library.custom_op(FWD_OP, mutates_args=())
+def kda_chunk_fwd_kept(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+    initial_state: Tensor | None, cu_seqlens: Tensor | None, output_final_state: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """PyTorch implementation (every device without the kernels): `kda_chunk_fwd` plus
+    empty residuals."""
+    o, final_state = kda_op.kda_chunk_fwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+    return (o, final_state, *_empty_residuals(q))
+
+
+@kda_chunk_fwd_kept.register_fake
+def _kda_chunk_fwd_kept_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+    o, final_state = kda_op._kda_chunk_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+    if not _kernels_make_residuals(q, v, g):
+        return (o, final_state, *_empty_residuals(q))
+    from titan_moe.ops.kda.triton_fwd import residual_specs, selected_walk
+
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    specs = residual_specs(q, v, N, cu_seqlens is not None, selected_walk())
+    return (o, final_state, *(q.new_empty(shape, dtype=dtype) for shape, dtype in specs))
+
+
+@torch.library.custom_op(BWD_OP, mutates_args=())
+def kda_chunk_bwd_kept(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+    initial_state: Tensor | None, cu_seqlens: Tensor | None, do: Tensor, dht: Tensor | None,
+    G: Tensor, Aqk: Tensor, Ainv: Tensor, W: Tensor, h: Tensor, v_new: Tensor, k_to_end: Tensor, decay: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """PyTorch implementation: the residuals are empty here; recompute as `kda_chunk_bwd`."""
+    return kda_op.kda_chunk_bwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
+
+
+@kda_chunk_bwd_kept.register_fake
+def _kda_chunk_bwd_kept_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, *residuals):
+    return kda_op._kda_chunk_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
+
+
+def kda_chunk_fwd_kept_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+    """CUDA implementation: `triton_fwd.kept_forward` in the op's contract."""
+    from titan_moe.ops.kda import triton_op
+    from titan_moe.ops.kda.triton_fwd import kept_forward
+
+    if not triton_op.kernels_cover(q, v, g):
+        return kda_chunk_fwd_kept(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+    with nvtx_range("op.kda_chunk_fwd"):  # one range name for both forwards
+        o, final_state, residuals = kept_forward(
+            q, k, v, g, beta, scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state,
+        )
+    if final_state is None:
+        final_state = q.new_empty(0, dtype=torch.float32)
+    return (o, final_state, *residuals)
+
+
+def kda_chunk_bwd_kept_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, *residuals):
+    """CUDA implementation: `chunk_kda_bwd_triton(kept=residuals)`; empty residuals (a
+    forward that did not make them) recompute."""
+    from titan_moe.ops.kda import triton_op
+
+    kept = list(residuals) if residuals[0].numel() else None
+    return triton_op.kda_chunk_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=kept)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state = inputs
+    residuals = output[2:]
+    ctx.mark_non_differentiable(*residuals)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *residuals)
+    ctx.scale = scale
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do: Tensor | None, dht: Tensor | None, *unused_residual_grads):
+    q, k, v, g, beta, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    if not ctx.output_final_state:
+        dht = None
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.titan_moe.kda_chunk_bwd_kept(
+        q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, *residuals
+    )
+    return dq, dk, dv, dg, dbeta, None, (None if initial_state is None else dh0), None, None
+
+
+kda_chunk_fwd_kept.register_autograd(_backward, setup_context=_setup_context)
+
+
+def register_cuda_kernels() -> None:
+    torch.library.register_kernel(FWD_OP, "cuda", kda_chunk_fwd_kept_triton)
+    torch.library.register_kernel(BWD_OP, "cuda", kda_chunk_bwd_kept_triton)
