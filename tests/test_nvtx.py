@@ -26,7 +26,7 @@ from tiny import CONFIG, REPO, TINY_ARGS, TINY_CLI
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ops that eager layers call and compiled ones replace by the composite Inductor fuses
-EAGER_ONLY_OP_RANGES = {"op.situ_glu", "op.situ_glu_bwd"}
+EAGER_ONLY_OP_RANGES = {"op.situ_glu", "op.situ_glu_bwd", "op.kda_prepare", "op.kda_prepare_bwd"}
 OP_RANGES = EAGER_ONLY_OP_RANGES | {"op.kda_chunk_fwd", "op.kda_chunk_bwd", "op.grouped_mm", "op.grouped_mm_dx", "op.grouped_mm_dw",
              "op.moe_permute", "op.moe_unpermute_combine", "op.moe_unpermute_combine_backward"}
 IN_LAYER_RANGES = {"kda", "mla", "moe", "ffn", "kda.inputs", "kda.output", "mla.attend",
@@ -71,6 +71,7 @@ def _expected_counts(args) -> Counter:
     expected.update({
         "head": 1, "attn_res.mix": 2 * args.n_layers + 1,
         "kda": n_kda, "kda.inputs": n_kda, "kda.output": n_kda, "op.kda_chunk_fwd": n_kda, "op.kda_chunk_bwd": n_kda,
+        "op.kda_prepare": n_kda, "op.kda_prepare_bwd": n_kda,  # q/k norm and gate, eager
         # SiTU-GLU: each dense FFN, each MoE layer's routed experts and its shared experts (one module)
         "op.situ_glu": n_situ, "op.situ_glu_bwd": n_situ,
         "mla": n_mla, "mla.attend": n_mla,

@@ -300,3 +300,35 @@ def test_aoti_isolate_runs_a_model_case_on_cpu():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
     assert row["case"] == "mla_dense" and row["ok"] and row["rel_err"] < 1e-5
+
+
+def _kernel_resources(tmp_path, *argv: str, interpret: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, str(REPO / "profiling" / "kernel_resources.py"), *argv],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+
+
+def test_kernel_resources_compiles_recorded_launches_for_sm90(tmp_path):
+    """The KDA forward launcher, recorded on CPU tensors, compiled for sm_90 without a GPU:
+    the state walk keeps the launcher's 8 warps and 2 stages, and every row has registers,
+    stack and shared memory read back from the cubin."""
+    pytest.importorskip("triton")
+    out = tmp_path / "rows.json"
+    proc = _kernel_resources(tmp_path, "--cases", "kda_fwd_lean", "--kernels",
+                             "_chunk_cumsum_kernel,_state_scan_kernel", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"_chunk_cumsum_kernel", "_state_scan_kernel"}
+    assert (rows["_state_scan_kernel"]["num_warps"], rows["_state_scan_kernel"]["num_stages"]) == (8, 2)
+    for r in rows.values():
+        assert 0 < r["registers"] <= 255 and r["stack_bytes"] >= 0 and r["shared_bytes"] > 0
+    assert "_state_scan_kernel" in proc.stdout
+
+
+def test_kernel_resources_refuses_the_interpreter_and_unknown_cases(tmp_path):
+    proc = _kernel_resources(tmp_path, "--cases", "kda_fwd_lean", interpret=True)
+    assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
+    proc = _kernel_resources(tmp_path, "--cases", "mla_fwd")
+    assert proc.returncode == 2 and "unknown cases" in proc.stderr

@@ -1,0 +1,194 @@
+"""Static resources of our Triton kernels on the H200, compiled on the CPU: registers, spill
+stack and shared memory per launch configuration, without a GPU.
+
+    python profiling/kernel_resources.py [--cases kda_fwd_lean,kda_bwd_lean,...] [--kernels NAME,...] [--json OUT]
+
+Each case runs one of our launchers on CPU tensors of the model's shapes (bf16, H = 16,
+dk = dv = 128, T = 256) with every `@triton.jit` kernel of its modules replaced by a
+recorder: the launcher's own code decides the grid, the constexprs, `num_warps` and
+`num_stages` as on the GPU, and nothing runs. Every recorded launch is then compiled by
+Triton for sm_90 (`GPUTarget("cuda", 90, 32)`: ptxas ships with Triton, no driver needed)
+and `cuobjdump -res-usage` reads its registers and stack from the cubin. Pointers are
+assumed 16-byte aligned and integers that are multiples of 16 marked so, as Triton does at
+a real launch for such values.
+
+What it tells: a kernel at 255 registers with a stack is spilling registers to local
+memory (each spilled value is a round trip through L1/L2 inside the loop); shared memory
+above 227 KiB per block does not launch on an H200. What it does not tell: time. Speed is
+measured on the device (profiling/bench_kda.py), this only explains it.
+
+Needs Triton (no interpreter: run without `TRITON_INTERPRET`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+H200_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
+_TORCH_TO_TRITON = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+                    torch.int32: "i32", torch.int64: "i64"}
+
+
+class _Recorder:
+    """Stands in for a `@triton.jit` kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, fn, launches: list) -> None:
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+@contextlib.contextmanager
+def recording(modules) -> Iterator[list]:
+    """Replace every `*_kernel` JIT function of `modules` by a `_Recorder`; yield the list
+    the launches go to; restore the kernels on exit."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list = []
+    saved = []
+    for module in modules:
+        for name, obj in list(vars(module).items()):
+            if name.endswith("_kernel") and isinstance(obj, JITFunction):
+                saved.append((module, name, obj))
+                setattr(module, name, _Recorder(obj, launches))
+    try:
+        yield launches
+    finally:
+        for module, name, obj in saved:
+            setattr(module, name, obj)
+
+
+def compile_source(fn, args: tuple, kwargs: dict):
+    """(ASTSource, options) for one recorded launch of JIT function `fn`."""
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kwargs.items() if k in names})
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    constexpr_params = set(fn.constexprs)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        value = values[name]
+        if i in constexpr_params or value is None:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TORCH_TO_TRITON[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__} is not handled")
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options
+
+
+def resources(fn, args: tuple, kwargs: dict) -> dict:
+    """Compile one launch for sm_90; its registers, stack (spill) bytes and shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    source, options = compile_source(fn, args, kwargs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    fields = {}
+    for line in usage.splitlines():
+        if "REG:" in line:
+            fields = dict(item.split(":") for item in line.split() if ":" in item)
+    return {
+        "kernel": fn.__name__,
+        "num_warps": options.get("num_warps", 4),
+        "num_stages": options.get("num_stages", 3),
+        "registers": int(fields.get("REG", -1)),
+        "stack_bytes": int(fields.get("STACK", -1)),
+        "shared_bytes": int(compiled.metadata.shared),
+    }
+
+
+# --------------------------------------------------------------------------------- cases
+def _kda_inputs(dtype=torch.bfloat16, T: int = 256, H: int = 16, K: int = 128):
+    q, k, v, do = (torch.zeros(1, T, H, K, dtype=dtype) for _ in range(4))
+    return dict(q=q, k=k, v=v, g=torch.zeros(1, T, H, K), beta=torch.zeros(1, T, H)), do
+
+
+def _kda_case(direction: str, walk: str) -> Callable[[], list]:
+    def run() -> list:
+        from titan_moe.ops.kda import triton_bwd, triton_fwd, triton_scan
+
+        os.environ[triton_fwd.WALK_ENV] = walk
+        inp, do = _kda_inputs()
+        with recording((triton_fwd, triton_bwd, triton_scan)) as launches:
+            if direction == "fwd":
+                triton_fwd.chunk_kda_fwd_triton(**inp, scale=0.088)
+            else:
+                triton_bwd.chunk_kda_bwd_triton(**inp, scale=0.088, do=do)
+        return launches
+
+    return run
+
+
+CASES: dict[str, Callable[[], list]] = {
+    f"kda_{direction}_{walk}": _kda_case(direction, walk)
+    for direction in ("fwd", "bwd") for walk in ("lean", "classic")
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="kda_fwd_lean,kda_bwd_lean", help=f"comma-separated, of {','.join(CASES)}")
+    parser.add_argument("--kernels", default="", help="comma-separated kernel names to compile (default: all)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    opts = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("run without TRITON_INTERPRET: the kernels must be compiled, not interpreted")
+    cases = [c for c in opts.cases.split(",") if c]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {','.join(CASES)}")
+    wanted = {k for k in opts.kernels.split(",") if k}
+    rows, seen = [], set()
+    print(f"{'case':<16} {'kernel':<28} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'shared KiB':>10}")
+    for case in cases:
+        for fn, args, kwargs in CASES[case]():
+            if wanted and fn.__name__ not in wanted:
+                continue
+            row = {"case": case, **resources(fn, args, kwargs)}
+            key = tuple(v for k, v in row.items() if k != "case")
+            if key in seen:
+                continue
+            seen.add(key)
+            rows.append(row)
+            flags = ("  SPILLS" if row["stack_bytes"] > 0 and row["registers"] >= 255 else "") + (
+                "  TOO MUCH SHARED" if row["shared_bytes"] > H200_SHARED_BYTES else "")
+            print(f"{case:<16} {row['kernel']:<28} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
+                  f"{row['stack_bytes']:>8} {row['shared_bytes'] / 1024:>10.1f}{flags}", flush=True)
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
