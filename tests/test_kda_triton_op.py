@@ -64,6 +64,9 @@ CHECK = textwrap.dedent(
     o64, _ = kda_chunk_fwd_triton(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                   D**-0.5, None, None, False)
     assert o64.dtype == torch.float64
+    out64 = kda_chunk_fwd_kept_triton(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                      D**-0.5, None, None, False)
+    assert out64[0].dtype == torch.float64 and all(r.numel() == 0 for r in out64[2:])
     print("adapters ok")
     """
 )

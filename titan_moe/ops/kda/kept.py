@@ -48,8 +48,7 @@ def _kernels_make_residuals(q: Tensor, v: Tensor, g: Tensor) -> bool:
     return q.device.type == "cuda" and triton_op.kernels_registered() and triton_op.kernels_cover(q, v, g)
 
 
-@torch.library.custom_op(FWD_OP, mutates_args=())
-def kda_chunk_fwd_kept(
+def kda_chunk_fwd_kept_torch(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
     initial_state: Tensor | None, cu_seqlens: Tensor | None, output_final_state: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -57,6 +56,9 @@ def kda_chunk_fwd_kept(
     empty residuals."""
     o, final_state = kda_op.kda_chunk_fwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
     return (o, final_state, *_empty_residuals(q))
+
+
+kda_chunk_fwd_kept = torch.library.custom_op(FWD_OP, kda_chunk_fwd_kept_torch, mutates_args=())
 
 
 @kda_chunk_fwd_kept.register_fake
@@ -92,7 +94,7 @@ def kda_chunk_fwd_kept_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens
     from titan_moe.ops.kda.triton_fwd import kept_forward
 
     if not triton_op.kernels_cover(q, v, g):
-        return kda_chunk_fwd_kept(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+        return kda_chunk_fwd_kept_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
     with nvtx_range("op.kda_chunk_fwd"):  # one range name for both forwards
         o, final_state, residuals = kept_forward(
             q, k, v, g, beta, scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
