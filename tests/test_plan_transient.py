@@ -146,14 +146,22 @@ def test_kda_allocations_replay_the_triton_launchers(direction, walk, monkeypatc
     assert kept == sum(n for _, n in events)  # what stays: the outputs
 
 
-def test_kda_workspace_is_the_documented_formula():
-    """Per token, the backward launcher's own tensors at its peak: `(4C + 5dk + 3dv +
-    2 dk dv / C + 1) * 4 * H` (plus the chunk layout's few int32s); small_1gpu: 56 KiB."""
+@pytest.mark.parametrize("walk", ["lean", "classic"])
+def test_kda_workspace_is_the_documented_formula(walk, monkeypatch):
+    """Per token, the backward launcher's own tensors at its peak (plus the chunk layout's
+    few int32s): lean (the default) `(4C + 4dk + dv + dk dv / C + 1) * 4 * H`, small_1gpu
+    36 KiB; classic `(4C + 5dk + 3dv + 2 dk dv / C + 1) * 4 * H`, 56 KiB."""
+    from titan_moe.ops.kda.triton_fwd import WALK_ENV
+
+    monkeypatch.setenv(WALK_ENV, walk)
     C = KDA_CHUNK
     for H, dk, dv in ((8, 128, 128), (4, 64, 32), (96, 128, 128)):
-        formula = (4 * C + 5 * dk + 3 * dv + 2 * dk * dv / C + 1) * 4 * H
+        if walk == "lean":
+            formula = (4 * C + 4 * dk + dv + dk * dv / C + 1) * 4 * H
+        else:
+            formula = (4 * C + 5 * dk + 3 * dv + 2 * dk * dv / C + 1) * 4 * H
         assert kda_bwd_workspace_per_token(H, dk, dv) == pytest.approx(formula, rel=1e-4, abs=0.1)
-    assert round(kda_bwd_workspace_per_token(8, 128, 128) / 1024) == 56
+    assert round(kda_bwd_workspace_per_token(8, 128, 128) / 1024) == (36 if walk == "lean" else 56)
 
 
 # ----------------------------------------------------------------------------- GPU kernel stand-ins
