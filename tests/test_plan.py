@@ -546,23 +546,33 @@ def test_cli_activations_flag_defaults_to_the_compile_setting(capsys):
     assert eager["params"] == compiled["params"] and forced["layouts"][0]["gib"] == eager
 
 
-def test_cli_reports_the_unplanned_kda_keep_residuals(capsys, monkeypatch):
-    """TITAN_MOE_KDA_KEEP=1: the plan is the recomputing one (same bytes) and says so, with
-    the kept residuals per token: per head, fp32 G, A_qk, A_inv (dk + 2C), the lean walk's
-    W, K~, V~ and chunk states (2 dk + dv + dk dv / C, 16-bit) and e^{G_last} (dk / C fp32)."""
+def test_cli_counts_the_kda_keep_residuals(capsys, monkeypatch):
+    """TITAN_MOE_KDA_KEEP=1: per token and head the kept forward holds fp32 G, A_qk, A_inv
+    (dk + 2C), the lean walk's W, K~, V~ and chunk states (2 dk + dv + dk dv / C, in q's
+    dtype) and e^{G_last} (dk / C fp32). The eager profile measures exactly that much more
+    for each KDA layer kind (debug_cpu: fp32 q), nothing more for MLA; the compiled count
+    adds it as an entry."""
     from titan_moe.plan.activations import kept_residual_bytes_per_token
 
     base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141")
     _, plain = _run(capsys, *base)
+    _, plain_compiled = _run(capsys, *base, "--activations", "compiled")
     monkeypatch.setenv("TITAN_MOE_KDA_KEEP", "1")
     lines, kept = _run(capsys, *base)
-    text = "\n".join(lines)
-    assert kept["layouts"] == plain["layouts"]
+    _, kept_compiled = _run(capsys, *base, "--activations", "compiled")
     args = FLAVORS["debug"]
     H, dk, C = args.kda_n_heads, args.kda_head_dim, 64
-    want = H * (4 * (dk + 2 * C) + 2 * (3 * dk + dk * dk / C) + 4 * dk / C)
-    assert kept_residual_bytes_per_token(args) == pytest.approx(want)
-    assert "NOT MODELLED: TITAN_MOE_KDA_KEEP=1" in text and f"{want / 1024:.1f} KiB" in text
+    for element_bytes in (2, 4):
+        want = H * (4 * (dk + 2 * C) + element_bytes * (3 * dk + dk * dk / C) + 4 * dk / C)
+        assert kept_residual_bytes_per_token(args, element_bytes) == pytest.approx(want)
+    residual_kib = kept_residual_bytes_per_token(args, 4) / 1024
+    before, after = plain["eager_profiles"]["no_fsdp"], kept["eager_profiles"]["no_fsdp"]
+    for kind in ("kda+dense", "kda+moe"):
+        assert after[kind]["kib_per_token"] - before[kind]["kib_per_token"] == pytest.approx(residual_kib, rel=1e-3)
+    assert after["mla+moe"]["kib_per_token"] == before["mla+moe"]["kib_per_token"]
+    for with_keep, without in ((kept, plain), (kept_compiled, plain_compiled)):
+        assert with_keep["layouts"][0]["gib"]["activations_none"] > without["layouts"][0]["gib"]["activations_none"]
+    assert any(f"TITAN_MOE_KDA_KEEP=1: each KDA layer's forward keeps {residual_kib:.1f} KiB" in line for line in lines)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -114,30 +114,33 @@ _LAYOUT = ("cu_seqlens", "chunk_indices", "chunk_offsets")  # host lists turned 
 
 
 @pytest.mark.parametrize("walk", ["classic", "lean"])
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction", ["forward", "backward", "backward_kept"])
 def test_kda_allocations_replay_the_triton_launchers(direction, walk, monkeypatch):
     """The launchers, run on CPU tensors with their kernels stubbed out, allocate exactly the
     tensors `kda_fwd_allocations` / `kda_bwd_allocations` list, in that order, and peak where
     they say (the chunk layout's int32 tensors come from host lists: not dispatched, not
     compared), for both state walks (`TITAN_MOE_KDA_WALK`; lean: bf16 walk tensors, its
-    precomputed factors, U and the backward walk's inputs freed early)."""
+    precomputed factors, U and the backward walk's inputs freed early) and for the kept
+    pair's backward (no recompute: its residuals are the forward's)."""
     from titan_moe.ops.kda.triton_fwd import WALK_ENV
 
     monkeypatch.setenv(WALK_ENV, walk)
     _stub_kernels(monkeypatch)
     from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton
-    from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton
+    from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton, kept_forward
 
     T, H, K = 256, 2, 32
     q, k, v, g, beta, do, cu_seqlens = _kda_inputs(T, H, K)
+    # the kept pair's backward (TITAN_MOE_KDA_KEEP=1) reads the forward's residuals
+    kept = kept_forward(q, k, v, g, beta, K**-0.5, cu_seqlens=cu_seqlens)[2] if direction == "backward_kept" else None
     with LiveBytes() as counter:
         counter.mark("launch")
         if direction == "forward":
             outputs = chunk_kda_fwd_triton(q, k, v, g, beta, K**-0.5, cu_seqlens=cu_seqlens)
             events = kda_fwd_allocations(q, k, v, g, beta, K**-0.5, None, cu_seqlens, False)
         else:
-            outputs = chunk_kda_bwd_triton(q, k, v, g, beta, K**-0.5, do, cu_seqlens=cu_seqlens)
-            events = kda_bwd_allocations(q, k, v, g, beta, K**-0.5, None, cu_seqlens, do, None)
+            outputs = chunk_kda_bwd_triton(q, k, v, g, beta, K**-0.5, do, cu_seqlens=cu_seqlens, kept=kept)
+            events = kda_bwd_allocations(q, k, v, g, beta, K**-0.5, None, cu_seqlens, do, None, kept=kept is not None)
         peak = counter.peak - counter.start
     events = [(name, n) for name, n in events if name not in _LAYOUT]
     assert counter.sizes == [n for _, n in events if n > 0]

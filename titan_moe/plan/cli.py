@@ -195,9 +195,9 @@ def run_plan(argv: list[str] | None = None) -> dict:
           f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
           f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
     if keep_selected():
-        print(f"  NOT MODELLED: {KEEP_ENV}=1 (KDA forward intermediates kept for the backward) holds "
-              f"{kept_residual_bytes_per_token(args) / 1024:.1f} KiB more per token in each KDA layer "
-              f"until its backward (AC none), and skips the backward's recompute; the plan below assumes 0")
+        print(f"  {KEEP_ENV}=1: each KDA layer's forward keeps {kept_residual_bytes_per_token(args, prec.compute) / 1024:.1f} KiB "
+              f"per token for its backward, which skips the recompute "
+              f"(counted below; the compiled count keeps the recomputing backward's workspace)")
     sac_text = "op-level SAC" if sac_option == "op" else f"layer SAC, 1 layer in {sac_option} checkpointed"
     print(f"  AC: one checkpoint per decoder layer; selective = {sac_text} "
           f"(activation_checkpoint.selective_ac_option = {sac_option!r})")

@@ -25,6 +25,8 @@
     otherwise CUDA runs the same composite) its input and fp32 rstd. So `q` is the bias,
     `a` bytes per T^2 per sequence in each MLA layer, and 0 elsewhere; it is counted as
     `q * local_batch * (seq_len / cp)^2` (ring attention's masks under CP are not modelled).
+    With `TITAN_MOE_KDA_KEEP=1` the kept KDA forward returns zero residuals of the shapes its
+    CUDA kernels keep (`kda.kept.cuda_shaped_residuals`), so they are counted as saved.
     CUDA autocast also runs softmax, sum, exp, ... in fp32 where CPU autocast does not; here
     that only touches tensors of a few bytes per token and is not corrected.
   * routed experts: a MoE layer with `n > top_k + 4` is built with `top_k + 2` and `top_k + 4`
@@ -79,6 +81,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import ResidualStream
 from titan_moe.model.decoder import DecoderLayer
+from titan_moe.ops.kda.kept import cuda_shaped_residuals
 
 from titan_moe.plan.layout import GIB, KDA_CHUNK, Precision
 
@@ -201,7 +204,8 @@ def _sdpa_saves(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 class GpuKernelSaves(torch.overrides.TorchFunctionMode):
     """Routes SDPA and (matching-dtype) RMSNorm to stand-ins that save, and allocate in their
-    backward, what their CUDA kernels do; every other op runs as is. RMSNorm with an input
+    backward, what their CUDA kernels do, and has the kept KDA forward return the CUDA
+    kernels' residuals (`kda.kept.cuda_shaped_residuals`); every other op runs as is. RMSNorm with an input
     dtype other than the weight's falls back to the composite on CUDA too, so it is left
     alone. `values=False`: the stand-ins return zeros (only bytes are measured; no CPU-only
     temporaries)."""
@@ -209,6 +213,19 @@ class GpuKernelSaves(torch.overrides.TorchFunctionMode):
     def __init__(self, values: bool = True):
         super().__init__()
         self.values = values
+        self._kda_residuals = None
+
+    def __enter__(self):
+        # the kept KDA forward (TITAN_MOE_KDA_KEEP=1) returns the CUDA kernels' residuals
+        self._kda_residuals = cuda_shaped_residuals()
+        self._kda_residuals.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            self._kda_residuals.__exit__(None, None, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -361,10 +378,21 @@ def measure_eager_layer(
 _EAGER_CACHE: dict[tuple, dict[tuple[str, bool], EagerProfile]] = {}
 
 
+def _kda_switches() -> tuple[str, bool, bool]:
+    """(state walk, kept forward, fused input maps): read per call, like the ops read them."""
+    # imported here: importing Triton decides interpreted vs compiled kernels for the process
+    from titan_moe.ops.kda.op import keep_selected
+    from titan_moe.ops.kda.prepare import fused_prepare_selected
+    from titan_moe.ops.kda.triton_fwd import selected_walk
+
+    return selected_walk(), keep_selected(), fused_prepare_selected()
+
+
 def per_layer_kind(cache: dict, args: ModelArgs, prec: Precision, fsdp_enabled: bool, measure) -> dict:
     """`measure(args, layer_idx, prec, fsdp_enabled)` for the first layer of each (kind,
-    is_moe), as {(kind, is_moe): result}, kept in `cache` per model and precision setting."""
-    key = (repr(args), prec.param, prec.compute, fsdp_enabled)
+    is_moe), as {(kind, is_moe): result}, kept in `cache` per model, precision setting and
+    the KDA switches that change what a layer keeps (`_kda_switches`)."""
+    key = (repr(args), prec.param, prec.compute, fsdp_enabled, _kda_switches())
     if key not in cache:
         results = {}
         for i, kind in enumerate(args.layer_kinds()):

@@ -282,15 +282,21 @@ def kda_fwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, outp
     return events
 
 
-def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept: bool = False):
     """The tensors `triton_op.kda_chunk_bwd_triton` allocates (the forward recompute of
     `kda_fwd_states`, then `chunk_kda_bwd_triton`'s own), in order, as (name, bytes) events
-    (negative: freed); its outputs dq, dk, dv, dg, dbeta (and dh0) stay."""
+    (negative: freed); its outputs dq, dk, dv, dg, dbeta (and dh0) stay. `kept`: the kept
+    pair's backward (`kda.kept`), which reads the forward's residuals (autograd holds them)
+    instead of recomputing them: only the chunk layout is rebuilt."""
     B, T, H, K = q.shape
     V, TT, C, f32 = v.shape[-1], B * T, KDA_CHUNK, 4
     N, chunks = _chunk_counts(q, cu_seqlens)
     events: list[tuple[str, int]] = []
-    states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state=False)
+    if kept:
+        states = ["cu_seqlens", "chunk_indices", "chunk_offsets"]
+        events += [("cu_seqlens", (N + 1) * 4), ("chunk_indices", chunks * 2 * 4), ("chunk_offsets", (N + 1) * 4)]
+    else:
+        states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state=False)
     copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in
               (("q", q), ("k", k), ("v", v), ("beta", beta), ("do", do)) if not x.is_contiguous()]
     lean, w = _walk_bytes(q)
@@ -300,7 +306,7 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
     walk_only = []
     if lean:  # scale Q e^G for the walk; after it, the walk's inputs are freed (before stage 2)
         scan.append(("q_decay", TT * H * K * q.element_size()))
-        walk_only = ["q_decay", "W", "k_to_end", "decay"]
+        walk_only = ["q_decay"] if kept else ["q_decay", "W", "k_to_end", "decay"]
     chunk = [("dAqk", TT * H * C * f32), ("dAkk", TT * H * C * f32), ("dq_part", TT * H * K * f32),
              ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), ("dbeta_part", TT * H * f32),
              ("dv", _nbytes(v))]  # stage 2
@@ -316,9 +322,8 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
 
 
 def _kda_bwd_kept_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, *residuals):
-    # planned as the recomputing backward (an over-estimate); the kept residuals themselves
-    # are not planned (`cli` says so)
-    return kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
+    kept = residuals[0].numel() > 0  # empty: a forward that kept nothing, the backward recomputes
+    return kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=kept)
 
 
 _MIRRORED_OPS = {

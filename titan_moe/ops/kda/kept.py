@@ -18,13 +18,16 @@ holding them from the forward to the backward: per token and head 4 (dk + 2 C) b
 right before its backward, so the residuals live only for that layer's backward.
 
 `chunk_kda` uses these ops when `$TITAN_MOE_KDA_KEEP=1` and autograd records the call
-(default 0: the trade has not been timed end to end, and the memory planner plans the
-recomputing ops: with the switch on it says that the residuals, `plan.activations.
-kept_residual_bytes_per_token`, are not in its numbers). On the CPU (and for shapes the Triton kernels do not cover) the forward returns
+(default 0: the trade has not been timed end to end). The memory planner counts the
+residuals when the switch is on (`cuda_shaped_residuals` below for its eager measurement,
+`plan.activations.kept_residual_bytes_per_token` for the compiled count). On the CPU (and for shapes the Triton kernels do not cover) the forward returns
 empty `[0]` residuals and the backward recomputes, exactly as `kda_chunk_bwd`.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -37,15 +40,36 @@ BWD_OP = "titan_moe::kda_chunk_bwd_kept"
 N_RESIDUALS = 8
 
 
-def _empty_residuals(q: Tensor) -> list[Tensor]:
-    return [q.new_empty(0, dtype=torch.float32) for _ in range(N_RESIDUALS)]
+_cuda_shaped = False  # set by `cuda_shaped_residuals` (the memory planner's measurements)
 
 
-def _kernels_make_residuals(q: Tensor, v: Tensor, g: Tensor) -> bool:
-    """Whether the registered CUDA implementation takes these inputs (else: empty residuals)."""
+@contextlib.contextmanager
+def cuda_shaped_residuals() -> Iterator[None]:
+    """While active, the PyTorch implementation (and the fake) of the kept forward return
+    zero residuals of the shapes the CUDA kernels keep, for inputs the kernels cover: a CPU
+    or fake-tensor measurement then sees what autograd holds on the GPU. Zeros: for memory
+    accounting only (the PyTorch backward ignores the residuals)."""
+    global _cuda_shaped
+    previous, _cuda_shaped = _cuda_shaped, True
+    try:
+        yield
+    finally:
+        _cuda_shaped = previous
+
+
+def _residuals(q: Tensor, v: Tensor, g: Tensor, cu_seqlens: Tensor | None, on_cuda_kernels: bool) -> list[Tensor]:
+    """The residuals' storage as the implementation that runs makes them: the CUDA kernels'
+    shapes (`triton_fwd.residual_specs`; zeros here) when `on_cuda_kernels` or under
+    `cuda_shaped_residuals`, for inputs the kernels cover; else eight empty tensors."""
     from titan_moe.ops.kda import triton_op
 
-    return q.device.type == "cuda" and triton_op.kernels_registered() and triton_op.kernels_cover(q, v, g)
+    if not ((on_cuda_kernels or _cuda_shaped) and triton_op.kernels_cover(q, v, g)):
+        return [q.new_empty(0, dtype=torch.float32) for _ in range(N_RESIDUALS)]
+    from titan_moe.ops.kda.triton_fwd import residual_specs, selected_walk
+
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    specs = residual_specs(q, v, N, cu_seqlens is not None, selected_walk())
+    return [q.new_zeros(shape, dtype=dtype) for shape, dtype in specs]
 
 
 def kda_chunk_fwd_kept_torch(
@@ -53,9 +77,9 @@ def kda_chunk_fwd_kept_torch(
     initial_state: Tensor | None, cu_seqlens: Tensor | None, output_final_state: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """PyTorch implementation (every device without the kernels): `kda_chunk_fwd` plus
-    empty residuals."""
+    empty residuals (CUDA-shaped zeros under `cuda_shaped_residuals`)."""
     o, final_state = kda_op.kda_chunk_fwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
-    return (o, final_state, *_empty_residuals(q))
+    return (o, final_state, *_residuals(q, v, g, cu_seqlens, on_cuda_kernels=False))
 
 
 kda_chunk_fwd_kept = torch.library.custom_op(FWD_OP, kda_chunk_fwd_kept_torch, mutates_args=())
@@ -63,14 +87,11 @@ kda_chunk_fwd_kept = torch.library.custom_op(FWD_OP, kda_chunk_fwd_kept_torch, m
 
 @kda_chunk_fwd_kept.register_fake
 def _kda_chunk_fwd_kept_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
-    o, final_state = kda_op._kda_chunk_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
-    if not _kernels_make_residuals(q, v, g):
-        return (o, final_state, *_empty_residuals(q))
-    from titan_moe.ops.kda.triton_fwd import residual_specs, selected_walk
+    from titan_moe.ops.kda import triton_op
 
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    specs = residual_specs(q, v, N, cu_seqlens is not None, selected_walk())
-    return (o, final_state, *(q.new_empty(shape, dtype=dtype) for shape, dtype in specs))
+    o, final_state = kda_op._kda_chunk_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+    on_kernels = q.device.type == "cuda" and triton_op.kernels_registered()
+    return (o, final_state, *_residuals(q, v, g, cu_seqlens, on_cuda_kernels=on_kernels))
 
 
 @torch.library.custom_op(BWD_OP, mutates_args=())
