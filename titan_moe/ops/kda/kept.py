@@ -20,8 +20,9 @@ right before its backward, so the residuals live only for that layer's backward.
 `chunk_kda` uses these ops when `$TITAN_MOE_KDA_KEEP=1` and autograd records the call
 (default 0: the trade has not been timed end to end). The memory planner counts the
 residuals when the switch is on (`cuda_shaped_residuals` below for its eager measurement,
-`plan.activations.kept_residual_bytes_per_token` for the compiled count). On the CPU (and for shapes the Triton kernels do not cover) the forward returns
-empty `[0]` residuals and the backward recomputes, exactly as `kda_chunk_bwd`.
+`plan.activations.kept_residual_bytes_per_token` for the compiled count). On the CPU (and
+for shapes the Triton kernels do not cover) the forward returns empty `[0]` residuals and
+the backward recomputes, exactly as `kda_chunk_bwd`.
 """
 
 from __future__ import annotations
