@@ -310,21 +310,28 @@ def _kernel_resources(tmp_path, *argv: str, interpret: bool = False) -> subproce
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
 
 
-def test_kernel_resources_compiles_recorded_launches_for_sm90(tmp_path):
-    """The KDA forward launcher, recorded on CPU tensors, compiled for sm_90 without a GPU:
-    the state walk keeps the launcher's 8 warps and 2 stages, and every row has registers,
-    stack and shared memory read back from the cubin."""
+def test_every_kda_launch_compiles_for_the_h200(tmp_path):
+    """The KDA launchers (both walks, both directions, bf16 at dk = dv = 128), recorded on
+    CPU tensors and compiled for sm_90 without a GPU: every kernel builds, fits the H200's
+    shared memory per block, and reports its registers and stack from the cubin; the state
+    walk keeps the launcher's 8 warps and 2 stages. Catches a launch configuration that
+    would fail to compile on the GPU before it gets there."""
     pytest.importorskip("triton")
     out = tmp_path / "rows.json"
-    proc = _kernel_resources(tmp_path, "--cases", "kda_fwd_lean", "--kernels",
-                             "_chunk_cumsum_kernel,_state_scan_kernel", "--json", str(out))
+    proc = _kernel_resources(tmp_path, "--cases", "kda_fwd_lean,kda_bwd_lean,kda_fwd_classic,kda_bwd_classic",
+                             "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["kernel"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"_chunk_cumsum_kernel", "_state_scan_kernel"}
-    assert (rows["_state_scan_kernel"]["num_warps"], rows["_state_scan_kernel"]["num_stages"]) == (8, 2)
-    for r in rows.values():
-        assert 0 < r["registers"] <= 255 and r["stack_bytes"] >= 0 and r["shared_bytes"] > 0
-    assert "_state_scan_kernel" in proc.stdout
+    rows = json.loads(out.read_text())
+    kernels = {r["kernel"] for r in rows}
+    assert kernels >= {"_chunk_cumsum_kernel", "_intra_tiles_kernel", "_wy_kernel", "_state_scan_kernel",
+                       "_output_kernel", "_bwd_walk_prep_kernel", "_bwd_state_scan_kernel", "_bwd_chunk_kernel",
+                       "_bwd_intra_kernel", "_bwd_reverse_cumsum_kernel"}
+    for r in rows:
+        assert 0 < r["registers"] <= 255 and r["stack_bytes"] >= 0, r
+        assert 0 < r["shared_bytes"] <= 227 * 1024, r
+    walk = next(r for r in rows if r["kernel"] == "_state_scan_kernel" and r["case"] == "kda_fwd_lean")
+    assert (walk["num_warps"], walk["num_stages"]) == (8, 2)
+    assert "_bwd_chunk_kernel" in proc.stdout
 
 
 def test_kernel_resources_refuses_the_interpreter_and_unknown_cases(tmp_path):
