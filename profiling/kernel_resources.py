@@ -3,9 +3,9 @@ stack and shared memory per launch configuration, without a GPU.
 
     python profiling/kernel_resources.py [--cases kda_fwd_lean,kda_bwd_lean,...] [--kernels NAME,...] [--json OUT]
 
-Each case runs one of our launchers on CPU tensors of the model's shapes (bf16, H = 16,
-dk = dv = 128, T = 256) with every `@triton.jit` kernel of its modules replaced by a
-recorder: the launcher's own code decides the grid, the constexprs, `num_warps` and
+Each case runs one of our launchers on CPU tensors of the model's shapes (KDA: bf16, H = 16,
+dk = dv = 128, T = 256; the KDA input maps; SiTU-GLU at hidden 768) with every `@triton.jit`
+kernel of its modules replaced by a recorder: the launcher's own code decides the grid, the constexprs, `num_warps` and
 `num_stages` as on the GPU, and nothing runs. Every recorded launch is then compiled by
 Triton for sm_90 (`GPUTarget("cuda", 90, 32)`: ptxas ships with Triton, no driver needed)
 and `cuobjdump -res-usage` reads its registers and stack from the cubin. Pointers are
@@ -150,9 +150,38 @@ def _kda_case(direction: str, walk: str) -> Callable[[], list]:
     return run
 
 
+def _kda_prepare_case() -> list:
+    """`titan_moe::kda_prepare{,_bwd}` (q/k L2 norm and the bounded gate), both directions."""
+    from titan_moe.ops.kda import triton_prepare
+
+    inp, _ = _kda_inputs()
+    q, k = inp["q"], inp["k"]
+    z = torch.zeros_like(q)
+    H, K = q.shape[-2:]
+    A_log, dt_bias = torch.zeros(H), torch.zeros(H * K)
+    with recording((triton_prepare,)) as launches:
+        triton_prepare.kda_prepare_triton(q, k, z, A_log, dt_bias, -5.0)
+        triton_prepare.kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, -5.0, q, k, torch.zeros(q.shape))
+    return launches
+
+
+def _situ_case() -> list:
+    """`titan_moe::situ_glu{,_bwd}` at small_1gpu's expert width (bf16, hidden 768)."""
+    from titan_moe.ops.situ import triton_kernel
+
+    z = torch.zeros(256, 2 * 768, dtype=torch.bfloat16)
+    out = torch.zeros(256, 768, dtype=torch.bfloat16)
+    with recording((triton_kernel,)) as launches:
+        triton_kernel.situ_glu_triton(z, 4.0, 25.0, out)
+        triton_kernel.situ_glu_bwd_triton(z, out, 4.0, 25.0, torch.zeros_like(z))
+    return launches
+
+
 CASES: dict[str, Callable[[], list]] = {
-    f"kda_{direction}_{walk}": _kda_case(direction, walk)
-    for direction in ("fwd", "bwd") for walk in ("lean", "classic")
+    **{f"kda_{direction}_{walk}": _kda_case(direction, walk)
+       for direction in ("fwd", "bwd") for walk in ("lean", "classic")},
+    "kda_prepare": _kda_prepare_case,
+    "situ": _situ_case,
 }
 
 
