@@ -186,12 +186,17 @@ def kernel_times(fn, device: str, iters: int = 3) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-HEADER = f"{'impl':12} {'pass':8} {'B':>3} {'T':>7} {'H':>3} {'dk':>4} {'ms':>9} {'Mtok/s':>8} {'TFLOP/s':>8}"
+HEADER = (f"{'impl':12} {'pass':8} {'B':>3} {'T':>7} {'H':>3} {'dk':>4} {'ms':>9} {'Mtok/s':>8} {'TFLOP/s':>8} "
+          f"{'kernels ms':>10}")
 
 
 def format_row(r: dict) -> str:
+    """One table row; `kernels ms` (with --kernels) is the sum of the profiled times: on CUDA
+    the device kernels, so well below `ms` means the call waits on the host (launches, glue);
+    on the CPU nested operator times (not comparable with `ms`)."""
+    kernels = f"{sum(r['kernels_ms'].values()):10.3f}" if "kernels_ms" in r else f"{'-':>10}"
     return (f"{r['impl']:12} {r['direction']:8} {r['B']:>3} {r['T']:>7} {r['H']:>3} {r['dk']:>4} "
-            f"{r['ms']:9.3f} {r['tokens_per_s'] / 1e6:8.3f} {r['tflops']:8.2f}")
+            f"{r['ms']:9.3f} {r['tokens_per_s'] / 1e6:8.3f} {r['tflops']:8.2f} {kernels}")
 
 
 def main() -> None:

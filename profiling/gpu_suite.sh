@@ -20,6 +20,8 @@
 #              compile) beside the default whole-layer regions, 30 steps each (not in the default list)
 #   aoti       profiling/aoti_isolate.py: which layer kind's AOTInductor package fails on CUDA
 #              (not in the default list)
+#   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=1 (the KDA forward keeps its
+#              intermediates for the backward) beside the default (not in the default list)
 # Time limits per section: $SUITE_TIMEOUT seconds (default 540). SUITE_DRY_RUN=1 writes each
 # command to summary.txt instead of running it; SUITE_GPUS overrides the GPU count (both for
 # checking the script without a GPU).
@@ -79,6 +81,10 @@ for section in "${SECTIONS[@]}"; do
             run regions_piecewise torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable \
                 --compile.moe_regions piecewise --job.dump_folder "$OUT/regions_piecewise" ;;
         aoti) run aoti python profiling/aoti_isolate.py --device cuda ;;
+        keep)
+            run keep_off torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$OUT/keep_off"
+            run keep_on env TITAN_MOE_KDA_KEEP=1 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" \
+                --job.dump_folder "$OUT/keep_on" ;;
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done

@@ -270,6 +270,15 @@ def test_gpu_suite_plans_every_section_for_two_gpus(tmp_path):
             assert (REPO / path).is_file(), path
 
 
+def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_switch(tmp_path):
+    proc = _gpu_suite(tmp_path, "keep", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["keep_off", "keep_on"]
+    assert commands["keep_on"].startswith("env TITAN_MOE_KDA_KEEP=1 torchrun") and "KEEP" not in commands["keep_off"]
+    assert all("--compile.enable" not in c and "small_1gpu.toml" in c for c in commands.values())
+
+
 def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
     one_gpu = _gpu_suite(tmp_path, gpus="1")
     assert one_gpu.returncode == 0
