@@ -421,7 +421,10 @@ def test_kept_forward_backward_equals_recomputing(walk, dtype, monkeypatch):
     inp, do, h0, dht, cu_seqlens, scale = walk_inputs(dtype)
     o, ht, residuals = triton_fwd.kept_forward(**inp, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
                                                output_final_state=True)
+    from titan_moe.ops.kda.kept import N_RESIDUALS
+
     specs = triton_fwd.residual_specs(inp["q"], inp["v"], len(LEAN_LENS), True, walk)
+    assert len(residuals) == len(triton_fwd.RESIDUAL_NAMES) == N_RESIDUALS
     assert [(tuple(r.shape), r.dtype) for r in residuals] == specs
     assert residuals[triton_fwd.RESIDUAL_NAMES.index("h")].shape[0] == 4
     grads = chunk_kda_bwd_triton(**inp, scale=scale, do=do, initial_state=h0, cu_seqlens=cu_seqlens, dht=dht,

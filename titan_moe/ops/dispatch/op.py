@@ -38,7 +38,6 @@ inside compiled graphs, where the ops are opaque calls):
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
@@ -49,9 +48,9 @@ from titan_moe.ops.dispatch.reference import (
     unpermute_combine_backward_torch,
     unpermute_combine_torch,
 )
+from titan_moe.ops.backend import resolve_auto_backend
 from titan_moe.ops.nvtx import nvtx_range
 
-BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "TITAN_MOE_DISPATCH_BACKEND"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -59,12 +58,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def resolve_backend(device: torch.device) -> str:
     """"torch" or "triton" for a call on ``device``: ``$TITAN_MOE_DISPATCH_BACKEND``, default
     "auto" (module docstring)."""
-    name = os.environ.get(BACKEND_ENV) or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"moe dispatch: {BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return name
+    return resolve_auto_backend(BACKEND_ENV, "moe dispatch", device)
 
 
 def _kernels():

@@ -38,7 +38,8 @@ from titan_moe.ops.nvtx import nvtx_range
 
 FWD_OP = "titan_moe::kda_chunk_fwd_kept"
 BWD_OP = "titan_moe::kda_chunk_bwd_kept"
-N_RESIDUALS = 8
+N_RESIDUALS = 8  # len(triton_fwd.RESIDUAL_NAMES); not imported here, since importing Triton
+# decides once per process whether its kernels are compiled or interpreted
 
 
 _cuda_shaped = False  # set by `cuda_shaped_residuals` (the memory planner's measurements)

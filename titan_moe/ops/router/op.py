@@ -37,26 +37,20 @@ row; a hand-written kernel could not do less, and would be opaque to the compile
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
 
+from titan_moe.ops.backend import resolve_auto_backend
 from titan_moe.ops.nvtx import nvtx_range
 from titan_moe.ops.router.reference import router_topk_backward_torch, router_topk_torch
 
-BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV = "TITAN_MOE_ROUTER_TOPK_BACKEND"
 
 
 def resolve_backend(device: torch.device) -> str:
     """"triton" or "torch": the implementation a call on ``device`` uses (module docstring)."""
-    name = os.environ.get(BACKEND_ENV) or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"router_topk: {BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return name
+    return resolve_auto_backend(BACKEND_ENV, "router_topk", device)
 
 
 def _triton_kernel():

@@ -18,27 +18,21 @@ Implementation, per call from ``$TITAN_MOE_SITU_BACKEND``:
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
 
+from titan_moe.ops.backend import resolve_auto_backend
 from titan_moe.ops.nvtx import nvtx_range
 from titan_moe.ops.situ.reference import situ_glu_backward_torch, situ_glu_forward_torch
 
-BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "TITAN_MOE_SITU_BACKEND"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_backend(device: torch.device) -> str:
     """"torch" or "triton": the implementation a call on ``device`` uses (module docstring)."""
-    name = os.environ.get(BACKEND_ENV) or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"situ_glu: {BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return name
+    return resolve_auto_backend(BACKEND_ENV, "situ_glu", device)
 
 
 def _use_kernels(*tensors: Tensor) -> bool:
