@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         # FSDP's bf16 compute is very slow on CPUs and gains nothing there.
         config.training.mixed_precision_param = "float32"
     trainer = None
+    normal_end = False
     try:
         try:
             trainer = TitanTrainer(config)
@@ -265,16 +266,19 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # Every rank done before any tears its process group down: torchtitan's rank 0
-            # sleeps 2 s after the last step while the others exit, and a gloo rank that
-            # destroyed its group then sometimes aborted ("terminate called without an active
-            # exception"). Only after a normal end: after a failure a peer may never arrive.
-            torch.distributed.barrier()
+        normal_end = True
     finally:
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
+            if normal_end and torch.distributed.get_world_size() > 1:
+                # Every rank done, its trainer closed too (checkpoint and metrics threads),
+                # before any tears its process group down: torchtitan's rank 0 sleeps 2 s
+                # after the last step while the others go on, and a gloo rank whose peer had
+                # already destroyed the group sometimes aborted ("terminate called without
+                # an active exception"), also with this barrier before `close`. Only after a
+                # normal end: after a failure a peer may never arrive.
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
