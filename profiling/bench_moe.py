@@ -203,8 +203,14 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
     if with_fp8:
         from titan_moe.float8.experts import fp8_grouped_mm
 
+        from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
+
         providers["fp8"] = (fp8_grouped_mm, {})
         providers["fp8_compiled"] = (torch.compile(fp8_grouped_mm, fullgraph=True), {})
+        # our fused quantization kernels around torch._scaled_grouped_mm (16-aligned groups,
+        # as every case here): weight gradient in bf16, or in fp8 too
+        providers["fp8_fused"] = (fused_fp8_grouped_mm, {})
+        providers["fp8_fused_dw8"] = (lambda x, w, offs: fused_fp8_grouped_mm(x, w, offs, wgrad="fp8"), {})
     return providers
 
 
@@ -240,7 +246,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
         del out
     for key in list(row["ms"]):
         row["tflops"][key] = tflops(row["flops_fwd_bwd"] if key.endswith("fwd_bwd") else flops, row["ms"][key])
-    for name in ("triton", "triton_tma", "fp8", "fp8_compiled"):
+    for name in ("triton", "triton_tma", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8"):
         if name in results:
             for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
                 row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
@@ -504,17 +510,16 @@ def print_gemm_table(rows: list[dict]) -> None:
     head = f"{'case':<22}{'E':>5}{'M':>7}{'K':>6}{'N':>6}{'grp min/max':>14}"
     names = list(rows[0]["ms"])
     cols = [c for c in names if c.endswith("_fwd")] + [c for c in names if c.endswith("_fwd_bwd")]
-    print(head + "".join(f"{c:>18}" for c in cols) + f"{'triton err out/dx/dw':>28}")
+    width = {c: max(18, len(c) + 2) for c in cols}
+    print(head + "".join(f"{c:>{width[c]}}" for c in cols) + "  err out/dx/dw vs torch")
     for r in rows:
         line = f"{r['case']:<22}{r['E']:>5}{r['M']:>7}{r['K']:>6}{r['N']:>6}{r['group_min']:>7}/{r['group_max']:<6}"
         for c in cols:
-            line += f"{_fmt(r['ms'][c]) + ' (' + _fmt(r['tflops'][c], '.0f') + ')':>18}"
-        errs = "/".join(f"{r['rel_err'][f'triton_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
-        if "triton_tma_vs_torch_out" in r["rel_err"]:
-            errs += "  tma " + "/".join(f"{r['rel_err'][f'triton_tma_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
-        if "fp8_vs_torch_out" in r["rel_err"]:
-            errs += "  fp8 " + "/".join(f"{r['rel_err'][f'fp8_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
-        print(line + f"{errs:>28}")
+            line += f"{_fmt(r['ms'][c]) + ' (' + _fmt(r['tflops'][c], '.0f') + ')':>{width[c]}}"
+        errs = [name + " " + "/".join(f"{r['rel_err'][f'{name}_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
+                for name in ("triton", "triton_tma", "fp8", "fp8_fused", "fp8_fused_dw8")
+                if f"{name}_vs_torch_out" in r["rel_err"]]
+        print(line + "  " + "  ".join(errs))
         if "tile_sweep_fwd_ms" in r:
             print("    tile sweep (fwd ms): " + ", ".join(f"{k} {v if isinstance(v, str) else f'{v:.3f}'}"
                                                        for k, v in r["tile_sweep_fwd_ms"].items()))
@@ -558,6 +563,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                         help="default bf16 on CUDA; fp32 on CPU (the Triton interpreter gets bf16 dots wrong)")
     parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--gemm-cases", default="", help="comma-separated GEMM case names to keep, e.g. e64_balanced")
     parser.add_argument("--skip-layer", action="store_true")
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time the Triton forward over a few tile shapes")
@@ -597,7 +603,11 @@ def main(argv=None) -> dict:
     report["triton_tiles"] = {kind: dataclasses.asdict(default_config(dtype, torch.device(args.device), kind))
                               for kind in ("mk", "k")}
     if not args.skip_gemm:
-        for case in gemm_cases(args.tiny):
+        keep = {c for c in args.gemm_cases.split(",") if c}
+        cases = [c for c in gemm_cases(args.tiny) if not keep or c["case"] in keep]
+        if keep - {c["case"] for c in cases}:
+            raise SystemExit(f"bench_moe: --gemm-cases: unknown {sorted(keep - {c['case'] for c in cases})}")
+        for case in cases:
             report["gemm"].append(bench_gemm_case(case, args.device, dtype, timed, args.sweep_tiles))
             if timed:
                 torch.cuda.empty_cache()

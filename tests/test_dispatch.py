@@ -23,13 +23,11 @@ Tolerances (relative error ||out - ref|| / ||ref|| against float64):
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 from triton_mode import (  # noqa: E402
+    compiled_script_results,
     interpret_without_gpu,
     kernel_test_setup,
     rerun_under_interpreter,
@@ -452,18 +450,7 @@ def test_compiles_for_sm90():
     """The compiled code path (the interpreter never takes it) builds for an sm90 target with no
     GPU present, for the model's bf16 rows at both benchmark widths, and every kernel moves rows
     with 16-byte vector loads and stores."""
-    import ast
-
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    results = ast.literal_eval(line[len("RESULT "):])  # name -> (vector loads, vector stores)
+    results = compiled_script_results(_COMPILE_SCRIPT)  # name -> (vector loads, vector stores)
     assert len(results) == 6
     assert all(vec_load and vec_store for vec_load, vec_store in results.values()), results
 

@@ -303,12 +303,42 @@ def test_float8_experts_wiring_with_a_stand_in_gemm(monkeypatch):
         convert_routed_experts(build(ARGS_72))
 
 
+def test_float8_experts_fused_gemm_on_cpu(monkeypatch):
+    """TITAN_MOE_FP8_EXPERTS_GEMM=fused: the experts run our fp8 grouped GEMM (its CPU path
+    emulates the fp8 GEMM on the quantized operands) on the padded groups, with gradients for
+    the tokens and both weights. Tolerances as the GPU test below: about 5% per fp8 GEMM,
+    two GEMMs with SiTU between; above 1% (it did quantize)."""
+    monkeypatch.setenv(f8_experts.GEMM_ENV, "bogus")
+    with pytest.raises(ValueError, match=f8_experts.GEMM_ENV):
+        f8_experts.selected_gemm()
+    monkeypatch.setenv(f8_experts.GEMM_ENV, "fused")
+    torch.manual_seed(0)
+    experts = RoutedExperts(8, 32, 48, 4.0, 25.0)
+    experts.init_weights(0.05)
+    fp8 = Float8RoutedExperts.from_experts(copy.deepcopy(experts))
+    offs, M = _groups([3, 0, 21, 9, 16, 1, 0, 30], 4)
+    x = torch.randn(M, 32)
+    outs, grads = [], []
+    for module in (experts, fp8):
+        xl = x.clone().requires_grad_()
+        out = module(xl, offs)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append((xl.grad, module.w_gate_up.grad, module.w_down.grad))
+    assert 0.01 < rel_err(outs[1], outs[0]) < 0.10
+    for got, want in zip(grads[1], grads[0]):
+        assert got is not None and rel_err(got, want) < 0.15
+    assert not outs[1][int(offs[-1]):].any() and not grads[1][0][int(offs[-1]):].any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_cuda_capability(8, 9), reason="needs a CUDA GPU with compute capability >= 8.9")
-def test_float8_experts_on_gpu_close_to_bf16():
+@pytest.mark.parametrize("gemm", ["torchao", "fused"])
+def test_float8_experts_on_gpu_close_to_bf16(gemm, monkeypatch):
     """fp8 rowwise experts vs the bf16 grouped GEMM on random routing. Tolerances: e4m3 on
     both operands is about 5% per GEMM on random data; two GEMMs with SiTU between: 10% for
     the output, 15% for the input gradient (three fp8 GEMMs deep)."""
+    monkeypatch.setenv(f8_experts.GEMM_ENV, gemm)
     torch.manual_seed(0)
     experts = RoutedExperts(8, 128, 256, 4.0, 25.0).cuda()
     experts.init_weights(0.02)

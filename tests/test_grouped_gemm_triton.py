@@ -29,6 +29,7 @@ import textwrap
 
 import pytest
 from triton_mode import (  # noqa: E402
+    compiled_script_results,
     interpret_without_gpu,
     kernel_test_setup,
     rerun_under_interpreter,
@@ -350,19 +351,8 @@ def test_compiles_for_sm90():
     sm90 target with no GPU present: bf16 forward, dx (transposed weights) and dw kernels use
     wgmma and an async-copy software pipeline (cp.async, or TMA bulk copies for the TMA
     variant) within the shared-memory budget."""
-    import ast
-
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
-    results = ast.literal_eval(line[len("RESULT "):])
+    results = compiled_script_results(_COMPILE_SCRIPT)
     assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "dw"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)

@@ -85,3 +85,24 @@ def kernel_test_setup(cuda: bool, kernels_interpreted: bool, rerun_test: str):
     its tensors, and the skip marker naming the file's fresh-process re-run test."""
     run_here = cuda or (kernels_interpreted and interpreter_ready())
     return run_here, "cuda" if cuda else "cpu", skip_unless_kernels_run(run_here, rerun_test)
+
+
+def compiled_script_results(script: str) -> dict:
+    """Run `script` in a fresh process without TRITON_INTERPRET (so Triton compiles for the GPU
+    target, no GPU needed) and return the dict it prints on its `RESULT <repr>` line. Skips the
+    calling test when Triton's NVIDIA backend is not installed."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return ast.literal_eval(line[len("RESULT "):])

@@ -25,11 +25,16 @@ Constraints and what this module does about them:
   weights.
 * K and N (latent width, expert hidden width) must be multiples of 16: checked at conversion.
 
-Open (GPU) work: numerics and speed of this path on an H200 have not been measured; the
-weight re-layout and the padding copies are candidates to remove.
+`TITAN_MOE_FP8_EXPERTS_GEMM=fused` swaps torchao's function for ours
+(`titan_moe.float8.grouped_mm`: fused Triton quantization, no weight re-layout copy; on the
+CPU an fp32 emulation of the fp8 GEMM, so this module's data flow is tested there); the
+padding copies stay either way. On the H200 (BENCHMARKS.md) the torchao path is 3-4x slower
+than bf16 and ours 0.93x.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor, nn
@@ -97,14 +102,34 @@ def unpad_groups(out_PN: Tensor, dest_M: Tensor, offs_E: Tensor) -> Tensor:
     return out_MN * owned_M1.to(out_MN.dtype)
 
 
+GEMM_ENV = "TITAN_MOE_FP8_EXPERTS_GEMM"
+GEMMS = ("torchao", "fused")
+
+
+def selected_gemm() -> str:
+    """`$TITAN_MOE_FP8_EXPERTS_GEMM`, read per call: "torchao" (default) or "fused" (our
+    quantization kernels around `torch._scaled_grouped_mm`, `titan_moe.float8.grouped_mm`:
+    4x faster than the torchao path at the MoE benchmark shape on the H200, still 0.93x of
+    bf16, BENCHMARKS.md; not yet run inside a training step, hence not the default)."""
+    name = os.environ.get(GEMM_ENV) or "torchao"
+    if name not in GEMMS:
+        raise ValueError(f"{GEMM_ENV} must be one of {GEMMS}, got {name!r}")
+    return name
+
+
 def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
     """Same contract as `titan_moe.ops.grouped_gemm.grouped_mm`, through the fp8 rowwise GEMM.
 
     x_MK [M, K] (bf16 or fp32), w_EKN [E, K, N] same dtype, offs_E [E] int32 -> [M, N] in x's dtype.
     """
     x_PK, offs_pad_E, dest_M = pad_groups(x_MK, offs_E)
-    w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group
-    out_PN = _fp8_rowwise_grouped_mm(x_PK, w_t_EKN, offs_pad_E, x_MK.dtype)
+    if selected_gemm() == "fused":
+        from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
+
+        out_PN = fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E)
+    else:
+        w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group
+        out_PN = _fp8_rowwise_grouped_mm(x_PK, w_t_EKN, offs_pad_E, x_MK.dtype)
     return unpad_groups(out_PN, dest_M, offs_E)
 
 

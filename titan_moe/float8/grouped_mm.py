@@ -1,0 +1,279 @@
+"""Differentiable fp8 (e4m3, rowwise-scaled) grouped GEMM around ``torch._scaled_grouped_mm``.
+
+``fp8_grouped_mm(x_MK, w_EKN, offs_E, *, wgrad="bf16") -> out_MN`` has the contract of
+:func:`titan_moe.ops.grouped_gemm.grouped_mm`: x [M, K] rows sorted by group, w [E, K, N],
+offs_E [E] int32 cumulative group ends, ``out[rows of e] = x[rows of e] @ w[e]``, rows at or
+past ``offs[-1]`` zero (and their gradient zero), output in x's dtype. On top of that:
+
+* every ``offs[e]`` must be a multiple of 16 (``torch._scaled_grouped_mm``'s rule; callers
+  pad, e.g. with :func:`titan_moe.float8.experts.pad_groups`). Checked with a ValueError on
+  the CPU, where the emulation reads ``offs`` anyway; on CUDA not checked (a host sync),
+  unless ``TITAN_MOE_FP8_CHECK_OFFSETS=1`` adds a device-side assert (no sync; a violation
+  aborts the CUDA context at the next synchronizing call);
+* K and N multiples of 16, x and w of one dtype in bf16 / fp16 / fp32.
+
+Data flow (quantization kernels in :mod:`titan_moe.float8.quantize`, all fused, no host sync):
+
+* forward: ``xq, sx = quantize_rows(x)`` (scale per row over K); the weight is quantized
+  once, by one pair of kernels, into the forward operand (column-major per expert, scales
+  [E, N] over K) and the dx operand (row-major, scales [E, K] over N);
+  ``out = scaled_gemm(xq, w_fwd, sx, sw_fwd)``.
+  Saved for the backward: the dx operand and its scales (fp8: 1 byte per weight), and for
+  the weight gradient either x itself (``wgrad="bf16"``) or x quantized per group and
+  column (``wgrad="fp8"``: 1 byte per element instead of 2). The row-quantized x is not kept.
+* backward: ``dyq, sdy = quantize_rows(dy)``; ``dx = scaled_gemm(dyq, w_dgrad^T, sdy, sw_dgrad)``.
+  ``wgrad="bf16"``: ``dw[e] = x[rows of e]^T @ dy[rows of e]`` in x's dtype with fp32
+  accumulation (``torch.ops.titan_moe.grouped_mm_dw``: ``torch._grouped_mm`` on CUDA, the
+  reference loop on the CPU). ``wgrad="fp8"``: x and dy quantized per (group, column), then
+  the 2d x 2d scaled grouped GEMM ``x^T [K, M] @ dy [M, N] -> [E, K, N]``.
+
+The GEMM itself is :func:`_scaled_grouped_gemm`: ``torch._scaled_grouped_mm`` on CUDA (bf16
+output, fast accumulation); on the CPU an EMULATION (dequantize to fp32, one fp32 matmul per
+group, round to bf16 like the GPU's output) so the whole function runs and is tested on the
+CPU. The CPU numbers therefore check the quantization and the data flow, not the GPU GEMM.
+
+Memory: the saved dx operand costs ``E*K*N`` bytes per call (kept from the forward instead
+of quantizing ``w`` again in the backward, which would cost a read of 2 and a write of 1
+byte per weight). Not a ``torch.library`` op: ``torch.compile`` traces the autograd
+function (untested).
+
+Status (H200, torch 2.11, BENCHMARKS.md "fp8 expert GEMM with fused quantization"): the
+CUDA path matches the emulation (``test_cuda_matches_emulation``, both weight-gradient modes),
+the quantization kernels match their references bit for bit. At E = 64, M = 65,536, K =
+2048, N = 1408 forward+backward takes 2.05 ms against 1.91 for bf16 ``native`` (0.93x) and
+8.15 for the torchao path of ``experts.py`` in the same run; the forward alone is slower than
+bf16 (0.98 against 0.64 ms): the per-call weight quantization (about 0.27 ms of traffic) and
+x's cost about what fp8 saves on the GEMM (0.39 against 0.59 ms). Not yet used by
+``Float8RoutedExperts``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from titan_moe.float8.quantize import (
+    Fp8Weight,
+    quantize_group_columns,
+    quantize_rows,
+    quantize_weight,
+)
+from titan_moe.ops.grouped_gemm.reference import group_bounds
+
+ALIGNMENT = 16  # group sizes, K and N: multiples of this
+WGRAD_MODES = ("bf16", "fp8")
+CHECK_OFFSETS_ENV = "TITAN_MOE_FP8_CHECK_OFFSETS"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# the scaled grouped GEMM: one place for the torch._scaled_grouped_mm contract
+# ----------------------------------------------------------------------------------------
+def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs_E: Tensor,
+                         out_dtype: torch.dtype) -> Tensor:
+    """Grouped GEMM of fp8 operands with dequantization scales, fp32 accumulation.
+
+    Two cases (``out`` in ``out_dtype``, computed in bf16 and cast):
+
+    * 2d x 3d (forward, dx): a [M, K] row-major, b [E, K, N] column-major per group,
+      scale_a [M], scale_b [E, N]: ``out[rows of e] = (a * sa)[rows of e] @ (b[e] * sb[e])``,
+      [M, N], rows past ``offs[-1]`` zero.
+    * 2d x 2d (fp8 weight gradient): a [K, M] row-major, b [M, N] column-major, scale_a
+      [E*K], scale_b [E*N] (flattened per group):
+      ``out[e] = (a[:, rows of e] * sa[e]) @ (b[rows of e] * sb[e])``, [E, K, N], empty
+      groups zero. The flattened scale layout follows torchao 0.18's call; it has NOT been
+      run on a GPU yet: if torch wants another layout, change it here only.
+
+    CUDA: ``torch._scaled_grouped_mm(..., out_dtype=torch.bfloat16, use_fast_accum=True)``
+    plus zeroing of what it leaves unwritten. CPU: :func:`_scaled_grouped_gemm_emulated`.
+    """
+    if a.device.type != "cuda":
+        return _scaled_grouped_gemm_emulated(a, b, scale_a, scale_b, offs_E, out_dtype)
+    out = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs_E, out_dtype=torch.bfloat16,
+                                   use_fast_accum=True)
+    out = _zero_unwritten(out, offs_E)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
+def _zero_unwritten(out: Tensor, offs_E: Tensor) -> Tensor:
+    """Rows past ``offs[-1]`` (2d result) or empty groups' matrices (3d result) set to zero,
+    by kernels that touch only those (the grouped GEMMs leave them unwritten)."""
+    from titan_moe.ops.grouped_gemm.zero_fill import zero_empty_groups_, zero_rows_past_
+
+    out = out.contiguous()
+    return zero_rows_past_(out, offs_E) if out.dim() == 2 else zero_empty_groups_(out, offs_E)
+
+
+def _scaled_grouped_gemm_emulated(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs_E: Tensor,
+                                  out_dtype: torch.dtype) -> Tensor:
+    """CPU EMULATION of :func:`_scaled_grouped_gemm` (same arguments and result): operands
+    dequantized to fp32 (``q.float() * scale``), one fp32 matmul per group, rounded to bf16
+    (the GPU path's output dtype), then cast to ``out_dtype``. Reads ``offs`` on the host."""
+    E = offs_E.shape[0]
+    if b.dim() == 3:
+        M, N = a.shape[0], b.shape[2]
+        a32 = a.float() * scale_a.unsqueeze(1)
+        out = torch.zeros(M, N, dtype=torch.float32, device=a.device)
+        for e, (start, end) in enumerate(group_bounds(offs_E, M)):
+            if end > start:
+                out[start:end] = a32[start:end] @ (b[e].float() * scale_b[e].unsqueeze(0))
+    else:
+        K, M, N = a.shape[0], a.shape[1], b.shape[1]
+        sa_EK, sb_EN = scale_a.view(E, K), scale_b.view(E, N)
+        out = torch.zeros(E, K, N, dtype=torch.float32, device=a.device)
+        for e, (start, end) in enumerate(group_bounds(offs_E, M)):
+            if end > start:
+                a_e = a[:, start:end].float() * sa_EK[e].unsqueeze(1)
+                out[e] = a_e @ (b[start:end].float() * sb_EN[e].unsqueeze(0))
+    return out.to(torch.bfloat16).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# weight gradient
+# ----------------------------------------------------------------------------------------
+def _wgrad_high_precision(x_MK: Tensor, dy_MN: Tensor, offs_E: Tensor) -> Tensor:
+    """``dw[e] = x[rows of e]^T @ dy[rows of e]`` in x's dtype, fp32 accumulation: the
+    grouped GEMM op's dw (``torch._grouped_mm`` on CUDA; the reference loop on the CPU)."""
+    # registered by titan_moe.ops.grouped_gemm (imported with its `reference` module above)
+    backend = None if x_MK.is_cuda else "loop"
+    return torch.ops.titan_moe.grouped_mm_dw(x_MK, dy_MN.to(x_MK.dtype), offs_E, backend)
+
+
+def _wgrad_fp8(xq_MK: Tensor, sx_EK: Tensor, dy_MN: Tensor, offs_E: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """fp8 weight gradient from x quantized per (group, column) (``xq_MK`` column-major,
+    ``sx_EK`` [E*K]) and dy, quantized here the same way: a 2d x 2d scaled grouped GEMM."""
+    dyq_MN, sdy_EN = quantize_group_columns(dy_MN, offs_E, offs_aligned=True)
+    return _scaled_grouped_gemm(_all_buffer_rows(xq_MK).t(), _all_buffer_rows(dyq_MN), sx_EK, sdy_EN, offs_E, out_dtype)
+
+
+def _all_buffer_rows(q_MC: Tensor) -> Tensor:
+    """The column-major ``[M, C]`` fp8 view widened to its buffer's ``ld`` rows (M rounded up
+    to 16): ``torch._scaled_grouped_mm`` wants the contracted dimension of a 2d x 2d product
+    divisible by 16. Rows at or past ``offs_E[-1]`` (the widened ones included) belong to no
+    group, so the GEMM never reads them."""
+    ld = q_MC.stride(1)
+    return q_MC.as_strided((ld, q_MC.shape[1]), (1, ld))
+
+
+# ----------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------
+class _Fp8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str) -> Tensor:
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        xq_MK, sx_M = quantize_rows(x_MK)
+        wq: Fp8Weight = quantize_weight(w_EKN, dgrad=needs_dx)
+        out_MN = _scaled_grouped_gemm(xq_MK, wq.fwd_EKN, sx_M, wq.scale_fwd_EN, offs_E, x_MK.dtype)
+        del xq_MK, sx_M
+
+        saved_w = (wq.dgrad_EKN, wq.scale_dgrad_EK) if needs_dx else (None, None)
+        if not needs_dw:
+            saved_x = (None, None)
+        elif wgrad == "fp8":
+            saved_x = quantize_group_columns(x_MK, offs_E, offs_aligned=True)
+        else:
+            saved_x = (x_MK, None)
+        ctx.save_for_backward(*saved_w, *saved_x, offs_E)
+        ctx.wgrad = wgrad
+        ctx.x_dtype, ctx.w_dtype = x_MK.dtype, w_EKN.dtype
+        return out_MN
+
+    @staticmethod
+    def backward(ctx, dy_MN: Tensor):
+        wq_dgrad_EKN, sw_dgrad_EK, x_saved, sx_saved, offs_E = ctx.saved_tensors
+        dy_MN = dy_MN.to(ctx.x_dtype).contiguous()
+        dx_MK = dw_EKN = None
+        if ctx.needs_input_grad[0]:
+            dyq_MN, sdy_M = quantize_rows(dy_MN)
+            dx_MK = _scaled_grouped_gemm(dyq_MN, wq_dgrad_EKN.transpose(1, 2), sdy_M, sw_dgrad_EK, offs_E,
+                                         ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            if ctx.wgrad == "fp8":
+                dw_EKN = _wgrad_fp8(x_saved, sx_saved, dy_MN, offs_E, ctx.w_dtype)
+            else:
+                dw_EKN = _wgrad_high_precision(x_saved, dy_MN, offs_E).to(ctx.w_dtype)
+        return dx_MK, dw_EKN, None, None
+
+
+# ----------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------
+@functools.cache
+def _cuda_fp8_ok(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str) -> None:
+    """Shape, dtype and device checks; reads no data."""
+    if wgrad not in WGRAD_MODES:
+        raise ValueError(f"fp8_grouped_mm: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
+    if x_MK.dim() != 2 or w_EKN.dim() != 3 or offs_E.dim() != 1:
+        raise ValueError(
+            "fp8_grouped_mm expects x [M, K], w [E, K, N], offs [E]; got "
+            f"x {tuple(x_MK.shape)}, w {tuple(w_EKN.shape)}, offs {tuple(offs_E.shape)}"
+        )
+    E, K, N = w_EKN.shape
+    if x_MK.shape[1] != K or offs_E.shape[0] != E or E == 0:
+        raise ValueError(
+            f"fp8_grouped_mm: shapes do not match: x {tuple(x_MK.shape)}, w {tuple(w_EKN.shape)}, "
+            f"offs {tuple(offs_E.shape)} (need x [M, K], w [E >= 1, K, N], offs [E])"
+        )
+    if K % ALIGNMENT or N % ALIGNMENT or K == 0 or N == 0:
+        raise ValueError(f"fp8_grouped_mm: K ({K}) and N ({N}) must be positive multiples of {ALIGNMENT}")
+    if offs_E.dtype != torch.int32:
+        raise ValueError(f"fp8_grouped_mm: offs must be int32, got {offs_E.dtype}")
+    if x_MK.dtype != w_EKN.dtype or x_MK.dtype not in _DTYPES:
+        raise ValueError(f"fp8_grouped_mm: x and w must share a dtype in {_DTYPES}, got {x_MK.dtype}, {w_EKN.dtype}")
+    if not (x_MK.device == w_EKN.device == offs_E.device):
+        raise ValueError(
+            f"fp8_grouped_mm: x, w, offs must be on one device, got {x_MK.device}, {w_EKN.device}, {offs_E.device}"
+        )
+    device = x_MK.device
+    if device.type == "cuda":
+        if not _cuda_fp8_ok(device.index if device.index is not None else torch.cuda.current_device()):
+            raise ValueError("fp8_grouped_mm: torch._scaled_grouped_mm needs a GPU of compute capability >= 8.9")
+    elif device.type != "cpu":
+        raise ValueError(f"fp8_grouped_mm: runs on CUDA (fp8 GEMM) or CPU (emulation), got {device}")
+
+
+def _check_offsets(offs_E: Tensor, m: int) -> None:
+    """The 16-multiple rule for ``offs``: a ValueError on the CPU (a host read, free there);
+    on CUDA a device-side assert only when ``$TITAN_MOE_FP8_CHECK_OFFSETS`` is "1"."""
+    if offs_E.device.type == "cpu":
+        group_bounds(offs_E, m)  # non-decreasing, <= M
+        bad = offs_E[offs_E % ALIGNMENT != 0]
+        if bad.numel():
+            raise ValueError(
+                f"fp8_grouped_mm: every offs entry must be a multiple of {ALIGNMENT} (pad the groups), "
+                f"got {offs_E.tolist()}"
+            )
+    elif os.environ.get(CHECK_OFFSETS_ENV) == "1":
+        torch._assert_async((offs_E % ALIGNMENT == 0).all(), "fp8_grouped_mm: offs must be multiples of 16")
+
+
+def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = "bf16") -> Tensor:
+    """fp8 grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, differentiable in x and w.
+
+    Args:
+        x_MK: [M, K] rows sorted by group (bf16, fp16 or fp32; K a multiple of 16).
+        w_EKN: [E, K, N] same dtype as x, any strides (N a multiple of 16).
+        offs_E: [E] int32 cumulative group ends, each a multiple of 16 (the caller pads the
+            groups); empty groups allowed; rows at or past ``offs[-1]`` belong to no group.
+        wgrad: "bf16": weight gradient in x's dtype from the saved x (fp32 accumulation);
+            "fp8": from x and dy quantized per (group, column), with x saved in fp8.
+
+    Returns:
+        [M, N] in x's dtype (through bf16: the fp8 GEMM's output); rows past ``offs[-1]``
+        zero. Forward and dx use rowwise e4m3 scaling of both operands (module docstring).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices or ``wgrad``; offsets that are not
+            multiples of 16 (checked on the CPU only, see the module docstring).
+    """
+    _check_args(x_MK, w_EKN, offs_E, wgrad)
+    _check_offsets(offs_E, x_MK.shape[0])
+    return _Fp8GroupedMM.apply(x_MK, w_EKN, offs_E, wgrad)

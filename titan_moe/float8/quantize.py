@@ -1,0 +1,613 @@
+"""Fused fp8 (e4m3) quantization for the fp8 grouped GEMM: Triton kernels and their references.
+
+Convention (shared bit for bit by the kernels and the PyTorch references):
+
+    scale = max(amax, EPS) / 448          fp32, correctly rounded division
+    inv   = 1 / scale                     fp32, correctly rounded division
+    q     = e4m3(clamp(x * inv, -448, 448))   fp32 product, round to nearest even
+    x    ~= q.float() * scale             (`scale` is the dequantization scale that
+                                           `torch._scaled_grouped_mm` takes)
+
+with amax the largest |x| over the reduced axis and ``EPS = 1e-12``: an all-zero row or
+column gets a finite scale (``EPS / 448``) and zero codes. Inputs are bf16, fp16 or fp32;
+infinities and NaNs are not handled (their rows or columns come out as NaN or garbage).
+
+Four quantizations (each: ``<name>`` dispatches, ``<name>_reference`` is plain PyTorch,
+``<name>_triton`` launches the kernel):
+
+* :func:`quantize_rows` ``x [M, K] -> (q [M, K] row-major, scale [M])``, scale per row over K
+  (the left operand of the forward and of dx). With ``dest_M`` it also pads: row m goes to
+  row ``dest_M[m]`` of a zero-filled ``[P, K]`` output (scale ``[P]``, zero for rows nobody
+  writes), so the 16-row group padding costs no extra pass over ``x``.
+* :func:`quantize_weight` ``w [E, K, N] -> Fp8Weight``: both fp8 layouts of the weights from
+  two reads of ``w`` by two kernels (see "Memory traffic" below): the forward operand
+  ``[E, K, N]`` column-major per expert (strides ``(K*N, 1, K)``) with scales ``[E, N]`` over
+  K, and the dx operand ``[E, K, N]`` row-major with scales ``[E, K]`` over N (used as its
+  ``.transpose(1, 2)``, an ``[E, N, K]`` column-major operand).
+* :func:`quantize_group_columns` ``t [M, C], offs [E] -> (q [M, C] column-major, scale [E*C])``:
+  per group e and column c, the scale over that group's rows (``scale[e*C + c]``); used on
+  ``x`` (giving ``x^T`` as ``q.t()``, a ``[K, M]`` row-major operand) and on ``dy`` for the fp8
+  weight gradient. Empty groups are allowed (their scales are ``EPS / 448``); rows past
+  ``offs[-1]`` belong to no group and are stored as zero codes. The column-major buffer has
+  a leading dimension of M rounded up to 16 (16-byte aligned columns for the GEMM).
+
+The references are exact on the CPU. On CUDA, torch divides a tensor by a Python scalar as
+a multiplication by the scalar's reciprocal, so ``scale_from_amax`` there can be one ulp off
+the correctly rounded quotient the kernels compute (seen on the H200: 771 of 1307 row scales);
+compare the CUDA kernels with references computed on the CPU.
+
+Dispatch: the Triton kernels run on CUDA, and on the CPU only when ``TRITON_INTERPRET=1`` was
+set before this module was imported (the tests); otherwise the references run.
+
+Triton interpreter (Triton 3.6): its fp32 -> fp8 cast rounds wrongly (it adds the rounding
+bit to the 3-bit mantissa without carrying into the exponent, OR-ing the overflow into it:
+-125.97 became -64 instead of -128; ties are not broken to even), but it converts values that are exactly
+representable in e4m3 correctly, including subnormals and -0.0. So under the interpreter
+the kernels first round in fp32 (:func:`_e4m3_round`, the add-and-subtract-a-power-of-two
+trick) and then cast; compiled kernels cast directly (the hardware's round-to-nearest-even
+``cvt.rn.satfinite.e4m3x2.f32`` on sm89+). Both were checked bit for bit against torch's
+cast on every e4m3 value, every midpoint between neighbours and the fp32 values next to
+those midpoints (the interpreter path here; the GPU path by the GPU test). Storing fp8
+through a pointer works in both modes.
+
+Memory traffic (bytes per element of the input; GPU tile sizes are unmeasured starting points):
+
+* rows: read 2 (bf16) + write 1. When a row fits one tile (``K <= 4096`` on the GPU) the row
+  is read once and quantized from registers; wider rows take two passes over the row block,
+  the second from L2 (a block is ``BLOCK_M * K * 2`` bytes: 28 KiB at K = 7168). With
+  ``dest_M`` add the zero fill of the ``[P, K]`` output: 1 byte per output element.
+* weight: two kernels. ``_weight_amax_kernel`` (one program per expert and column block,
+  looping over K) reads w once and writes the exact column scales plus per-(column block,
+  row) partial row maxima ``[E, N/BLOCK_N, K]`` fp32; ``_weight_quant_kernel`` (one program
+  per expert, K block and N block) reads w again, reduces the partials of its rows and
+  writes both fp8 layouts: read 2 + 2, write 1 + 1, plus ``8 / BLOCK_N`` for the partials.
+  A single read is impossible without a grid-wide barrier: a column scale needs all K rows
+  of the expert and a row scale all N columns, i.e. the whole ``[K, N]`` expert matrix
+  (5.8 MB at K=2048, N=1408) before any code of it can be written.
+* group columns: one program per (column block, group) reads its group's rows twice (amax,
+  then quantize); the slab is ``group rows * BLOCK_C * 2`` bytes (128 KiB for 1024 rows at
+  the GPU default of 64 columns), meant to be re-read from L2. Read 2 (+2 on L2 misses),
+  write 1. With ``offs_aligned`` (16-multiple offsets, what fp8_grouped_mm guarantees) the
+  column-major codes go out as 16-byte vectors; without it byte by byte.
+
+No kernel uses atomics or reads anything on the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from titan_moe.ops.grouped_gemm.reference import group_bounds
+from titan_moe.ops.triton_runtime import is_interpreted, kernel_runs_on
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+EPS = 1e-12  # floor of amax: all-zero rows/columns get scale EPS / 448 and zero codes
+COLUMN_ALIGN = 16  # leading dimension of the column-major outputs: a multiple of 16 bytes
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Fp8Weight(NamedTuple):
+    """Both fp8 layouts of a weight ``w [E, K, N]`` (see the module docstring)."""
+
+    fwd_EKN: Tensor  # fp8 [E, K, N], strides (K*N, 1, K): forward right operand
+    scale_fwd_EN: Tensor  # fp32 [E, N]: amax over K / 448
+    dgrad_EKN: Tensor | None  # fp8 [E, K, N] row-major; `.transpose(1, 2)` is the dx operand
+    scale_dgrad_EK: Tensor | None  # fp32 [E, K]: amax over N / 448
+
+
+# ----------------------------------------------------------------------------------------
+# PyTorch references
+# ----------------------------------------------------------------------------------------
+def scale_from_amax(amax: Tensor) -> Tensor:
+    """Dequantization scale ``max(amax, EPS) / 448`` in fp32."""
+    return amax.float().clamp_min(EPS) / FP8_MAX
+
+
+def quantize_with_scale(x: Tensor, scale: Tensor) -> Tensor:
+    """``e4m3(clamp(x * (1 / scale), -448, 448))``; ``scale`` broadcasts against ``x``."""
+    inv = torch.reciprocal(scale)
+    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _column_major_buffer(rows: int, cols: int, device) -> tuple[Tensor, int]:
+    """An fp8 ``[rows, cols]`` column-major view of a ``[cols, ld]`` buffer, ``ld`` = rows
+    rounded up to COLUMN_ALIGN; returns (view, ld)."""
+    ld = -(-rows // COLUMN_ALIGN) * COLUMN_ALIGN
+    buf = torch.empty(cols, ld, dtype=FP8_DTYPE, device=device)
+    return buf[:, :rows].t(), ld
+
+
+def _weight_fwd_buffer(E: int, K: int, N: int, device) -> Tensor:
+    return torch.empty_strided((E, K, N), (K * N, 1, K), dtype=FP8_DTYPE, device=device)
+
+
+def quantize_rows_reference(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | None = None):
+    """Rowwise quantization in PyTorch; arguments and results as in :func:`quantize_rows`."""
+    _check_rows_args(x_MK, dest_M, num_rows)
+    scale_M = scale_from_amax(x_MK.float().abs().amax(dim=1))
+    q_MK = quantize_with_scale(x_MK, scale_M.unsqueeze(1))
+    if dest_M is None:
+        return q_MK, scale_M
+    q_PK = torch.zeros(num_rows, x_MK.shape[1], dtype=FP8_DTYPE, device=x_MK.device)
+    scale_P = torch.zeros(num_rows, dtype=torch.float32, device=x_MK.device)
+    keep_M = (dest_M >= 0) & (dest_M < num_rows)
+    q_PK.view(torch.uint8)[dest_M[keep_M]] = q_MK.view(torch.uint8)[keep_M]
+    scale_P[dest_M[keep_M]] = scale_M[keep_M]
+    return q_PK, scale_P
+
+
+def quantize_weight_reference(w_EKN: Tensor, dgrad: bool = True) -> Fp8Weight:
+    """Both weight layouts in PyTorch; as in :func:`quantize_weight`."""
+    _check_weight_args(w_EKN)
+    E, K, N = w_EKN.shape
+    a_EKN = w_EKN.float().abs()
+    scale_EN = scale_from_amax(a_EKN.amax(dim=1))
+    fwd_EKN = _weight_fwd_buffer(E, K, N, w_EKN.device)
+    fwd_EKN.copy_(quantize_with_scale(w_EKN, scale_EN.unsqueeze(1)))
+    if not dgrad:
+        return Fp8Weight(fwd_EKN, scale_EN, None, None)
+    scale_EK = scale_from_amax(a_EKN.amax(dim=2))
+    dgrad_EKN = quantize_with_scale(w_EKN, scale_EK.unsqueeze(2)).contiguous()  # row-major whatever w's layout
+    return Fp8Weight(fwd_EKN, scale_EN, dgrad_EKN, scale_EK)
+
+
+def quantize_group_columns_reference(t_MC: Tensor, offs_E: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-group column quantization in PyTorch (one host read of ``offs_E``); as in
+    :func:`quantize_group_columns`."""
+    _check_group_columns_args(t_MC, offs_E)
+    M, C = t_MC.shape
+    E = offs_E.shape[0]
+    q_MC, _ = _column_major_buffer(M, C, t_MC.device)
+    q_MC.view(torch.uint8).zero_()
+    scale_EC = scale_from_amax(torch.zeros(E, C, device=t_MC.device))
+    for e, (start, end) in enumerate(group_bounds(offs_E, M)):
+        if end > start:
+            rows_RC = t_MC[start:end]
+            scale_EC[e] = scale_from_amax(rows_RC.float().abs().amax(dim=0))
+            q_MC[start:end] = quantize_with_scale(rows_RC, scale_EC[e].unsqueeze(0))
+    return q_MC, scale_EC.reshape(E * C)
+
+
+# ----------------------------------------------------------------------------------------
+# argument checks (shapes and dtypes only: nothing is read on the host)
+# ----------------------------------------------------------------------------------------
+def _check_dtype(name: str, t: Tensor) -> None:
+    if t.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"{name}: input dtype must be one of {_INPUT_DTYPES}, got {t.dtype}")
+
+
+def _check_rows_args(x_MK: Tensor, dest_M: Tensor | None, num_rows: int | None) -> None:
+    _check_dtype("quantize_rows", x_MK)
+    if x_MK.dim() != 2 or x_MK.shape[1] == 0:
+        raise ValueError(f"quantize_rows: expected x [M, K >= 1], got shape {tuple(x_MK.shape)}")
+    if (dest_M is None) != (num_rows is None):
+        raise ValueError("quantize_rows: dest_M and num_rows go together (both or neither)")
+    if dest_M is not None:
+        if dest_M.dtype != torch.int64 or dest_M.shape != (x_MK.shape[0],) or dest_M.device != x_MK.device:
+            raise ValueError(
+                f"quantize_rows: dest_M must be int64 [M={x_MK.shape[0]}] on {x_MK.device}, got "
+                f"{dest_M.dtype} {tuple(dest_M.shape)} on {dest_M.device}"
+            )
+        if num_rows < 0:
+            raise ValueError(f"quantize_rows: num_rows must be >= 0, got {num_rows}")
+
+
+def _check_weight_args(w_EKN: Tensor) -> None:
+    _check_dtype("quantize_weight", w_EKN)
+    if w_EKN.dim() != 3 or 0 in w_EKN.shape:
+        raise ValueError(f"quantize_weight: expected w [E, K, N], all >= 1, got shape {tuple(w_EKN.shape)}")
+
+
+def _check_group_columns_args(t_MC: Tensor, offs_E: Tensor) -> None:
+    _check_dtype("quantize_group_columns", t_MC)
+    if t_MC.dim() != 2 or t_MC.shape[1] == 0:
+        raise ValueError(f"quantize_group_columns: expected t [M, C >= 1], got shape {tuple(t_MC.shape)}")
+    if offs_E.dim() != 1 or offs_E.dtype != torch.int32 or offs_E.shape[0] == 0:
+        raise ValueError(
+            f"quantize_group_columns: offs must be a non-empty 1-D int32 tensor, got {offs_E.dtype} "
+            f"{tuple(offs_E.shape)}"
+        )
+    if offs_E.device != t_MC.device:
+        raise ValueError(f"quantize_group_columns: t on {t_MC.device}, offs on {offs_E.device}")
+
+
+# ----------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------
+# Under the interpreter, loops whose bounds are read from memory are while loops (its range()
+# cannot take them), for loops when compiled (titan_moe.ops.grouped_gemm.triton_kernel's
+# convention). Reductions use tl.max, which the interpreter maps to numpy (a custom combine
+# function runs element by element in Python, ~100x slower); tl.max is a
+# triton.language.standard jit function, so interpreted runs need Triton itself imported with
+# TRITON_INTERPRET=1 (tests/triton_mode.py checks that). Integer adds are avoided in the
+# interpreter-only rounding: the interpreter checks every one for overflow, slowly.
+
+
+@triton.jit
+def _e4m3_round(y):
+    """fp32 ``y`` (|y| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32.
+
+    Adding and subtracting ``c``, a power of two whose fp32 ulp is the e4m3 spacing at ``y``
+    (``2^(e-3)`` for ``2^e <= |y| < 2^(e+1)``, ``e >= -6``; ``2^-9`` in the subnormal range),
+    makes the fp32 adder round |y| to that spacing; a carry into the next binade is exact.
+    The sign is copied back bitwise so that -0.0 stays -0.0 (as in torch's cast).
+    """
+    bits = y.to(tl.uint32, bitcast=True)
+    binade = (bits & 0x7F800000).to(tl.float32, bitcast=True)  # 2^e; 0 for zero and fp32 subnormals
+    c = tl.maximum(binade * 1048576.0, 16384.0)  # 2^(e+20), at least 2^(-9+23)
+    r = (tl.abs(y) + c) - c
+    return (r.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize(v, inv, INTERPRETED: tl.constexpr):
+    """fp32 ``v * inv`` clamped to +-448 and cast to e4m3 (round to nearest even)."""
+    y = tl.clamp(v * inv, -448.0, 448.0)
+    if INTERPRETED:  # the interpreter's cast rounds wrongly but converts exact values right
+        return _e4m3_round(y).to(tl.float8e4nv)
+    else:
+        return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _scale_of(amax, EPS: tl.constexpr):
+    """``max(amax, EPS) / 448`` (correctly rounded, like torch's division)."""
+    return tl.math.div_rn(tl.maximum(amax, EPS), tl.full(amax.shape, 448.0, tl.float32))
+
+
+@triton.jit
+def _inverse(scale):
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _rows_kernel(
+    x_ptr, q_ptr, s_ptr, dest_ptr,
+    M, P, stride_xm, stride_qm,
+    K: tl.constexpr, EPS: tl.constexpr, HAS_DEST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Program: BLOCK_M rows of x [M, K]; scale per row; writes q rows (dest rows with HAS_DEST)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    if HAS_DEST:
+        out_rows = tl.load(dest_ptr + rows, mask=row_ok, other=-1)
+        out_ok = row_ok & (out_rows >= 0) & (out_rows < P)
+    else:
+        out_rows = rows.to(tl.int64)
+        out_ok = row_ok
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + out_rows.to(tl.int64)[:, None] * stride_qm
+    cols = tl.arange(0, BLOCK_K)
+    if K <= BLOCK_K:  # whole rows in one tile: one read, quantized from registers
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = _scale_of(tl.max(tl.abs(v), 1), EPS)
+        inv = _inverse(scale)
+        tl.store(q_rows + cols[None, :], _quantize(v, inv[:, None], INTERPRETED),
+                 mask=out_ok[:, None] & (cols < K)[None, :])
+    else:  # two passes over the row block: amax, then quantize (re-read from L2)
+        amax = tl.full((BLOCK_M,), 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + cols
+            v = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), 1))
+        scale = _scale_of(amax, EPS)
+        inv = _inverse(scale)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + cols
+            v = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+            tl.store(q_rows + ks[None, :], _quantize(v.to(tl.float32), inv[:, None], INTERPRETED),
+                     mask=out_ok[:, None] & (ks < K)[None, :])
+    tl.store(s_ptr + out_rows, scale, mask=out_ok)
+
+
+@triton.jit
+def _weight_amax_kernel(
+    w_ptr, scale_col_ptr, row_part_ptr,
+    stride_we, stride_wk, stride_wn,
+    K: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr, DGRAD: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (e, n-block): column scales over all K (final), and with DGRAD the row maxima
+    over this n-block's columns -> row_part [E, NB, K] (NB = the grid's second size)."""
+    e = tl.program_id(0)
+    nb = tl.program_id(1)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    part_e = row_part_ptr + (e.to(tl.int64) * tl.num_programs(1) + nb) * K
+    col_amax = tl.full((BLOCK_N,), 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        v = tl.load(w_e + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a = tl.abs(v.to(tl.float32))
+        col_amax = tl.maximum(col_amax, tl.max(a, 0))
+        if DGRAD:
+            tl.store(part_e + ks, tl.max(a, 1), mask=k_ok)
+    tl.store(scale_col_ptr + e.to(tl.int64) * N + cols, _scale_of(col_amax, EPS), mask=col_ok)
+
+
+@triton.jit
+def _weight_quant_kernel(
+    w_ptr, scale_col_ptr, row_part_ptr, fwd_ptr, dgrad_ptr, scale_row_ptr,
+    stride_we, stride_wk, stride_wn,
+    K: tl.constexpr, N: tl.constexpr, EPS: tl.constexpr, DGRAD: tl.constexpr,
+    NUM_PARTS: tl.constexpr, BLOCK_PARTS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Program (e, k-block, n-block): one tile of w in both fp8 layouts (fwd column-major
+    with column scales; dgrad row-major with row scales from the partial maxima)."""
+    e = tl.program_id(0)
+    kb = tl.program_id(1)
+    nb = tl.program_id(2)
+    ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = ks < K
+    col_ok = cols < N
+    mask = k_ok[:, None] & col_ok[None, :]
+    e64 = e.to(tl.int64)
+    v = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                mask=mask, other=0.0).to(tl.float32)
+
+    scale_col = tl.load(scale_col_ptr + e64 * N + cols, mask=col_ok, other=1.0)
+    inv_col = _inverse(scale_col)
+    tl.store(fwd_ptr + e64 * (K * N) + cols[None, :] * K + ks[:, None],
+             _quantize(v, inv_col[None, :], INTERPRETED), mask=mask)
+    if DGRAD:
+        parts = tl.arange(0, BLOCK_PARTS)
+        part = tl.load(row_part_ptr + (e64 * NUM_PARTS + parts[:, None]) * K + ks[None, :],
+                       mask=(parts < NUM_PARTS)[:, None] & k_ok[None, :], other=0.0)
+        scale_row = _scale_of(tl.max(part, 0), EPS)
+        inv_row = _inverse(scale_row)
+        tl.store(dgrad_ptr + e64 * (K * N) + ks[:, None] * N + cols[None, :],
+                 _quantize(v, inv_row[:, None], INTERPRETED), mask=mask)
+        tl.store(scale_row_ptr + e64 * K + ks, scale_row, mask=k_ok & (nb == 0))
+
+
+@triton.jit
+def _col_amax_step(t_ptr, amax, m0, end, cols, col_ok, stride_tm, BLOCK_M: tl.constexpr):
+    rows = m0 + tl.arange(0, BLOCK_M)
+    v = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_tm + cols[None, :],
+                mask=(rows < end)[:, None] & col_ok[None, :], other=0.0)
+    return tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), 0))
+
+
+@triton.jit
+def _col_quant_step(t_ptr, q_ptr, inv, keep, m0, end, store_end, cols, col_ok, stride_tm, ld_q,
+                    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr):
+    rows = m0 + tl.arange(0, BLOCK_M)
+    v = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_tm + cols[None, :],
+                mask=(rows < end)[:, None] & col_ok[None, :], other=0.0)
+    v = tl.where(keep, v.to(tl.float32), 0.0)  # rows past offs[-1] become +0 codes
+    tl.store(q_ptr + cols.to(tl.int64)[None, :] * ld_q + rows[:, None],
+             _quantize(v, inv[None, :], INTERPRETED), mask=(rows < store_end)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _group_cols_kernel(
+    t_ptr, q_ptr, s_ptr, offs_ptr,
+    M, E, stride_tm, ld_q,
+    C: tl.constexpr, EPS: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Program (c-block, g): group g's rows of t [M, C] (g == E: the rows past offs[-1],
+    stored as zeros), column scales over the group, column-major q [M, C] (leading dim ld_q).
+    ALIGNED: the offsets are multiples of 16, so each column's codes go out in 16-byte
+    vector stores (without the hint the compiler must store byte by byte)."""
+    cb = tl.program_id(0)
+    g = tl.program_id(1)
+    is_group = g < E
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    start = tl.minimum(tl.maximum(start, 0), M)
+    end = tl.load(offs_ptr + g, mask=is_group, other=0)
+    end = tl.maximum(tl.minimum(end, M), start)
+    if ALIGNED:
+        # Groups start and end on multiples of 16; the tail's zero codes are written up to M
+        # rounded up to 16 (into the buffer's padding), so every store mask is constant over
+        # 16 rows and the compiler can store 16-byte vectors.
+        start = tl.multiple_of(start, 16)
+        store_end = tl.where(is_group, tl.multiple_of(end, 16), (M + 15) // 16 * 16)
+    else:
+        store_end = tl.where(is_group, end, M)
+    end = tl.where(is_group, end, M)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+
+    amax = tl.full((BLOCK_C,), 0.0, tl.float32)
+    if INTERPRETED:
+        m0 = start
+        while m0 < end:
+            amax = _col_amax_step(t_ptr, amax, m0, end, cols, col_ok, stride_tm, BLOCK_M)
+            m0 += BLOCK_M
+    else:
+        for m0 in tl.range(start, end, BLOCK_M):
+            amax = _col_amax_step(t_ptr, amax, m0, end, cols, col_ok, stride_tm, BLOCK_M)
+    scale = _scale_of(amax, EPS)
+    inv = _inverse(scale)
+    tl.store(s_ptr + g.to(tl.int64) * C + cols, scale, mask=col_ok & is_group)
+
+    if INTERPRETED:
+        m0 = start
+        while m0 < store_end:
+            _col_quant_step(t_ptr, q_ptr, inv, is_group, m0, end, store_end, cols, col_ok, stride_tm, ld_q,
+                            BLOCK_M, INTERPRETED)
+            m0 += BLOCK_M
+    else:
+        # a step counter, not `range(start, store_end, BLOCK_M)`: the compiler derives the
+        # alignment of `start + i * BLOCK_M` but not that of a loop variable
+        for i in tl.range(0, (store_end - start + BLOCK_M - 1) // BLOCK_M):
+            _col_quant_step(t_ptr, q_ptr, inv, is_group, start + i * BLOCK_M, end, store_end, cols, col_ok,
+                            stride_tm, ld_q, BLOCK_M, INTERPRETED)
+
+
+# ----------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------
+def interpreted() -> bool:
+    """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return is_interpreted(_rows_kernel)
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device``: CUDA when compiled, CPU when interpreted."""
+    return kernel_runs_on(_rows_kernel, device)
+
+
+def _require_kernels(name: str, device: torch.device) -> None:
+    if not kernels_run_on(device):
+        raise ValueError(
+            f"{name}: the Triton kernels run on CUDA, or on CPU when TRITON_INTERPRET=1 was set before "
+            f"titan_moe.float8.quantize was imported; got device {device} "
+            f"(interpreter {'on' if interpreted() else 'off'})"
+        )
+
+
+def _small_tiles(device: torch.device) -> bool:
+    return device.type != "cuda"  # interpreter: small tiles, so test shapes cross tile edges
+
+
+def quantize_rows_triton(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | None = None,
+                         block_m: int | None = None, block_k: int | None = None):
+    """:func:`quantize_rows` through ``_rows_kernel``. ``block_m``/``block_k`` override the tiles
+    (powers of two; GPU default: a tile of 8192 elements, BLOCK_K = next_pow2(K) up to 4096)."""
+    _check_rows_args(x_MK, dest_M, num_rows)
+    _require_kernels("quantize_rows_triton", x_MK.device)
+    if x_MK.stride(1) != 1:
+        x_MK = x_MK.contiguous()
+    M, K = x_MK.shape
+    if dest_M is None:
+        P = M
+        q_PK = torch.empty(M, K, dtype=FP8_DTYPE, device=x_MK.device)
+        scale_P = torch.empty(M, dtype=torch.float32, device=x_MK.device)
+    else:
+        P = num_rows
+        q_PK = torch.zeros(P, K, dtype=FP8_DTYPE, device=x_MK.device)
+        scale_P = torch.zeros(P, dtype=torch.float32, device=x_MK.device)
+    if M == 0:
+        return q_PK, scale_P
+    if block_k is None:
+        block_k = min(triton.next_power_of_2(K), 32 if _small_tiles(x_MK.device) else 4096)
+    if block_m is None:
+        block_m = 8 if _small_tiles(x_MK.device) else max(1, 8192 // block_k)
+    _rows_kernel[(triton.cdiv(M, block_m),)](
+        x_MK, q_PK, scale_P, dest_M if dest_M is not None else scale_P,
+        M, P, x_MK.stride(0), K,
+        K=K, EPS=EPS, HAS_DEST=dest_M is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+        INTERPRETED=interpreted(), num_warps=8 if block_m * block_k >= 8192 else 4,
+    )
+    return q_PK, scale_P
+
+
+def quantize_weight_triton(w_EKN: Tensor, dgrad: bool = True, block_k: int | None = None,
+                           block_n: int | None = None) -> Fp8Weight:
+    """:func:`quantize_weight` through ``_weight_amax_kernel`` + ``_weight_quant_kernel``
+    (tiles [block_k, block_n] for both; GPU default 64 x 128). ``w`` may have any strides."""
+    _check_weight_args(w_EKN)
+    _require_kernels("quantize_weight_triton", w_EKN.device)
+    E, K, N = w_EKN.shape
+    dev = w_EKN.device
+    small = _small_tiles(dev)
+    block_k = block_k or (16 if small else 64)
+    block_n = block_n or (32 if small else 128)
+    fwd_EKN = _weight_fwd_buffer(E, K, N, dev)
+    scale_EN = torch.empty(E, N, dtype=torch.float32, device=dev)
+    dgrad_EKN = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if dgrad else None
+    scale_EK = torch.empty(E, K, dtype=torch.float32, device=dev) if dgrad else None
+    num_parts = triton.cdiv(N, block_n)
+    row_part = torch.empty(E, num_parts, K, dtype=torch.float32, device=dev) if dgrad else scale_EN
+    strides = (w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2))
+    _weight_amax_kernel[(E, num_parts)](
+        w_EKN, scale_EN, row_part, *strides,
+        K=K, N=N, EPS=EPS, DGRAD=dgrad, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4,
+    )
+    _weight_quant_kernel[(E, triton.cdiv(K, block_k), num_parts)](
+        w_EKN, scale_EN, row_part, fwd_EKN, dgrad_EKN if dgrad else fwd_EKN, scale_EK if dgrad else scale_EN,
+        *strides,
+        K=K, N=N, EPS=EPS, DGRAD=dgrad, NUM_PARTS=num_parts, BLOCK_PARTS=triton.next_power_of_2(num_parts),
+        BLOCK_K=block_k, BLOCK_N=block_n, INTERPRETED=interpreted(), num_warps=8 if not small else 4,
+    )
+    return Fp8Weight(fwd_EKN, scale_EN, dgrad_EKN, scale_EK)
+
+
+def quantize_group_columns_triton(t_MC: Tensor, offs_E: Tensor, offs_aligned: bool = False,
+                                  block_m: int | None = None, block_c: int | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_group_columns` through ``_group_cols_kernel`` (grid: column blocks x
+    (E + 1) groups; GPU default tile 128 rows x 64 columns)."""
+    _check_group_columns_args(t_MC, offs_E)
+    _require_kernels("quantize_group_columns_triton", t_MC.device)
+    if t_MC.stride(1) != 1:
+        t_MC = t_MC.contiguous()
+    M, C = t_MC.shape
+    E = offs_E.shape[0]
+    small = _small_tiles(t_MC.device)
+    block_m = block_m or (16 if small else 128)
+    block_c = block_c or (16 if small else 64)
+    q_MC, ld = _column_major_buffer(M, C, t_MC.device)
+    scale_EC = torch.empty(E * C, dtype=torch.float32, device=t_MC.device)
+    _group_cols_kernel[(triton.cdiv(C, block_c), E + 1)](
+        t_MC, q_MC, scale_EC, offs_E,
+        M, E, t_MC.stride(0), ld,
+        C=C, EPS=EPS, ALIGNED=offs_aligned, BLOCK_M=block_m, BLOCK_C=block_c, INTERPRETED=interpreted(),
+        num_warps=4,
+    )
+    return q_MC, scale_EC
+
+
+# ----------------------------------------------------------------------------------------
+# dispatch: kernels where they run (CUDA; CPU under the interpreter), else the references
+# ----------------------------------------------------------------------------------------
+def quantize_rows(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """Rowwise e4m3 quantization, optionally scattering rows into a padded output.
+
+    Args:
+        x_MK: [M, K] bf16/fp16/fp32 (row-major is read in place; other layouts are copied).
+        dest_M: optional int64 [M]: row m is written to row ``dest_M[m]`` of the output;
+            entries outside ``[0, num_rows)`` are skipped. Entries must be distinct (two
+            rows sent to one destination race). Not read on the host.
+        num_rows: P, the number of output rows (with ``dest_M`` only).
+
+    Returns:
+        (q, scale): fp8 [M, K] and fp32 [M] (``x[m] ~= q[m].float() * scale[m]``); with
+        ``dest_M``, [P, K] and [P] whose rows nobody writes are zero (codes and scale).
+    """
+    if kernels_run_on(x_MK.device):
+        return quantize_rows_triton(x_MK, dest_M, num_rows)
+    return quantize_rows_reference(x_MK, dest_M, num_rows)
+
+
+def quantize_weight(w_EKN: Tensor, dgrad: bool = True) -> Fp8Weight:
+    """Both fp8 layouts of the expert weights ``w_EKN [E, K, N]`` (any strides), see
+    :class:`Fp8Weight`; ``dgrad=False`` skips the dx layout (inference)."""
+    if kernels_run_on(w_EKN.device):
+        return quantize_weight_triton(w_EKN, dgrad)
+    return quantize_weight_reference(w_EKN, dgrad)
+
+
+def quantize_group_columns(t_MC: Tensor, offs_E: Tensor, offs_aligned: bool = False) -> tuple[Tensor, Tensor]:
+    """Per-group, per-column e4m3 quantization for the fp8 weight gradient.
+
+    Args:
+        t_MC: [M, C] bf16/fp16/fp32, rows sorted by group.
+        offs_E: [E] int32 cumulative group ends (empty groups allowed; rows past
+            ``offs[-1]`` belong to no group). Read on the host only by the reference.
+        offs_aligned: promise that every ``offs`` entry is a multiple of 16 (not checked):
+            the kernel then writes 16-byte vectors. A broken promise gives misaligned
+            stores on the GPU (a CUDA error or wrong codes).
+
+    Returns:
+        (q, scale): fp8 [M, C] column-major (strides ``(1, ld)``, ``ld`` = M rounded up to
+        16), rows past ``offs[-1]`` zero; fp32 [E*C] with ``scale[e*C + c]`` the scale of
+        column c over group e's rows (``EPS / 448`` for empty groups).
+    """
+    if kernels_run_on(t_MC.device):
+        return quantize_group_columns_triton(t_MC, offs_E, offs_aligned)
+    return quantize_group_columns_reference(t_MC, offs_E)
