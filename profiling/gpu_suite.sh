@@ -8,8 +8,8 @@
 #
 # Sections (default: all that the GPU count allows, in this order):
 #   tests      pytest -m gpu (the kernels against their references, CUDA export, compile)
-#   kda        profiling/bench_kda.py: our op at the issue's shapes, with the forward's
-#              intermediates kept for the backward (TITAN_MOE_KDA_KEEP=1) and the old classic walk
+#   kda        profiling/bench_kda.py: our op at the issue's shapes, with the backward recomputing
+#              the forward's intermediates (TITAN_MOE_KDA_KEEP=0) and the old classic walk
 #   kda_fla    profiling/bench_kda.py --kernels 6: ours against fla in the same run (fla's
 #              autotuning takes minutes on a fresh machine)
 #   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
@@ -20,9 +20,13 @@
 #              compile) beside the default whole-layer regions, 30 steps each (not in the default list)
 #   aoti       profiling/aoti_isolate.py: which layer kind's AOTInductor package fails on CUDA
 #              (not in the default list)
-#   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=1 (the KDA forward keeps its
-#              intermediates for the backward) beside the default (not in the default list)
-# Time limits per section: $SUITE_TIMEOUT seconds (default 540). SUITE_DRY_RUN=1 writes each
+#   fp8_fused  small_1gpu eager with fp8 linears and experts, the experts on our fused fp8 grouped
+#              GEMM (TITAN_MOE_FP8_EXPERTS_GEMM=fused) beside torchao's, 30 steps each (not in the
+#              default list)
+#   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
+#              the forward's intermediates) beside the default, which keeps them (not in the default list)
+# Time limits per section: $SUITE_TIMEOUT seconds (default 540). The training runs' dump folders
+# go under $SUITE_DUMP (default OUT). SUITE_DRY_RUN=1 writes each
 # command to summary.txt instead of running it; SUITE_GPUS overrides the GPU count (both for
 # checking the script without a GPU).
 set -u
@@ -40,6 +44,7 @@ if [ ${#SECTIONS[@]} -eq 0 ]; then
     [ "$GPUS" -ge 2 ] && SECTIONS+=(train_ep)
 fi
 LIMIT=${SUITE_TIMEOUT:-540}
+DUMP=${SUITE_DUMP:-$OUT}  # the training runs' dump folders (traces, metrics, checkpoints)
 export PYTHONUNBUFFERED=1
 SMALL=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 30
        --metrics.log_freq 5 --validation.freq 1000)
@@ -62,29 +67,34 @@ for section in "${SECTIONS[@]}"; do
     case $section in
         tests) run tests python -m pytest -m gpu -q -rsx --runxfail -o faulthandler_timeout=300 tests ;;
         kda) run kda python profiling/bench_kda.py --no-fla --kernels 6 \
-                --variants keep:TITAN_MOE_KDA_KEEP=1,classic:TITAN_MOE_KDA_WALK=classic+TITAN_MOE_KDA_PREPARE=composite ;;
+                --variants recompute:TITAN_MOE_KDA_KEEP=0,classic:TITAN_MOE_KDA_WALK=classic+TITAN_MOE_KDA_PREPARE=composite+TITAN_MOE_KDA_KEEP=0 ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)
-            run train_eager torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$OUT/train_eager"
+            run train_eager torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/train_eager"
             run train_compiled torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable \
-                --job.dump_folder "$OUT/train_compiled" ;;
+                --job.dump_folder "$DUMP/train_compiled" ;;
         train_ep)
             run train_ep torchrun --standalone --nproc_per_node=2 "${SMALL[@]}" --compile.enable \
                 --parallelism.data_parallel_shard_degree 2 --parallelism.expert_parallel_degree 2 \
-                --validation.local_batch_size 2 --job.dump_folder "$OUT/train_ep" ;;
+                --validation.local_batch_size 2 --job.dump_folder "$DUMP/train_ep" ;;
         fp8) run fp8 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable "${FP8[@]}" \
-                --job.dump_folder "$OUT/fp8" ;;
+                --job.dump_folder "$DUMP/fp8" ;;
         regions)
             run regions_whole torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable \
-                --job.dump_folder "$OUT/regions_whole"
+                --job.dump_folder "$DUMP/regions_whole"
             run regions_piecewise torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable \
-                --compile.moe_regions piecewise --job.dump_folder "$OUT/regions_piecewise" ;;
+                --compile.moe_regions piecewise --job.dump_folder "$DUMP/regions_piecewise" ;;
         aoti) run aoti python profiling/aoti_isolate.py --device cuda ;;
+        fp8_fused)
+            run fp8_torchao torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" "${FP8[@]}" \
+                --job.dump_folder "$DUMP/fp8_torchao"
+            run fp8_fused env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun --standalone --nproc_per_node=1 \
+                "${SMALL[@]}" "${FP8[@]}" --job.dump_folder "$DUMP/fp8_fused" ;;
         keep)
-            run keep_off torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$OUT/keep_off"
-            run keep_on env TITAN_MOE_KDA_KEEP=1 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" \
-                --job.dump_folder "$OUT/keep_on" ;;
+            run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"
+            run keep_off env TITAN_MOE_KDA_KEEP=0 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" \
+                --job.dump_folder "$DUMP/keep_off" ;;
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done

@@ -41,7 +41,7 @@ ARGS = dataclasses.replace(TINY_ARGS, n_layers=4, mla_layers=[1, 3], n_dense_lay
 KINDS = {0: ("kda", False), 1: ("mla", False), 2: ("kda", True), 3: ("mla", True)}
 B, T = 2, 32
 
-KDA_OPS = {"kda_chunk_fwd", "kda_chunk_bwd"}
+KDA_OPS = {"kda_chunk_fwd_kept", "kda_chunk_bwd_kept"}  # the default (TITAN_MOE_KDA_KEEP=1) under autograd
 MOE_OPS = {"grouped_mm", "grouped_mm_dx", "grouped_mm_dw"}
 
 

@@ -211,14 +211,15 @@ def test_graph_dumps_name_our_ops(run):
     for kind in index:
         assert {f"{kind}/{s}_0.py" for s in ("dynamo_graph", "aot_forward", "aot_backward")} <= set(index[kind]["files"])
     assert "titan_moe.kda_chunk_fwd" in read("kda_dense", "dynamo_graph")
-    assert "titan_moe.kda_chunk_fwd" in read("kda_dense", "aot_forward")
-    assert "titan_moe.kda_chunk_bwd" in read("kda_dense", "aot_backward")
+    # under autograd the default (TITAN_MOE_KDA_KEEP=1) keeps the forward's intermediates
+    assert "titan_moe.kda_chunk_fwd_kept" in read("kda_dense", "aot_forward")
+    assert "titan_moe.kda_chunk_bwd_kept" in read("kda_dense", "aot_backward")
     assert "titan_moe.grouped_mm" in read("mla_moe", "dynamo_graph")
     assert "titan_moe.grouped_mm.default" in read("mla_moe", "aot_forward")
     backward = read("mla_moe", "aot_backward")
     assert "titan_moe.grouped_mm_dx" in backward and "titan_moe.grouped_mm_dw" in backward
     assert "titan_moe.kda_chunk_fwd" not in read("mla_moe", "dynamo_graph")
-    assert index["kda_dense"]["custom_ops"] == ["titan_moe.kda_chunk_bwd", "titan_moe.kda_chunk_fwd"]
+    assert index["kda_dense"]["custom_ops"] == ["titan_moe.kda_chunk_bwd_kept", "titan_moe.kda_chunk_fwd_kept"]
     assert index["mla_moe"]["custom_ops"] == ["titan_moe.grouped_mm", "titan_moe.grouped_mm_dw", "titan_moe.grouped_mm_dx",
                                               "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine", "titan_moe.moe_unpermute_combine_backward"]
 

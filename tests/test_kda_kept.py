@@ -41,6 +41,8 @@ def _loss_and_grads(leaves, cu, keep: str, monkeypatch):
 
 def test_keep_switch(monkeypatch):
     monkeypatch.delenv(kda_op.KEEP_ENV, raising=False)
+    assert kda_op.keep_selected()  # the default since the H200 timing
+    monkeypatch.setenv(kda_op.KEEP_ENV, "0")
     assert not kda_op.keep_selected()
     monkeypatch.setenv(kda_op.KEEP_ENV, "1")
     assert kda_op.keep_selected()

@@ -202,7 +202,8 @@ def test_export_matches_eager():
     for inputs in ((x,), (x, doc_ids, cu)):
         ep = torch.export.export(m, inputs)
         targets = {str(node.target) for node in ep.graph.nodes if node.op == "call_function"}
-        assert "titan_moe.kda_chunk_fwd.default" in targets
+        # parameters require grad here, so the default keeps the forward's intermediates
+        assert "titan_moe.kda_chunk_fwd_kept.default" in targets
         with torch.no_grad():
             assert rel_err(ep.module()(*inputs), m(*inputs)) < 1e-6
 

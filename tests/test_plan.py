@@ -547,7 +547,7 @@ def test_cli_activations_flag_defaults_to_the_compile_setting(capsys):
 
 
 def test_cli_counts_the_kda_keep_residuals(capsys, monkeypatch):
-    """TITAN_MOE_KDA_KEEP=1: per token and head the kept forward holds fp32 G, A_qk, A_inv
+    """TITAN_MOE_KDA_KEEP=1 (the default): per token and head the kept forward holds fp32 G, A_qk, A_inv
     (dk + 2C), the lean walk's W, K~, V~ and chunk states (2 dk + dv + dk dv / C, in q's
     dtype) and e^{G_last} (dk / C fp32). The eager profile measures exactly that much more
     for each KDA layer kind (debug_cpu: fp32 q), nothing more for MLA; the compiled count
@@ -555,9 +555,10 @@ def test_cli_counts_the_kda_keep_residuals(capsys, monkeypatch):
     from titan_moe.plan.activations import kept_residual_bytes_per_token
 
     base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141")
+    monkeypatch.setenv("TITAN_MOE_KDA_KEEP", "0")
     _, plain = _run(capsys, *base)
     _, plain_compiled = _run(capsys, *base, "--activations", "compiled")
-    monkeypatch.setenv("TITAN_MOE_KDA_KEEP", "1")
+    monkeypatch.delenv("TITAN_MOE_KDA_KEEP")  # the default keeps
     lines, kept = _run(capsys, *base)
     _, kept_compiled = _run(capsys, *base, "--activations", "compiled")
     args = FLAVORS["debug"]

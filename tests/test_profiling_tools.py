@@ -274,9 +274,18 @@ def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_swit
     proc = _gpu_suite(tmp_path, "keep", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["keep_off", "keep_on"]
-    assert commands["keep_on"].startswith("env TITAN_MOE_KDA_KEEP=1 torchrun") and "KEEP" not in commands["keep_off"]
+    assert list(commands) == ["keep_on", "keep_off"]
+    assert commands["keep_off"].startswith("env TITAN_MOE_KDA_KEEP=0 torchrun") and "KEEP" not in commands["keep_on"]
     assert all("--compile.enable" not in c and "small_1gpu.toml" in c for c in commands.values())
+
+
+def test_gpu_suite_fp8_fused_section_compares_the_two_expert_gemms(tmp_path):
+    proc = _gpu_suite(tmp_path, "fp8_fused", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["fp8_torchao", "fp8_fused"]
+    assert commands["fp8_fused"].startswith("env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun")
+    assert all("titan_float8_experts" in c and "--compile.enable" not in c for c in commands.values())
 
 
 def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
@@ -334,7 +343,7 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
     rows = json.loads(out.read_text())
     kernels = {r["kernel"] for r in rows}
     assert kernels >= {"_chunk_cumsum_kernel", "_intra_tiles_kernel", "_wy_kernel", "_state_scan_kernel",
-                       "_output_kernel", "_bwd_walk_prep_kernel", "_bwd_state_scan_kernel", "_bwd_chunk_kernel",
+                       "_output_kernel", "_bwd_walk_prep_kernel", "_bwd_state_scan_kernel", "_bwd_chunk_keys_kernel", "_bwd_chunk_values_kernel",
                        "_bwd_intra_kernel", "_bwd_reverse_cumsum_kernel", "_prepare_fwd_kernel",
                        "_prepare_bwd_kernel", "_situ_fwd_kernel", "_situ_bwd_kernel"}
     for r in rows:
@@ -342,7 +351,7 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
         assert 0 <= r["shared_bytes"] <= 227 * 1024, r
     walk = next(r for r in rows if r["kernel"] == "_state_scan_kernel" and r["case"] == "kda_fwd_lean")
     assert (walk["num_warps"], walk["num_stages"]) == (8, 2)
-    assert "_bwd_chunk_kernel" in proc.stdout
+    assert "_bwd_chunk_keys_kernel" in proc.stdout
 
 
 def test_kernel_resources_refuses_the_interpreter_and_unknown_cases(tmp_path):

@@ -209,7 +209,7 @@ def _kda(args: ModelArgs, a: int) -> tuple[list[Entry], float]:
         Entry("kda.wo_in", I * a),
         Entry("kda.wo", D * a, kept=False, mm=True),
     ]
-    if keep_selected():  # the kept forward's residuals (TITAN_MOE_KDA_KEEP=1)
+    if keep_selected():  # the kept forward's residuals (TITAN_MOE_KDA_KEEP=1, the default)
         e.append(Entry("kda.kept_residuals", kept_residual_bytes_per_token(args, a)))
     return e, kda_bwd_workspace_per_token(H, dk, dv)
 
@@ -233,17 +233,20 @@ def kda_bwd_workspace_per_token(H: int, dk: int, dv: int) -> float:
 
 def kept_residual_bytes_per_token(args: ModelArgs, element_bytes: int = 2) -> float:
     """Bytes per token one KDA layer's forward keeps for its backward under
-    `TITAN_MOE_KDA_KEEP=1`, for q of `element_bytes` (16-bit or fp32), from
+    `TITAN_MOE_KDA_KEEP=1` (the default), for q of `element_bytes` (16-bit or fp32), from
     `triton_fwd.residual_specs` over whole chunks of one sequence with the walk
     `$TITAN_MOE_KDA_WALK` selects; an entry of the compiled count when the switch is on
     (the eager profile measures them: `eager.GpuKernelSaves`)."""
     # imported here: importing Triton decides interpreted vs compiled kernels for the process
     from titan_moe.ops.kda.triton_fwd import residual_specs, selected_walk
+    from titan_moe.ops.kda.triton_op import kernels_cover
 
     H, dk = args.kda_n_heads, args.kda_head_dim
     T = 16 * KDA_CHUNK
     with torch.device("meta"):
         q = torch.empty(1, T, H, dk, dtype=torch.bfloat16 if element_bytes == 2 else torch.float32)
+    if not kernels_cover(q, q, q.float()):  # head widths the kernels do not run keep nothing
+        return 0.0
     specs = residual_specs(q, q, 1, False, selected_walk())
     return sum(math.prod(shape) * dt.itemsize for shape, dt in specs) / T
 

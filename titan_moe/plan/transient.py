@@ -307,16 +307,22 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
     if lean:  # scale Q e^G for the walk; after it, the walk's inputs are freed (before stage 2)
         scan.append(("q_decay", TT * H * K * q.element_size()))
         walk_only = ["q_decay"] if kept else ["q_decay", "W", "k_to_end", "decay"]
-    chunk = [("dAqk", TT * H * C * f32), ("dAkk", TT * H * C * f32), ("dq_part", TT * H * K * f32),
-             ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), ("dbeta_part", TT * H * f32),
-             ("dv", _nbytes(v))]  # stage 2
+    # imported here: importing Triton decides interpreted vs compiled kernels for the process
+    from titan_moe.ops.kda.triton_bwd import BWD_CHUNK_BK
+
+    NK = K // min(K, BWD_CHUNK_BK)  # stage 2's key blocks: their dX and dbeta shares
+    shares = [("dbeta_keys", NK * TT * H * f32), ("dX_keys", NK * TT * H * C * f32)]
+    chunk = [("dq_part", TT * H * K * f32), ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), *shares,
+             ("dAqk", TT * H * C * f32), ("dbeta_part", TT * H * f32), ("dv", _nbytes(v)),
+             ("dbeta_keys", -shares[0][1]), ("dAkk", TT * H * C * f32), ("dX_keys", -shares[1][1])]  # stage 2
     intra = [("dq", _nbytes(q)), ("dk", _nbytes(k)), ("dbeta", _nbytes(beta))]  # stage 3
     events += copies + scan
     sizes = dict(events)
     events += [(name, -sizes[name]) for name in walk_only]
     events += chunk + intra + [("dg", _nbytes(g))]  # stage 4: dg
     sizes = dict(events)
-    work = copies + [(name, n) for name, n in scan + chunk if name not in ("dh0", "dv", *walk_only)]
+    work = copies + [(name, n) for name, n in scan + chunk
+                     if n > 0 and name not in ("dh0", "dv", "dbeta_keys", "dX_keys", *walk_only)]
     events += [(name, -sizes[name]) for name in states if name not in walk_only] + [(name, -n) for name, n in work]
     return events
 

@@ -17,9 +17,9 @@ holding them from the forward to the backward: per token and head 4 (dk + 2 C) b
 36 KiB per token and layer). Under full activation checkpointing the layer's forward is rerun
 right before its backward, so the residuals live only for that layer's backward.
 
-`chunk_kda` uses these ops when `$TITAN_MOE_KDA_KEEP=1` and autograd records the call
-(default 0: the trade has not been timed end to end). The memory planner counts the
-residuals when the switch is on (`cuda_shaped_residuals` below for its eager measurement,
+`chunk_kda` uses these ops when autograd records the call, unless `$TITAN_MOE_KDA_KEEP=0`
+(the default 1 since the H200 timing: forward+backward 12.75 against 15.46 ms at T = 32K,
+BENCHMARKS.md). The memory planner counts the residuals when the switch is on (`cuda_shaped_residuals` below for its eager measurement,
 `plan.activations.kept_residual_bytes_per_token` for the compiled count). On the CPU (and
 for shapes the Triton kernels do not cover) the forward returns empty `[0]` residuals and
 the backward recomputes, exactly as `kda_chunk_bwd`.
@@ -141,6 +141,9 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state = inputs
     residuals = output[2:]
     ctx.mark_non_differentiable(*residuals)
+    # no zero-filled gradients for the residuals (h alone is [chunks, H, dk, dv]): the
+    # backward takes None for every gradient it is not given
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *residuals)
     ctx.scale = scale
     ctx.output_final_state = output_final_state

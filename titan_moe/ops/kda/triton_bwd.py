@@ -17,10 +17,13 @@ scan below is always sequential, see `triton_scan` for the forward's parallel on
              the lean walk first runs `_bwd_walk_prep_kernel` (per chunk: scale Q ⊙ e^G,
              and A_qk^T dO into dV~'s buffer) and takes K~, e^{G_last} from the forward's
              `_wy_kernel`; it stores dS' and dV~ in the input dtype (classic: fp32)
-    stage 2  `_bwd_chunk_kernel`  per chunk, everything that needs whole-chunk matrices:
-             dA_qk = dO V~^T;  dU = dV~, dW = -dV~ S^T;  dv = beta ⊙ X^T dU;
-             dK, dQ, dG from the state terms and from W = X (beta e^G K);
-             dX = dU (beta V)^T + dW (beta e^G K)^T;  dA_kk = -X^T dX X^T (strictly lower)
+    stage 2  everything that needs whole-chunk matrices, in two kernels:
+             `_bwd_chunk_keys_kernel` per chunk and block of key columns: dW = -dV~ S^T;
+             dK, dQ, dG from the state terms and from W = X (beta e^G K), and the block's
+             share of dX = dW (beta e^G K)^T and of dbeta;
+             `_bwd_chunk_values_kernel` per chunk: dA_qk = dO V~^T; dU = dV~;
+             dv = beta ⊙ X^T dU; dX += dU (beta V)^T; then `_bwd_dAkk_kernel`:
+             dA_kk = -X^T dX X^T (strictly lower)
     stage 3  `_bwd_intra_kernel`  per 16-token tile, the gradients of A_qk and A_kk into
              q, k, beta and G, with the same anchored dense tile dots as the forward
     stage 4  `_bwd_reverse_cumsum_kernel`  dg = reverse cumsum of dG inside each chunk
@@ -51,6 +54,12 @@ from titan_moe.ops.kda.triton_fwd import (
     state_from_residuals,
 )
 from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
+
+# stage 2's split: key blocks of BWD_CHUNK_BK columns, value blocks of BWD_CHUNK_BV
+BWD_CHUNK_BK, BWD_CHUNK_BV = 64, 32
+BWD_CHUNK_KEYS_WARPS, BWD_CHUNK_VALUES_WARPS = 8, 8
+# dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
+DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
 
 
 # ----------------------------------------------------------------------------------------
@@ -177,19 +186,93 @@ def _bwd_state_scan_kernel(
 # stage 2: whole-chunk gradients (state terms, WY factors, dA_qk, dA_kk)
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_chunk_kernel(
-    q, k, v, G, beta, Ainv, h, dh, v_new, dv_new, do,
-    dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dv, scale, cu_seqlens, chunk_indices,
+def _bwd_chunk_keys_kernel(
+    q, k, G, beta, Ainv, h, dh, v_new, dv_new, do,
+    dq_part, dk_part, dG_part, dbeta_keys, dX_keys, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One chunk: dv, dA_qk, dA_kk, and the non-intra parts of dq, dk, dG, dbeta.
+    """One chunk and BK key columns: the state terms and W = X (beta e^G K) of dq, dk, dG,
+    and this block's shares of dbeta and of dX = dW (beta e^G K)^T.
 
     Inputs as in the forward (`[TT, H, ·]`, h/dh `[chunks, H, K, V]`), dv_new = dV~ from
-    stage 1 (h, dh, v_new, dv_new: fp32 or the input dtype, per walk; upcast on load).
-    Writes dAqk (= dO V~^T, lower incl. diagonal), dAkk (= -X^T dX X^T, strictly lower),
-    both `[TT, H, BT]` fp32; dq_part, dk_part, dG_part `[TT, H, K]`,
-    dbeta_part `[TT, H]` fp32; dv `[TT, H, V]` (v's dtype). Grid: (chunks, H).
+    stage 1. h, dh, v_new, dv_new are in the walk's dtype (fp32 classic, the input dtype
+    lean) and meet the tensor cores in it; do is cast to it (o, hence do, has q's dtype in
+    every caller), so 16-bit tiles are 16-bit dot operands (exactly the tf32 dot of their
+    fp32 upcasts: tf32 keeps bf16's and fp16's mantissas). Writes dq_part, dk_part,
+    dG_part `[TT, H, K]` fp32 for its columns; dbeta_keys `[K // BK, TT, H]` and dX_keys
+    `[K // BK, TT, H, BT]` fp32 at its block index (summed by `_bwd_chunk_values_kernel`).
+    Grid: (chunks, H, K // BK).
+    """
+    i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = tl.arange(0, BT)
+    rows = i_t * BT + o_t
+    m_t = rows < T
+    m_r = m_t[:, None]
+    tok = (bos + rows) * H + i_h
+    o_k = i_k * BK + tl.arange(0, BK)
+    walk_dt = h.dtype.element_ty
+
+    b_dq_state = tl.zeros([BT, BK], dtype=tl.float32)  # dO S^T
+    b_dk_state = tl.zeros([BT, BK], dtype=tl.float32)  # V~ dS'^T
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # -dV~ S^T
+    b_s_ds = tl.zeros([BK], dtype=tl.float32)  # Σ_v S ⊙ dS'
+    for i_v in range(0, V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_v = tok[:, None] * V + o_v[None, :]
+        p_S = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(h + p_S)
+        b_dS = tl.load(dh + p_S)
+        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
+        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
+        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
+        b_dq_state += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
+        b_dk_state += tl.dot(b_vn, tl.trans(b_dS), input_precision=PRECISION)
+        b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PRECISION)
+        b_s_ds += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), axis=1)
+
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    p_k = tok[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_G = tl.load(G + p_k, mask=m_r, other=0.0)
+    b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+    b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
+    b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
+    b_eG = tl.exp(b_G)
+    b_dq = b_dq_state * b_eG * scale
+    b_dk_state = tl.where(m_r, b_dk_state * tl.exp(b_G_last[None, :] - b_G), 0.0)
+    b_kg = b_k * b_eG * b_beta[:, None]  # beta e^G K
+    b_y = tl.dot(tl.trans(b_X), b_dw, input_precision=PRECISION)  # X^T dW
+    b_dk = b_dk_state + b_y * b_eG * b_beta[:, None]
+    b_dG = b_q * b_dq - b_k * b_dk_state + b_kg * b_y
+    # G_last = G at the chunk's last token: its gradient lands on that row
+    b_dG_last = tl.exp(b_G_last) * b_s_ds + tl.sum(b_k * b_dk_state, axis=0)
+    b_dG += tl.where((rows == last)[:, None], b_dG_last[None, :], 0.0)
+    tl.store(dq_part + p_k, b_dq, mask=m_r)
+    tl.store(dk_part + p_k, b_dk, mask=m_r)
+    tl.store(dG_part + p_k, b_dG, mask=m_r)
+    share = i_k.to(tl.int64) * TT * H + tok
+    tl.store(dbeta_keys + share, tl.sum(b_y * b_eG * b_k, axis=1), mask=m_t)
+    b_dX = tl.dot(b_dw, tl.trans(b_kg), input_precision=PRECISION)
+    tl.store(dX_keys + share[:, None] * BT + o_t[None, :], b_dX, mask=m_r)
+
+
+@triton.jit
+def _bwd_chunk_values_kernel(
+    v, beta, Ainv, v_new, dv_new, do, dX_keys, dbeta_keys,
+    dAqk, dbeta_part, dv, scale, cu_seqlens, chunk_indices, TT,
+    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One chunk: dA_qk = dO V~^T, dv and dbeta from U = X (beta V), and, with the key
+    blocks' shares of `_bwd_chunk_keys_kernel` added, the whole dX.
+
+    Writes dAqk (= scale dO V~^T, lower incl. diagonal) `[TT, H, BT]` fp32; dbeta_part
+    `[TT, H]` fp32 (all but the A_kk tiles' share, which `_bwd_intra_kernel` adds); dv
+    `[TT, H, V]` (v's dtype); dX over share 0 of dX_keys (for `_bwd_dAkk_kernel`).
+    Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
@@ -198,18 +281,22 @@ def _bwd_chunk_kernel(
     m_t = rows < T
     m_r = m_t[:, None]
     tok = (bos + rows) * H + i_h
+    walk_dt = v_new.dtype.element_ty
     m_tril = o_t[:, None] >= o_t[None, :]
     b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & m_tril, other=0.0)
     b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
     b_dX = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    for i_k in tl.static_range(NK):
+        share = i_k * TT * H + tok.to(tl.int64)
+        b_dX += tl.load(dX_keys + share[:, None] * BT + o_t[None, :], mask=m_r, other=0.0)
+        b_dbeta += tl.load(dbeta_keys + share, mask=m_t, other=0.0)
 
-    # value columns: dA_qk = dO V~^T; U = X (beta V) gives dv, dbeta and dX
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, V // BV):
         p_v = tok[:, None] * V + (i_v * BV + tl.arange(0, BV))[None, :]
-        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
-        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0).to(tl.float32)
+        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
+        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
         b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_r, other=0.0).to(tl.float32)
         b_dAqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PRECISION)
@@ -218,55 +305,35 @@ def _bwd_chunk_kernel(
         tl.store(dv + p_v, (b_z * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_r)
         b_dbeta += tl.sum(b_z * b_v, axis=1)
     tl.store(dAqk + tok[:, None] * BT + o_t[None, :], tl.where(m_tril, b_dAqk * scale, 0.0), mask=m_r)
-
-    # key columns: O's state term, the state update, and W = X (beta e^G K)
-    last = tl.minimum(i_t * BT + BT, T) - 1
-    is_last = (rows == last)[:, None]
-    for i_k in range(0, K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_dq_state = tl.zeros([BT, BK], dtype=tl.float32)  # dO S^T
-        b_dk_state = tl.zeros([BT, BK], dtype=tl.float32)  # V~ dS'^T
-        b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # -dV~ S^T
-        b_s_ds = tl.zeros([BK], dtype=tl.float32)  # Σ_v S ⊙ dS'
-        for i_v in range(0, V // BV):
-            o_v = i_v * BV + tl.arange(0, BV)
-            p_v = tok[:, None] * V + o_v[None, :]
-            p_S = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            b_S = tl.load(h + p_S).to(tl.float32)
-            b_dS = tl.load(dh + p_S).to(tl.float32)
-            b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
-            b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0).to(tl.float32)
-            b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
-            b_dq_state += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
-            b_dk_state += tl.dot(b_vn, tl.trans(b_dS), input_precision=PRECISION)
-            b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PRECISION)
-            b_s_ds += tl.sum(b_S * b_dS, axis=1)
-
-        p_k = tok[:, None] * K + o_k[None, :]
-        b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
-        b_G = tl.load(G + p_k, mask=m_r, other=0.0)
-        b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
-        b_eG = tl.exp(b_G)
-        b_dq = b_dq_state * b_eG * scale
-        b_dk_state = tl.where(m_r, b_dk_state * tl.exp(b_G_last[None, :] - b_G), 0.0)
-        b_kg = b_k * b_eG * b_beta[:, None]  # beta e^G K
-        b_y = tl.dot(tl.trans(b_X), b_dw, input_precision=PRECISION)  # X^T dW
-        b_dk = b_dk_state + b_y * b_eG * b_beta[:, None]
-        b_dbeta += tl.sum(b_y * b_eG * b_k, axis=1)
-        b_dX += tl.dot(b_dw, tl.trans(b_kg), input_precision=PRECISION)
-        b_dG = b_q * b_dq - b_k * b_dk_state + b_kg * b_y
-        # G_last = G at the chunk's last token: its gradient lands on that row
-        b_dG_last = tl.exp(b_G_last) * b_s_ds + tl.sum(b_k * b_dk_state, axis=0)
-        b_dG += tl.where(is_last, b_dG_last[None, :], 0.0)
-        tl.store(dq_part + p_k, b_dq, mask=m_r)
-        tl.store(dk_part + p_k, b_dk, mask=m_r)
-        tl.store(dG_part + p_k, b_dG, mask=m_r)
     tl.store(dbeta_part + tok, b_dbeta, mask=m_t)
+    tl.store(dX_keys + tok.to(tl.int64)[:, None] * BT + o_t[None, :], b_dX, mask=m_r)  # the whole dX, in share 0
 
-    # X = (I + A_kk)^{-1}  =>  dA_kk = -X^T dX X^T, only its strictly lower part is used
-    b_dA = -tl.dot(tl.dot(tl.trans(b_X), b_dX, input_precision="ieee"), tl.trans(b_X), input_precision="ieee")
-    tl.store(dAkk + tok[:, None] * BT + o_t[None, :], tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
+
+@triton.jit
+def _bwd_dAkk_kernel(
+    Ainv, dX, dAkk, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr, PRECISION_DA: tl.constexpr,
+):
+    """One chunk: X = (I + A_kk)^{-1}  =>  dA_kk = -X^T dX X^T, strictly lower part.
+
+    The two [BT, BT] products need about fp32 accuracy (X and dX are fp32 and carry the
+    exp-factor products); PRECISION_DA picks how: "tf32x3" (three tf32 tensor-core products
+    per dot, the split a = a_hi + a_lo dropping a_lo b_lo: relative error near 2^-21 per
+    product) or "ieee" (fp32 FMAs on the CUDA cores: 0.87 ms of 11.9 at T = 32K on the H200,
+    BENCHMARKS.md). Its own kernel because these dots take registers that
+    `_bwd_chunk_values_kernel` would otherwise run with (254 against 128 per thread at 8
+    warps on sm_90 with "ieee", `profiling/kernel_resources.py`).
+    Ainv, dX (the whole dX, `_bwd_chunk_values_kernel`'s), dAkk: `[TT, H, BT]` fp32.
+    Grid: (chunks, H).
+    """
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = tl.arange(0, BT)
+    m_r = (i_t * BT + o_t < T)[:, None]
+    p_a = ((bos + i_t * BT + o_t) * H + i_h).to(tl.int64)[:, None] * BT + o_t[None, :]
+    b_X = tl.load(Ainv + p_a, mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
+    b_dX = tl.load(dX + p_a, mask=m_r, other=0.0)
+    b_dA = -tl.dot(tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA), tl.trans(b_X), input_precision=PRECISION_DA)
+    tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
 
 
 # ----------------------------------------------------------------------------------------
@@ -454,19 +521,34 @@ def chunk_kda_bwd_triton(
     if lean:  # read by the walks only: free them before the stages below
         q_decay = st.W = st.k_to_end = st.decay = None
 
-    dAqk = torch.empty(TT, H, CHUNK, **f32)
-    dAkk = torch.empty(TT, H, CHUNK, **f32)
     dq_part = torch.empty(TT, H, K, **f32)
     dk_part = torch.empty(TT, H, K, **f32)
     dG = torch.empty(TT, H, K, **f32)
+    BK = min(K, BWD_CHUNK_BK)
+    dbeta_keys = torch.empty(K // BK, TT, H, **f32)
+    dX_keys = torch.empty(K // BK, TT, H, CHUNK, **f32)
+    _bwd_chunk_keys_kernel[(n_chunks, H, K // BK)](
+        q, k, st.G, beta, st.Ainv, st.h, dh, st.v_new, dv_new, do,
+        dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=min(V, BWD_CHUNK_BV), PRECISION=st.precision,
+        num_warps=BWD_CHUNK_KEYS_WARPS, num_stages=2,
+    )
+    dAqk = torch.empty(TT, H, CHUNK, **f32)
     dbeta_part = torch.empty(TT, H, **f32)
     dv = torch.empty_like(v)
-    _bwd_chunk_kernel[(n_chunks, H)](
-        q, k, v, st.G, beta, st.Ainv, st.h, dh, st.v_new, dv_new, do,
-        dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices,
-        H=H, K=K, V=V, BT=CHUNK, BK=min(K, 32), BV=min(V, 32), PRECISION=st.precision, num_warps=8,
-        num_stages=2,
+    _bwd_chunk_values_kernel[(n_chunks, H)](
+        v, beta, st.Ainv, st.v_new, dv_new, do, dX_keys, dbeta_keys,
+        dAqk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
+        H=H, V=V, BT=CHUNK, BV=min(V, BWD_CHUNK_BV), NK=K // BK, PRECISION=st.precision,
+        num_warps=BWD_CHUNK_VALUES_WARPS, num_stages=2,
     )
+    dbeta_keys = None
+    dAkk = torch.empty(TT, H, CHUNK, **f32)
+    _bwd_dAkk_kernel[(n_chunks, H)](
+        st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
+        PRECISION_DA="ieee" if st.precision == "ieee" else DA_KK_PRECISION, num_warps=DA_KK_WARPS,
+    )
+    dX_keys = None
 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
