@@ -53,6 +53,7 @@ CUDA = interpret_without_gpu()
 
 from titan_moe.ops.kda import naive_recurrent_kda  # noqa: E402
 from titan_moe.ops.kda import triton_fwd  # noqa: E402
+from titan_moe.ops.kda import triton_bwd  # noqa: E402
 from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton  # noqa: E402
 from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton, kda_fwd_states  # noqa: E402
 
@@ -287,6 +288,25 @@ def test_scan_config_override_keeps_results(monkeypatch):
     assert triton_fwd.sequential_scan_config(16, 32) == (16, 2)
     for name, got, want in zip(("o", "ht", *GRAD_NAMES), run(), default, strict=True):
         assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
+
+
+@needs_kernels
+def test_bwd_chunk_config_override_keeps_results(monkeypatch):
+    """Stage 2's launch knob (key and value blocks, warps) changes the grid, not the maths:
+    at dk = dv = 64, 16 x 16 blocks (four key blocks sharing dX and dbeta) agree with the
+    default's single key block."""
+    inp = make_inputs(1, 100, 2, 64, 64, "rand", seed=6)
+    do = torch.randn(1, 100, 2, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    default = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+    monkeypatch.setenv(triton_bwd.BWD_CHUNK_ENV, "16x16x2x4")
+    assert triton_bwd.bwd_chunk_config(64, 64) == (16, 16, 2, 4)
+    for name, got, want in zip(GRAD_NAMES, chunk_kda_bwd_triton(**inp, scale=0.25, do=do), default):
+        if want is not None:  # fp32 sums of the key blocks' shares in another order: ~1e-6
+            assert rel_err(got, want) < 1e-5, (name, rel_err(got, want))
+    for bad, match in (("64x32x8", "BKxBV"), ("48x32x8x8", "16, 32, 64 or 128"), ("64x32x3x8", "powers of two")):
+        monkeypatch.setenv(triton_bwd.BWD_CHUNK_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            triton_bwd.bwd_chunk_config(128, 128)
 
 
 def test_scan_config_rejects_bad_values(monkeypatch):

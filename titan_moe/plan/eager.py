@@ -25,8 +25,9 @@
     otherwise CUDA runs the same composite) its input and fp32 rstd. So `q` is the bias,
     `a` bytes per T^2 per sequence in each MLA layer, and 0 elsewhere; it is counted as
     `q * local_batch * (seq_len / cp)^2` (ring attention's masks under CP are not modelled).
-    With `TITAN_MOE_KDA_KEEP=1` the kept KDA forward returns zero residuals of the shapes its
-    CUDA kernels keep (`kda.kept.cuda_shaped_residuals`), so they are counted as saved.
+    With `TITAN_MOE_KDA_KEEP=1` (the default) the kept KDA forward returns zero residuals of
+    the shapes its CUDA kernels keep (`kda.kept.cuda_shaped_residuals`), so they are counted
+    as saved.
     CUDA autocast also runs softmax, sum, exp, ... in fp32 where CPU autocast does not; here
     that only touches tensors of a few bytes per token and is not corrected.
   * routed experts: a MoE layer with `n > top_k + 4` is built with `top_k + 2` and `top_k + 4`

@@ -308,9 +308,9 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
         scan.append(("q_decay", TT * H * K * q.element_size()))
         walk_only = ["q_decay"] if kept else ["q_decay", "W", "k_to_end", "decay"]
     # imported here: importing Triton decides interpreted vs compiled kernels for the process
-    from titan_moe.ops.kda.triton_bwd import BWD_CHUNK_BK
+    from titan_moe.ops.kda.triton_bwd import bwd_chunk_config
 
-    NK = K // min(K, BWD_CHUNK_BK)  # stage 2's key blocks: their dX and dbeta shares
+    NK = K // bwd_chunk_config(K, V)[0]  # stage 2's key blocks: their dX and dbeta shares
     shares = [("dbeta_keys", NK * TT * H * f32), ("dX_keys", NK * TT * H * C * f32)]
     chunk = [("dq_part", TT * H * K * f32), ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), *shares,
              ("dAqk", TT * H * C * f32), ("dbeta_part", TT * H * f32), ("dv", _nbytes(v)),

@@ -19,7 +19,8 @@ right before its backward, so the residuals live only for that layer's backward.
 
 `chunk_kda` uses these ops when autograd records the call, unless `$TITAN_MOE_KDA_KEEP=0`
 (the default 1 since the H200 timing: forward+backward 12.75 against 15.46 ms at T = 32K,
-BENCHMARKS.md). The memory planner counts the residuals when the switch is on (`cuda_shaped_residuals` below for its eager measurement,
+BENCHMARKS.md). The memory planner counts the residuals when the switch is on
+(`cuda_shaped_residuals` below for its eager measurement,
 `plan.activations.kept_residual_bytes_per_token` for the compiled count). On the CPU (and
 for shapes the Triton kernels do not cover) the forward returns empty `[0]` residuals and
 the backward recomputes, exactly as `kda_chunk_bwd`.

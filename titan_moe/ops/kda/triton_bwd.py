@@ -39,6 +39,8 @@ dG_i += q_i ⊙ dq_i + k_i ⊙ dk_i(row part), dG_j -= k_j ⊙ dk_j(column part)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -55,11 +57,28 @@ from titan_moe.ops.kda.triton_fwd import (
 )
 from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
-# stage 2's split: key blocks of BWD_CHUNK_BK columns, value blocks of BWD_CHUNK_BV
-BWD_CHUNK_BK, BWD_CHUNK_BV = 64, 32
-BWD_CHUNK_KEYS_WARPS, BWD_CHUNK_VALUES_WARPS = 8, 8
+# stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x32x8x8 (the default)
+BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
 # dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
 DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
+
+
+def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
+    """(BK, BV, keys warps, values warps) of stage 2: `_bwd_chunk_keys_kernel` runs one
+    program per chunk, head and BK key columns, both stage-2 kernels loop over BV value
+    columns. Default 64 x 32 with 8 warps each (at dk = dv = 128 on sm_90: 227 and 155
+    registers, `profiling/kernel_resources.py`), clipped to dk and dv; `$TITAN_MOE_KDA_BWD_CHUNK`
+    ("BKxBVxWKxWV", read per call) overrides it for tuning."""
+    text = os.environ.get(BWD_CHUNK_ENV) or "64x32x8x8"
+    try:
+        bk, bv, wk, wv = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise ValueError(f"{BWD_CHUNK_ENV} must be BKxBVxKEYS_WARPSxVALUES_WARPS, e.g. 64x32x8x8, got {text!r}") from None
+    if bk not in (16, 32, 64, 128) or bv not in (16, 32, 64, 128):
+        raise ValueError(f"{BWD_CHUNK_ENV}: BK and BV must be 16, 32, 64 or 128, got {text!r}")
+    if wk not in (1, 2, 4, 8, 16) or wv not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{BWD_CHUNK_ENV}: warps must be powers of two in [1, 16], got {text!r}")
+    return min(bk, K), min(bv, V), wk, wv
 
 
 # ----------------------------------------------------------------------------------------
@@ -332,7 +351,8 @@ def _bwd_dAkk_kernel(
     p_a = ((bos + i_t * BT + o_t) * H + i_h).to(tl.int64)[:, None] * BT + o_t[None, :]
     b_X = tl.load(Ainv + p_a, mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
     b_dX = tl.load(dX + p_a, mask=m_r, other=0.0)
-    b_dA = -tl.dot(tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA), tl.trans(b_X), input_precision=PRECISION_DA)
+    b_XtdX = tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA)
+    b_dA = -tl.dot(b_XtdX, tl.trans(b_X), input_precision=PRECISION_DA)
     tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
 
 
@@ -524,14 +544,13 @@ def chunk_kda_bwd_triton(
     dq_part = torch.empty(TT, H, K, **f32)
     dk_part = torch.empty(TT, H, K, **f32)
     dG = torch.empty(TT, H, K, **f32)
-    BK = min(K, BWD_CHUNK_BK)
+    BK, BV, keys_warps, values_warps = bwd_chunk_config(K, V)
     dbeta_keys = torch.empty(K // BK, TT, H, **f32)
     dX_keys = torch.empty(K // BK, TT, H, CHUNK, **f32)
     _bwd_chunk_keys_kernel[(n_chunks, H, K // BK)](
         q, k, st.G, beta, st.Ainv, st.h, dh, st.v_new, dv_new, do,
         dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
-        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=min(V, BWD_CHUNK_BV), PRECISION=st.precision,
-        num_warps=BWD_CHUNK_KEYS_WARPS, num_stages=2,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=st.precision, num_warps=keys_warps, num_stages=2,
     )
     dAqk = torch.empty(TT, H, CHUNK, **f32)
     dbeta_part = torch.empty(TT, H, **f32)
@@ -539,8 +558,7 @@ def chunk_kda_bwd_triton(
     _bwd_chunk_values_kernel[(n_chunks, H)](
         v, beta, st.Ainv, st.v_new, dv_new, do, dX_keys, dbeta_keys,
         dAqk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
-        H=H, V=V, BT=CHUNK, BV=min(V, BWD_CHUNK_BV), NK=K // BK, PRECISION=st.precision,
-        num_warps=BWD_CHUNK_VALUES_WARPS, num_stages=2,
+        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, num_warps=values_warps, num_stages=2,
     )
     dbeta_keys = None
     dAkk = torch.empty(TT, H, CHUNK, **f32)
