@@ -407,3 +407,33 @@ def test_cuda_matches_emulation(wgrad):
     want = _scaled_grouped_gemm_emulated(xq.cpu(), wq.fwd_EKN.cpu(), sx.cpu(), wq.scale_fwd_EN.cpu(), offs.cpu(),
                                          torch.bfloat16)
     assert rel_err(got, want) < 1e-2
+
+
+def test_a_process_that_imported_triton_first_takes_the_reference():
+    """Triton imported without the interpreter, then TRITON_INTERPRET=1 set, then this module
+    imported (what a test session can do): its kernels are interpreted but Triton's tl.max is
+    not, so the kernels cannot run on the CPU; the dispatch must take the references (it
+    crashed inside the interpreter before `kernel_runs_on` checked Triton's library)."""
+    import os
+    import subprocess
+    import sys
+
+    script = textwrap.dedent(
+        """
+        import os
+        import triton  # noqa: F401  (imported before the variable is set)
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        from titan_moe.float8 import quantize as fq
+        from titan_moe.ops.triton_runtime import is_interpreted
+        x = torch.randn(20, 32)
+        assert is_interpreted(fq._rows_kernel) and not fq.kernels_run_on(torch.device("cpu"))
+        q, s = fq.quantize_rows(x)
+        q_ref, s_ref = fq.quantize_rows_reference(x)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+        print("OK")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -309,6 +309,21 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
             triton_bwd.bwd_chunk_config(128, 128)
 
 
+@needs_kernels
+def test_output_config_override_keeps_results(monkeypatch):
+    """The output kernel's launch knob: 16 value columns per program (four programs per chunk
+    and head) give the default's output (up to the order of fp32 sums inside the dots)."""
+    inp = make_inputs(1, 100, 2, 16, 64, "rand", seed=7)
+    default, _ = chunk_kda_fwd_triton(**inp, scale=0.25)
+    monkeypatch.setenv(triton_fwd.OUTPUT_ENV, "16x2")
+    assert triton_fwd.output_config(64) == (16, 2)
+    assert rel_err(chunk_kda_fwd_triton(**inp, scale=0.25)[0], default) < 1e-6
+    for bad in ("64", "48x4", "64x3"):
+        monkeypatch.setenv(triton_fwd.OUTPUT_ENV, bad)
+        with pytest.raises(ValueError, match=triton_fwd.OUTPUT_ENV):
+            triton_fwd.output_config(128)
+
+
 def test_scan_config_rejects_bad_values(monkeypatch):
     monkeypatch.setenv(triton_fwd.SCAN_BV_ENV, "64")
     with pytest.raises(ValueError, match="at most dv = 32"):

@@ -22,10 +22,20 @@ def is_interpreted(kernel) -> bool:
 
 
 def kernel_runs_on(kernel, device: torch.device) -> bool:
-    """Whether `kernel` can run on tensors of `device`: CUDA when compiled, CPU when interpreted."""
+    """Whether `kernel` can run on tensors of `device`: CUDA when compiled; CPU when it and
+    Triton's own library functions (tl.max, tl.sum, ...) are interpreted. The library is
+    built once, when Triton is first imported: a kernel module imported after
+    TRITON_INTERPRET=1 was set, in a process that imported Triton before, has interpreted
+    kernels that cannot call it (the callers then take their PyTorch paths)."""
     if device.type == "cuda":
         return not is_interpreted(kernel)
-    return device.type == "cpu" and is_interpreted(kernel)
+    return device.type == "cpu" and is_interpreted(kernel) and _library_interpreted()
+
+
+def _library_interpreted() -> bool:
+    import triton.language.standard as standard
+
+    return isinstance(standard.max, InterpretedFunction)
 
 
 def check_runs_on(kernel, device: torch.device, caller: str, module: str) -> None:

@@ -835,9 +835,26 @@ def kda_fwd_output(q: torch.Tensor, v: torch.Tensor, st: KDAForwardState, scale:
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
-    BV = min(V, 64)
+    BV, warps = output_config(V)
     _output_kernel[(V // BV, st.chunk_indices.shape[0], H)](
         q.contiguous(), st.G, st.Aqk, st.h, st.v_new, o, scale, st.cu_seqlens, st.chunk_indices,
-        H=H, K=K, V=V, BT=CHUNK, BV=BV, PRECISION=st.precision, num_warps=4,
+        H=H, K=K, V=V, BT=CHUNK, BV=BV, PRECISION=st.precision, num_warps=warps,
     )
     return o
+
+
+OUTPUT_ENV = "TITAN_MOE_KDA_OUTPUT"  # "BVxWARPS" of `_output_kernel`, for tuning
+
+
+def output_config(V: int) -> tuple[int, int]:
+    """(BV, num_warps) of `_output_kernel`: default 64 value columns per program (each
+    program recomputes scale Q e^G for its block), 4 warps, clipped to dv;
+    `$TITAN_MOE_KDA_OUTPUT` ("BVxWARPS", read per call) overrides it for tuning."""
+    text = os.environ.get(OUTPUT_ENV) or "64x4"
+    try:
+        bv, warps = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise ValueError(f"{OUTPUT_ENV} must be BVxWARPS, e.g. 64x4, got {text!r}") from None
+    if bv not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{OUTPUT_ENV}: BV must be 16, 32, 64 or 128 and warps a power of two <= 16, got {text!r}")
+    return min(bv, V), warps
