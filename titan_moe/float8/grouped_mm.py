@@ -84,8 +84,9 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
     * 2d x 2d (fp8 weight gradient): a [K, M] row-major, b [M, N] column-major, scale_a
       [E*K], scale_b [E*N] (flattened per group):
       ``out[e] = (a[:, rows of e] * sa[e]) @ (b[rows of e] * sb[e])``, [E, K, N], empty
-      groups zero. The flattened scale layout follows torchao 0.18's call; it has NOT been
-      run on a GPU yet: if torch wants another layout, change it here only.
+      groups zero. The flattened scale layout follows torchao 0.18's call; torch 2.11 on the
+      H200 accepts it and matches the emulation (``test_cuda_matches_emulation``). The
+      contracted M must be a multiple of 16 there (callers pass the buffers' padded rows).
 
     CUDA: ``torch._scaled_grouped_mm(..., out_dtype=torch.bfloat16, use_fast_accum=True)``
     plus zeroing of what it leaves unwritten. CPU: :func:`_scaled_grouped_gemm_emulated`.
