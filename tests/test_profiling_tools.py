@@ -359,3 +359,15 @@ def test_kernel_resources_refuses_the_interpreter_and_unknown_cases(tmp_path):
     assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
     proc = _kernel_resources(tmp_path, "--cases", "mla_fwd")
     assert proc.returncode == 2 and "unknown cases" in proc.stderr
+
+
+def test_scaled_grouped_mm_probe_refuses_without_an_fp8_gpu():
+    """The probe needs torch._scaled_grouped_mm's hardware: without it, one clear line and a
+    non-zero exit (its GPU numbers are in BENCHMARKS.md)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the probe would run")
+    proc = subprocess.run([sys.executable, str(REPO / "profiling" / "probe_scaled_grouped_mm.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "compute capability >= 8.9" in proc.stderr

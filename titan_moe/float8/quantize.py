@@ -83,7 +83,7 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_moe.ops.grouped_gemm.reference import group_bounds
-from titan_moe.ops.triton_runtime import is_interpreted, kernel_runs_on
+from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -462,15 +462,6 @@ def kernels_run_on(device: torch.device) -> bool:
     return kernel_runs_on(_rows_kernel, device)
 
 
-def _require_kernels(name: str, device: torch.device) -> None:
-    if not kernels_run_on(device):
-        raise ValueError(
-            f"{name}: the Triton kernels run on CUDA, or on CPU when TRITON_INTERPRET=1 was set before "
-            f"titan_moe.float8.quantize was imported; got device {device} "
-            f"(interpreter {'on' if interpreted() else 'off'})"
-        )
-
-
 def _small_tiles(device: torch.device) -> bool:
     return device.type != "cuda"  # interpreter: small tiles, so test shapes cross tile edges
 
@@ -480,7 +471,7 @@ def quantize_rows_triton(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: i
     """:func:`quantize_rows` through ``_rows_kernel``. ``block_m``/``block_k`` override the tiles
     (powers of two; GPU default: a tile of 8192 elements, BLOCK_K = next_pow2(K) up to 4096)."""
     _check_rows_args(x_MK, dest_M, num_rows)
-    _require_kernels("quantize_rows_triton", x_MK.device)
+    check_runs_on(_rows_kernel, x_MK.device, "quantize_rows_triton", __name__)
     if x_MK.stride(1) != 1:
         x_MK = x_MK.contiguous()
     M, K = x_MK.shape
@@ -512,7 +503,7 @@ def quantize_weight_triton(w_EKN: Tensor, dgrad: bool = True, block_k: int | Non
     """:func:`quantize_weight` through ``_weight_amax_kernel`` + ``_weight_quant_kernel``
     (tiles [block_k, block_n] for both; GPU default 64 x 128). ``w`` may have any strides."""
     _check_weight_args(w_EKN)
-    _require_kernels("quantize_weight_triton", w_EKN.device)
+    check_runs_on(_rows_kernel, w_EKN.device, "quantize_weight_triton", __name__)
     E, K, N = w_EKN.shape
     dev = w_EKN.device
     small = _small_tiles(dev)
@@ -543,7 +534,7 @@ def quantize_group_columns_triton(t_MC: Tensor, offs_E: Tensor, offs_aligned: bo
     """:func:`quantize_group_columns` through ``_group_cols_kernel`` (grid: column blocks x
     (E + 1) groups; GPU default tile 128 rows x 64 columns)."""
     _check_group_columns_args(t_MC, offs_E)
-    _require_kernels("quantize_group_columns_triton", t_MC.device)
+    check_runs_on(_rows_kernel, t_MC.device, "quantize_group_columns_triton", __name__)
     if t_MC.stride(1) != 1:
         t_MC = t_MC.contiguous()
     M, C = t_MC.shape

@@ -205,6 +205,17 @@ def _bwd_state_scan_kernel(
 # stage 2: whole-chunk gradients (state terms, WY factors, dA_qk, dA_kk)
 # ----------------------------------------------------------------------------------------
 @triton.jit
+def _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H: tl.constexpr, BT: tl.constexpr):
+    """Chunk i_c's rows for head i_h: (bos, T, i_t) of `_chunk_location`, the in-chunk
+    offsets o_t, the sequence positions rows, their mask m_t (rows < T) and the `[TT, H]`
+    row indices tok."""
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = tl.arange(0, BT)
+    rows = i_t * BT + o_t
+    return bos, T, i_t, o_t, rows, rows < T, (bos + rows) * H + i_h
+
+
+@triton.jit
 def _bwd_chunk_keys_kernel(
     q, k, G, beta, Ainv, h, dh, v_new, dv_new, do,
     dq_part, dk_part, dG_part, dbeta_keys, dX_keys, scale, cu_seqlens, chunk_indices, TT,
@@ -224,12 +235,8 @@ def _bwd_chunk_keys_kernel(
     Grid: (chunks, H, K // BK).
     """
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
-    o_t = tl.arange(0, BT)
-    rows = i_t * BT + o_t
-    m_t = rows < T
+    bos, T, i_t, o_t, rows, m_t, tok = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
     m_r = m_t[:, None]
-    tok = (bos + rows) * H + i_h
     o_k = i_k * BK + tl.arange(0, BK)
     walk_dt = h.dtype.element_ty
 
@@ -294,12 +301,8 @@ def _bwd_chunk_values_kernel(
     Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
-    o_t = tl.arange(0, BT)
-    rows = i_t * BT + o_t
-    m_t = rows < T
+    bos, T, i_t, o_t, rows, m_t, tok = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
     m_r = m_t[:, None]
-    tok = (bos + rows) * H + i_h
     walk_dt = v_new.dtype.element_ty
     m_tril = o_t[:, None] >= o_t[None, :]
     b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & m_tril, other=0.0)
@@ -345,10 +348,9 @@ def _bwd_dAkk_kernel(
     Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
-    o_t = tl.arange(0, BT)
-    m_r = (i_t * BT + o_t < T)[:, None]
-    p_a = ((bos + i_t * BT + o_t) * H + i_h).to(tl.int64)[:, None] * BT + o_t[None, :]
+    _, _, _, o_t, _, m_t, tok = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
+    m_r = m_t[:, None]
+    p_a = tok.to(tl.int64)[:, None] * BT + o_t[None, :]
     b_X = tl.load(Ainv + p_a, mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
     b_dX = tl.load(dX + p_a, mask=m_r, other=0.0)
     b_XtdX = tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA)
