@@ -12,7 +12,8 @@ Our side uses the Triton kernels (TITAN_MOE_KDA_BACKEND=triton is set by this sc
 unless `--backend torch`.
 
 `--scan-configs 16x4,64x8` adds rows for ours with the sequential state walks run at those
-columns-per-program x warps (`TITAN_MOE_KDA_SCAN_BV` / `_WARPS`; default 32x8 at dk = 128).
+columns-per-program x warps (`TITAN_MOE_KDA_SCAN_BV` / `_WARPS`; default: 4 warps, the widest
+block that still gives every SM a program, see `sequential_scan_config`).
 `--variants prep:TITAN_MOE_KDA_PREPARE=fused,...` adds rows for ours with other environment
 switches (read per call by our ops). `--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
 both sides: where the time goes, stage by stage. Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on

@@ -72,8 +72,8 @@ for section in "${SECTIONS[@]}"; do
         kda) run kda python profiling/bench_kda.py --no-fla --kernels 6 \
                 --variants recompute:TITAN_MOE_KDA_KEEP=0,classic:TITAN_MOE_KDA_WALK=classic+TITAN_MOE_KDA_PREPARE=composite+TITAN_MOE_KDA_KEEP=0 ;;
         kda_tune) run kda_tune python profiling/bench_kda.py --no-fla --kernels 4 --shapes 32768,4096 \
-                --scan-configs 32x4,64x4,64x8,16x4 \
-                --variants c64x64:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8,c32x32:TITAN_MOE_KDA_BWD_CHUNK=32x32x8x8,c32x64:TITAN_MOE_KDA_BWD_CHUNK=32x64x8x8,c128:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,o128x8:TITAN_MOE_KDA_OUTPUT=128x8,o64x8:TITAN_MOE_KDA_OUTPUT=64x8,o32x4:TITAN_MOE_KDA_OUTPUT=32x4 ;;
+                --scan-configs 16x4,32x4,64x4,128x4 \
+                --variants c64x32:TITAN_MOE_KDA_BWD_CHUNK=64x32x8x8,c128:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,o128x4:TITAN_MOE_KDA_OUTPUT=128x4,o32x2:TITAN_MOE_KDA_OUTPUT=32x2 ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)

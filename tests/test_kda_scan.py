@@ -212,7 +212,7 @@ class Case:
             mp.setenv(triton_fwd.WALK_ENV, "classic")
             self.st = kda_fwd_states(**args, scale=self.scale, initial_state=self.h0, cu_seqlens=cu,
                                      output_final_state=True, scan="sequential")
-        self.o_seq = kda_fwd_output(args["q"], args["v"], self.st, self.scale)
+        self.o_seq = kda_fwd_output(args["q"], args["v"], self.st)
         self.o_ref, self.ht_ref = reference(self.inp, self.scale, self.h0, self.bounds)
 
     def parallel(self, L):
@@ -258,7 +258,7 @@ def test_parallel_scan_matches_sequential(case, L):
     assert rel_err(ht, c.st.final_state) < SCAN_TOL
     assert rel_err(ht, c.ht_ref) < FP32_TOL
     st_par = dataclasses.replace(c.st, h=h, v_new=v_new, final_state=ht)
-    o = kda_fwd_output(c.args["q"], c.args["v"], st_par, c.scale)
+    o = kda_fwd_output(c.args["q"], c.args["v"], st_par)
     assert rel_err(o, c.o_seq) < SCAN_TOL
     assert rel_err(o.reshape(c.o_ref.shape), c.o_ref) < FP32_TOL
     if case == "varlen_slow":
@@ -317,7 +317,7 @@ def test_parallel_scan_under_lean_walk(monkeypatch):
         st = kda_fwd_states(**inp, scale=scale, initial_state=h0, cu_seqlens=cu, output_final_state=True,
                             scan=scan, segment_chunks=L)
         assert st.h.dtype == st.v_new.dtype == torch.float16
-        o = kda_fwd_output(inp["q"], inp["v"], st, scale)
+        o = kda_fwd_output(inp["q"], inp["v"], st)
         assert rel_err(o, o_ref) < 7.5e-4, (scan, rel_err(o, o_ref))
         assert rel_err(st.final_state, ht_ref) < 7.5e-4, (scan, rel_err(st.final_state, ht_ref))
         runs[scan] = st

@@ -200,11 +200,17 @@ def test_intermediates_are_the_chunked_form():
     A_qk = torch.einsum("ic,jc,ijc->ij", q, k, decay).tril()
     X = torch.linalg.inv(torch.eye(T, dtype=torch.float64) + A_kk)
     W = X @ (beta[:, None] * torch.exp(G) * k)
-    got = {name: getattr(st, name)[:, 0].double().cpu() for name in ("G", "Aqk", "Ainv", "W")}
+    got = {name: getattr(st, name)[:, 0].double().cpu() for name in ("G", "Aqk", "Ainv", "W", "q_decay")}
     assert rel_err(got["G"], G) < 1e-6
     assert rel_err(got["Aqk"].tril(), A_qk) < FP32_TOL
     assert rel_err(got["Ainv"].tril(), X) < FP32_TOL
     assert rel_err(got["W"], W) < FP32_TOL
+    assert rel_err(got["q_decay"], q * torch.exp(G)) < FP32_TOL  # the output's operand, scale 1
+    # the backward's recompute skips that operand; the output stage then refuses the state
+    st_bwd = kda_fwd_states(**inp, scale=1.0, output_q_decay=False)
+    assert st_bwd.q_decay is None
+    with pytest.raises(ValueError, match="q_decay"):
+        triton_fwd.kda_fwd_output(inp["q"], inp["v"], st_bwd)
 
 
 @needs_kernels
@@ -322,6 +328,17 @@ def test_output_config_override_keeps_results(monkeypatch):
         monkeypatch.setenv(triton_fwd.OUTPUT_ENV, bad)
         with pytest.raises(ValueError, match=triton_fwd.OUTPUT_ENV):
             triton_fwd.output_config(128)
+
+
+def test_scan_config_default_rule(monkeypatch):
+    """Default walk launch: 4 warps, the widest column block that still gives every SM a
+    program, else 16 columns (the H200 measurements behind it are in the docstring)."""
+    monkeypatch.delenv(triton_fwd.SCAN_BV_ENV, raising=False)
+    monkeypatch.delenv(triton_fwd.SCAN_WARPS_ENV, raising=False)
+    assert triton_fwd.sequential_scan_config(128, 128, walks=16, n_sms=132) == (16, 4)  # B*H = 16
+    assert triton_fwd.sequential_scan_config(128, 128, walks=128, n_sms=132) == (64, 4)  # B*H = 128
+    assert triton_fwd.sequential_scan_config(128, 128, walks=132, n_sms=132) == (128, 4)
+    assert triton_fwd.sequential_scan_config(16, 32, walks=1000, n_sms=132) == (32, 4)  # clipped to dv
 
 
 def test_scan_config_rejects_bad_values(monkeypatch):

@@ -241,7 +241,7 @@ def _walk_bytes(q: torch.Tensor) -> tuple[bool, int]:
     return lean, q.element_size() if lean else 4
 
 
-def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state) -> list[str]:
+def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state, output_q_decay=True) -> list[str]:
     """`triton_fwd.kda_fwd_states`: appends its allocations and frees to `events`, returns
     the names of what it returns (the `KDAForwardState`)."""
     B, T, H, K = q.shape
@@ -254,6 +254,7 @@ def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state) -> lis
         copies.append(("beta_contiguous", _nbytes(beta)))
     states = [
         ("G", TT * H * K * f32), ("Aqk", TT * H * C * f32), ("Akk", TT * H * C * f32), ("Ainv", TT * H * C * f32),
+        *([("q_decay_out", TT * H * K * w)] if output_q_decay else []),  # scale Q e^G for the output
         ("W", TT * H * K * w), ("U", TT * H * V * w), ("h", chunks * H * K * V * w), ("v_new", TT * H * V * w),
     ]
     if output_final_state:
@@ -275,9 +276,7 @@ def kda_fwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, outp
     events: list[tuple[str, int]] = []
     states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state)
     sizes = dict(events)
-    q_copy = [] if q.is_contiguous() else [("q_contiguous_out", _nbytes(q))]
-    events += q_copy + [("o", q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] * v.element_size())]
-    events += [(name, -n) for name, n in q_copy]
+    events += [("o", q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] * v.element_size())]
     events += [(name, -sizes[name]) for name in states if name != "ht"]
     return events
 
@@ -296,7 +295,7 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
         states = ["cu_seqlens", "chunk_indices", "chunk_offsets"]
         events += [("cu_seqlens", (N + 1) * 4), ("chunk_indices", chunks * 2 * 4), ("chunk_offsets", (N + 1) * 4)]
     else:
-        states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state=False)
+        states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state=False, output_q_decay=False)
     copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in
               (("q", q), ("k", k), ("v", v), ("beta", beta), ("do", do)) if not x.is_contiguous()]
     lean, w = _walk_bytes(q)

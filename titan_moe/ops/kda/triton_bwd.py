@@ -57,7 +57,7 @@ from titan_moe.ops.kda.triton_fwd import (
 )
 from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
-# stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x32x8x8 (the default)
+# stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x64x8x8 (the default)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
 # dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
 DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
@@ -66,10 +66,11 @@ DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
 def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     """(BK, BV, keys warps, values warps) of stage 2: `_bwd_chunk_keys_kernel` runs one
     program per chunk, head and BK key columns, both stage-2 kernels loop over BV value
-    columns. Default 64 x 32 with 8 warps each (at dk = dv = 128 on sm_90: 227 and 155
-    registers, `profiling/kernel_resources.py`), clipped to dk and dv; `$TITAN_MOE_KDA_BWD_CHUNK`
+    columns. Default 64 x 64 with 8 warps each (at dk = dv = 128 on sm_90: 212 and 143
+    registers, `profiling/kernel_resources.py`; on the H200 1.70 + 0.78 ms at T = 32K against
+    64 x 32's 2.00 + 0.82, BENCHMARKS.md), clipped to dk and dv; `$TITAN_MOE_KDA_BWD_CHUNK`
     ("BKxBVxWKxWV", read per call) overrides it for tuning."""
-    text = os.environ.get(BWD_CHUNK_ENV) or "64x32x8x8"
+    text = os.environ.get(BWD_CHUNK_ENV) or "64x64x8x8"
     try:
         bk, bv, wk, wv = (int(x) for x in text.split("x"))
     except ValueError:
@@ -497,7 +498,8 @@ def chunk_kda_bwd_triton(
         `[N, H, dk, dv]` fp32, or None without an initial state.
     """
     if kept is None:
-        st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state=False)
+        st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state=False,
+                            output_q_decay=False)
     else:
         st = state_from_residuals(q, k, v, g, beta, initial_state, cu_seqlens, kept)
     B, T, H, K = q.shape
@@ -527,7 +529,7 @@ def chunk_kda_bwd_triton(
             q, st.G, st.Aqk, do, q_decay, dv_new, scale, st.cu_seqlens, st.chunk_indices,
             H=H, K=K, V=V, BT=CHUNK, BV=min(V, 64), PRECISION=st.precision, num_warps=4,
         )
-    BV, warps = sequential_scan_config(K, V)
+    BV, warps = sequential_scan_config(K, V, walks=N * H)
     launch_with_fewer_stages_if_needed(
         _bwd_state_scan_kernel, (V // BV, N * H),
         q, k, st.G, st.W, st.Aqk, st.k_to_end, q_decay, st.decay, do, dh, dv_new, dht, dh0, scale,
@@ -535,9 +537,9 @@ def chunk_kda_bwd_triton(
         H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         LEAN=lean, PRECISION=st.precision, INTERPRETED=interp, num_warps=warps,
         # fp32 tiles at dk=128: 2 stages need 226 KB of shared memory (classic); the lean
-        # walk's 16-bit operands (3 [BT, dk] tiles instead of 4 fp32 ones, ~57 KB a stage
-        # at BV = 32) should fit 2 (an estimate, not yet compiled for the GPU: if it does not,
-        # the launch falls back to 1 stage with a warning)
+        # walk's 16-bit operands fit 2 (106 KiB at BV = 16 compiled for sm_90; run on the
+        # H200 at BV = 16, 32 and 64; a launch that does not fit falls back to 1 stage with
+        # a warning)
         num_stages=2 if K <= 64 or (lean and q.element_size() == 2) else 1,
     )
     if lean:  # read by the walks only: free them before the stages below

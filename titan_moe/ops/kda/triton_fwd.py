@@ -10,6 +10,7 @@ inside the chunk):
     stage 1  `_chunk_cumsum_kernel`   G = chunk-local cumsum(g)
     stage 2  `_intra_tiles_kernel`    A_qk[i,j] = scale Σ_c q_ic k_jc e^{G_ic - G_jc}   (j <= i)
                                       A_kk[i,j] = beta_i Σ_c k_ic k_jc e^{G_ic - G_jc}  (j <  i)
+                                      Q^ = scale Q ⊙ e^G (the output's operand)
              `_wy_kernel`             X = (I + A_kk)^{-1},  W = X (beta e^G ⊙ K),  U = X (beta V)
     stage 3  `_state_scan_kernel`     per sequence, chunk by chunk: store S (the chunk's
                                       initial state), V~ = U - W S,
@@ -17,7 +18,7 @@ inside the chunk):
                                       (classic or lean, see below; or, with
                                       `TITAN_MOE_KDA_SCAN=parallel`, the chunk-parallel
                                       segment scan of `triton_scan`)
-    stage 4  `_output_kernel`         O = scale (Q ⊙ e^G) S + A_qk V~
+    stage 4  `_output_kernel`         O = Q^ S + A_qk V~
 
 Why every 16x16 tile of A is one dense dot (the kernel's contract, SPEC §1): the caller
 guarantees `g >= g_min = -5` per token, so inside a 16-token tile G spans less than
@@ -146,14 +147,16 @@ def _chunk_cumsum_kernel(g, G, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl
 # ----------------------------------------------------------------------------------------
 @triton.jit
 def _intra_tiles_kernel(
-    q, k, G, beta, Aqk, Akk, scale, cu_seqlens, chunk_indices,
+    q, k, G, beta, Aqk, Akk, q_decay, scale, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_Q_DECAY: tl.constexpr,
 ):
     """Row tile I of one chunk: tiles (I, J) of A_qk and A_kk for every J <= I.
 
     q, k, G: `[TT, H, K]`; beta `[TT, H]`; Aqk, Akk: `[TT, H, BT]` fp32, row t holding
     its chunk's row (columns are chunk positions). Only tiles J <= I are written, and in
-    written tiles only rows of valid tokens; readers mask accordingly.
+    written tiles only rows of valid tokens; readers mask accordingly. With STORE_Q_DECAY
+    also the tile's rows of q_decay = scale Q ⊙ e^G (`[TT, H, K]`, its dtype; e^G <= 1).
     Grid: (chunks * BT // BC, H).
     """
     NC: tl.constexpr = BT // BC
@@ -180,6 +183,8 @@ def _intra_tiles_kernel(
     b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))
     b_q_row = b_q * b_row_decay * scale
     b_k_row = b_k * b_row_decay
+    if STORE_Q_DECAY:
+        tl.store(q_decay + p_r, (b_q * tl.exp(b_G) * scale).to(q_decay.dtype.element_ty), mask=m_r[:, None])
 
     # tiles J = 0..I (a static loop with a uniform branch: the interpreter cannot take
     # range(i_i + 1), see `_state_scan_kernel`)
@@ -209,21 +214,36 @@ def _intra_tiles_kernel(
 # stage 2b: (I + A_kk)^{-1} and the WY factors W, U
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _invert_unit_lower_tile(b_A, BC: tl.constexpr):
-    """(I + A)^{-1} of a strictly lower-triangular `[BC, BC]` tile, by forward substitution.
+def _substitution_step(b_A, b_X, is_r):
+    """One row of forward substitution: row r of X = (I + A)^{-1} (rows < r final) is
+    `e_r - Σ_{m<r} A[r, m] X[m, :]`; `is_r` selects row r."""
+    b_a_r = tl.sum(tl.where(is_r, b_A, 0.0), axis=0)  # A[r, :], indexed by m
+    b_x_r = -tl.sum(b_a_r[:, None] * b_X, axis=0)  # -Σ_m A[r, m] X[m, :]
+    return tl.where(is_r, b_X + b_x_r[None, :], b_X)
 
-    Row r of X = (I + A)^{-1} is `e_r - Σ_{m<r} A[r, m] X[m, :]`; rows are filled in
-    order, so the rows it reads are final. (The log-depth product (I - A)(I + A^2)(I + A^4)...
-    is shorter but sums terms far larger than the result; substitution is stable.)
+
+@triton.jit
+def _invert_unit_lower_tiles(b_A0, b_A1, b_A2, b_A3, BC: tl.constexpr):
+    """(I + A)^{-1} of four strictly lower-triangular `[BC, BC]` tiles (a chunk's diagonal
+    blocks), by forward substitution, rows filled in order so that the rows a step reads are
+    final. The four substitutions share one unrolled loop: each is a chain of BC - 1
+    dependent row steps, and interleaving them lets the GPU overlap four chains instead of
+    walking 4 (BC - 1) steps one after another. (The log-depth product
+    (I - A)(I + A^2)(I + A^4)... is shorter but sums terms far larger than the result;
+    substitution is stable.)
     """
     o = tl.arange(0, BC)
-    b_X = (o[:, None] == o[None, :]).to(tl.float32)
-    for r in range(1, BC):
+    b_X0 = (o[:, None] == o[None, :]).to(tl.float32)
+    b_X1 = b_X0
+    b_X2 = b_X0
+    b_X3 = b_X0
+    for r in tl.static_range(1, BC):
         is_r = o[:, None] == r
-        b_a_r = tl.sum(tl.where(is_r, b_A, 0.0), axis=0)  # A[r, :], indexed by m
-        b_x_r = -tl.sum(b_a_r[:, None] * b_X, axis=0)  # -Σ_m A[r, m] X[m, :]
-        b_X = tl.where(is_r, b_X + b_x_r[None, :], b_X)
-    return b_X
+        b_X0 = _substitution_step(b_A0, b_X0, is_r)
+        b_X1 = _substitution_step(b_A1, b_X1, is_r)
+        b_X2 = _substitution_step(b_A2, b_X2, is_r)
+        b_X3 = _substitution_step(b_A3, b_X3, is_r)
+    return b_X0, b_X1, b_X2, b_X3
 
 
 @triton.jit
@@ -325,10 +345,7 @@ def _wy_kernel(
     b_A33 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 3, H, BT, BC)
 
     # diagonal blocks of X
-    b_X00 = _invert_unit_lower_tile(b_A00, BC)
-    b_X11 = _invert_unit_lower_tile(b_A11, BC)
-    b_X22 = _invert_unit_lower_tile(b_A22, BC)
-    b_X33 = _invert_unit_lower_tile(b_A33, BC)
+    b_X00, b_X11, b_X22, b_X33 = _invert_unit_lower_tiles(b_A00, b_A11, b_A22, b_A33, BC)
     # off-diagonal blocks, one block diagonal at a time
     b_X10 = -tl.dot(tl.dot(b_X11, b_A10, input_precision="ieee"), b_X00, input_precision="ieee")
     b_X21 = -tl.dot(tl.dot(b_X22, b_A21, input_precision="ieee"), b_X11, input_precision="ieee")
@@ -449,17 +466,26 @@ SCAN_BV_ENV = "TITAN_MOE_KDA_SCAN_BV"  # state columns per program of the sequen
 SCAN_WARPS_ENV = "TITAN_MOE_KDA_SCAN_WARPS"  # warps per program of the sequential walks
 
 
-def sequential_scan_config(K: int, V: int) -> tuple[int, int]:
+def sequential_scan_config(K: int, V: int, walks: int = 1, n_sms: int | None = None) -> tuple[int, int]:
     """(BV, num_warps) of the sequential state walks, forward and backward.
 
-    The walks run B*H*(V/BV) programs, each over all chunks of a sequence: at B*H = 16 and
-    BV = 32 that is 64 programs for 132 SMs on an H200. Defaults BV = min(V, 32), 8 warps at
-    dk = 128 (4 below, and 4 whenever BV = 16, see below); `$TITAN_MOE_KDA_SCAN_BV` (16, 32,
-    64 or 128; at most V) and `$TITAN_MOE_KDA_SCAN_WARPS` (1-16, a power of two) override
-    them for tuning, read per call. Both walks (`$TITAN_MOE_KDA_WALK`) take the same config.
+    The walks run `walks * (V / BV)` programs (`walks` = sequences x heads), each over all
+    chunks of its sequence. Default: 4 warps and the widest BV (16, 32, 64 or 128, at most V)
+    that still gives every SM a program (`n_sms`, default the current CUDA device's count);
+    when even BV = 16 does not, BV = 16. Measured on the H200 at dk = dv = 128 (BENCHMARKS.md,
+    "launch configurations"): at B*H = 16 (64-128 programs) 16 columns walk fastest, at
+    B*H = 128 64 columns (256 programs); 4 warps beat 8 at every width. `$TITAN_MOE_KDA_SCAN_BV`
+    (16, 32, 64 or 128; at most V) and `$TITAN_MOE_KDA_SCAN_WARPS` (1-16, a power of two)
+    override them for tuning, read per call. Both walks (`$TITAN_MOE_KDA_WALK`) take the same rule.
     """
-    bv = int(os.environ.get(SCAN_BV_ENV) or min(V, 32))
-    warps = int(os.environ.get(SCAN_WARPS_ENV) or (4 if K <= 64 or bv == 16 else 8))
+    env_bv = os.environ.get(SCAN_BV_ENV)
+    if env_bv:
+        bv = int(env_bv)
+    else:
+        n_sms = n_sms if n_sms is not None else _sm_count()
+        widths = [w for w in (128, 64, 32, 16) if w <= V]
+        bv = next((w for w in widths if walks * (V // w) >= n_sms), widths[-1])
+    warps = int(os.environ.get(SCAN_WARPS_ENV) or 4)
     if bv not in (16, 32, 64, 128) or bv > V:
         raise ValueError(f"{SCAN_BV_ENV} must be 16, 32, 64 or 128 and at most dv = {V}, got {bv}")
     if warps not in (1, 2, 4, 8, 16):
@@ -469,6 +495,16 @@ def sequential_scan_config(K: int, V: int) -> tuple[int, int]:
         # (H200, Triton 3.6, dk = 128; the interpreter agrees with the reference there).
         raise ValueError(f"{SCAN_BV_ENV}=16 needs {SCAN_WARPS_ENV} <= 4 (16 x 8 crashes the backward walk)")
     return bv, warps
+
+
+_DEFAULT_SMS = 132  # an H200's SM count: the launch rules' assumption without a CUDA device
+
+
+def _sm_count() -> int:
+    """SMs of the current CUDA device (`_DEFAULT_SMS` without one: the interpreter)."""
+    if not torch.cuda.is_available():
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 @triton.jit
@@ -523,15 +559,17 @@ def _state_scan_kernel(
 # ----------------------------------------------------------------------------------------
 @triton.jit
 def _output_kernel(
-    q, G, Aqk, h, v_new, o, scale, cu_seqlens, chunk_indices,
+    q_decay, Aqk, h, v_new, o, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """O = scale (Q ⊙ e^G) S + A_qk V~ for one chunk, head and block of BV outputs.
+    """O = (scale Q ⊙ e^G) S + A_qk V~ for one chunk, head and block of BV outputs.
 
-    q, G: `[TT, H, K]`; Aqk: `[TT, H, BT]` (scale included, lower triangle incl. the
-    diagonal is valid); h: `[chunks, H, K, V]`, v_new `[TT, H, V]` (fp32 or the input
-    dtype, see the module docstring; upcast on load); o `[TT, H, V]`.
+    q_decay: `[TT, H, K]` scale Q ⊙ e^G from `_intra_tiles_kernel`, h: `[chunks, H, K, V]`,
+    v_new `[TT, H, V]`, all three in the walk's dtype (module docstring): the first dot
+    takes them as they are (lean: 16-bit operands, fp32 accumulation, as the walk's own
+    dots; classic: fp32); Aqk: `[TT, H, BT]` fp32 (scale included, lower triangle incl. the
+    diagonal is valid), the second dot upcasts V~ to it; o `[TT, H, V]`.
     Grid: (V // BV, chunks, H).
     """
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -543,10 +581,9 @@ def _output_kernel(
     m_r = (rows < T)[:, None]
     tok = (bos + rows) * H + i_h
 
-    b_q = tl.load(q + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0).to(tl.float32)
-    b_G = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
-    b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
-    b_o = tl.dot(b_q * tl.exp(b_G) * scale, b_S, input_precision=PRECISION)
+    b_qd = tl.load(q_decay + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
+    b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+    b_o = tl.dot(b_qd, b_S.to(b_qd.dtype), input_precision=PRECISION)
 
     m_a = m_r & (o_t[:, None] >= o_t[None, :])
     b_A = tl.load(Aqk + tok[:, None] * BT + o_t[None, :], mask=m_a, other=0.0)
@@ -587,8 +624,10 @@ class KDAForwardState:
     U, v_new `[TT, H, dv]`; h `[chunks, H, dk, dv]` (each chunk's initial state);
     final_state `[N, H, dk, dv]` fp32 or None; the chunk layout; the dot precision used;
     the walk ("classic" / "lean") and, lean only, k_to_end `[TT, H, dk]`
-    (e^{G_last - G} ⊙ K) and decay `[chunks, H, dk]` (e^{G_last}). Under the lean walk
-    U is None (only the forward walk reads it).
+    (e^{G_last - G} ⊙ K) and decay `[chunks, H, dk]` (e^{G_last}); q_decay `[TT, H, dk]`
+    (scale Q ⊙ e^G in the walk's dtype, for the output; None in the backward's recompute and
+    in a state rebuilt from residuals). Under the lean walk U is None (only the forward walk
+    reads it).
     """
 
     G: torch.Tensor
@@ -606,6 +645,7 @@ class KDAForwardState:
     walk: str = "classic"
     k_to_end: torch.Tensor | None = None
     decay: torch.Tensor | None = None
+    q_decay: torch.Tensor | None = None
 
 
 def check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, list[int]]:
@@ -641,11 +681,13 @@ def kda_fwd_states(
     scan: str | None = None,
     segment_chunks: int | None = None,
     chunk_rows: int | None = None,
+    output_q_decay: bool = True,
 ) -> KDAForwardState:
     """Stages 1-3 of the forward: chunk cumsum, A_qk / WY factors, the state scan.
 
     Arguments as for `chunk_kda_fwd_triton`. The backward pass calls this to recompute
-    what it needs, unless the forward kept it (`titan_moe.ops.kda.kept`). `chunk_rows`
+    what it needs (with `output_q_decay=False`: the output's operand scale Q ⊙ e^G is then
+    not stored), unless the forward kept it (`titan_moe.ops.kda.kept`). `chunk_rows`
     (at least the chunk count) sizes h and decay along their first dimension: the kept
     forward allocates the shape-only bound `max_chunk_rows` so that its outputs' shapes do
     not depend on cu_seqlens' values; the rows past the chunk count stay unwritten.
@@ -674,6 +716,7 @@ def kda_fwd_states(
     Ainv = torch.empty(TT, H, CHUNK, **f32)
     # what the walk reads and writes: fp32 (classic) or the input dtype (lean, module docstring)
     walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
+    q_decay = torch.empty(TT, H, K, **walk_dt) if output_q_decay else None
     W = torch.empty(TT, H, K, **walk_dt)
     U = torch.empty(TT, H, V, **walk_dt)
     h = torch.empty(rows, H, K, V, **walk_dt)
@@ -685,8 +728,8 @@ def kda_fwd_states(
 
     _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
     _intra_tiles_kernel[(n_chunks * N_TILES, H)](
-        q, k, G, beta, Aqk, Akk, scale, cu, chunk_indices,
-        H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, num_warps=4,
+        q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
+        H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, STORE_Q_DECAY=output_q_decay, num_warps=4,
     )
     _wy_kernel[(n_chunks, H)](
         k, v, G, beta, Akk, Ainv, W, U, k_to_end, decay, cu, chunk_indices,
@@ -698,7 +741,7 @@ def kda_fwd_states(
     if scan == "parallel":
         state_scan_parallel(k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets, bounds, precision, segment_chunks)
     else:
-        BV, warps = sequential_scan_config(K, V)
+        BV, warps = sequential_scan_config(K, V, walks=N * H)
         _state_scan_kernel[(V // BV, N * H)](
             k, W, U, G, k_to_end, decay, h, v_new, h0, ht, cu, chunk_offsets,
             H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
@@ -710,7 +753,7 @@ def kda_fwd_states(
     return KDAForwardState(
         G=G, Aqk=Aqk, Ainv=Ainv, W=W, U=U, h=h, v_new=v_new, final_state=ht,
         cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, precision=precision,
-        walk="lean" if lean else "classic", k_to_end=k_to_end, decay=decay,
+        walk="lean" if lean else "classic", k_to_end=k_to_end, decay=decay, q_decay=q_decay,
     )
 
 
@@ -760,7 +803,7 @@ def kept_forward(
     rows = max_chunk_rows(B, T, N, cu_seqlens is not None)
     st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
                         scan="sequential", chunk_rows=rows)
-    o = kda_fwd_output(q, v, st, scale)
+    o = kda_fwd_output(q, v, st)
     empty = q.new_empty(0, dtype=torch.float32)
     residuals = [getattr(st, name) for name in RESIDUAL_NAMES]
     return o, st.final_state, [empty if r is None else r for r in residuals]
@@ -827,17 +870,20 @@ def chunk_kda_fwd_triton(
         `output_final_state`).
     """
     st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, scan, segment_chunks)
-    return kda_fwd_output(q, v, st, scale), st.final_state
+    return kda_fwd_output(q, v, st), st.final_state
 
 
-def kda_fwd_output(q: torch.Tensor, v: torch.Tensor, st: KDAForwardState, scale: float) -> torch.Tensor:
-    """Stage 4: `o [B, T, H, dv]` (v's dtype) from the stage 1-3 intermediates `st`."""
+def kda_fwd_output(q: torch.Tensor, v: torch.Tensor, st: KDAForwardState) -> torch.Tensor:
+    """Stage 4: `o [B, T, H, dv]` (v's dtype) from the stage 1-3 intermediates `st` (made
+    with `output_q_decay`; the scale is inside st.q_decay and st.Aqk)."""
+    if st.q_decay is None:
+        raise ValueError("kda_fwd_output needs the state's q_decay (kda_fwd_states(output_q_decay=True))")
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
     BV, warps = output_config(V)
     _output_kernel[(V // BV, st.chunk_indices.shape[0], H)](
-        q.contiguous(), st.G, st.Aqk, st.h, st.v_new, o, scale, st.cu_seqlens, st.chunk_indices,
+        st.q_decay, st.Aqk, st.h, st.v_new, o, st.cu_seqlens, st.chunk_indices,
         H=H, K=K, V=V, BT=CHUNK, BV=BV, PRECISION=st.precision, num_warps=warps,
     )
     return o
@@ -847,8 +893,8 @@ OUTPUT_ENV = "TITAN_MOE_KDA_OUTPUT"  # "BVxWARPS" of `_output_kernel`, for tunin
 
 
 def output_config(V: int) -> tuple[int, int]:
-    """(BV, num_warps) of `_output_kernel`: default 64 value columns per program (each
-    program recomputes scale Q e^G for its block), 4 warps, clipped to dv;
+    """(BV, num_warps) of `_output_kernel`: default 64 value columns per program, 4 warps,
+    clipped to dv;
     `$TITAN_MOE_KDA_OUTPUT` ("BVxWARPS", read per call) overrides it for tuning."""
     text = os.environ.get(OUTPUT_ENV) or "64x4"
     try:

@@ -82,7 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.triton_fwd import CHUNK, _interpreted
+from titan_moe.ops.kda.triton_fwd import CHUNK, _interpreted, _sm_count
 
 SCAN_ENV = "TITAN_MOE_KDA_SCAN"  # sequential | parallel
 SEGMENT_ENV = "TITAN_MOE_KDA_SCAN_SEGMENT"  # chunks per segment (overrides the model)
@@ -94,7 +94,6 @@ SCANS = ("sequential", "parallel")
 # dk = 128 fill the 64K-register file alone, 4 warps below that leave room for two
 # (three at dk = 16). Shared memory (num_stages=1: 16-49 KB) is not the limit.
 _PROGRAMS_PER_SM = {16: 3, 32: 2, 64: 2, 128: 1}
-_DEFAULT_SMS = 132
 
 
 def selected_scan(scan: str | None = None) -> str:
@@ -170,10 +169,7 @@ def default_segment_chunks(chunk_counts: list[int], H: int, K: int, V: int, n_sm
     if n_max <= 2:
         return max(n_max, 1)
     if n_sms is None:
-        n_sms = (
-            torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-            if torch.cuda.is_available() else _DEFAULT_SMS
-        )
+        n_sms = _sm_count()
     capacity = n_sms * _PROGRAMS_PER_SM[max(K, V)]
     best_L, best_t = n_max, modeled_scan_time(chunk_counts, n_max, H, K, V, capacity)
     for G in range(2, 65):
