@@ -7,6 +7,7 @@ cannot run the other way. Each kernel module answers through its own kernel obje
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -14,6 +15,22 @@ from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 
 logger = logging.getLogger(__name__)
+
+
+DEFAULT_SMS = 132  # an H200's SM count: what launch rules assume without a CUDA device
+
+
+@functools.cache
+def _device_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device_index: int | None = None) -> int:
+    """SMs of CUDA device `device_index` (default: the current one); `DEFAULT_SMS` when torch
+    sees no CUDA device (the interpreter)."""
+    if not torch.cuda.is_available():
+        return DEFAULT_SMS
+    return _device_sm_count(torch.cuda.current_device() if device_index is None else device_index)
 
 
 def is_interpreted(kernel) -> bool:

@@ -54,7 +54,6 @@ them (``TileConfig`` overrides every launcher's defaults).
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -62,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
+from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on, sm_count
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "1": TMA loads on sm90 for the forward and dx kernel
@@ -316,16 +315,11 @@ def runs_on(device: torch.device) -> bool:
     return kernel_runs_on(_ragged_m_kernel, device)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_programs(cfg: TileConfig, device: torch.device, max_tiles: int) -> int:
     if cfg.num_programs is not None:
         n = cfg.num_programs
     elif device.type == "cuda":
-        n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        n = sm_count(device.index)
     else:
         n = 4
     return max(1, min(n, max_tiles))

@@ -102,7 +102,7 @@ import triton
 import triton.language as tl
 
 from titan_moe.ops.kda.chunk_torch import check_kda_inputs, seqlens_bounds
-from titan_moe.ops.triton_runtime import is_interpreted
+from titan_moe.ops.triton_runtime import is_interpreted, sm_count
 
 CHUNK = 64  # BT: tokens per chunk
 TILE = 16  # BC: tokens per sub-chunk tile; the span exponentiated directly
@@ -474,7 +474,7 @@ def sequential_scan_config(K: int, V: int, walks: int = 1, n_sms: int | None = N
     that still gives every SM a program (`n_sms`, default the current CUDA device's count);
     when even BV = 16 does not, BV = 16. Measured on the H200 at dk = dv = 128 (BENCHMARKS.md,
     "launch configurations"): at B*H = 16 (64-128 programs) 16 columns walk fastest, at
-    B*H = 128 64 columns (256 programs); 4 warps beat 8 at every width. `$TITAN_MOE_KDA_SCAN_BV`
+    B*H = 128 64 columns (256 programs); 4 warps beat 8 at 32 and 64 columns. `$TITAN_MOE_KDA_SCAN_BV`
     (16, 32, 64 or 128; at most V) and `$TITAN_MOE_KDA_SCAN_WARPS` (1-16, a power of two)
     override them for tuning, read per call. Both walks (`$TITAN_MOE_KDA_WALK`) take the same rule.
     """
@@ -482,7 +482,7 @@ def sequential_scan_config(K: int, V: int, walks: int = 1, n_sms: int | None = N
     if env_bv:
         bv = int(env_bv)
     else:
-        n_sms = n_sms if n_sms is not None else _sm_count()
+        n_sms = n_sms if n_sms is not None else sm_count()
         widths = [w for w in (128, 64, 32, 16) if w <= V]
         bv = next((w for w in widths if walks * (V // w) >= n_sms), widths[-1])
     warps = int(os.environ.get(SCAN_WARPS_ENV) or 4)
@@ -495,16 +495,6 @@ def sequential_scan_config(K: int, V: int, walks: int = 1, n_sms: int | None = N
         # (H200, Triton 3.6, dk = 128; the interpreter agrees with the reference there).
         raise ValueError(f"{SCAN_BV_ENV}=16 needs {SCAN_WARPS_ENV} <= 4 (16 x 8 crashes the backward walk)")
     return bv, warps
-
-
-_DEFAULT_SMS = 132  # an H200's SM count: the launch rules' assumption without a CUDA device
-
-
-def _sm_count() -> int:
-    """SMs of the current CUDA device (`_DEFAULT_SMS` without one: the interpreter)."""
-    if not torch.cuda.is_available():
-        return _DEFAULT_SMS
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 @triton.jit

@@ -82,7 +82,8 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.triton_fwd import CHUNK, _interpreted, _sm_count
+from titan_moe.ops.kda.triton_fwd import CHUNK, _interpreted
+from titan_moe.ops.triton_runtime import sm_count
 
 SCAN_ENV = "TITAN_MOE_KDA_SCAN"  # sequential | parallel
 SEGMENT_ENV = "TITAN_MOE_KDA_SCAN_SEGMENT"  # chunks per segment (overrides the model)
@@ -169,7 +170,7 @@ def default_segment_chunks(chunk_counts: list[int], H: int, K: int, V: int, n_sm
     if n_max <= 2:
         return max(n_max, 1)
     if n_sms is None:
-        n_sms = _sm_count()
+        n_sms = sm_count()
     capacity = n_sms * _PROGRAMS_PER_SM[max(K, V)]
     best_L, best_t = n_max, modeled_scan_time(chunk_counts, n_max, H, K, V, capacity)
     for G in range(2, 65):
