@@ -330,6 +330,26 @@ def test_output_config_override_keeps_results(monkeypatch):
             triton_fwd.output_config(128)
 
 
+@needs_kernels
+def test_tile_warps_override_keeps_results(monkeypatch):
+    """The per-tile kernels' warps knob changes launches only: results stay the default's,
+    forward and backward; malformed values are refused with the variable's name."""
+    inp = make_inputs(1, 100, 2, 16, 64, "rand", seed=8)
+    do = torch.randn(1, 100, 2, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    default_o, _ = chunk_kda_fwd_triton(**inp, scale=0.25)
+    default_grads = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+    monkeypatch.setenv(triton_fwd.TILE_WARPS_ENV, "2x4x8x1")
+    assert triton_fwd.tile_warps() == (2, 4, 8, 1)
+    assert rel_err(chunk_kda_fwd_triton(**inp, scale=0.25)[0], default_o) < 1e-6
+    for name, got, want in zip(GRAD_NAMES, chunk_kda_bwd_triton(**inp, scale=0.25, do=do), default_grads):
+        if want is not None:
+            assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
+    for bad in ("4x4x4", "4x1x4x3", "axbxcxd"):
+        monkeypatch.setenv(triton_fwd.TILE_WARPS_ENV, bad)
+        with pytest.raises(ValueError, match=triton_fwd.TILE_WARPS_ENV):
+            triton_fwd.tile_warps()
+
+
 def test_scan_config_default_rule(monkeypatch):
     """Default walk launch: 4 warps, the widest column block that still gives every SM a
     program, else 16 columns (the H200 measurements behind it are in the docstring)."""

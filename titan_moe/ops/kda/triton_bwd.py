@@ -54,6 +54,7 @@ from titan_moe.ops.kda.triton_fwd import (
     kda_fwd_states,
     sequential_scan_config,
     state_from_residuals,
+    tile_warps,
 )
 from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
@@ -577,7 +578,8 @@ def chunk_kda_bwd_triton(
     dbeta = torch.empty_like(beta)
     _bwd_intra_kernel[(n_chunks * N_TILES, H)](
         q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta,
-        st.cu_seqlens, st.chunk_indices, H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=st.precision, num_warps=4,
+        st.cu_seqlens, st.chunk_indices, H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=st.precision,
+        num_warps=tile_warps()[3],
     )
 
     dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)

@@ -11,7 +11,9 @@ inside the chunk):
     stage 2  `_intra_tiles_kernel`    A_qk[i,j] = scale Σ_c q_ic k_jc e^{G_ic - G_jc}   (j <= i)
                                       A_kk[i,j] = beta_i Σ_c k_ic k_jc e^{G_ic - G_jc}  (j <  i)
                                       Q^ = scale Q ⊙ e^G (the output's operand)
-             `_wy_kernel`             X = (I + A_kk)^{-1},  W = X (beta e^G ⊙ K),  U = X (beta V)
+             `_diag_inverse_kernel`   X_II = (I + A_kk[I,I])^{-1} (diagonal 16x16 blocks)
+             `_wy_kernel`             X = (I + A_kk)^{-1} (off-diagonal blocks),
+                                      W = X (beta e^G ⊙ K),  U = X (beta V)
     stage 3  `_state_scan_kernel`     per sequence, chunk by chunk: store S (the chunk's
                                       initial state), V~ = U - W S,
                                       S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~
@@ -211,7 +213,37 @@ def _intra_tiles_kernel(
 
 
 # ----------------------------------------------------------------------------------------
-# stage 2b: (I + A_kk)^{-1} and the WY factors W, U
+# stage 2b: the diagonal blocks of (I + A_kk)^{-1}
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _diag_inverse_kernel(Akk, Ainv, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr,
+                         BC: tl.constexpr):
+    """X_II = (I + A_kk[I,I])^{-1} for diagonal tile I of one chunk, into Ainv's diagonal.
+
+    Akk, Ainv: `[TT, H, BT]` fp32 (A_kk's diagonal tiles are strictly lower, from
+    `_intra_tiles_kernel`). The substitution is a chain of BC - 1 dependent row steps, each
+    a reduction across the tile; launched with one warp, those reductions are register
+    shuffles inside the warp, with no barrier between warps. On the H200 at T = 32K this
+    kernel takes 0.07 ms, where the same four chains per chunk interleaved inside
+    `_wy_kernel`'s four warps cost it 0.5 ms (BENCHMARKS.md). Grid: (chunks * BT // BC, H).
+    """
+    NC: tl.constexpr = BT // BC
+    i_ci, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_ci // NC, i_ci % NC
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    row0 = i_t * BT + i_i * BC
+    if row0 >= T:
+        return
+    o = tl.arange(0, BC)
+    rows = row0 + o
+    p = ((bos + rows) * H + i_h)[:, None] * BT + (i_i * BC + o)[None, :]
+    m = (rows < T)[:, None]
+    b_X = _invert_unit_lower_tile(tl.load(Akk + p, mask=m, other=0.0), BC)
+    tl.store(Ainv + p, b_X, mask=m)
+
+
+# ----------------------------------------------------------------------------------------
+# stage 2c: the rest of (I + A_kk)^{-1} and the WY factors W, U
 # ----------------------------------------------------------------------------------------
 @triton.jit
 def _substitution_step(b_A, b_X, is_r):
@@ -223,27 +255,17 @@ def _substitution_step(b_A, b_X, is_r):
 
 
 @triton.jit
-def _invert_unit_lower_tiles(b_A0, b_A1, b_A2, b_A3, BC: tl.constexpr):
-    """(I + A)^{-1} of four strictly lower-triangular `[BC, BC]` tiles (a chunk's diagonal
-    blocks), by forward substitution, rows filled in order so that the rows a step reads are
-    final. The four substitutions share one unrolled loop: each is a chain of BC - 1
-    dependent row steps, and interleaving them lets the GPU overlap four chains instead of
-    walking 4 (BC - 1) steps one after another. (The log-depth product
-    (I - A)(I + A^2)(I + A^4)... is shorter but sums terms far larger than the result;
-    substitution is stable.)
+def _invert_unit_lower_tile(b_A, BC: tl.constexpr):
+    """(I + A)^{-1} of a strictly lower-triangular `[BC, BC]` tile (a chunk's diagonal block),
+    by forward substitution, rows filled in order so that the rows a step reads are final.
+    (The log-depth product (I - A)(I + A^2)(I + A^4)... is shorter but sums terms far larger
+    than the result; substitution is stable.)
     """
     o = tl.arange(0, BC)
-    b_X0 = (o[:, None] == o[None, :]).to(tl.float32)
-    b_X1 = b_X0
-    b_X2 = b_X0
-    b_X3 = b_X0
+    b_X = (o[:, None] == o[None, :]).to(tl.float32)
     for r in tl.static_range(1, BC):
-        is_r = o[:, None] == r
-        b_X0 = _substitution_step(b_A0, b_X0, is_r)
-        b_X1 = _substitution_step(b_A1, b_X1, is_r)
-        b_X2 = _substitution_step(b_A2, b_X2, is_r)
-        b_X3 = _substitution_step(b_A3, b_X3, is_r)
-    return b_X0, b_X1, b_X2, b_X3
+        b_X = _substitution_step(b_A, b_X, o[:, None] == r)
+    return b_X
 
 
 @triton.jit
@@ -319,11 +341,12 @@ def _wy_kernel(
 ):
     """X = (I + A_kk)^{-1} for one chunk, then W = X (beta e^G ⊙ K) and U = X (beta V).
 
-    Akk: `[TT, H, BT]` from `_intra_tiles_kernel`; Ainv: `[TT, H, BT]` fp32 receives X
-    (lower block triangle only); W `[TT, H, K]`, U `[TT, H, V]` (fp32 in the classic walk,
-    the input dtype in the lean one: stores cast). The chunk is 4 tiles of 16
-    (BT == 4 * BC). X is block lower triangular: diagonal blocks by forward substitution,
-    then X_IJ = -X_II Σ_{J<=M<I} A_IM X_MJ. e^G <= 1 here (G <= 0).
+    Akk: `[TT, H, BT]` off-diagonal tiles from `_intra_tiles_kernel`; Ainv: `[TT, H, BT]`
+    fp32 holds X's diagonal blocks (from `_diag_inverse_kernel`) and receives the
+    rest of its lower block triangle; W `[TT, H, K]`, U `[TT, H, V]` (fp32 in the classic
+    walk, the input dtype in the lean one: stores cast). The chunk is 4 tiles of 16
+    (BT == 4 * BC). X is block lower triangular: X_IJ = -X_II Σ_{J<=M<I} A_IM X_MJ for
+    J < I. e^G <= 1 here (G <= 0).
     With LEAN (the lean walk) also the walk's state-independent factors: Kt `[TT, H, K]`
     (input dtype) receives K~ = e^{G_last - G} ⊙ K, decay `[chunks, H, K]` fp32 e^{G_last}
     (G_last = G at the chunk's last valid token). Grid: (chunks, H).
@@ -332,20 +355,18 @@ def _wy_kernel(
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
 
-    # blocks of A_kk (strictly lower inside diagonal blocks)
-    b_A00 = _load_a_tile(Akk, bos, T, i_t, i_h, 0, 0, H, BT, BC)
+    # off-diagonal blocks of A_kk and the diagonal blocks of X (`_diag_inverse_kernel`)
     b_A10 = _load_a_tile(Akk, bos, T, i_t, i_h, 1, 0, H, BT, BC)
-    b_A11 = _load_a_tile(Akk, bos, T, i_t, i_h, 1, 1, H, BT, BC)
     b_A20 = _load_a_tile(Akk, bos, T, i_t, i_h, 2, 0, H, BT, BC)
     b_A21 = _load_a_tile(Akk, bos, T, i_t, i_h, 2, 1, H, BT, BC)
-    b_A22 = _load_a_tile(Akk, bos, T, i_t, i_h, 2, 2, H, BT, BC)
     b_A30 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 0, H, BT, BC)
     b_A31 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 1, H, BT, BC)
     b_A32 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 2, H, BT, BC)
-    b_A33 = _load_a_tile(Akk, bos, T, i_t, i_h, 3, 3, H, BT, BC)
+    b_X00 = _load_a_tile(Ainv, bos, T, i_t, i_h, 0, 0, H, BT, BC)
+    b_X11 = _load_a_tile(Ainv, bos, T, i_t, i_h, 1, 1, H, BT, BC)
+    b_X22 = _load_a_tile(Ainv, bos, T, i_t, i_h, 2, 2, H, BT, BC)
+    b_X33 = _load_a_tile(Ainv, bos, T, i_t, i_h, 3, 3, H, BT, BC)
 
-    # diagonal blocks of X
-    b_X00, b_X11, b_X22, b_X33 = _invert_unit_lower_tiles(b_A00, b_A11, b_A22, b_A33, BC)
     # off-diagonal blocks, one block diagonal at a time
     b_X10 = -tl.dot(tl.dot(b_X11, b_A10, input_precision="ieee"), b_X00, input_precision="ieee")
     b_X21 = -tl.dot(tl.dot(b_X22, b_A21, input_precision="ieee"), b_X11, input_precision="ieee")
@@ -368,18 +389,14 @@ def _wy_kernel(
         input_precision="ieee",
     )
 
-    # keep X for the backward pass
+    # keep X for the backward pass (its diagonal blocks are there already)
     o_c = tl.arange(0, BC)
-    _store_rows(Ainv, b_X00, bos, T, i_t, i_h, 0, o_c, H, BT, BT, BC)
     _store_rows(Ainv, b_X10, bos, T, i_t, i_h, 1, o_c, H, BT, BT, BC)
-    _store_rows(Ainv, b_X11, bos, T, i_t, i_h, 1, BC + o_c, H, BT, BT, BC)
     _store_rows(Ainv, b_X20, bos, T, i_t, i_h, 2, o_c, H, BT, BT, BC)
     _store_rows(Ainv, b_X21, bos, T, i_t, i_h, 2, BC + o_c, H, BT, BT, BC)
-    _store_rows(Ainv, b_X22, bos, T, i_t, i_h, 2, 2 * BC + o_c, H, BT, BT, BC)
     _store_rows(Ainv, b_X30, bos, T, i_t, i_h, 3, o_c, H, BT, BT, BC)
     _store_rows(Ainv, b_X31, bos, T, i_t, i_h, 3, BC + o_c, H, BT, BT, BC)
     _store_rows(Ainv, b_X32, bos, T, i_t, i_h, 3, 2 * BC + o_c, H, BT, BT, BC)
-    _store_rows(Ainv, b_X33, bos, T, i_t, i_h, 3, 3 * BC + o_c, H, BT, BT, BC)
 
     b_b0 = _load_beta(beta, bos, T, i_t, i_h, 0, H, BT, BC)[:, None]
     b_b1 = _load_beta(beta, bos, T, i_t, i_h, 1, H, BT, BC)[:, None]
@@ -716,15 +733,20 @@ def kda_fwd_states(
     k_to_end = torch.empty(TT, H, K, **walk_dt) if lean else None
     decay = torch.empty(rows, H, K, **f32) if lean else None
 
+    intra_warps, inverse_warps, wy_warps, _ = tile_warps()
     _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
     _intra_tiles_kernel[(n_chunks * N_TILES, H)](
         q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
-        H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, STORE_Q_DECAY=output_q_decay, num_warps=4,
+        H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, STORE_Q_DECAY=output_q_decay,
+        num_warps=intra_warps,
+    )
+    _diag_inverse_kernel[(n_chunks * N_TILES, H)](
+        Akk, Ainv, cu, chunk_indices, H=H, BT=CHUNK, BC=TILE, num_warps=inverse_warps,
     )
     _wy_kernel[(n_chunks, H)](
         k, v, G, beta, Akk, Ainv, W, U, k_to_end, decay, cu, chunk_indices,
         H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=min(K, 64), BV=min(V, 64), LEAN=lean, PRECISION=precision,
-        num_warps=4,
+        num_warps=wy_warps,
     )
     if lean:  # A_kk is dead now (classic frees it on return, as `plan.transient` models)
         Akk = None
@@ -880,17 +902,37 @@ def kda_fwd_output(q: torch.Tensor, v: torch.Tensor, st: KDAForwardState) -> tor
 
 
 OUTPUT_ENV = "TITAN_MOE_KDA_OUTPUT"  # "BVxWARPS" of `_output_kernel`, for tuning
+TILE_WARPS_ENV = "TITAN_MOE_KDA_TILE_WARPS"  # warps of the per-tile kernels, for tuning (`tile_warps`)
+_WARPS = (1, 2, 4, 8, 16)
+
+
+def _env_ints(name: str, default: str, example: str, count: int) -> tuple[int, ...]:
+    """`$name` (`count` integers joined by x, read per call; `default` when unset)."""
+    text = os.environ.get(name) or default
+    try:
+        values = tuple(int(x) for x in text.split("x"))
+    except ValueError:
+        values = ()
+    if len(values) != count:
+        raise ValueError(f"{name} must be {count} integers joined by x, e.g. {example}, got {text!r}")
+    return values
 
 
 def output_config(V: int) -> tuple[int, int]:
     """(BV, num_warps) of `_output_kernel`: default 64 value columns per program, 4 warps,
     clipped to dv;
     `$TITAN_MOE_KDA_OUTPUT` ("BVxWARPS", read per call) overrides it for tuning."""
-    text = os.environ.get(OUTPUT_ENV) or "64x4"
-    try:
-        bv, warps = (int(x) for x in text.split("x"))
-    except ValueError:
-        raise ValueError(f"{OUTPUT_ENV} must be BVxWARPS, e.g. 64x4, got {text!r}") from None
-    if bv not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"{OUTPUT_ENV}: BV must be 16, 32, 64 or 128 and warps a power of two <= 16, got {text!r}")
+    bv, warps = _env_ints(OUTPUT_ENV, "64x4", "64x4", 2)
+    if bv not in (16, 32, 64, 128) or warps not in _WARPS:
+        raise ValueError(f"{OUTPUT_ENV}: BV must be 16, 32, 64 or 128 and warps a power of two <= 16, got {bv}x{warps}")
     return min(bv, V), warps
+
+
+def tile_warps() -> tuple[int, int, int, int]:
+    """num_warps of `_intra_tiles_kernel`, `_diag_inverse_kernel`, `_wy_kernel` and
+    `triton_bwd._bwd_intra_kernel`: default 4, 1, 4, 8 (H200, BENCHMARKS.md);
+    `$TITAN_MOE_KDA_TILE_WARPS` ("AxBxCxD", read per call) overrides them for tuning."""
+    warps = _env_ints(TILE_WARPS_ENV, "4x1x4x8", "4x2x4x8", 4)
+    if any(w not in _WARPS for w in warps):
+        raise ValueError(f"{TILE_WARPS_ENV}: warps must be powers of two <= 16, got {warps}")
+    return warps
