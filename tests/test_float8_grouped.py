@@ -283,6 +283,72 @@ def test_forward_and_dx_equal_their_quantized_pieces(torch_quantization):
     assert torch.equal(dw, _scaled_grouped_gemm_emulated(xc.t(), dyc, sxc, sdyc, offs, w.dtype))
 
 
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+def test_ops_pass_opcheck(wgrad, torch_quantization):
+    """The forward and backward ops: schemas, fake implementations, autograd registration.
+    (opcheck's AOT-dispatch check sums every output, which fp8 tensors cannot do on the CPU;
+    `test_compiles_fullgraph_like_eager` runs the forward op through AOT autograd instead.)"""
+    x, w, dy, offs = make_case([16, 0, 32], 5, 32, 48, seed=5)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.titan_moe.fp8_grouped_mm_fwd, (xl, wl, offs, wgrad, True, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    _, w_dgrad, sw_dgrad, xq_buffer, sx = torch.ops.titan_moe.fp8_grouped_mm_fwd(x, w, offs, wgrad, True, True)
+    x_kept = x if wgrad == "bf16" else None
+    torch.library.opcheck(torch.ops.titan_moe.fp8_grouped_mm_bwd,
+                          (dy, w_dgrad, sw_dgrad, x_kept, xq_buffer, sx, offs, wgrad, True, True, 32, x.dtype, w.dtype))
+
+
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+def test_compiles_fullgraph_like_eager(wgrad, torch_quantization):
+    """`torch.compile(fullgraph=True)` over the fp8 GEMM (the ops are opaque to dynamo): no graph
+    break, and output and gradients equal eager's exactly."""
+    x, w, dy, offs = make_case([32, 0, 16], 3, 32, 48, seed=6)
+
+    def step(x_MK, w_EKN):
+        return fp8_grouped_mm(x_MK, w_EKN, offs, wgrad=wgrad) * 2.0
+
+    def run(fn):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xl, wl)
+        out.backward(dy)
+        return out.detach(), xl.grad, wl.grad
+
+    torch._dynamo.reset()
+    compiled = run(torch.compile(step, backend="aot_eager", fullgraph=True))
+    for got, want in zip(compiled, run(step)):
+        assert torch.equal(got, want)
+
+
+def test_fused_experts_compile_fullgraph(monkeypatch, torch_quantization):
+    """`Float8RoutedExperts` on the fused GEMM (`TITAN_MOE_FP8_EXPERTS_GEMM=fused`: padding,
+    two fp8 GEMMs, SiTU-GLU) under `torch.compile(fullgraph=True)`: eager's output and
+    gradients exactly."""
+    from titan_moe.float8.experts import GEMM_ENV, Float8RoutedExperts
+    from titan_moe.model.moe import RoutedExperts
+
+    monkeypatch.setenv(GEMM_ENV, "fused")
+    torch.manual_seed(0)
+    experts = RoutedExperts(4, 32, 48, 1.0, 1.0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    fp8_experts = Float8RoutedExperts.from_experts(experts)
+    x = torch.randn(40, 32)
+    offs = torch.tensor([10, 10, 25, 37], dtype=torch.int32)  # an empty group, rows past the end
+
+    def run(module):
+        xl = x.clone().requires_grad_()
+        out = module(xl, offs)
+        out.square().sum().backward()
+        grads = [xl.grad] + [p.grad.clone() for p in fp8_experts.parameters()]
+        fp8_experts.zero_grad(set_to_none=True)
+        return [out.detach()] + grads
+
+    torch._dynamo.reset()
+    compiled = run(torch.compile(fp8_experts, backend="aot_eager", fullgraph=True))
+    for got, want in zip(compiled, run(fp8_experts)):
+        assert torch.equal(got, want)
+
+
 @needs_kernels
 def test_fp8_grouped_mm_through_the_kernels():
     """The autograd function with the Triton kernels doing every quantization (interpreted
