@@ -350,6 +350,17 @@ def test_tile_warps_override_keeps_results(monkeypatch):
             triton_fwd.tile_warps()
 
 
+def test_chunk_layout_is_built_once_per_bounds():
+    """The chunk layout tables are built once per (bounds, device) and shared: no host-to-device
+    copy (a host sync) per call once a shape has been seen."""
+    first = triton_fwd._chunk_layout([0, 100, 164], torch.device(DEVICE))
+    again = triton_fwd._chunk_layout([0, 100, 164], torch.device(DEVICE))
+    assert all(a is b for a, b in zip(first, again))
+    cu, indices, offsets = (t.cpu().tolist() for t in first)
+    assert cu == [0, 100, 164] and indices == [[0, 0], [0, 1], [1, 0]] and offsets == [0, 2, 3]
+    assert triton_fwd._chunk_layout([0, 100], torch.device(DEVICE))[0] is not first[0]
+
+
 def test_scan_config_default_rule(monkeypatch):
     """Default walk launch: 4 warps, the widest column block that still gives every SM a
     program, else 16 columns (the H200 measurements behind it are in the docstring)."""
