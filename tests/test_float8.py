@@ -24,7 +24,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.utils import has_cuda_capability
 
 import titan_moe.float8.experts as f8_experts
-from titan_moe.config import ConfigError, load_config
+from titan_moe.config import load_config
 from titan_moe.float8 import (
     EXPERTS_CONVERTER_NAME,
     LINEAR_CONVERTER_NAME,
@@ -38,7 +38,7 @@ from titan_moe.flavors import FLAVORS
 from titan_moe.model.attn_res import AttnResMixer
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.moe import RoutedExperts, TopKRouter
-from titan_moe.ops.grouped_gemm import grouped_mm, grouped_mm_reference
+from titan_moe.ops.grouped_gemm import grouped_mm_reference
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "debug_cpu.toml")
@@ -252,7 +252,7 @@ def test_pad_groups_round_trip(sizes, extra):
 
 def test_pad_groups_compiles_without_graph_breaks():
     offs, M = _groups([5, 0, 17, 16, 1], 3)
-    x, w = torch.randn(M, 8), torch.randn(5, 8, 12)
+    x = torch.randn(M, 8)
 
     def padded_rows(x_MK, offs_E):
         x_PK, offs_pad_E, dest_M = pad_groups(x_MK, offs_E)

@@ -44,8 +44,8 @@ the quantization kernels match their references bit for bit. At E = 64, M = 65,5
 2048, N = 1408 forward+backward takes 2.05 ms against 1.91 for bf16 ``native`` (0.93x) and
 8.15 for the torchao path of ``experts.py`` in the same run; the forward alone is slower than
 bf16 (0.98 against 0.64 ms): the per-call weight quantization (about 0.27 ms of traffic) and
-x's cost about what fp8 saves on the GEMM (0.39 against 0.59 ms). Not yet used by
-``Float8RoutedExperts``.
+x's cost about what fp8 saves on the GEMM (0.39 against 0.59 ms). ``Float8RoutedExperts``
+uses it with ``TITAN_MOE_FP8_EXPERTS_GEMM=fused`` (:mod:`titan_moe.float8.experts`).
 """
 
 from __future__ import annotations

@@ -39,8 +39,6 @@ dG_i += q_i ⊙ dq_i + k_i ⊙ dk_i(row part), dG_j -= k_j ⊙ dk_j(column part)
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -49,7 +47,9 @@ from titan_moe.ops.kda.triton_fwd import (
     CHUNK,
     N_TILES,
     TILE,
+    _WARPS,
     _chunk_location,
+    _env_ints,
     _interpreted,
     kda_fwd_states,
     sequential_scan_config,
@@ -71,15 +71,11 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     registers, `profiling/kernel_resources.py`; on the H200 1.70 + 0.78 ms at T = 32K against
     64 x 32's 2.00 + 0.82, BENCHMARKS.md), clipped to dk and dv; `$TITAN_MOE_KDA_BWD_CHUNK`
     ("BKxBVxWKxWV", read per call) overrides it for tuning."""
-    text = os.environ.get(BWD_CHUNK_ENV) or "64x64x8x8"
-    try:
-        bk, bv, wk, wv = (int(x) for x in text.split("x"))
-    except ValueError:
-        raise ValueError(f"{BWD_CHUNK_ENV} must be BKxBVxKEYS_WARPSxVALUES_WARPS, e.g. 64x32x8x8, got {text!r}") from None
+    bk, bv, wk, wv = _env_ints(BWD_CHUNK_ENV, "64x64x8x8", "64x32x8x8 (BKxBVxKEYS_WARPSxVALUES_WARPS)", 4)
     if bk not in (16, 32, 64, 128) or bv not in (16, 32, 64, 128):
-        raise ValueError(f"{BWD_CHUNK_ENV}: BK and BV must be 16, 32, 64 or 128, got {text!r}")
-    if wk not in (1, 2, 4, 8, 16) or wv not in (1, 2, 4, 8, 16):
-        raise ValueError(f"{BWD_CHUNK_ENV}: warps must be powers of two in [1, 16], got {text!r}")
+        raise ValueError(f"{BWD_CHUNK_ENV}: BK and BV must be 16, 32, 64 or 128, got {bk}x{bv}")
+    if wk not in _WARPS or wv not in _WARPS:
+        raise ValueError(f"{BWD_CHUNK_ENV}: warps must be powers of two in [1, 16], got {wk}x{wv}")
     return min(bk, K), min(bv, V), wk, wv
 
 

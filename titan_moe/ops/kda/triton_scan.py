@@ -75,6 +75,7 @@ walk, with no extra work) when splitting does not pay.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -119,9 +120,15 @@ def scan_blocks(K: int, V: int) -> tuple[int, int, int]:
 def segment_layout(bounds: list[int], segment_chunks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """seg_indices int32 `[S, 2]` (sequence, segment-in-sequence) and seg_offsets int32 `[N+1]`
     (each sequence's first segment) for segments of `segment_chunks` chunks. A sequence of
-    n chunks has ceil(n / L) segments, the last one possibly shorter; empty sequences none."""
+    n chunks has ceil(n / L) segments, the last one possibly shorter; empty sequences none.
+    Built once per arguments and shared, as `triton_fwd._chunk_layout` (no host sync per call)."""
     if segment_chunks < 1:
         raise ValueError(f"segment_chunks must be >= 1, got {segment_chunks}")
+    return _segment_layout_cached(tuple(bounds), segment_chunks, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_layout_cached(bounds: tuple[int, ...], segment_chunks: int, device: torch.device):
     n_chunks = [-(-(e - s) // CHUNK) for s, e in zip(bounds[:-1], bounds[1:])]
     n_segs = [-(-nc // segment_chunks) for nc in n_chunks]
     indices = [(n, j) for n, ns in enumerate(n_segs) for j in range(ns)]
