@@ -283,6 +283,17 @@ def test_forward_and_dx_equal_their_quantized_pieces(torch_quantization):
     assert torch.equal(dw, _scaled_grouped_gemm_emulated(xc.t(), dyc, sxc, sdyc, offs, w.dtype))
 
 
+def test_no_grad_forward_skips_the_residuals(torch_quantization):
+    """Under no_grad the output is the training forward's; the forward op told that no
+    gradient is needed builds no dx operand and no fp8 copy of x (empty residuals)."""
+    x, w, _, offs = make_case([16, 0, 32], 5, 32, 48, seed=7)
+    with torch.no_grad():
+        out = fp8_grouped_mm(x, w, offs, wgrad="fp8")
+    assert torch.equal(out, run_fp8(x, w, torch.zeros_like(out), offs, "fp8")[0])
+    residuals = torch.ops.titan_moe.fp8_grouped_mm_fwd(x, w, offs, "fp8", False, False)[1:]
+    assert all(r.numel() == 0 for r in residuals)
+
+
 @pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
 def test_ops_pass_opcheck(wgrad, torch_quantization):
     """The forward and backward ops: schemas, fake implementations, autograd registration.
