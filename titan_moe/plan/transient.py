@@ -286,7 +286,8 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
     `kda_fwd_states`, then `chunk_kda_bwd_triton`'s own), in order, as (name, bytes) events
     (negative: freed); its outputs dq, dk, dv, dg, dbeta (and dh0) stay. `kept`: the kept
     pair's backward (`kda.kept`), which reads the forward's residuals (autograd holds them)
-    instead of recomputing them: only the chunk layout is rebuilt."""
+    instead of recomputing them: only the chunk layout is built (counted per call here;
+    `triton_fwd._chunk_layout` keeps it after its first build, a few KiB)."""
     B, T, H, K = q.shape
     V, TT, C, f32 = v.shape[-1], B * T, KDA_CHUNK, 4
     N, chunks = _chunk_counts(q, cu_seqlens)

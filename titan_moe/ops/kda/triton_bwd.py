@@ -50,6 +50,7 @@ from titan_moe.ops.kda.triton_fwd import (
     _WARPS,
     _chunk_location,
     _env_ints,
+    _tile_location,
     _interpreted,
     kda_fwd_states,
     sequential_scan_config,
@@ -377,10 +378,7 @@ def _bwd_intra_kernel(
     completed in place. Grid: (chunks * BT // BC, H).
     """
     NC: tl.constexpr = BT // BC
-    i_ci, i_h = tl.program_id(0), tl.program_id(1)
-    i_c, i_i = i_ci // NC, i_ci % NC
-    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
-    row0 = i_t * BT + i_i * BC
+    bos, T, i_t, i_i, i_h, row0 = _tile_location(cu_seqlens, chunk_indices, BT, BC)
     if row0 >= T:
         return
     o_r = tl.arange(0, BC)

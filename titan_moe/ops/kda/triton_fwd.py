@@ -127,6 +127,17 @@ def _chunk_location(cu_seqlens, chunk_indices, i_c):
     return bos, eos - bos, i_t
 
 
+@triton.jit
+def _tile_location(cu_seqlens, chunk_indices, BT: tl.constexpr, BC: tl.constexpr):
+    """(bos, T, i_t, i_i, i_h, row0) of a per-tile program (grid (chunks * BT // BC, H)):
+    `_chunk_location` of its chunk, its tile i_i in the chunk, its head and the tile's first
+    row in the sequence (row0 >= T: the tile is past the sequence's end)."""
+    i_ci, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_ci // (BT // BC), i_ci % (BT // BC)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    return bos, T, i_t, i_i, i_h, i_t * BT + i_i * BC
+
+
 # ----------------------------------------------------------------------------------------
 # stage 1: chunk-local cumulative decay
 # ----------------------------------------------------------------------------------------
@@ -163,10 +174,7 @@ def _intra_tiles_kernel(
     Grid: (chunks * BT // BC, H).
     """
     NC: tl.constexpr = BT // BC
-    i_ci, i_h = tl.program_id(0), tl.program_id(1)
-    i_c, i_i = i_ci // NC, i_ci % NC
-    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
-    row0 = i_t * BT + i_i * BC
+    bos, T, i_t, i_i, i_h, row0 = _tile_location(cu_seqlens, chunk_indices, BT, BC)
     if row0 >= T:
         return
     o_r = tl.arange(0, BC)
@@ -228,11 +236,7 @@ def _diag_inverse_kernel(Akk, Ainv, cu_seqlens, chunk_indices, H: tl.constexpr, 
     kernel takes 0.07 ms, where the same four chains per chunk interleaved inside
     `_wy_kernel`'s four warps cost it 0.5 ms (BENCHMARKS.md). Grid: (chunks * BT // BC, H).
     """
-    NC: tl.constexpr = BT // BC
-    i_ci, i_h = tl.program_id(0), tl.program_id(1)
-    i_c, i_i = i_ci // NC, i_ci % NC
-    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
-    row0 = i_t * BT + i_i * BC
+    bos, T, i_t, i_i, i_h, row0 = _tile_location(cu_seqlens, chunk_indices, BT, BC)
     if row0 >= T:
         return
     o = tl.arange(0, BC)
