@@ -27,6 +27,10 @@
 #   fp8_fused  small_1gpu eager with fp8 linears and experts, the experts on our fused fp8 grouped
 #              GEMM (TITAN_MOE_FP8_EXPERTS_GEMM=fused) beside torchao's, 30 steps each (not in the
 #              default list)
+#   wide       wide_1gpu (width 4096) compiled, bf16 then fp8 (rowwise linears, our fused fp8 expert
+#              GEMM), 12 steps each: the whole-step float8 ratio (not in the default list)
+#   wide_recipes  wide_1gpu compiled, fp8 linears only (tensorwise, then rowwise), then tensorwise
+#              linears with our fused fp8 experts, 12 steps each (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
 #              the forward's intermediates) beside the default, which keeps them (not in the default list)
 # Time limits per section: $SUITE_TIMEOUT seconds (default 540). The training runs' dump folders
@@ -52,6 +56,7 @@ DUMP=${SUITE_DUMP:-$OUT}  # the training runs' dump folders (traces, metrics, ch
 export PYTHONUNBUFFERED=1
 SMALL=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 30
        --metrics.log_freq 5 --validation.freq 1000)
+WIDE=(-m titan_moe.train --job.config_file configs/wide_1gpu.toml --training.steps 12 --metrics.log_freq 4)
 FP8=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name rowwise)
 
 run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
@@ -98,6 +103,20 @@ for section in "${SECTIONS[@]}"; do
                 --job.dump_folder "$DUMP/fp8_torchao"
             run fp8_fused env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun --standalone --nproc_per_node=1 \
                 "${SMALL[@]}" "${FP8[@]}" --job.dump_folder "$DUMP/fp8_fused" ;;
+        wide)
+            run wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/wide_bf16"
+            run wide_fp8 env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun --standalone --nproc_per_node=1 \
+                "${WIDE[@]}" "${FP8[@]}" --job.dump_folder "$DUMP/wide_fp8" ;;
+        wide_recipes)
+            run wide_fp8_linears_tensorwise torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
+                --model.converters titan_float8 --quantize.linear.float8.recipe_name tensorwise \
+                --job.dump_folder "$DUMP/wide_fp8_lt"
+            run wide_fp8_linears_rowwise torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
+                --model.converters titan_float8 --quantize.linear.float8.recipe_name rowwise \
+                --job.dump_folder "$DUMP/wide_fp8_lr"
+            run wide_fp8_tensorwise_fused env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun --standalone \
+                --nproc_per_node=1 "${WIDE[@]}" --model.converters titan_float8,titan_float8_experts \
+                --quantize.linear.float8.recipe_name tensorwise --job.dump_folder "$DUMP/wide_fp8_tf" ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"
             run keep_off env TITAN_MOE_KDA_KEEP=0 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" \

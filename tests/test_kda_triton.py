@@ -385,6 +385,27 @@ def test_scan_config_rejects_bad_values(monkeypatch):
         triton_fwd.sequential_scan_config(128, 128)
 
 
+def test_scan_stages_rule(monkeypatch):
+    """Walk pipeline stages: 3 at 16 columns, 2 wider, fp32 tiles at dk > 64 at 2 forward and
+    1 backward (what fits the H200's shared memory); the knob overrides and is checked."""
+    monkeypatch.delenv(triton_fwd.SCAN_STAGES_ENV, raising=False)
+    assert triton_fwd.scan_stages(16, wide_tiles=False) == (3, 3)
+    assert triton_fwd.scan_stages(64, wide_tiles=False) == (2, 2)
+    assert triton_fwd.scan_stages(16, wide_tiles=True) == (2, 1)
+    assert triton_fwd.walk_tiles_wide(128, lean=True, dtype=torch.bfloat16) is False
+    assert triton_fwd.walk_tiles_wide(128, lean=False, dtype=torch.bfloat16) is True
+    assert triton_fwd.walk_tiles_wide(128, lean=True, dtype=torch.float32) is True
+    assert triton_fwd.walk_tiles_wide(64, lean=False, dtype=torch.float32) is False
+    monkeypatch.setenv(triton_fwd.SCAN_STAGES_ENV, "4x1")
+    assert triton_fwd.scan_stages(16, wide_tiles=False) == (4, 1)
+    monkeypatch.setenv(triton_fwd.SCAN_STAGES_ENV, "5x1")
+    with pytest.raises(ValueError, match="1 to 4"):
+        triton_fwd.scan_stages(16, wide_tiles=False)
+    monkeypatch.setenv(triton_fwd.SCAN_STAGES_ENV, "3")
+    with pytest.raises(ValueError, match="FWDxBWD"):
+        triton_fwd.scan_stages(16, wide_tiles=False)
+
+
 # ----------------------------------------------------------------------------------------
 # the lean state walks (TITAN_MOE_KDA_WALK=lean)
 # ----------------------------------------------------------------------------------------

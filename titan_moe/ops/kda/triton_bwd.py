@@ -53,9 +53,11 @@ from titan_moe.ops.kda.triton_fwd import (
     _tile_location,
     _interpreted,
     kda_fwd_states,
+    scan_stages,
     sequential_scan_config,
     state_from_residuals,
     tile_warps,
+    walk_tiles_wide,
 )
 from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
@@ -531,11 +533,8 @@ def chunk_kda_bwd_triton(
         st.cu_seqlens, st.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         LEAN=lean, PRECISION=st.precision, INTERPRETED=interp, num_warps=warps,
-        # fp32 tiles at dk=128: 2 stages need 226 KB of shared memory (classic); the lean
-        # walk's 16-bit operands fit 2 (106 KiB at BV = 16 compiled for sm_90; run on the
-        # H200 at BV = 16, 32 and 64; a launch that does not fit falls back to 1 stage with
-        # a warning)
-        num_stages=2 if K <= 64 or (lean and q.element_size() == 2) else 1,
+        # fp32 tiles at dk = 128 (classic): 2 stages would need 226 KB of shared memory
+        num_stages=scan_stages(BV, walk_tiles_wide(K, lean, q.dtype))[1],
     )
     if lean:  # read by the walks only: free them before the stages below
         q_decay = st.W = st.k_to_end = st.decay = None

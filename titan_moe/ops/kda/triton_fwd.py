@@ -105,7 +105,7 @@ import triton
 import triton.language as tl
 
 from titan_moe.ops.kda.chunk_torch import check_kda_inputs, seqlens_bounds
-from titan_moe.ops.triton_runtime import is_interpreted, sm_count
+from titan_moe.ops.triton_runtime import is_interpreted, launch_with_fewer_stages_if_needed, sm_count
 
 CHUNK = 64  # BT: tokens per chunk
 TILE = 16  # BC: tokens per sub-chunk tile; the span exponentiated directly
@@ -486,6 +486,33 @@ def selected_walk() -> str:
 
 SCAN_BV_ENV = "TITAN_MOE_KDA_SCAN_BV"  # state columns per program of the sequential walks
 SCAN_WARPS_ENV = "TITAN_MOE_KDA_SCAN_WARPS"  # warps per program of the sequential walks
+SCAN_STAGES_ENV = "TITAN_MOE_KDA_SCAN_STAGES"  # "FWDxBWD" software-pipeline stages of the walks
+
+
+def walk_tiles_wide(K: int, lean: bool, dtype: torch.dtype) -> bool:
+    """Whether the walks' `[BT, dk]` operands are fp32 tiles wider than 64 columns (the
+    classic walk, or 32-bit inputs, at dk > 64): `scan_stages`' `wide_tiles`."""
+    return K > 64 and not (lean and dtype.itemsize == 2)
+
+
+def scan_stages(BV: int, wide_tiles: bool) -> tuple[int, int]:
+    """(forward, backward) software-pipeline stages of the sequential walks at BV state
+    columns per program. `wide_tiles`: the walks' `[BT, dk]` operands are fp32 at dk > 64
+    (the classic walk, or fp32 inputs), which fit 2 stages forward and 1 backward. Otherwise
+    3 at BV = 16 (the walks of few, long sequences, where the next chunks' loads are the
+    latency to hide), else 2. Measured on the H200 at dk = dv = 128 (BENCHMARKS.md, "walk
+    pipeline stages"): T = 32K (BV = 16) forward+backward 8.44 ms at 3x3 against 8.92 at
+    2x2, 4x4 no better; 8 x 4K (BV = 64) 7.46 at 2x2 against 7.52 at 3x3. Shared memory
+    compiled for sm_90 (`profiling/kernel_resources.py`, BV = 16, dk = 128): lean 16-bit walks
+    106 / 156 KiB at 3 stages, the classic forward 237 KiB at 3 (too much).
+    `$TITAN_MOE_KDA_SCAN_STAGES` ("FWDxBWD", 1-4 each, read per call) overrides both for
+    tuning; the walks launch through `launch_with_fewer_stages_if_needed`, so a count whose
+    shared memory does not fit falls back to fewer stages with a warning."""
+    fwd, bwd = (2, 1) if wide_tiles else (3, 3) if BV <= 16 else (2, 2)
+    fwd, bwd = _env_ints(SCAN_STAGES_ENV, f"{fwd}x{bwd}", "3x3 (FWDxBWD)", 2)
+    if not (1 <= fwd <= 4 and 1 <= bwd <= 4):
+        raise ValueError(f"{SCAN_STAGES_ENV}: stages must be 1 to 4, got {fwd}x{bwd}")
+    return fwd, bwd
 
 
 def sequential_scan_config(K: int, V: int, walks: int = 1, n_sms: int | None = None) -> tuple[int, int]:
@@ -770,11 +797,12 @@ def kda_fwd_states(
         state_scan_parallel(k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets, bounds, precision, segment_chunks)
     else:
         BV, warps = sequential_scan_config(K, V, walks=N * H)
-        _state_scan_kernel[(V // BV, N * H)](
+        launch_with_fewer_stages_if_needed(
+            _state_scan_kernel, (V // BV, N * H),
             k, W, U, G, k_to_end, decay, h, v_new, h0, ht, cu, chunk_offsets,
             H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
             LEAN=lean, PRECISION=precision, INTERPRETED=_interpreted(), num_warps=warps,
-            num_stages=2,  # one chunk of loads in flight; 3 stages need 255 KB of shared memory at dk=128
+            num_stages=scan_stages(BV, walk_tiles_wide(K, lean, q.dtype))[0],
         )
     if lean:  # U is read by the forward walk only (classic keeps it)
         U = None
