@@ -12,8 +12,9 @@
 #              the forward's intermediates (TITAN_MOE_KDA_KEEP=0) and the old classic walk
 #   kda_tune   profiling/bench_kda.py at 32K and 8 x 4K: launch configurations of the state
 #              walks (BVxWARPS), the whole-chunk backward (TITAN_MOE_KDA_BWD_CHUNK), the
-#              output kernel (TITAN_MOE_KDA_OUTPUT) and the per-tile kernels' warps
-#              (TITAN_MOE_KDA_TILE_WARPS) (not in the default list)
+#              output kernel (TITAN_MOE_KDA_OUTPUT), the per-tile kernels' warps
+#              (TITAN_MOE_KDA_TILE_WARPS) and the walks' pipeline stages (TITAN_MOE_KDA_SCAN_STAGES)
+#              (not in the default list)
 #   kda_fla    profiling/bench_kda.py --kernels 6: ours against fla in the same run (fla's
 #              autotuning takes minutes on a fresh machine)
 #   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
@@ -79,7 +80,7 @@ for section in "${SECTIONS[@]}"; do
                 --variants recompute:TITAN_MOE_KDA_KEEP=0,classic:TITAN_MOE_KDA_WALK=classic+TITAN_MOE_KDA_PREPARE=composite+TITAN_MOE_KDA_KEEP=0 ;;
         kda_tune) run kda_tune python profiling/bench_kda.py --no-fla --kernels 4 --shapes 32768,4096 \
                 --scan-configs 16x4,32x4,64x4,128x4 \
-                --variants c64x32:TITAN_MOE_KDA_BWD_CHUNK=64x32x8x8,c128:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,o128x4:TITAN_MOE_KDA_OUTPUT=128x4,o32x2:TITAN_MOE_KDA_OUTPUT=32x2,inv2:TITAN_MOE_KDA_TILE_WARPS=4x2x4x8,bi4:TITAN_MOE_KDA_TILE_WARPS=4x1x4x4 ;;
+                --variants c64x32:TITAN_MOE_KDA_BWD_CHUNK=64x32x8x8,c128:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,o128x4:TITAN_MOE_KDA_OUTPUT=128x4,o32x2:TITAN_MOE_KDA_OUTPUT=32x2,inv2:TITAN_MOE_KDA_TILE_WARPS=4x2x4x8,bi4:TITAN_MOE_KDA_TILE_WARPS=4x1x4x4,it8:TITAN_MOE_KDA_TILE_WARPS=8x1x4x8,st2x2:TITAN_MOE_KDA_SCAN_STAGES=2x2,st4x4:TITAN_MOE_KDA_SCAN_STAGES=4x4 ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)

@@ -305,7 +305,8 @@ def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str) -> None
     device = x_MK.device
     if device.type == "cuda":
         # a cached host query: asked in eager calls only (Dynamo would trace through the cache)
-        if not torch.compiler.is_compiling() and not _cuda_fp8_ok(device.index if device.index is not None else torch.cuda.current_device()):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not torch.compiler.is_compiling() and not _cuda_fp8_ok(index):
             raise ValueError("fp8_grouped_mm: torch._scaled_grouped_mm needs a GPU of compute capability >= 8.9")
     elif device.type != "cpu":
         raise ValueError(f"fp8_grouped_mm: runs on CUDA (fp8 GEMM) or CPU (emulation), got {device}")
