@@ -100,8 +100,8 @@ for section in "${SECTIONS[@]}"; do
                 --compile.moe_regions piecewise --job.dump_folder "$DUMP/regions_piecewise" ;;
         aoti) run aoti python profiling/aoti_isolate.py --device cuda ;;
         fp8_fused)
-            run fp8_torchao torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" "${FP8[@]}" \
-                --job.dump_folder "$DUMP/fp8_torchao"
+            run fp8_torchao env TITAN_MOE_FP8_EXPERTS_GEMM=torchao torchrun --standalone --nproc_per_node=1 \
+                "${SMALL[@]}" "${FP8[@]}" --job.dump_folder "$DUMP/fp8_torchao"
             run fp8_fused env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun --standalone --nproc_per_node=1 \
                 "${SMALL[@]}" "${FP8[@]}" --job.dump_folder "$DUMP/fp8_fused" ;;
         wide)

@@ -267,8 +267,10 @@ def test_pad_groups_compiles_without_graph_breaks():
 
 
 def test_float8_experts_wiring_with_a_stand_in_gemm(monkeypatch):
-    """On CPU, swap torchao's fp8 grouped GEMM for a checked fp32 stand-in: the expert module
-    must hand it 16-aligned groups and column-major weights and give RoutedExperts' result."""
+    """On CPU, swap torchao's fp8 grouped GEMM (TITAN_MOE_FP8_EXPERTS_GEMM=torchao) for a
+    checked fp32 stand-in: the expert module must hand it 16-aligned groups and column-major
+    weights and give RoutedExperts' result."""
+    monkeypatch.setenv(f8_experts.GEMM_ENV, "torchao")
     calls = []
 
     def stand_in(x_MK, w_t_EKN, offs_E, out_dtype):
@@ -304,14 +306,15 @@ def test_float8_experts_wiring_with_a_stand_in_gemm(monkeypatch):
 
 
 def test_float8_experts_fused_gemm_on_cpu(monkeypatch):
-    """TITAN_MOE_FP8_EXPERTS_GEMM=fused: the experts run our fp8 grouped GEMM (its CPU path
-    emulates the fp8 GEMM on the quantized operands) on the padded groups, with gradients for
-    the tokens and both weights. Tolerances as the GPU test below: about 5% per fp8 GEMM,
+    """The default (TITAN_MOE_FP8_EXPERTS_GEMM=fused): the experts run our fp8 grouped GEMM
+    (its CPU path emulates the fp8 GEMM on the quantized operands) on the padded groups, with
+    gradients for the tokens and both weights. Tolerances as the GPU test below: about 5% per fp8 GEMM,
     two GEMMs with SiTU between; above 1% (it did quantize)."""
     monkeypatch.setenv(f8_experts.GEMM_ENV, "bogus")
     with pytest.raises(ValueError, match=f8_experts.GEMM_ENV):
         f8_experts.selected_gemm()
-    monkeypatch.setenv(f8_experts.GEMM_ENV, "fused")
+    monkeypatch.delenv(f8_experts.GEMM_ENV)
+    assert f8_experts.selected_gemm() == "fused"  # the default
     torch.manual_seed(0)
     experts = RoutedExperts(8, 32, 48, 4.0, 25.0)
     experts.init_weights(0.05)

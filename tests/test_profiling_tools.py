@@ -333,7 +333,7 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
     maps) and SiTU-GLU's, recorded on
     CPU tensors and compiled for sm_90 without a GPU: every kernel builds, fits the H200's
     shared memory per block, and reports its registers and stack from the cubin; the state
-    walk keeps the launcher's 4 warps and 2 stages. Catches a launch configuration that
+    walk keeps the launcher's 4 warps and 3 stages. Catches a launch configuration that
     would fail to compile on the GPU before it gets there."""
     pytest.importorskip("triton")
     out = tmp_path / "rows.json"
@@ -350,7 +350,7 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
         assert 0 < r["registers"] <= 255 and r["stack_bytes"] >= 0, r
         assert 0 <= r["shared_bytes"] <= 227 * 1024, r
     walk = next(r for r in rows if r["kernel"] == "_state_scan_kernel" and r["case"] == "kda_fwd_lean")
-    assert (walk["num_warps"], walk["num_stages"]) == (4, 2)
+    assert (walk["num_warps"], walk["num_stages"]) == (4, 3)  # 16 columns at B*H = 16: 3 stages
     assert "_bwd_chunk_keys_kernel" in proc.stdout
 
 

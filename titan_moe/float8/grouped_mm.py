@@ -45,7 +45,7 @@ the quantization kernels match their references bit for bit. At E = 64, M = 65,5
 8.15 for the torchao path of ``experts.py`` in the same run; the forward alone is slower than
 bf16 (0.98 against 0.64 ms): the per-call weight quantization (about 0.27 ms of traffic) and
 x's cost about what fp8 saves on the GEMM (0.39 against 0.59 ms). ``Float8RoutedExperts``
-uses it with ``TITAN_MOE_FP8_EXPERTS_GEMM=fused`` (:mod:`titan_moe.float8.experts`).
+uses it by default (:mod:`titan_moe.float8.experts`, ``TITAN_MOE_FP8_EXPERTS_GEMM``).
 """
 
 from __future__ import annotations
