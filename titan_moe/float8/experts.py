@@ -26,14 +26,15 @@ Constraints and what this module does about them:
   transposed copy of the (cast) weights.
 * K and N (latent width, expert hidden width) must be multiples of 16: checked at conversion.
 
-Why ours is the default (H200, BENCHMARKS.md): at the MoE benchmark shape (E = 64, M =
-65,536, K = 2048, N = 1408) forward+backward takes 2.05 ms against 8.15 for the torchao path
-(eager, same run; compiled, in an earlier run, 5.84) and 1.91 for bf16; small_1gpu eager trains 11.9K tokens/s with it
-against 10.7K with torchao's; it compiles with `fullgraph=True` (custom ops) and trained
-300 steps to bf16's loss. Ours is fused Triton quantization with no weight re-layout copy, and
-on the CPU an fp32 emulation of the fp8 GEMM, so this module's data flow is tested there; the
-padding copies stay either way. Neither is faster than bf16 yet: no fp8 speed-up is claimed
-for the experts.
+Why ours is the default (H200, BENCHMARKS.md): at the MoE benchmark shape (E = 64,
+M = 65,536, K = 2048, N = 1408) forward+backward takes 2.05 ms against 8.15 for the torchao
+path (eager, same run; compiled, in an earlier run, 5.84) and 1.91 for bf16; small_1gpu
+eager trains 11.9K tokens/s with it against 10.7K with torchao's; it compiles with
+`fullgraph=True` (custom ops), trained compiled on wide_1gpu, and trained 300 eager steps to
+bf16's loss. Ours is fused Triton quantization with no weight re-layout copy, and on the CPU
+an fp32 emulation of the fp8 GEMM, so this module's data flow is tested there; the padding
+copies stay either way. Neither is faster than bf16 yet: no fp8 speed-up is claimed for the
+experts.
 """
 
 from __future__ import annotations
