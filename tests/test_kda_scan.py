@@ -348,6 +348,21 @@ def test_segment_choice(monkeypatch):
         default_segment_chunks([n], H=16, K=128, V=128)
 
 
+def test_segment_layout_is_built_once_per_arguments():
+    """The parallel scan's segment tables: ceil(chunks / L) segments per sequence (none for an
+    empty one), built once per (bounds, L, device) and shared, so a repeated shape costs no
+    host-to-device copy; bad L is refused."""
+    cpu = torch.device("cpu")
+    bounds = [0, 3 * CHUNK + 1, 3 * CHUNK + 1, 5 * CHUNK + 1]  # 4 chunks, empty, 2 chunks
+    indices, offsets = triton_scan.segment_layout(bounds, 3, cpu)
+    assert indices.tolist() == [[0, 0], [0, 1], [2, 0]] and offsets.tolist() == [0, 2, 2, 3]
+    again = triton_scan.segment_layout(list(bounds), 3, cpu)
+    assert again[0] is indices and again[1] is offsets
+    assert triton_scan.segment_layout(bounds, 2, cpu)[0] is not indices
+    with pytest.raises(ValueError, match="segment_chunks"):
+        triton_scan.segment_layout(bounds, 0, cpu)
+
+
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")
 def test_in_fresh_interpreter_process():
     """Runs this file's tests under the interpreter in a fresh process."""
