@@ -296,7 +296,10 @@ def test_float8_experts_wiring_with_a_stand_in_gemm(monkeypatch):
     with pytest.raises(RuntimeError, match=r"compute capability >= 8\.9"):
         experts(x, offs)
     monkeypatch.setattr(f8_experts, "_fp8_rowwise_grouped_mm", stand_in)
+    pads = []
+    monkeypatch.setattr(f8_experts, "pad_groups", lambda *a: pads.append(a) or pad_groups(*a))
     out = experts(x, offs)
+    assert len(pads) == 1  # one padding for both GEMMs
     want = ref.layers["2"].feed_forward.experts(x, offs)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)  # fp32 reference vs native grouped GEMM
     assert calls == [(8, 32, 96), (8, 48, 32)]

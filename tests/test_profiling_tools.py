@@ -261,8 +261,11 @@ def test_gpu_suite_plans_every_section_for_two_gpus(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     names = [line.split(":", 1)[0] for line in lines]
-    assert names == ["tests", "kda", "moe", "train_eager", "train_compiled", "fp8", "train_ep"]
+    assert names == ["tests_kernels", "tests_compile", "kda", "moe", "train_eager", "train_compiled", "fp8", "train_ep"]
     commands = dict(line.split(": ", 1) for line in lines)
+    compile_files = ["tests/test_compile_inductor.py", "tests/test_export.py"]
+    assert commands["tests_kernels"].endswith(" tests " + " ".join(f"--ignore={f}" for f in compile_files))
+    assert commands["tests_compile"].endswith(" ".join(compile_files)) and "-m gpu" in commands["tests_compile"]
     assert "--nproc_per_node=2" in commands["train_ep"] and "--parallelism.expert_parallel_degree 2" in commands["train_ep"]
     assert "--compile.enable" in commands["train_compiled"] and "--compile.enable" not in commands["train_eager"]
     for command in commands.values():  # every config file it names exists

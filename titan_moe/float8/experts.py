@@ -32,9 +32,10 @@ path (eager, same run; compiled, in an earlier run, 5.84) and 1.91 for bf16; sma
 eager trains 11.9K tokens/s with it against 10.7K with torchao's; it compiles with
 `fullgraph=True` (custom ops), trained compiled on wide_1gpu, and trained 300 eager steps to
 bf16's loss. Ours is fused Triton quantization with no weight re-layout copy, and on the CPU
-an fp32 emulation of the fp8 GEMM, so this module's data flow is tested there; the padding
-copies stay either way. Neither is faster than bf16 yet: no fp8 speed-up is claimed for the
-experts.
+an fp32 emulation of the fp8 GEMM, so this module's data flow is tested there. Either way
+the expert block pads its groups once per call: both GEMMs and the SiTU-GLU between them run
+on the padded rows (one pad and one unpad per layer, not one per GEMM). Neither is faster
+than bf16 yet: no fp8 speed-up is claimed for the experts.
 """
 
 from __future__ import annotations
@@ -121,20 +122,25 @@ def selected_gemm() -> str:
     return name
 
 
+def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor) -> Tensor:
+    """The selected fp8 rowwise grouped GEMM (`selected_gemm`) on groups that are already
+    16-aligned (`pad_groups`' layout): x_PK [P, K], w_EKN [E, K, N] in x's dtype, offs_pad_E
+    [E] int32 multiples of 16 -> [P, N] in x's dtype."""
+    if selected_gemm() == "fused":
+        from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
+
+        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E)
+    w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group
+    return _fp8_rowwise_grouped_mm(x_PK, w_t_EKN, offs_pad_E, x_PK.dtype)
+
+
 def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
     """Same contract as `titan_moe.ops.grouped_gemm.grouped_mm`, through the fp8 rowwise GEMM.
 
     x_MK [M, K] (bf16 or fp32), w_EKN [E, K, N] same dtype, offs_E [E] int32 -> [M, N] in x's dtype.
     """
     x_PK, offs_pad_E, dest_M = pad_groups(x_MK, offs_E)
-    if selected_gemm() == "fused":
-        from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
-
-        out_PN = fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E)
-    else:
-        w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group
-        out_PN = _fp8_rowwise_grouped_mm(x_PK, w_t_EKN, offs_pad_E, x_MK.dtype)
-    return unpad_groups(out_PN, dest_M, offs_E)
+    return unpad_groups(fp8_grouped_mm_padded(x_PK, w_EKN, offs_pad_E), dest_M, offs_E)
 
 
 class Float8RoutedExperts(RoutedExperts):
@@ -151,11 +157,18 @@ class Float8RoutedExperts(RoutedExperts):
         return new
 
     def forward(self, x_ML: Tensor, offs_E: Tensor) -> Tensor:
-        """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent]."""
+        """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent].
+
+        Pads the groups once: both GEMMs and the SiTU-GLU between them run on the padded
+        rows P. A padding row stays zero through all three (zero input rows give z = 0, and
+        SiTU-GLU multiplies by the zero up half), and gets a zero gradient from the unpad,
+        so it adds nothing to the weight gradients."""
         w_gate_up, w_down = self.local_weights()  # this rank's experts under expert parallelism
-        z_M2H = fp8_grouped_mm(x_ML, w_gate_up.to(x_ML.dtype), offs_E)
-        hidden_MH = situ_glu_packed(z_M2H, self.beta1, self.beta2)
-        return fp8_grouped_mm(hidden_MH, w_down.to(hidden_MH.dtype), offs_E)
+        x_PL, offs_pad_E, dest_M = pad_groups(x_ML, offs_E)
+        z_P2H = fp8_grouped_mm_padded(x_PL, w_gate_up.to(x_ML.dtype), offs_pad_E)
+        hidden_PH = situ_glu_packed(z_P2H, self.beta1, self.beta2)
+        out_PL = fp8_grouped_mm_padded(hidden_PH, w_down.to(hidden_PH.dtype), offs_pad_E)
+        return unpad_groups(out_PL, dest_M, offs_E)
 
 
 def convert_routed_experts(model: nn.Module, fqns: list[str] | tuple[str, ...] = ()) -> list[str]:
