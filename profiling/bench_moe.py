@@ -34,8 +34,10 @@ out, dx, dw against the torch provider's (both bf16 outputs of fp32 accumulation
 
 Part 2, one MoE layer forward and forward+backward on [1, tokens, dim] activations:
 ours (:class:`titan_moe.model.moe.LatentMoE`, experts in the latent width ``latent``,
-run once with each grouped-GEMM backend, plus the relative error of y and dx of the
-Triton runs against the native one) vs torchtitan 0.2.2's ``torchtitan.models.moe.MoE``
+run once with each grouped-GEMM backend and once as ``ours_fp8_experts``, a copy whose
+routed experts are converted by ``titan_float8_experts`` (fp8 rowwise grouped GEMMs, on the
+CPU their fp32 emulation; on CUDA only with compute capability >= 8.9 and bf16), plus the
+relative error of y and dx of every run against the native one) vs torchtitan 0.2.2's ``torchtitan.models.moe.MoE``
 (full-width SwiGLU experts, grouped_mm with its padding kernel on CUDA), both with the same
 token count, width, expert count, top-k, expert hidden size and shared experts, bf16
 parameters (fp32 router bias buffers). The two layers do different work, so both FLOP
@@ -330,8 +332,10 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     from titan_moe.ops.situ.op import BACKEND_ENV as SITU_ENV
 
     ours, theirs = build_layers(cfg, device, dtype)
+    ours_fp8 = fp8_experts_copy(ours) if device == "cpu" or fp8_available(device, dtype) else None
     if compile_layers:
         ours, theirs = torch.compile(ours), torch.compile(theirs)
+        ours_fp8 = torch.compile(ours_fp8) if ours_fp8 is not None else None
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, cfg["tokens"], cfg["dim"], generator=gen, device=device).to(dtype).requires_grad_()
     grad = torch.randn(1, cfg["tokens"], cfg["dim"], generator=gen, device=device).to(dtype)
@@ -349,6 +353,8 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     }
     if tma_available(device):
         runs["ours_triton_tma"] = (ours, {BACKEND_ENV: "triton", TMA_ENV: "1"})
+    if ours_fp8 is not None:
+        runs["ours_fp8_experts"] = (ours_fp8, {BACKEND_ENV: "native"})
     runs["torchtitan"] = (theirs, {})
     out = dict(config=cfg, compiled=compile_layers, providers={})
     for name, (layer, env) in runs.items():
@@ -375,23 +381,35 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
             tflops_fwd=tflops(f, ms_fwd), tflops_fwd_bwd=tflops(3 * f, ms_fwd_bwd),
         )
     out["rel_err_ours_vs_native"] = {
-        name: _layer_agreement(ours, x, grad, env, runs["ours_native"][1])
-        for name, (_, env) in runs.items() if name.startswith("ours_") and name != "ours_native"
+        name: _layer_agreement(layer, ours, x, grad, env, runs["ours_native"][1])
+        for name, (layer, env) in runs.items() if name.startswith("ours_") and name != "ours_native"
     }
     return out
 
 
-def _layer_agreement(layer, x, grad, env: dict, ref_env: dict) -> dict[str, float]:
-    """Relative error of y and dx of ``layer`` run under ``env`` against ``ref_env``."""
+def fp8_experts_copy(ours):
+    """A copy of our layer (same parameter values) whose routed experts run in fp8."""
+    import copy
+
+    from titan_moe.float8.experts import convert_routed_experts
+
+    layer = copy.deepcopy(ours)
+    convert_routed_experts(layer)
+    return layer
+
+
+def _layer_agreement(layer, ref_layer, x, grad, env: dict, ref_env: dict) -> dict[str, float]:
+    """Relative error of y and dx of ``layer`` run under ``env`` against ``ref_layer`` under
+    ``ref_env``."""
     got = []
-    for values in (env, ref_env):
+    for module, values in ((layer, env), (ref_layer, ref_env)):
         with env_vars(values):
             x.grad = None
-            y = layer(x)
+            y = module(x)
             y.backward(grad)
         got.append((y.detach(), x.grad))
     x.grad = None
-    for p in layer.parameters():
+    for p in (*layer.parameters(), *ref_layer.parameters()):
         p.grad = None
     return {part: rel_err(a, b) for part, a, b in zip(("y", "dx"), got[0], got[1])}
 
