@@ -38,9 +38,9 @@ run once with each grouped-GEMM backend and once as ``ours_fp8_experts``, a copy
 routed experts are converted by ``titan_float8_experts`` (fp8 rowwise grouped GEMMs, on the
 CPU their fp32 emulation; on CUDA only with compute capability >= 8.9 and bf16), plus the
 relative error of y and dx of every run against the native one) vs torchtitan 0.2.2's
-``torchtitan.models.moe.MoE`` (full-width SwiGLU experts, grouped_mm with its padding kernel on CUDA), both with the same
-token count, width, expert count, top-k, expert hidden size and shared experts, bf16
-parameters (fp32 router bias buffers). The two layers do different work, so both FLOP
+``torchtitan.models.moe.MoE`` (full-width SwiGLU experts, grouped_mm with its padding kernel
+on CUDA), both with the same token count, width, expert count, top-k, expert hidden size and
+shared experts, bf16 parameters (fp32 router bias buffers). The two layers do different work, so both FLOP
 counts are reported (matmul FLOPs; forward+backward = 3x forward).
 
 Part 3 (only with ``--dispatch``), token dispatch around the experts, forward and
