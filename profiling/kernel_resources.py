@@ -14,8 +14,11 @@ a real launch for such values.
 
 What it tells: a kernel at 255 registers with a stack is spilling registers to local
 memory (each spilled value is a round trip through L1/L2 inside the loop); shared memory
-above 227 KiB per block does not launch on an H200. What it does not tell: time. Speed is
-measured on the device (profiling/bench_kda.py), this only explains it.
+above 227 KiB per block does not launch on an H200; and how many blocks of the kernel fit
+on one SM at once (`blocks_per_sm`: registers, shared memory and warps against sm_90's
+limits), which is what hides memory latency in a kernel that moves little data per block.
+What it does not tell: time. Speed is measured on the device (profiling/bench_kda.py), this
+only explains it.
 
 Needs Triton (no interpreter: run without `TRITON_INTERPRET`).
 """
@@ -37,6 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 H200_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
+# per SM on sm_90: registers, shared memory (each block also takes 1 KiB reserved for the
+# system), resident warps and blocks
+SM90_REGISTERS, SM90_SHARED_BYTES, SM90_RESERVED_PER_BLOCK, SM90_WARPS, SM90_BLOCKS = 65536, 228 * 1024, 1024, 64, 32
 _TORCH_TO_TRITON = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                     torch.int32: "i32", torch.int64: "i64"}
 
@@ -128,6 +134,18 @@ def resources(fn, args: tuple, kwargs: dict) -> dict:
     }
 
 
+def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Blocks of one kernel resident on an sm_90 SM at once (0: it cannot launch): the least
+    of what its registers (allocated per warp in units of 256: per-thread counts rounded up
+    to a multiple of 8), its shared memory plus the reserved 1 KiB, and its warps allow."""
+    if registers <= 0 or num_warps <= 0 or shared_bytes > H200_SHARED_BYTES:
+        return 0
+    registers_per_block = -(-registers // 8) * 8 * 32 * num_warps
+    return min(SM90_REGISTERS // registers_per_block,
+               SM90_SHARED_BYTES // (shared_bytes + SM90_RESERVED_PER_BLOCK),
+               SM90_WARPS // num_warps, SM90_BLOCKS)
+
+
 # --------------------------------------------------------------------------------- cases
 def _kda_inputs(dtype=torch.bfloat16, T: int = 256, H: int = 16, K: int = 128):
     q, k, v, do = (torch.zeros(1, T, H, K, dtype=dtype) for _ in range(4))
@@ -199,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown cases {unknown}; choose from {','.join(CASES)}")
     wanted = {k for k in opts.kernels.split(",") if k}
     rows, seen = [], set()
-    print(f"{'case':<16} {'kernel':<28} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'shared KiB':>10}")
+    print(f"{'case':<16} {'kernel':<28} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'shared KiB':>10} "
+          f"{'blocks/SM':>9}")
     for case in cases:
         for fn, args, kwargs in CASES[case]():
             if wanted and fn.__name__ not in wanted:
                 continue
             row = {"case": case, **resources(fn, args, kwargs)}
+            row["blocks_per_sm"] = blocks_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
             key = tuple(v for k, v in row.items() if k != "case")
             if key in seen:
                 continue
@@ -213,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             flags = ("  SPILLS" if row["stack_bytes"] > 0 and row["registers"] >= 255 else "") + (
                 "  TOO MUCH SHARED" if row["shared_bytes"] > H200_SHARED_BYTES else "")
             print(f"{case:<16} {row['kernel']:<28} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
-                  f"{row['stack_bytes']:>8} {row['shared_bytes'] / 1024:>10.1f}{flags}", flush=True)
+                  f"{row['stack_bytes']:>8} {row['shared_bytes'] / 1024:>10.1f} {row['blocks_per_sm']:>9}{flags}",
+                  flush=True)
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1))
     return 0

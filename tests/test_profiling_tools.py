@@ -352,9 +352,24 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["stack_bytes"] >= 0, r
         assert 0 <= r["shared_bytes"] <= 227 * 1024, r
+        assert r["blocks_per_sm"] >= 1, r  # every launch fits an SM
     walk = next(r for r in rows if r["kernel"] == "_state_scan_kernel" and r["case"] == "kda_fwd_lean")
     assert (walk["num_warps"], walk["num_stages"]) == (4, 3)  # 16 columns at B*H = 16: 3 stages
     assert "_bwd_chunk_keys_kernel" in proc.stdout
+
+
+def test_blocks_per_sm_follows_the_sm90_limits():
+    """Occupancy from registers, shared memory and warps (sm_90: 64K registers allocated per
+    warp in units of 256, 228 KiB shared plus 1 KiB reserved per block, 64 warps, 32 blocks)."""
+    blocks_per_sm = _load("kernel_resources").blocks_per_sm
+    assert blocks_per_sm(128, 8, 0) == 2  # 128 x 256 threads = 32K registers per block
+    assert blocks_per_sm(129, 8, 0) == 1  # rounds up to 136: 34,816 registers, one block
+    assert blocks_per_sm(212, 8, 96 * 1024) == 1
+    assert blocks_per_sm(64, 4, 106 * 1024) == 2  # shared memory decides: 228 // (106 + 1)
+    assert blocks_per_sm(32, 1, 0) == 32  # the block limit
+    assert blocks_per_sm(16, 4, 0) == 16  # the warp limit: 64 // 4
+    assert blocks_per_sm(64, 4, 228 * 1024) == 0  # more shared memory than a block may have
+    assert blocks_per_sm(-1, 4, 0) == 0  # registers unknown
 
 
 def test_kernel_resources_refuses_the_interpreter_and_unknown_cases(tmp_path):
