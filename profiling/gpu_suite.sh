@@ -18,6 +18,9 @@
 #              output kernel (TITAN_MOE_KDA_OUTPUT), the per-tile kernels' warps
 #              (TITAN_MOE_KDA_TILE_WARPS) and the walks' pipeline stages (TITAN_MOE_KDA_SCAN_STAGES)
 #              (not in the default list)
+#   kda_caps   profiling/bench_kda.py at 32K and 8 x 4K with register caps on the backward's
+#              whole-chunk kernels (TITAN_MOE_KDA_BWD_MAXNREG: values 128 and dA_kk 168, which do
+#              not spill, then the keys kernel at 128 too) beside the default (not in the default list)
 #   kda_fla    profiling/bench_kda.py --kernels 6: ours against fla in the same run (fla's
 #              autotuning takes minutes on a fresh machine)
 #   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
@@ -88,6 +91,8 @@ for section in "${SECTIONS[@]}"; do
         kda_tune) run kda_tune python profiling/bench_kda.py --no-fla --kernels 4 --shapes 32768,4096 \
                 --scan-configs 16x4,32x4,64x4,128x4 \
                 --variants c64x32:TITAN_MOE_KDA_BWD_CHUNK=64x32x8x8,c128:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,o128x4:TITAN_MOE_KDA_OUTPUT=128x4,o32x2:TITAN_MOE_KDA_OUTPUT=32x2,inv2:TITAN_MOE_KDA_TILE_WARPS=4x2x4x8,bi4:TITAN_MOE_KDA_TILE_WARPS=4x1x4x4,it8:TITAN_MOE_KDA_TILE_WARPS=8x1x4x8,st2x2:TITAN_MOE_KDA_SCAN_STAGES=2x2,st4x4:TITAN_MOE_KDA_SCAN_STAGES=4x4 ;;
+        kda_caps) run kda_caps python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
+                --variants caps_vd:TITAN_MOE_KDA_BWD_MAXNREG=0x128x168,caps_kvd:TITAN_MOE_KDA_BWD_MAXNREG=128x128x168 ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)

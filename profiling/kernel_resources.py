@@ -12,9 +12,9 @@ and `cuobjdump -res-usage` reads its registers and stack from the cubin. Pointer
 assumed 16-byte aligned and integers that are multiples of 16 marked so, as Triton does at
 a real launch for such values.
 
-What it tells: a kernel at 255 registers with a stack is spilling registers to local
-memory (each spilled value is a round trip through L1/L2 inside the loop); shared memory
-above 227 KiB per block does not launch on an H200; and how many blocks of the kernel fit
+What it tells: a kernel with a stack (at 255 registers, or at a `maxnreg` cap) is spilling
+registers to local memory (each spilled value is a round trip through L1/L2 inside the
+loop); shared memory above 227 KiB per block does not launch on an H200; and how many blocks of the kernel fit
 on one SM at once (`blocks_per_sm`: registers, shared memory and warps against sm_90's
 limits), which is what hides memory latency in a kernel that moves little data per block.
 What it does not tell: time. Speed is measured on the device (profiling/bench_kda.py), this
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             seen.add(key)
             rows.append(row)
-            flags = ("  SPILLS" if row["stack_bytes"] > 0 and row["registers"] >= 255 else "") + (
+            flags = ("  SPILLS" if row["stack_bytes"] > 0 else "") + (
                 "  TOO MUCH SHARED" if row["shared_bytes"] > H200_SHARED_BYTES else "")
             print(f"{case:<16} {row['kernel']:<28} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
                   f"{row['stack_bytes']:>8} {row['shared_bytes'] / 1024:>10.1f} {row['blocks_per_sm']:>9}{flags}",

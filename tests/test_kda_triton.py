@@ -316,6 +316,25 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
 
 
 @needs_kernels
+def test_bwd_register_caps_keep_results(monkeypatch):
+    """The register-cap knob of stage 2 is a launch option (the interpreter ignores it), so
+    results are equal; its parsing and its bounds."""
+    assert triton_bwd.bwd_register_caps() == ({}, {}, {})  # the default: no caps
+    inp = make_inputs(1, 70, 2, 32, 32, "rand", seed=8)
+    do = torch.randn(1, 70, 2, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    default = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+    monkeypatch.setenv(triton_bwd.BWD_MAXNREG_ENV, "0x128x168")
+    assert triton_bwd.bwd_register_caps() == ({}, {"maxnreg": 128}, {"maxnreg": 168})
+    for name, got, want in zip(GRAD_NAMES, chunk_kda_bwd_triton(**inp, scale=0.25, do=do), default):
+        if want is not None:
+            assert torch.equal(got, want), name
+    for bad, match in (("128x128", "KEYSxVALUESxDAKK"), ("0x16x0", "32 to 255"), ("0x0x256", "32 to 255")):
+        monkeypatch.setenv(triton_bwd.BWD_MAXNREG_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            triton_bwd.bwd_register_caps()
+
+
+@needs_kernels
 def test_output_config_override_keeps_results(monkeypatch):
     """The output kernel's launch knob: 16 value columns per program (four programs per chunk
     and head) give the default's output (up to the order of fp32 sums inside the dots)."""

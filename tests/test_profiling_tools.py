@@ -291,6 +291,16 @@ def test_gpu_suite_fp8_fused_section_compares_the_two_expert_gemms(tmp_path):
     assert all("titan_float8_experts" in c and "--compile.enable" not in c for c in commands.values())
 
 
+def test_gpu_suite_kda_caps_section_times_the_register_caps_beside_the_default(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_caps", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["kda_caps"]
+    assert "profiling/bench_kda.py --no-fla" in commands["kda_caps"]
+    assert "TITAN_MOE_KDA_BWD_MAXNREG=0x128x168" in commands["kda_caps"]
+    assert "TITAN_MOE_KDA_BWD_MAXNREG=128x128x168" in commands["kda_caps"]
+
+
 def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
     one_gpu = _gpu_suite(tmp_path, gpus="1")
     assert one_gpu.returncode == 0

@@ -63,6 +63,8 @@ from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
 # stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x64x8x8 (the default)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
+# register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: the compiler's choice), see `bwd_register_caps`
+BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 # dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
 DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
 
@@ -80,6 +82,22 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     if wk not in _WARPS or wv not in _WARPS:
         raise ValueError(f"{BWD_CHUNK_ENV}: warps must be powers of two in [1, 16], got {wk}x{wv}")
     return min(bk, K), min(bv, V), wk, wv
+
+
+def bwd_register_caps() -> tuple[dict, dict, dict]:
+    """Launch options of `_bwd_chunk_keys_kernel`, `_bwd_chunk_values_kernel` and
+    `_bwd_dAkk_kernel` that cap their registers per thread (Triton's `maxnreg`), read per
+    call from `$TITAN_MOE_KDA_BWD_MAXNREG` ("KEYSxVALUESxDAKK", 0: no cap, the default).
+
+    For tuning occupancy: at dk = dv = 128 on sm_90 (`profiling/kernel_resources.py`) the
+    values kernel fits 128 registers without spilling (2 blocks of 8 warps per SM instead of
+    1), dA_kk fits 168 (3 blocks of 4 warps instead of 2), and the keys kernel at 128
+    spills 296 bytes per thread for its second block. Not yet timed, so no cap by default.
+    """
+    caps = _env_ints(BWD_MAXNREG_ENV, "0x0x0", "0x128x168 (KEYSxVALUESxDAKK, 0: no cap)", 3)
+    if any(c and not 32 <= c <= 255 for c in caps):
+        raise ValueError(f"{BWD_MAXNREG_ENV}: caps must be 0 (none) or 32 to 255 registers, got {caps}")
+    return tuple({"maxnreg": c} if c else {} for c in caps)
 
 
 # ----------------------------------------------------------------------------------------
@@ -543,12 +561,14 @@ def chunk_kda_bwd_triton(
     dk_part = torch.empty(TT, H, K, **f32)
     dG = torch.empty(TT, H, K, **f32)
     BK, BV, keys_warps, values_warps = bwd_chunk_config(K, V)
+    keys_cap, values_cap, dAkk_cap = bwd_register_caps()
     dbeta_keys = torch.empty(K // BK, TT, H, **f32)
     dX_keys = torch.empty(K // BK, TT, H, CHUNK, **f32)
     _bwd_chunk_keys_kernel[(n_chunks, H, K // BK)](
         q, k, st.G, beta, st.Ainv, st.h, dh, st.v_new, dv_new, do,
         dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=st.precision, num_warps=keys_warps, num_stages=2,
+        **keys_cap,
     )
     dAqk = torch.empty(TT, H, CHUNK, **f32)
     dbeta_part = torch.empty(TT, H, **f32)
@@ -557,12 +577,13 @@ def chunk_kda_bwd_triton(
         v, beta, st.Ainv, st.v_new, dv_new, do, dX_keys, dbeta_keys,
         dAqk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
         H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, num_warps=values_warps, num_stages=2,
+        **values_cap,
     )
     dbeta_keys = None
     dAkk = torch.empty(TT, H, CHUNK, **f32)
     _bwd_dAkk_kernel[(n_chunks, H)](
         st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
-        PRECISION_DA="ieee" if st.precision == "ieee" else DA_KK_PRECISION, num_warps=DA_KK_WARPS,
+        PRECISION_DA="ieee" if st.precision == "ieee" else DA_KK_PRECISION, num_warps=DA_KK_WARPS, **dAkk_cap,
     )
     dX_keys = None
 
