@@ -14,9 +14,10 @@ a real launch for such values.
 
 What it tells: a kernel with a stack (at 255 registers, or at a `maxnreg` cap) is spilling
 registers to local memory (each spilled value is a round trip through L1/L2 inside the
-loop); shared memory above 227 KiB per block does not launch on an H200; and how many blocks of the kernel fit
-on one SM at once (`blocks_per_sm`: registers, shared memory and warps against sm_90's
-limits), which is what hides memory latency in a kernel that moves little data per block.
+loop); shared memory above 227 KiB per block does not launch on an H200; and how many
+blocks of the kernel fit on one SM at once (`blocks_per_sm`: registers, shared memory and
+warps against sm_90's limits), which is what hides memory latency in a kernel that moves
+little data per block.
 What it does not tell: time. Speed is measured on the device (profiling/bench_kda.py), this
 only explains it.
 

@@ -337,6 +337,34 @@ def test_float8_experts_fused_gemm_on_cpu(monkeypatch):
     assert not outs[1][int(offs[-1]):].any() and not grads[1][0][int(offs[-1]):].any()
 
 
+def test_float8_experts_pad_once_equals_padding_per_gemm():
+    """The expert block pads its groups once for both fp8 GEMMs; the reference is the
+    per-GEMM composition (pad, GEMM, unpad; SiTU-GLU; pad, GEMM, unpad) on fresh random
+    inputs, through the fused GEMM's CPU emulation: padding rows stay zero and get zero
+    gradients, so outputs and all three gradients are the same numbers."""
+    from titan_moe.model.situ import situ_glu_packed
+
+    torch.manual_seed(3)
+    fp8 = Float8RoutedExperts.from_experts(RoutedExperts(6, 32, 48, 4.0, 25.0))
+    fp8.init_weights(0.05)
+    offs, M = _groups([7, 0, 19, 16, 2, 33], 5)
+    x = torch.randn(M, 32)
+    grad = torch.randn(M, 32)
+    results = []
+    for per_gemm in (False, True):
+        xl = x.clone().requires_grad_()
+        if per_gemm:
+            z = f8_experts.fp8_grouped_mm(xl, fp8.w_gate_up, offs)
+            out = f8_experts.fp8_grouped_mm(situ_glu_packed(z, fp8.beta1, fp8.beta2), fp8.w_down, offs)
+        else:
+            out = fp8(xl, offs)
+        out.backward(grad)
+        results.append((out.detach(), xl.grad, fp8.w_gate_up.grad, fp8.w_down.grad))
+        fp8.zero_grad()
+    for name, got, want in zip(("out", "dx", "dw_gate_up", "dw_down"), *results):
+        assert want.abs().sum() > 0 and torch.equal(got, want), (name, rel_err(got, want))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_cuda_capability(8, 9), reason="needs a CUDA GPU with compute capability >= 8.9")
 @pytest.mark.parametrize("gemm", ["torchao", "fused"])
