@@ -14,6 +14,8 @@ unless `--backend torch`.
 `--scan-configs 16x4,64x8` adds rows for ours with the sequential state walks run at those
 columns-per-program x warps (`TITAN_MOE_KDA_SCAN_BV` / `_WARPS`; default: 4 warps, the widest
 block that still gives every SM a program, see `sequential_scan_config`).
+`--profile-once` times nothing: per row one warm call inside cudaProfilerStart/Stop, for
+Nsight Compute (`gpu_suite.sh OUT kda_ncu`, `profiling/ncu_table.py`).
 `--variants prep:TITAN_MOE_KDA_PREPARE=fused,...` adds rows for ours with other environment
 switches (read per call by our ops). `--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
 both sides: where the time goes, stage by stage. Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
@@ -130,6 +132,10 @@ def bench(args) -> list[dict]:
                             inp[key].grad = None
                     return runner(inp, backward)
 
+                if args.profile_once:
+                    profile_once(step, args.device)
+                    print(f"profiled one call: {name} {'fwd+bwd' if backward else 'fwd'} B={B} T={T}", flush=True)
+                    continue
                 ms = median_ms(step, args.device, args.reps)
                 flops = kda_flops(B, T, H, dk, backward)
                 rows.append(dict(impl=name, B=B, T=T, H=H, dk=dk, direction="fwd+bwd" if backward else "fwd",
@@ -140,6 +146,22 @@ def bench(args) -> list[dict]:
                     for kernel, k_ms in list(rows[-1]["kernels_ms"].items())[: args.kernels]:
                         print(f"    {k_ms:9.3f} ms  {kernel[:100]}", flush=True)
     return rows
+
+
+def profile_once(fn, device: str) -> None:
+    """One warm call of `fn` between cudaProfilerStart and cudaProfilerStop, so that a
+    profiler started with `--profile-from-start off` (Nsight Compute's `ncu`) sees exactly
+    one call's kernels, compiled beforehand."""
+    import torch
+
+    fn()
+    if device != "cuda":
+        return
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def parse_variants(spec: str) -> dict[str, dict[str, str]]:
@@ -215,6 +237,9 @@ def main() -> None:
     parser.add_argument("--variants", default="", metavar="NAME:VAR=VALUE[+VAR=VALUE],...",
                         help="also time ours with these environment switches, e.g. "
                         "prep:TITAN_MOE_KDA_PREPARE_BACKEND=triton")
+    parser.add_argument("--profile-once", action="store_true",
+                        help="no timing: one warm call per row inside cudaProfilerStart/Stop (for ncu "
+                        "--profile-from-start off, `profiling/ncu_table.py`)")
     parser.add_argument("--watchdog", type=float, default=0.0,
                         help="dump every thread's stack every this many seconds (finding hangs)")
     args = parser.parse_args()

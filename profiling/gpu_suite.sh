@@ -18,9 +18,13 @@
 #              output kernel (TITAN_MOE_KDA_OUTPUT), the per-tile kernels' warps
 #              (TITAN_MOE_KDA_TILE_WARPS) and the walks' pipeline stages (TITAN_MOE_KDA_SCAN_STAGES)
 #              (not in the default list)
-#   kda_caps   profiling/bench_kda.py at 32K and 8 x 4K with register caps on the backward's
-#              whole-chunk kernels (TITAN_MOE_KDA_BWD_MAXNREG: values 128 and dA_kk 168, which do
-#              not spill, then the keys kernel at 128 too) beside the default (not in the default list)
+#   kda_caps   profiling/bench_kda.py at 32K and 8 x 4K: the register caps of the backward's
+#              whole-chunk kernels (TITAN_MOE_KDA_BWD_MAXNREG; default 128x128x168) beside no caps
+#              and beside the keys kernel uncapped (not in the default list)
+#   kda_ncu    Nsight Compute on one warm forward and one forward+backward call of our op at 32K
+#              ($SUITE_NCU_SHAPES): kda_ncu_details.csv, kda_ncu_raw.csv and, from them,
+#              kda_ncu_table.txt (profiling/ncu_table.py: per kernel time, DRAM and SM throughput,
+#              occupancy, stall reasons) (not in the default list)
 #   kda_fla    profiling/bench_kda.py --kernels 6: ours against fla in the same run (fla's
 #              autotuning takes minutes on a fresh machine)
 #   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
@@ -92,7 +96,20 @@ for section in "${SECTIONS[@]}"; do
                 --scan-configs 16x4,32x4,64x4,128x4 \
                 --variants c64x32:TITAN_MOE_KDA_BWD_CHUNK=64x32x8x8,c128:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,o128x4:TITAN_MOE_KDA_OUTPUT=128x4,o32x2:TITAN_MOE_KDA_OUTPUT=32x2,inv2:TITAN_MOE_KDA_TILE_WARPS=4x2x4x8,bi4:TITAN_MOE_KDA_TILE_WARPS=4x1x4x4,it8:TITAN_MOE_KDA_TILE_WARPS=8x1x4x8,st2x2:TITAN_MOE_KDA_SCAN_STAGES=2x2,st4x4:TITAN_MOE_KDA_SCAN_STAGES=4x4 ;;
         kda_caps) run kda_caps python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants caps_vd:TITAN_MOE_KDA_BWD_MAXNREG=0x128x168,caps_kvd:TITAN_MOE_KDA_BWD_MAXNREG=128x128x168 ;;
+                --variants nocaps:TITAN_MOE_KDA_BWD_MAXNREG=0x0x0,caps_vd:TITAN_MOE_KDA_BWD_MAXNREG=0x128x168 ;;
+        kda_ncu)
+            NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+            run kda_ncu "${NCU:-ncu}" --clock-control none --profile-from-start off --section SpeedOfLight \
+                --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section MemoryWorkloadAnalysis -f -o "$OUT/kda_ncu" \
+                python profiling/bench_kda.py --no-fla --profile-once --shapes "${SUITE_NCU_SHAPES:-32768}"
+            if [ -f "$OUT/kda_ncu.ncu-rep" ]; then
+                "${NCU:-ncu}" -i "$OUT/kda_ncu.ncu-rep" --csv --page details > "$OUT/kda_ncu_details.csv"
+                "${NCU:-ncu}" -i "$OUT/kda_ncu.ncu-rep" --csv --page raw > "$OUT/kda_ncu_raw.csv"
+                rm -f "$OUT/kda_ncu.ncu-rep"  # the CSVs hold what the table reads; fewer files to fetch
+            fi
+            run kda_ncu_table python profiling/ncu_table.py "$OUT/kda_ncu_details.csv" \
+                --raw "$OUT/kda_ncu_raw.csv" ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)

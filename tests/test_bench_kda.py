@@ -21,3 +21,13 @@ def test_bench_kda_tiny_cpu_reports_every_row():
         (impl, *shape) for impl in ("ours", "ours_bv16w4") for shape in shapes}
     for r in rows:
         assert r["ms"] > 0 and r["tokens_per_s"] == r["B"] * r["T"] / (r["ms"] / 1e3)
+
+
+def test_bench_kda_profile_once_runs_each_row_without_timing():
+    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--profile-once"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profiled = [line for line in proc.stdout.splitlines() if line.startswith("profiled one call:")]
+    assert profiled == [f"profiled one call: ours {d} B={b} T={t}"
+                        for b, t in ((1, 128), (2, 64)) for d in ("fwd", "fwd+bwd")]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["rows"] == []

@@ -291,14 +291,14 @@ def test_gpu_suite_fp8_fused_section_compares_the_two_expert_gemms(tmp_path):
     assert all("titan_float8_experts" in c and "--compile.enable" not in c for c in commands.values())
 
 
-def test_gpu_suite_kda_caps_section_times_the_register_caps_beside_the_default(tmp_path):
+def test_gpu_suite_kda_caps_section_times_the_default_caps_beside_none(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_caps", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
     assert list(commands) == ["kda_caps"]
     assert "profiling/bench_kda.py --no-fla" in commands["kda_caps"]
+    assert "TITAN_MOE_KDA_BWD_MAXNREG=0x0x0" in commands["kda_caps"]
     assert "TITAN_MOE_KDA_BWD_MAXNREG=0x128x168" in commands["kda_caps"]
-    assert "TITAN_MOE_KDA_BWD_MAXNREG=128x128x168" in commands["kda_caps"]
 
 
 def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
@@ -399,3 +399,57 @@ def test_scaled_grouped_mm_probe_refuses_without_an_fp8_gpu():
     proc = subprocess.run([sys.executable, str(REPO / "profiling" / "probe_scaled_grouped_mm.py")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "compute capability >= 8.9" in proc.stderr
+
+
+def test_gpu_suite_kda_ncu_section_profiles_one_call_and_tabulates_it(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_ncu", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["kda_ncu", "kda_ncu_table"]
+    assert "--profile-from-start off" in commands["kda_ncu"] and "--clock-control none" in commands["kda_ncu"]
+    assert "profiling/bench_kda.py --no-fla --profile-once --shapes 32768" in commands["kda_ncu"]
+    assert commands["kda_ncu_table"].startswith("python profiling/ncu_table.py")
+
+
+_NCU_DETAILS = '''==PROF== Connected to process 1
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python","h","_walk_kernel(float *, int)","1","7","(128, 1, 1)","(8, 16, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","msecond","1.25"
+"0","1","python","h","_walk_kernel(float *, int)","1","7","(128, 1, 1)","(8, 16, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","12.5"
+"0","1","python","h","_walk_kernel(float *, int)","1","7","(128, 1, 1)","(8, 16, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","168"
+"0","1","python","h","_walk_kernel(float *, int)","1","7","(128, 1, 1)","(8, 16, 1)","0","9.0","Occupancy","Achieved Occupancy","%","6.20"
+"1","1","python","h","_tiles_kernel","1","7","(256, 1, 1)","(2048, 16, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","usecond","1,234.5"
+"1","1","python","h","_tiles_kernel","1","7","(256, 1, 1)","(2048, 16, 1)","0","9.0","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","40.0"
+"1","1","python","h","_tiles_kernel","1","7","(256, 1, 1)","(2048, 16, 1)","0","9.0","Warp State Statistics","Warp Cycles Per Issued Instruction","cycle","22.75"
+'''
+_NCU_RAW = '''"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio","dram__bytes.sum.per_second","gpu__time_duration.sum"
+"","","Mbyte","Kbyte","ratio","ratio","ratio","ratio","Tbyte/s","ms"
+"0","_walk_kernel","250","500","1.5","9.25","0.5","0.25","4.0","1.0"
+"1","_tiles_kernel","1,000","0","4.0","2.0","3.0","1.0","4.0","1.0"
+"2","_rate_only_kernel","","","0","0","0","0","2.5","0.5"
+'''
+
+
+def test_ncu_table_reads_details_and_raw_pages(tmp_path):
+    sys.path.insert(0, str(REPO / "profiling"))
+    import ncu_table
+
+    (tmp_path / "d.csv").write_text(_NCU_DETAILS)
+    (tmp_path / "r.csv").write_text(_NCU_RAW)
+    launches = ncu_table.read_details(str(tmp_path / "d.csv"))
+    assert [launch["kernel"] for launch in launches] == ["_walk_kernel(float *, int)", "_tiles_kernel"]
+    walk, tiles = launches
+    assert walk["duration"] == 1250.0 and tiles["duration"] == 1234.5  # microseconds, both units
+    assert walk["dram_pct"] == 12.5 and walk["regs"] == 168 and walk["occ_achieved_pct"] == 6.2
+    assert tiles["sm_pct"] == 40.0 and tiles["cycles_per_issue"] == 22.75 and "dram_pct" not in tiles
+    raw = ncu_table.read_raw(str(tmp_path / "r.csv"))
+    assert raw["0"]["dram_bytes"] == 250e6 + 500e3 and raw["1"]["dram_bytes"] == 1e9  # counts win over the rate
+    assert raw["2"]["dram_bytes"] == pytest.approx(2.5e12 * 0.5e-3)  # no counts: rate x duration
+    assert raw["1"]["stalls"] == {"barrier": 4.0, "long_scoreboard": 2.0, "wait": 3.0, "math_pipe_throttle": 1.0}
+    table = ncu_table.format_table(launches, raw).splitlines()
+    assert table[1].split()[:4] == ["_walk_kernel", "1250.0", "12.5", "0.251"]
+    assert table[1].endswith("long_scoreboard 9.2 barrier 1.5 wait 0.5")
+    assert table[2].endswith("barrier 4.0 wait 3.0 long_scoreboard 2.0")
+    assert table[-1].split() == ["total", "2484.5"]
+    (tmp_path / "bad.csv").write_text(_NCU_DETAILS.replace('"msecond"', '"fortnight"'))
+    with pytest.raises(ValueError, match="unknown time unit"):
+        ncu_table.read_details(str(tmp_path / "bad.csv"))
