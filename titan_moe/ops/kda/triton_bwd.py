@@ -63,7 +63,7 @@ from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
 # stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x64x8x8 (the default)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
-# register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: the compiler's choice), see `bwd_register_caps`
+# register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 # dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
 DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
@@ -72,10 +72,11 @@ DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
 def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     """(BK, BV, keys warps, values warps) of stage 2: `_bwd_chunk_keys_kernel` runs one
     program per chunk, head and BK key columns, both stage-2 kernels loop over BV value
-    columns. Default 64 x 64 with 8 warps each (at dk = dv = 128 on sm_90: 212 and 143
-    registers, `profiling/kernel_resources.py`; on the H200 1.70 + 0.78 ms at T = 32K against
-    64 x 32's 2.00 + 0.82, BENCHMARKS.md), clipped to dk and dv; `$TITAN_MOE_KDA_BWD_CHUNK`
-    ("BKxBVxWKxWV", read per call) overrides it for tuning."""
+    columns. Default 64 x 64 with 8 warps each (at dk = dv = 128 on sm_90 and without the
+    register caps of `bwd_register_caps`: 197 and 143 registers, `profiling/kernel_resources.py`;
+    on the H200, before those caps, 1.70 + 0.78 ms at T = 32K against 64 x 32's 2.00 + 0.82,
+    BENCHMARKS.md), clipped to dk and dv; `$TITAN_MOE_KDA_BWD_CHUNK` ("BKxBVxWKxWV", read per
+    call) overrides it for tuning."""
     bk, bv, wk, wv = _env_ints(BWD_CHUNK_ENV, "64x64x8x8", "64x32x8x8 (BKxBVxKEYS_WARPSxVALUES_WARPS)", 4)
     if bk not in (16, 32, 64, 128) or bv not in (16, 32, 64, 128):
         raise ValueError(f"{BWD_CHUNK_ENV}: BK and BV must be 16, 32, 64 or 128, got {bk}x{bv}")
@@ -87,14 +88,15 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
 def bwd_register_caps() -> tuple[dict, dict, dict]:
     """Launch options of `_bwd_chunk_keys_kernel`, `_bwd_chunk_values_kernel` and
     `_bwd_dAkk_kernel` that cap their registers per thread (Triton's `maxnreg`), read per
-    call from `$TITAN_MOE_KDA_BWD_MAXNREG` ("KEYSxVALUESxDAKK", 0: no cap, the default).
-
-    For tuning occupancy: at dk = dv = 128 on sm_90 (`profiling/kernel_resources.py`) the
-    values kernel fits 128 registers without spilling (2 blocks of 8 warps per SM instead of
-    1), dA_kk fits 168 (3 blocks of 4 warps instead of 2), and the keys kernel at 128
-    spills 296 bytes per thread for its second block. Not yet timed, so no cap by default.
+    call from `$TITAN_MOE_KDA_BWD_MAXNREG` ("KEYSxVALUESxDAKK", 0: no cap). Default 128 x
+    128 x 168: at dk = dv = 128 on sm_90 (`profiling/kernel_resources.py`) two 8-warp blocks
+    of the keys and of the values kernel fit on an SM instead of one (the keys kernel spills
+    248 bytes per thread for it, the values kernel nothing) and three 4-warp blocks of dA_kk
+    instead of two. Measured on the H200 (BENCHMARKS.md, "register caps"), forward+backward:
+    T = 32K 8.198 ms against 8.466 uncapped, 8 x 4K 7.218 against 7.484 (keys 1.604 against
+    1.700 ms, values 0.616 against 0.778). A kernel that needs fewer registers is unaffected.
     """
-    caps = _env_ints(BWD_MAXNREG_ENV, "0x0x0", "0x128x168 (KEYSxVALUESxDAKK, 0: no cap)", 3)
+    caps = _env_ints(BWD_MAXNREG_ENV, "128x128x168", "0x128x168 (KEYSxVALUESxDAKK, 0: no cap)", 3)
     if any(c and not 32 <= c <= 255 for c in caps):
         raise ValueError(f"{BWD_MAXNREG_ENV}: caps must be 0 (none) or 32 to 255 registers, got {caps}")
     return tuple({"maxnreg": c} if c else {} for c in caps)
@@ -133,15 +135,35 @@ def _bwd_walk_prep_kernel(
 
 
 @triton.jit
-def _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, b_dS, i_t, bos, T, boc, i_h, o_k, o_v,
-                    scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _bwd_walk_prefetch(decay, dv_new, i_t, n_chunks, bos, T, boc, i_h, o_k, o_v, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, LEAN: tl.constexpr):
+    """The lean reverse walk's small per-chunk loads, issued one chunk ahead: e^{G_last}
+    (`[K]` fp32) and dV~'s local part A_qk^T dO from dv_new (`[BT, BV]` fp32) of chunk i_t;
+    zeros when i_t is outside [0, n_chunks) or the walk is classic. Triton's software
+    pipeliner (3.6) leaves both loads in the loop body, on the walk's critical path
+    (see `triton_fwd._prefetch_decay`)."""
+    if LEAN:
+        valid = (i_t >= 0) & (i_t < n_chunks)
+        b_decay = tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k, mask=(o_k < K) & valid, other=0.0)
+        rows = i_t * BT + tl.arange(0, BT)
+        p_v = ((bos + rows) * H + i_h)[:, None] * V + o_v[None, :]
+        b_dvn = tl.load(dv_new + p_v, mask=((rows < T) & valid)[:, None], other=0.0).to(tl.float32)
+        return b_decay, b_dvn
+    else:
+        return tl.zeros([K], dtype=tl.float32), tl.zeros([BT, BV], dtype=tl.float32)
+
+
+@triton.jit
+def _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, do, dh, dv_new, b_dS, b_decay_lean, b_dvn_lean, i_t, bos, T, boc,
+                    i_h, o_k, o_v, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     LEAN: tl.constexpr, PRECISION: tl.constexpr):
     """One chunk of the reverse recurrence: store dS', write dV~, return dS at the chunk start.
 
     b_dS stays fp32; the dots take it (and dV~) in W's dtype (lean: the input dtype, fp32
     accumulation; classic: fp32, the casts are no-ops). Classic computes K~, scale Q ⊙ e^G,
     e^{G_last} and A_qk^T dO here; lean loads them (`_wy_kernel`, `_bwd_walk_prep_kernel`:
-    dv_new holds A_qk^T dO on entry).
+    dv_new holds A_qk^T dO on entry), e^{G_last} and A_qk^T dO one chunk ahead
+    (`_bwd_walk_prefetch`: `b_decay_lean`, `b_dvn_lean`; unused by classic).
     """
     tl.store(dh + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_dS.to(dh.dtype.element_ty))
     o_t = tl.arange(0, BT)
@@ -154,10 +176,10 @@ def _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, b_dS, i
         b_w = tl.load(W + p_k, mask=m_r, other=0.0)
         b_k_to_end = tl.load(Kt + p_k, mask=m_r, other=0.0)
         b_q_decay = tl.load(q_decay + p_k, mask=m_r, other=0.0)
-        b_decay = tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k)
+        b_decay = b_decay_lean
         # dO may come in another dtype than the inputs
         b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(b_q_decay.dtype)
-        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
+        b_dvn = b_dvn_lean
     else:
         last = tl.minimum(i_t * BT + BT, T) - 1
         b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
@@ -206,16 +228,25 @@ def _bwd_state_scan_kernel(
     else:
         b_dS = tl.zeros([K, BV], dtype=tl.float32)
     n_chunks = tl.cdiv(T, BT)
+    b_decay, b_dvn = _bwd_walk_prefetch(decay, dv_new, n_chunks - 1, n_chunks, bos, T, boc, i_h, o_k, o_v,
+                                        H, K, V, BT, BV, LEAN)
     if INTERPRETED:  # see `triton_fwd._state_scan_kernel`
         i_t = n_chunks - 1
         while i_t >= 0:
-            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, b_dS, i_t, bos, T, boc,
-                                   i_h, o_k, o_v, scale, H, K, V, BT, LEAN, PRECISION)
+            b_decay_next, b_dvn_next = _bwd_walk_prefetch(decay, dv_new, i_t - 1, n_chunks, bos, T, boc, i_h,
+                                                          o_k, o_v, H, K, V, BT, BV, LEAN)
+            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, do, dh, dv_new, b_dS, b_decay, b_dvn, i_t, bos, T,
+                                   boc, i_h, o_k, o_v, scale, H, K, V, BT, LEAN, PRECISION)
+            b_decay, b_dvn = b_decay_next, b_dvn_next
             i_t -= 1
     else:
         for i_r in range(0, n_chunks):
-            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, b_dS, n_chunks - 1 - i_r,
-                                   bos, T, boc, i_h, o_k, o_v, scale, H, K, V, BT, LEAN, PRECISION)
+            i_t = n_chunks - 1 - i_r
+            b_decay_next, b_dvn_next = _bwd_walk_prefetch(decay, dv_new, i_t - 1, n_chunks, bos, T, boc, i_h,
+                                                          o_k, o_v, H, K, V, BT, BV, LEAN)
+            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, do, dh, dv_new, b_dS, b_decay, b_dvn, i_t, bos, T,
+                                   boc, i_h, o_k, o_v, scale, H, K, V, BT, LEAN, PRECISION)
+            b_decay, b_dvn = b_decay_next, b_dvn_next
     if STORE_DH0:
         tl.store(dh0 + i_n * H * K * V + p_S, b_dS)
 
@@ -259,6 +290,16 @@ def _bwd_chunk_keys_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     walk_dt = h.dtype.element_ty
 
+    # the chunk's own operands first, so that their loads overlap the value loop below
+    # (issued after it they waited alone: 1.61 against 1.51 ms at T = 32K on the H200)
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    p_k = tok[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_G = tl.load(G + p_k, mask=m_r, other=0.0)
+    b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+    b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
+    b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
     b_dq_state = tl.zeros([BT, BK], dtype=tl.float32)  # dO S^T
     b_dk_state = tl.zeros([BT, BK], dtype=tl.float32)  # V~ dS'^T
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # -dV~ S^T
@@ -277,14 +318,6 @@ def _bwd_chunk_keys_kernel(
         b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PRECISION)
         b_s_ds += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), axis=1)
 
-    last = tl.minimum(i_t * BT + BT, T) - 1
-    p_k = tok[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
-    b_G = tl.load(G + p_k, mask=m_r, other=0.0)
-    b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
-    b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
-    b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
     b_eG = tl.exp(b_G)
     b_dq = b_dq_state * b_eG * scale
     b_dk_state = tl.where(m_r, b_dk_state * tl.exp(b_G_last[None, :] - b_G), 0.0)

@@ -439,7 +439,7 @@ def _wy_kernel(
 # stage 3: the inter-chunk state recurrence
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
+def _scan_chunk(k, W, U, G, Kt, h, v_new, b_S, b_decay_lean, i_t, bos, T, boc, i_h, o_k, o_v,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, LEAN: tl.constexpr,
                 PRECISION: tl.constexpr):
     """One chunk of the state recurrence: store S, write V~ = U - W S, return the next S.
@@ -447,7 +447,8 @@ def _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k
     The state b_S stays fp32; the dots take it (and V~) in W's dtype, so that the lean walk
     multiplies input-dtype operands (fp32 accumulation) and the classic walk fp32 ones
     (the casts are then no-ops). Classic computes K~ and e^{G_last} here from k and G;
-    lean loads them from `_wy_kernel`.
+    lean loads K~ from `_wy_kernel` and takes e^{G_last} as `b_decay_lean`, which the walk
+    loaded one chunk ahead (`_prefetch_decay`; unused by classic).
     """
     tl.store(h + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_S.to(h.dtype.element_ty))
     rows = i_t * BT + tl.arange(0, BT)
@@ -460,7 +461,7 @@ def _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k
 
     if LEAN:
         b_k_to_end = tl.load(Kt + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
-        b_decay = tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k)
+        b_decay = b_decay_lean
     else:
         last = tl.minimum(i_t * BT + BT, T) - 1
         b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
@@ -469,6 +470,21 @@ def _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k
         b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
         b_decay = tl.exp(b_G_last)
     return b_S * b_decay[:, None] + tl.dot(tl.trans(b_k_to_end), b_vn.to(b_k_to_end.dtype), input_precision=PRECISION)
+
+
+@triton.jit
+def _prefetch_decay(decay, boc, i_t, n_chunks, i_h, o_k, H: tl.constexpr, K: tl.constexpr, LEAN: tl.constexpr):
+    """e^{G_last} of chunk i_t (`[K]` fp32 from the lean walk's `decay [chunks, H, K]`),
+    zeros when i_t is outside [0, n_chunks) or the walk is classic (which has no decay input).
+
+    The walks call this one chunk ahead: Triton's software pipeliner (3.6) leaves this
+    small load in the loop body, where its global-memory latency sat on the walk's critical
+    path every chunk (`profiling/ncu_table.py`: long-scoreboard stalls lead both walks)."""
+    if LEAN:
+        valid = (i_t >= 0) & (i_t < n_chunks)
+        return tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k, mask=(o_k < K) & valid, other=0.0)
+    else:
+        return tl.zeros([K], dtype=tl.float32)
 
 
 WALK_ENV = "TITAN_MOE_KDA_WALK"  # lean (default) | classic: what the sequential walks precompute and store
@@ -575,20 +591,26 @@ def _state_scan_kernel(
     else:
         b_S = tl.zeros([K, BV], dtype=tl.float32)
     n_chunks = tl.cdiv(T, BT)
+    b_decay = _prefetch_decay(decay, boc, 0, n_chunks, i_h, o_k, H, K, LEAN)
     if INTERPRETED:
         # Triton 3.6's interpreter cannot take a runtime bound in range() (it calls int()
         # on a 1-element array), so it walks the chunks with a while loop.
         i_t = tl.zeros([], dtype=tl.int64)
         while i_t < n_chunks:
-            b_S = _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
+            b_decay_next = _prefetch_decay(decay, boc, i_t + 1, n_chunks, i_h, o_k, H, K, LEAN)
+            b_S = _scan_chunk(k, W, U, G, Kt, h, v_new, b_S, b_decay, i_t, bos, T, boc, i_h, o_k, o_v,
                               H, K, V, BT, LEAN, PRECISION)
+            b_decay = b_decay_next
             i_t += 1
     else:
         # compiled: a for loop, which the compiler software-pipelines (loads of the next
-        # chunk overlap this chunk's dots)
+        # chunk overlap this chunk's dots; the decay row, which it leaves in the loop body,
+        # is loaded one chunk ahead by hand)
         for i_t in range(0, n_chunks):
-            b_S = _scan_chunk(k, W, U, G, Kt, decay, h, v_new, b_S, i_t, bos, T, boc, i_h, o_k, o_v,
+            b_decay_next = _prefetch_decay(decay, boc, i_t + 1, n_chunks, i_h, o_k, H, K, LEAN)
+            b_S = _scan_chunk(k, W, U, G, Kt, h, v_new, b_S, b_decay, i_t, bos, T, boc, i_h, o_k, o_v,
                               H, K, V, BT, LEAN, PRECISION)
+            b_decay = b_decay_next
     if STORE_HT:
         tl.store(ht + i_n * H * K * V + p_S, b_S)
 
