@@ -110,6 +110,11 @@ from titan_moe.ops.triton_runtime import is_interpreted, launch_with_fewer_stage
 CHUNK = 64  # BT: tokens per chunk
 TILE = 16  # BC: tokens per sub-chunk tile; the span exponentiated directly
 N_TILES = CHUNK // TILE
+# register cap of `_wy_kernel` (Triton's maxnreg): at dk = dv = 128 on sm_90 it takes 206
+# registers uncapped (2 blocks of 4 warps per SM) and 168 with a 24-byte stack capped (3
+# blocks, `profiling/kernel_resources.py`); on the H200 0.455 -> 0.401 ms at T = 32K
+# (BENCHMARKS.md, "where each kernel waits"). A launch option only: results do not change.
+WY_MAXNREG = 168
 _SUPPORTED_DIMS = (16, 32, 64, 128)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -811,7 +816,7 @@ def kda_fwd_states(
     _wy_kernel[(n_chunks, H)](
         k, v, G, beta, Akk, Ainv, W, U, k_to_end, decay, cu, chunk_indices,
         H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=min(K, 64), BV=min(V, 64), LEAN=lean, PRECISION=precision,
-        num_warps=wy_warps,
+        num_warps=wy_warps, maxnreg=WY_MAXNREG,
     )
     if lean:  # A_kk is dead now (classic frees it on return, as `plan.transient` models)
         Akk = None
