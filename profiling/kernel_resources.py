@@ -12,7 +12,9 @@ and `cuobjdump -res-usage` reads its registers and stack from the cubin. Pointer
 assumed 16-byte aligned and integers that are multiples of 16 marked so, as Triton does at
 a real launch for such values.
 
-What it tells: a kernel with a stack (at 255 registers, or at a `maxnreg` cap) is spilling
+What it tells: `loop loads` counts the plain loads that a loop waits for in the same iteration
+(`loads_waited_in_loops`: loads Triton's software pipeliner did not turn into asynchronous
+copies, and that no hand-written prefetch hands to the next iteration); a kernel with a stack (at 255 registers, or at a `maxnreg` cap) is spilling
 registers to local memory (each spilled value is a round trip through L1/L2 inside the
 loop); shared memory above 227 KiB per block does not launch on an H200; and how many
 blocks of the kernel fit on one SM at once (`blocks_per_sm`: registers, shared memory and
@@ -132,7 +134,37 @@ def resources(fn, args: tuple, kwargs: dict) -> dict:
         "registers": int(fields.get("REG", -1)),
         "stack_bytes": int(fields.get("STACK", -1)),
         "shared_bytes": int(compiled.metadata.shared),
+        "loop_loads_waited": loads_waited_in_loops(compiled.asm["ttgir"]),
     }
+
+
+def loads_waited_in_loops(ttgir: str) -> int:
+    """Plain `tt.load`s inside `scf.for` bodies whose result the same iteration consumes.
+
+    Triton's software pipeliner turns the loads it pipelines into asynchronous copies into
+    shared memory issued iterations ahead; a `tt.load` it leaves in a loop body is waited for
+    in that iteration, unless the loop hands its result to the next iteration (the load's
+    value is an operand of the loop's `scf.yield`: a prefetch written by hand). A loop whose
+    iterations form a dependent chain (the KDA state walks) pays that latency every iteration.
+    Reads the TTGIR text: regions open on lines ending in '{' and close on lines starting
+    with '}'; a load inside an `scf.if` within a loop counts as waited."""
+    regions: list[dict] = []  # innermost last: {"for": bool, "loads": set, "yielded": set}
+    waited = 0
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if text.startswith("}") and regions:
+            region = regions.pop()
+            if region["for"]:
+                waited += len(region["loads"] - region["yielded"])
+        if " = tt.load " in text:
+            loop = next((r for r in reversed(regions) if r["for"]), None)
+            if loop is not None:
+                loop["loads"].add(text.split(" = ", 1)[0])
+        elif text.startswith("scf.yield") and regions and regions[-1]["for"]:
+            regions[-1]["yielded"].update(word.rstrip(",") for word in text.split() if word.startswith("%"))
+        if text.endswith("{"):
+            regions.append({"for": "scf.for" in text, "loads": set(), "yielded": set()})
+    return waited
 
 
 def blocks_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
@@ -219,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {k for k in opts.kernels.split(",") if k}
     rows, seen = [], set()
     print(f"{'case':<16} {'kernel':<28} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'shared KiB':>10} "
-          f"{'blocks/SM':>9}")
+          f"{'blocks/SM':>9} {'loop loads':>10}")
     for case in cases:
         for fn, args, kwargs in CASES[case]():
             if wanted and fn.__name__ not in wanted:
@@ -234,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             flags = ("  SPILLS" if row["stack_bytes"] > 0 else "") + (
                 "  TOO MUCH SHARED" if row["shared_bytes"] > H200_SHARED_BYTES else "")
             print(f"{case:<16} {row['kernel']:<28} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
-                  f"{row['stack_bytes']:>8} {row['shared_bytes'] / 1024:>10.1f} {row['blocks_per_sm']:>9}{flags}",
+                  f"{row['stack_bytes']:>8} {row['shared_bytes'] / 1024:>10.1f} {row['blocks_per_sm']:>9} "
+                  f"{row['loop_loads_waited']:>10}{flags}",
                   flush=True)
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1))

@@ -365,6 +365,9 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
         assert r["blocks_per_sm"] >= 1, r  # every launch fits an SM
     walk = next(r for r in rows if r["kernel"] == "_state_scan_kernel" and r["case"] == "kda_fwd_lean")
     assert (walk["num_warps"], walk["num_stages"]) == (4, 3)  # 16 columns at B*H = 16: 3 stages
+    # the lean walks' per-chunk loads are pipelined or prefetched by hand: no chunk waits on one
+    lean_walks = [r for r in rows if r["case"].endswith("_lean") and r["kernel"].endswith("state_scan_kernel")]
+    assert len(lean_walks) == 2 and all(r["loop_loads_waited"] == 0 for r in lean_walks), lean_walks
     assert "_bwd_chunk_keys_kernel" in proc.stdout
 
 
@@ -453,3 +456,35 @@ def test_ncu_table_reads_details_and_raw_pages(tmp_path):
     (tmp_path / "bad.csv").write_text(_NCU_DETAILS.replace('"msecond"', '"fortnight"'))
     with pytest.raises(ValueError, match="unknown time unit"):
         ncu_table.read_details(str(tmp_path / "bad.csv"))
+
+
+_TTGIR = '''module {
+  tt.func public @k(%p: !tt.ptr<f32>) {
+    %before = tt.load %p0 : tensor<128x!tt.ptr<f32>, #blocked>
+    %r:3 = scf.for %i = %c0 to %n step %c1 iter_args(%acc = %z, %next = %first) -> (tensor<128xf32>, tensor<128xf32>) : i64 {
+      %copied = ttg.async_copy_global_to_local %p1, %buf mask %m {contiguity = 8 : i32} : tensor<64x!tt.ptr<bf16>> -> <64xbf16>
+      %ahead = tt.load %p2, %m, %cst : tensor<128x!tt.ptr<f32>, #blocked>
+      %now = tt.load %p3 : tensor<128x!tt.ptr<f32>, #blocked>
+      %sum = arith.addf %acc, %now : tensor<128xf32>
+      %inner = scf.if %c -> (tensor<128xf32>) {
+        %cond = tt.load %p4 : tensor<128x!tt.ptr<f32>, #blocked>
+        scf.yield %cond : tensor<128xf32>
+      } else {
+        scf.yield %z : tensor<128xf32>
+      } loc(#loc1)
+      scf.yield %sum, %ahead : tensor<128xf32>, tensor<128xf32>
+    } loc(#loc2)
+    tt.return
+  } loc(#loc3)
+} loc(#loc4)
+'''
+
+
+def test_kernel_resources_counts_loads_a_loop_waits_for():
+    """A load handed to the next iteration through scf.yield (a prefetch) and loads outside
+    loops do not count; a load the iteration consumes does, also inside an scf.if."""
+    loads_waited_in_loops = _load("kernel_resources").loads_waited_in_loops
+    assert loads_waited_in_loops(_TTGIR) == 2
+    assert loads_waited_in_loops(_TTGIR.replace("scf.yield %sum, %ahead", "scf.yield %sum, %now")) == 2
+    assert loads_waited_in_loops(_TTGIR.replace("      %now = tt.load %p3", "      %now = arith.constant")) == 1
+    assert loads_waited_in_loops("%x = tt.load %p : tensor<4x!tt.ptr<f32>>\n") == 0

@@ -138,16 +138,17 @@ def _bwd_walk_prep_kernel(
 def _bwd_walk_prefetch(decay, dv_new, i_t, n_chunks, bos, T, boc, i_h, o_k, o_v, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, LEAN: tl.constexpr):
     """The lean reverse walk's small per-chunk loads, issued one chunk ahead: e^{G_last}
-    (`[K]` fp32) and dV~'s local part A_qk^T dO from dv_new (`[BT, BV]` fp32) of chunk i_t;
-    zeros when i_t is outside [0, n_chunks) or the walk is classic. Triton's software
-    pipeliner (3.6) leaves both loads in the loop body, on the walk's critical path
-    (see `triton_fwd._prefetch_decay`)."""
+    (`[K]` fp32) and dV~'s local part A_qk^T dO from dv_new (`[BT, BV]`, dv_new's dtype: the
+    caller converts it where it uses it, so that nothing in this iteration waits for the
+    load) of chunk i_t; zeros when i_t is outside [0, n_chunks) or the walk is classic.
+    Triton's software pipeliner (3.6) leaves both loads in the loop body, on the walk's
+    critical path (see `triton_fwd._prefetch_decay`)."""
     if LEAN:
         valid = (i_t >= 0) & (i_t < n_chunks)
         b_decay = tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k, mask=(o_k < K) & valid, other=0.0)
         rows = i_t * BT + tl.arange(0, BT)
         p_v = ((bos + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        b_dvn = tl.load(dv_new + p_v, mask=((rows < T) & valid)[:, None], other=0.0).to(tl.float32)
+        b_dvn = tl.load(dv_new + p_v, mask=((rows < T) & valid)[:, None], other=0.0)
         return b_decay, b_dvn
     else:
         return tl.zeros([K], dtype=tl.float32), tl.zeros([BT, BV], dtype=tl.float32)
@@ -179,7 +180,7 @@ def _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, do, dh, dv_new, b_dS, b_decay_
         b_decay = b_decay_lean
         # dO may come in another dtype than the inputs
         b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(b_q_decay.dtype)
-        b_dvn = b_dvn_lean
+        b_dvn = b_dvn_lean.to(tl.float32)
     else:
         last = tl.minimum(i_t * BT + BT, T) - 1
         b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
