@@ -112,8 +112,9 @@ TILE = 16  # BC: tokens per sub-chunk tile; the span exponentiated directly
 N_TILES = CHUNK // TILE
 # register cap of `_wy_kernel` (Triton's maxnreg): at dk = dv = 128 on sm_90 it takes 206
 # registers uncapped (2 blocks of 4 warps per SM) and 168 with a 24-byte stack capped (3
-# blocks, `profiling/kernel_resources.py`); on the H200 0.455 -> 0.401 ms at T = 32K
-# (BENCHMARKS.md, "where each kernel waits"). A launch option only: results do not change.
+# blocks, `profiling/kernel_resources.py`; the classic walk's variant spills 96 bytes); on
+# the H200 0.455 -> 0.401 ms at T = 32K (BENCHMARKS.md, "where each kernel waits"). A launch
+# option only: results do not change.
 WY_MAXNREG = 168
 _SUPPORTED_DIMS = (16, 32, 64, 128)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -484,7 +485,8 @@ def _prefetch_decay(decay, boc, i_t, n_chunks, i_h, o_k, H: tl.constexpr, K: tl.
 
     The walks call this one chunk ahead: Triton's software pipeliner (3.6) leaves this
     small load in the loop body, where its global-memory latency sat on the walk's critical
-    path every chunk (`profiling/ncu_table.py`: long-scoreboard stalls lead both walks)."""
+    path every chunk (long-scoreboard stalls led both walks in `profiling/ncu_table.py`;
+    `profiling/kernel_resources.py`'s `loop loads` column finds such loads)."""
     if LEAN:
         valid = (i_t >= 0) & (i_t < n_chunks)
         return tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k, mask=(o_k < K) & valid, other=0.0)
