@@ -10,7 +10,8 @@
 Per launch: duration, DRAM throughput (% of peak) and bytes moved (from the raw page's byte
 counts, or its DRAM rate times the duration), SM throughput,
 registers, theoretical / achieved occupancy, warp cycles per issued instruction, and, with
-`--raw`, the three largest stall reasons (cycles per issued instruction). A kernel whose
+`--raw`, the local-memory requests of register spills and the three largest stall reasons
+(cycles per issued instruction). A kernel whose
 DRAM and SM throughputs are both far below peak and whose cycles per instruction are high
 is latency bound: more resident warps or more independent work per warp are the levers.
 The metric names are those of Nsight Compute's details page (2023 to 2025 releases);
@@ -95,6 +96,9 @@ def read_raw(path: str) -> dict[str, dict]:
             time_unit = units[header.index("gpu__time_duration.sum")]
             if rate_unit in _BYTE_UNITS and time_unit in _TIME_UNITS:
                 entry["dram_bytes"] = rate * _BYTE_UNITS[rate_unit] * duration * _TIME_UNITS[time_unit] * 1e-6
+        spills = _number(fields.get("derived__local_spilling_requests", ""))
+        if spills is not None:
+            entry["spill_requests"] = spills
         for name, text in fields.items():
             match = _STALL.match(name)
             if match and _number(text) is not None:
@@ -123,7 +127,7 @@ def format_table(launches: list[dict], raw: dict[str, dict] | None = None) -> st
         return fmt.format(launch[column]) if column in launch else "-"
 
     header = (f"{'kernel':40} {'us':>9} {'DRAM%':>6} {'DRAM GB':>8} {'SM%':>5} {'regs':>5} "
-              f"{'occ th%':>7} {'occ ach%':>8} {'cyc/iss':>7}  top stalls (cycles per issue)")
+              f"{'occ th%':>7} {'occ ach%':>8} {'cyc/iss':>7} {'spill req':>10}  top stalls (cycles per issue)")
     lines = [header]
     total = 0.0
     for launch in launches:
@@ -131,11 +135,13 @@ def format_table(launches: list[dict], raw: dict[str, dict] | None = None) -> st
         total += launch.get("duration", 0.0)
         dram = f"{extra['dram_bytes'] / 1e9:8.3f}" if "dram_bytes" in extra else f"{'-':>8}"
         stalls = sorted(extra.get("stalls", {}).items(), key=lambda kv: -kv[1])[:3]
+        spills = f"{extra['spill_requests']:10.0f}" if "spill_requests" in extra else f"{'-':>10}"
         lines.append(
             f"{short_name(launch['kernel']):40} {cell(launch, 'duration', '{:9.1f}'):>9} "
             f"{cell(launch, 'dram_pct', '{:6.1f}'):>6} {dram} {cell(launch, 'sm_pct', '{:5.1f}'):>5} "
             f"{cell(launch, 'regs', '{:5.0f}'):>5} {cell(launch, 'occ_theory_pct', '{:7.1f}'):>7} "
-            f"{cell(launch, 'occ_achieved_pct', '{:8.1f}'):>8} {cell(launch, 'cycles_per_issue', '{:7.1f}'):>7}  "
+            f"{cell(launch, 'occ_achieved_pct', '{:8.1f}'):>8} {cell(launch, 'cycles_per_issue', '{:7.1f}'):>7} "
+            f"{spills}  "
             + " ".join(f"{reason} {value:.1f}" for reason, value in stalls)
         )
     lines.append(f"{'total':40} {total:9.1f}")

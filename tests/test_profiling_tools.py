@@ -424,11 +424,11 @@ _NCU_DETAILS = '''==PROF== Connected to process 1
 "1","1","python","h","_tiles_kernel","1","7","(256, 1, 1)","(2048, 16, 1)","0","9.0","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","40.0"
 "1","1","python","h","_tiles_kernel","1","7","(256, 1, 1)","(2048, 16, 1)","0","9.0","Warp State Statistics","Warp Cycles Per Issued Instruction","cycle","22.75"
 '''
-_NCU_RAW = '''"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio","dram__bytes.sum.per_second","gpu__time_duration.sum"
-"","","Mbyte","Kbyte","ratio","ratio","ratio","ratio","Tbyte/s","ms"
-"0","_walk_kernel","250","500","1.5","9.25","0.5","0.25","4.0","1.0"
-"1","_tiles_kernel","1,000","0","4.0","2.0","3.0","1.0","4.0","1.0"
-"2","_rate_only_kernel","","","0","0","0","0","2.5","0.5"
+_NCU_RAW = '''"ID","Kernel Name","dram__bytes_read.sum","dram__bytes_write.sum","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio","dram__bytes.sum.per_second","gpu__time_duration.sum","derived__local_spilling_requests"
+"","","Mbyte","Kbyte","ratio","ratio","ratio","ratio","Tbyte/s","ms",""
+"0","_walk_kernel","250","500","1.5","9.25","0.5","0.25","4.0","1.0","0"
+"1","_tiles_kernel","1,000","0","4.0","2.0","3.0","1.0","4.0","1.0","17,825,792"
+"2","_rate_only_kernel","","","0","0","0","0","2.5","0.5",""
 '''
 
 
@@ -448,8 +448,10 @@ def test_ncu_table_reads_details_and_raw_pages(tmp_path):
     assert raw["0"]["dram_bytes"] == 250e6 + 500e3 and raw["1"]["dram_bytes"] == 1e9  # counts win over the rate
     assert raw["2"]["dram_bytes"] == pytest.approx(2.5e12 * 0.5e-3)  # no counts: rate x duration
     assert raw["1"]["stalls"] == {"barrier": 4.0, "long_scoreboard": 2.0, "wait": 3.0, "math_pipe_throttle": 1.0}
+    assert raw["1"]["spill_requests"] == 17825792 and "spill_requests" not in raw["2"]
     table = ncu_table.format_table(launches, raw).splitlines()
     assert table[1].split()[:4] == ["_walk_kernel", "1250.0", "12.5", "0.251"]
+    assert "17825792" in table[2].split() and table[1].split()[9] == "0"
     assert table[1].endswith("long_scoreboard 9.2 barrier 1.5 wait 0.5")
     assert table[2].endswith("barrier 4.0 wait 3.0 long_scoreboard 2.0")
     assert table[-1].split() == ["total", "2484.5"]
