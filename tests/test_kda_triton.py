@@ -335,6 +335,31 @@ def test_bwd_register_caps_keep_results(monkeypatch):
 
 
 @needs_kernels
+def test_bwd_intra_key_split_keeps_results(monkeypatch):
+    """`TITAN_MOE_KDA_BWD_INTRA_BK` splits each tile's key columns over adjacent programs:
+    dq, dk, dg are the same sums column by column, dbeta sums its key shares in another
+    order: equal up to fp32 rounding (the interpreter gives dq, dk, dg bit-equal); packed
+    sequences cover a tile cut short."""
+    inp = make_inputs(1, 150, 2, 64, 32, "rand", seed=9)
+    inp["cu_seqlens"] = torch.tensor([0, 5, 70, 150], dtype=torch.int32).to(DEVICE)
+    do = torch.randn(1, 150, 2, 32, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    assert triton_bwd.bwd_intra_bk(64) == 64  # the default: one program per tile
+    default = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+    for bk in ("16", "32"):
+        monkeypatch.setenv(triton_bwd.BWD_INTRA_BK_ENV, bk)
+        assert triton_bwd.bwd_intra_bk(64) == int(bk)
+        for name, got, want in zip(GRAD_NAMES, chunk_kda_bwd_triton(**inp, scale=0.25, do=do), default):
+            if want is None:
+                continue
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"BK={bk} {name}")
+    monkeypatch.setenv(triton_bwd.BWD_INTRA_BK_ENV, "128")
+    assert triton_bwd.bwd_intra_bk(64) == 64  # clipped to dk
+    monkeypatch.setenv(triton_bwd.BWD_INTRA_BK_ENV, "48")
+    with pytest.raises(ValueError, match="16, 32, 64 or 128"):
+        triton_bwd.bwd_intra_bk(64)
+
+
+@needs_kernels
 def test_output_config_override_keeps_results(monkeypatch):
     """The output kernel's launch knob: 16 value columns per program (four programs per chunk
     and head) give the default's output (up to the order of fp32 sums inside the dots)."""

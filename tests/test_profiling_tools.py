@@ -371,6 +371,21 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
     assert "_bwd_chunk_keys_kernel" in proc.stdout
 
 
+def test_bwd_intra_key_split_compiles_for_the_h200(tmp_path, monkeypatch):
+    """The backward intra kernel at 32 key columns per program (`TITAN_MOE_KDA_BWD_INTRA_BK`,
+    the tuning sweep's main case) builds for sm_90 with fewer registers than the default."""
+    pytest.importorskip("triton")
+    rows = {}
+    for bk in ("128", "32"):
+        monkeypatch.setenv("TITAN_MOE_KDA_BWD_INTRA_BK", bk)
+        out = tmp_path / f"rows{bk}.json"
+        proc = _kernel_resources(tmp_path, "--cases", "kda_bwd_lean", "--kernels", "_bwd_intra_kernel",
+                                 "--json", str(out))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        (rows[bk],) = json.loads(out.read_text())
+    assert rows["32"]["registers"] < rows["128"]["registers"] and rows["32"]["stack_bytes"] == 0, rows
+
+
 def test_blocks_per_sm_follows_the_sm90_limits():
     """Occupancy from registers, shared memory and warps (sm_90: 64K registers allocated per
     warp in units of 256, 228 KiB shared plus 1 KiB reserved per block, 64 warps, 32 blocks)."""
@@ -402,6 +417,17 @@ def test_scaled_grouped_mm_probe_refuses_without_an_fp8_gpu():
     proc = subprocess.run([sys.executable, str(REPO / "profiling" / "probe_scaled_grouped_mm.py")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "compute capability >= 8.9" in proc.stderr
+
+
+def test_gpu_suite_kda_intra_section_sweeps_the_backward_intra_split(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_intra", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["kda_intra"]
+    variants = commands["kda_intra"].split("--variants ", 1)[1].split(",")
+    assert len(variants) == 5 and all("TITAN_MOE_KDA_BWD_INTRA_BK=" in v for v in variants)
+    bench_kda = _load("bench_kda")
+    assert set(bench_kda.parse_variants(",".join(variants))) == {"bk64w4", "bk32w8", "bk32w4", "bk32w2", "bk16w4"}
 
 
 def test_gpu_suite_kda_ncu_section_profiles_one_call_and_tabulates_it(tmp_path):

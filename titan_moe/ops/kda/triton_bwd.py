@@ -39,6 +39,8 @@ dG_i += q_i ⊙ dq_i + k_i ⊙ dk_i(row part), dG_j -= k_j ⊙ dk_j(column part)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +52,6 @@ from titan_moe.ops.kda.triton_fwd import (
     _WARPS,
     _chunk_location,
     _env_ints,
-    _tile_location,
     _interpreted,
     kda_fwd_states,
     scan_stages,
@@ -63,6 +64,8 @@ from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
 # stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x64x8x8 (the default)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
+# key columns per program of the backward intra kernel, see `bwd_intra_bk`
+BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 # dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
@@ -83,6 +86,17 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     if wk not in _WARPS or wv not in _WARPS:
         raise ValueError(f"{BWD_CHUNK_ENV}: warps must be powers of two in [1, 16], got {wk}x{wv}")
     return min(bk, K), min(bv, V), wk, wv
+
+
+def bwd_intra_bk(K: int) -> int:
+    """Key columns per program of `_bwd_intra_kernel`: K by default (one program per 16-row
+    tile, 8 warps, 128 registers at dk = 128); `$TITAN_MOE_KDA_BWD_INTRA_BK` (16, 32, 64 or 128,
+    read per call, clipped to dk) splits each tile's columns over dk / BK adjacent programs,
+    for tuning its occupancy with `TITAN_MOE_KDA_TILE_WARPS`. Not yet timed: K stays the default."""
+    text = os.environ.get(BWD_INTRA_BK_ENV) or str(K)
+    if text not in ("16", "32", "64", "128"):
+        raise ValueError(f"{BWD_INTRA_BK_ENV} must be 16, 32, 64 or 128, got {text!r}")
+    return min(int(text), K)
 
 
 def bwd_register_caps() -> tuple[dict, dict, dict]:
@@ -416,9 +430,10 @@ def _bwd_dAkk_kernel(
 # ----------------------------------------------------------------------------------------
 @triton.jit
 def _bwd_intra_kernel(
-    q, k, G, beta, dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dq, dk, dbeta,
-    cu_seqlens, chunk_indices,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr,
+    q, k, G, beta, dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dq, dk, dbeta, dbeta_keys,
+    cu_seqlens, chunk_indices, TT,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Tile T of one chunk: add the A_qk / A_kk gradients to its rows' dq, dk, dG, dbeta.
 
@@ -428,15 +443,23 @@ def _bwd_intra_kernel(
     dk_T += Σ_I dAqk[I,T]^T (Q_I e^{G_I - G_T}) + dAkk[I,T]^T (beta_I K_I e^{G_I - G_T}),
     dG -= k ⊙ (that). One anchor c = G at the tile's middle row serves both sides; every
     tile, the diagonal one included, is one dense dot (dA is zero above the diagonal).
-    Final dq, dk (input dtype) and dbeta (beta's dtype) are written; dG_part is
-    completed in place. Grid: (chunks * BT // BC, H).
+    Every term is per key column (the dA tiles carry no key index), so a program takes BK of
+    the K columns: the K // BK programs of one tile are adjacent in the grid, so that the
+    tile's dA rows are read from L2 after the first. Final dq, dk (input dtype) are written
+    and dG_part is completed in place for those columns; dbeta (beta's dtype) directly when
+    BK == K, else each program's share of Σ_c k ⊙ R into dbeta_keys `[K // BK, TT, H]` fp32
+    (the launcher adds them to dbeta_part). Grid: (chunks * BT // BC * K // BK, H).
     """
     NC: tl.constexpr = BT // BC
-    bos, T, i_t, i_i, i_h, row0 = _tile_location(cu_seqlens, chunk_indices, BT, BC)
+    NK: tl.constexpr = K // BK
+    i_ci, i_kb = tl.program_id(0) // NK, tl.program_id(0) % NK
+    i_c, i_i, i_h = i_ci // NC, i_ci % NC, tl.program_id(1)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    row0 = i_t * BT + i_i * BC
     if row0 >= T:
         return
     o_r = tl.arange(0, BC)
-    o_k = tl.arange(0, K)
+    o_k = i_kb * BK + tl.arange(0, BK)
     rows = row0 + o_r
     m_r = rows < T
     tok = (bos + rows) * H + i_h
@@ -449,8 +472,8 @@ def _bwd_intra_kernel(
     b_c = tl.load(G + ((bos + anchor) * H + i_h) * K + o_k)
 
     # this tile as rows: tiles J <= T
-    b_dq = tl.zeros([BC, K], dtype=tl.float32)
-    b_R = tl.zeros([BC, K], dtype=tl.float32)
+    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+    b_R = tl.zeros([BC, BK], dtype=tl.float32)
     for i_j in tl.static_range(NC):
         if i_j <= i_i:
             cols = i_t * BT + i_j * BC + o_r
@@ -469,7 +492,7 @@ def _bwd_intra_kernel(
     b_R *= b_row_decay
 
     # this tile as columns: tiles I >= T
-    b_dk_col = tl.zeros([BC, K], dtype=tl.float32)
+    b_dk_col = tl.zeros([BC, BK], dtype=tl.float32)
     for i_r in tl.static_range(NC):
         if i_r >= i_i:
             rows_r = i_t * BT + i_r * BC + o_r
@@ -493,11 +516,14 @@ def _bwd_intra_kernel(
     b_dG += b_q * b_dq + b_beta[:, None] * b_k * b_R - b_k * b_dk_col
     b_dq += tl.load(dq_part + p_r, mask=m_rk, other=0.0)
     b_dk = tl.load(dk_part + p_r, mask=m_rk, other=0.0) + b_beta[:, None] * b_R + b_dk_col
-    b_db = tl.load(dbeta_part + tok, mask=m_r, other=0.0) + tl.sum(b_k * b_R, axis=1)
     tl.store(dq + p_r, b_dq.to(dq.dtype.element_ty), mask=m_rk)
     tl.store(dk + p_r, b_dk.to(dk.dtype.element_ty), mask=m_rk)
     tl.store(dG_part + p_r, b_dG, mask=m_rk)
-    tl.store(dbeta + tok, b_db.to(dbeta.dtype.element_ty), mask=m_r)
+    if NK == 1:
+        b_db = tl.load(dbeta_part + tok, mask=m_r, other=0.0) + tl.sum(b_k * b_R, axis=1)
+        tl.store(dbeta + tok, b_db.to(dbeta.dtype.element_ty), mask=m_r)
+    else:
+        tl.store(dbeta_keys + i_kb.to(tl.int64) * TT * H + tok, tl.sum(b_k * b_R, axis=1), mask=m_r)
 
 
 # ----------------------------------------------------------------------------------------
@@ -623,12 +649,16 @@ def chunk_kda_bwd_triton(
 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    dbeta = torch.empty_like(beta)
-    _bwd_intra_kernel[(n_chunks * N_TILES, H)](
-        q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta,
-        st.cu_seqlens, st.chunk_indices, H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=st.precision,
+    intra_bk = bwd_intra_bk(K)
+    dbeta = torch.empty_like(beta) if intra_bk == K else None
+    dbeta_keys = torch.empty(K // intra_bk, TT, H, **f32) if intra_bk < K else None
+    _bwd_intra_kernel[(n_chunks * N_TILES * (K // intra_bk), H)](
+        q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta, dbeta_keys,
+        st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=st.precision,
         num_warps=tile_warps()[3],
     )
+    if dbeta_keys is not None:
+        dbeta = (dbeta_part + dbeta_keys.sum(0)).to(beta.dtype).view(beta.shape)
 
     dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     _bwd_reverse_cumsum_kernel[(n_chunks, H)](dG, dg, st.cu_seqlens, st.chunk_indices, H=H, K=K, BT=CHUNK)
