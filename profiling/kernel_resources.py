@@ -14,8 +14,8 @@ a real launch for such values.
 
 What it tells: `loop loads` counts the plain loads that a loop waits for in the same iteration
 (`loads_waited_in_loops`: loads Triton's software pipeliner did not turn into asynchronous
-copies, and that no hand-written prefetch hands to the next iteration); a kernel with a stack (at 255 registers, or at a `maxnreg` cap) is spilling
-registers to local memory (each spilled value is a round trip through L1/L2 inside the
+copies, and that no hand-written prefetch hands to the next iteration); a kernel with a
+stack (at 255 registers, or at a `maxnreg` cap) is spilling registers to local memory (each spilled value is a round trip through L1/L2 inside the
 loop); shared memory above 227 KiB per block does not launch on an H200; and how many
 blocks of the kernel fit on one SM at once (`blocks_per_sm`: registers, shared memory and
 warps against sm_90's limits), which is what hides memory latency in a kernel that moves

@@ -53,6 +53,7 @@ from titan_moe.ops.kda.triton_fwd import (
     _chunk_location,
     _env_ints,
     _interpreted,
+    _prefetch_decay,
     kda_fwd_states,
     scan_stages,
     sequential_scan_config,
@@ -157,15 +158,15 @@ def _bwd_walk_prefetch(decay, dv_new, i_t, n_chunks, bos, T, boc, i_h, o_k, o_v,
     load) of chunk i_t; zeros when i_t is outside [0, n_chunks) or the walk is classic.
     Triton's software pipeliner (3.6) leaves both loads in the loop body, on the walk's
     critical path (see `triton_fwd._prefetch_decay`)."""
+    b_decay = _prefetch_decay(decay, boc, i_t, n_chunks, i_h, o_k, H, K, LEAN)
     if LEAN:
         valid = (i_t >= 0) & (i_t < n_chunks)
-        b_decay = tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k, mask=(o_k < K) & valid, other=0.0)
         rows = i_t * BT + tl.arange(0, BT)
         p_v = ((bos + rows) * H + i_h)[:, None] * V + o_v[None, :]
         b_dvn = tl.load(dv_new + p_v, mask=((rows < T) & valid)[:, None], other=0.0)
         return b_decay, b_dvn
     else:
-        return tl.zeros([K], dtype=tl.float32), tl.zeros([BT, BV], dtype=tl.float32)
+        return b_decay, tl.zeros([BT, BV], dtype=tl.float32)
 
 
 @triton.jit

@@ -489,6 +489,7 @@ def _prefetch_decay(decay, boc, i_t, n_chunks, i_h, o_k, H: tl.constexpr, K: tl.
     `profiling/kernel_resources.py`'s `loop loads` column finds such loads)."""
     if LEAN:
         valid = (i_t >= 0) & (i_t < n_chunks)
+        # (o_k < K) is all true: it turns the scalar condition into a [K] mask
         return tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k, mask=(o_k < K) & valid, other=0.0)
     else:
         return tl.zeros([K], dtype=tl.float32)
