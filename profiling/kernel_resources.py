@@ -202,7 +202,8 @@ def _kda_case(direction: str, walk: str) -> Callable[[], list]:
 
 
 def _kda_prepare_case() -> list:
-    """`titan_moe::kda_prepare{,_bwd}` (q/k L2 norm and the bounded gate), both directions."""
+    """`titan_moe::kda_prepare{,_bwd}` (q/k L2 norm and the bounded gate), both directions,
+    plain and with the chunk-local cumsums."""
     from titan_moe.ops.kda import triton_prepare
 
     inp, _ = _kda_inputs()
@@ -211,8 +212,10 @@ def _kda_prepare_case() -> list:
     H, K = q.shape[-2:]
     A_log, dt_bias = torch.zeros(H), torch.zeros(H * K)
     with recording((triton_prepare,)) as launches:
-        triton_prepare.kda_prepare_triton(q, k, z, A_log, dt_bias, -5.0)
-        triton_prepare.kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, -5.0, q, k, torch.zeros(q.shape))
+        for chunked in (False, True):  # token blocks, then KDA chunks with the cumsums (chunk_kda's)
+            triton_prepare.kda_prepare_triton(q, k, z, A_log, dt_bias, -5.0, None, chunked)
+            triton_prepare.kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, -5.0, q, k, torch.zeros(q.shape),
+                                                  None, chunked)
     return launches
 
 

@@ -81,6 +81,9 @@ def test_opcheck():
     do, dht = torch.randn_like(v), torch.randn(2, *h0.shape[1:])
     torch.library.opcheck(torch.ops.titan_moe.kda_chunk_bwd_kept,
                           (*args, 0.25, h0.detach(), cu, do.detach(), dht, *outs[2:]))
+    torch.library.opcheck(torch.ops.titan_moe.kda_chunk_fwd_kept, (q, k, v, g, beta, 0.25, h0, cu, True, True))
+    torch.library.opcheck(torch.ops.titan_moe.kda_chunk_bwd_kept,
+                          (*args, 0.25, h0.detach(), cu, do.detach(), dht, *outs[2:], True))
 
 
 def test_compiles_without_graph_break(monkeypatch):

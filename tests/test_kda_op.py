@@ -262,17 +262,37 @@ def _op_inputs(with_state: bool, varlen: bool, requires_grad: bool):
     return t, h0, cu, x
 
 
-@pytest.mark.parametrize("with_state,varlen,final", [(True, True, True), (False, False, False), (True, False, False)])
-def test_opcheck_forward(with_state, varlen, final):
+@pytest.mark.parametrize(
+    "with_state,varlen,final,g_cumsum",
+    [(True, True, True, False), (False, False, False, False), (True, False, False, False), (True, True, True, True)],
+)
+def test_opcheck_forward(with_state, varlen, final, g_cumsum):
     t, h0, cu, _ = _op_inputs(with_state, varlen, requires_grad=True)
-    torch.library.opcheck(torch.ops.titan_moe.kda_chunk_fwd, (*t, 0.25, h0, cu, final))
+    torch.library.opcheck(torch.ops.titan_moe.kda_chunk_fwd, (*t, 0.25, h0, cu, final, g_cumsum))
 
 
-@pytest.mark.parametrize("with_state,varlen", [(True, True), (False, False)])
-def test_opcheck_backward(with_state, varlen):
+@pytest.mark.parametrize("with_state,varlen,g_cumsum", [(True, True, False), (False, False, False), (True, True, True)])
+def test_opcheck_backward(with_state, varlen, g_cumsum):
     t, h0, cu, x = _op_inputs(with_state, varlen, requires_grad=False)
     dht = x["dht"].float() if with_state else None
-    torch.library.opcheck(torch.ops.titan_moe.kda_chunk_bwd, (*t, 0.25, h0, cu, x["do"].float(), dht))
+    torch.library.opcheck(torch.ops.titan_moe.kda_chunk_bwd, (*t, 0.25, h0, cu, x["do"].float(), dht, g_cumsum))
+
+
+def test_g_cumsum_takes_the_chunk_local_cumsum():
+    """`g_cumsum=True` with G = chunk-local cumsum of g gives the same output and state as g
+    (padding slots of a sequence's last chunk hold its last token's G, not 0), and dG
+    reverse-summed per chunk is dg."""
+    from titan_moe.ops.kda.chunk_torch import chunk_local_cumsum
+
+    t, h0, cu, x = _op_inputs(True, True, requires_grad=True)
+    G = chunk_local_cumsum(t[3].detach(), cu).requires_grad_()
+    o, ht = torch.ops.titan_moe.kda_chunk_fwd(*t, 0.25, h0, cu, True)
+    o_G, ht_G = torch.ops.titan_moe.kda_chunk_fwd(*t[:3], G, t[4], 0.25, h0, cu, True, True)
+    assert rel_err(o_G, o) < 1e-6 and rel_err(ht_G, ht) < 1e-6
+    w = torch.randn_like(o)
+    (dg,) = torch.autograd.grad((o * w).sum() + ht.sum(), t[3])
+    (dG,) = torch.autograd.grad((o_G * w).sum() + ht_G.sum(), G)
+    assert rel_err(chunk_local_cumsum(dG, cu, reverse=True), dg) < 1e-5
 
 
 def test_compiled_op_has_no_graph_break():

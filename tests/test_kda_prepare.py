@@ -87,6 +87,9 @@ def test_opcheck():
     d = [torch.randn(1, 9, 2, 16) for _ in range(3)]
     saved = [x.detach() for x in (q, k, z, A_log, dt_bias)]  # no double backward
     torch.library.opcheck(torch.ops.titan_moe.kda_prepare_bwd.default, (*saved, LB, *d))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.titan_moe.kda_prepare.default, (q, k, z, A_log, dt_bias, LB, cu, True))
+    torch.library.opcheck(torch.ops.titan_moe.kda_prepare_bwd.default, (*saved, LB, *d, cu, True))
 
 
 def test_bad_inputs_are_rejected():
@@ -122,30 +125,111 @@ def test_chunk_kda_calls_the_op_when_selected(monkeypatch):
     v = torch.randn(1, 40, 2, 16)
     beta = torch.rand(1, 40, 2)
     calls = []
-    monkeypatch.setattr(kda_op, "kda_prepare", lambda *a: calls.append(1) or kda_prepare(*a))
+    monkeypatch.setattr(kda_op, "kda_prepare", lambda *a, **kw: calls.append(kw) or kda_prepare(*a, **kw))
     o, _ = chunk_kda(q, k, v, z, beta, use_qk_l2norm=True, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
-    assert calls == [1]
+    assert calls == [{"cu_seqlens": None, "chunk_cumsum": True}]
     q_n, k_n, g = reference(q, k, z, A_log, dt_bias)
     o_ref, _ = chunk_kda(q_n, k_n, v, g, beta)
     assert rel_err(o, o_ref) < 1e-6
 
 
+def test_chunk_kda_with_the_cumsum_in_the_op_has_the_composites_gradients(monkeypatch):
+    """The fused path hands the core op G (`g_cumsum`) and gets dG back, which kda_prepare's
+    backward reverse-sums: every input's gradient equals the composite path's (which hands
+    the core op g), packed sequences and a final state included."""
+    from titan_moe.ops.kda import chunk_kda
+    from titan_moe.ops.kda.prepare import PREPARE_ENV
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, z, A_log, dt_bias = make_inputs((1, 150, 2, 16), torch.float64, seed=11, param_dtype=torch.float64)
+    v = torch.randn(1, 150, 2, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    beta = torch.rand(1, 150, 2, generator=gen, dtype=torch.float64).requires_grad_()
+    h0 = torch.randn(3, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    cu = torch.tensor([0, 10, 75, 150])
+    w_o = torch.randn(1, 150, 2, 8, generator=gen, dtype=torch.float64)
+    w_ht = torch.randn(3, 2, 16, 8, generator=gen, dtype=torch.float64)
+    leaves = (q, k, v, z, beta, A_log, dt_bias, h0)
+    results = {}
+    for mode in ("fused", "composite"):
+        monkeypatch.setenv(PREPARE_ENV, mode)
+        o, ht = chunk_kda(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                          use_qk_l2norm=True, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        results[mode] = (o, ht, torch.autograd.grad((o * w_o).sum() + (ht * w_ht).sum(), leaves))
+    for name, got, want in zip(("o", "ht"), results["fused"][:2], results["composite"][:2]):
+        assert rel_err(got, want) < 1e-12, name
+    names = ("dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias", "dh0")
+    for name, got, want in zip(names, results["fused"][2], results["composite"][2], strict=True):
+        assert rel_err(got, want) < 1e-10, (name, rel_err(got, want))
+
+
+def _chunk_cumsum_reference(x, bounds, reverse=False, C=64):
+    """Per sequence of the flattened `[tokens, ...]` x, per chunk of C tokens, a Python loop."""
+    flat = x.reshape(-1, *x.shape[2:]).double()
+    out = torch.zeros_like(flat)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        for c0 in range(start, end, C):
+            block = flat[c0:min(c0 + C, end)]
+            out[c0:c0 + len(block)] = block.flip(0).cumsum(0).flip(0) if reverse else block.cumsum(0)
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunk_local_cumsum_matches_a_loop(reverse):
+    from titan_moe.ops.kda.chunk_torch import chunk_local_cumsum
+
+    x = torch.randn(2, 130, 3, 4, generator=torch.Generator().manual_seed(12))
+    want = _chunk_cumsum_reference(x, [0, 130, 260], reverse)
+    assert rel_err(chunk_local_cumsum(x, reverse=reverse), want) < 1e-6
+    packed = x.reshape(1, 260, 3, 4)
+    cu = torch.tensor([0, 3, 3, 200, 260])
+    want = _chunk_cumsum_reference(packed, cu.tolist(), reverse)
+    assert rel_err(chunk_local_cumsum(packed, cu, reverse=reverse), want) < 1e-6
+
+
+def _chunked_reference(cu_seqlens):
+    def fn(q, k, z, A_log, dt_bias):
+        q_n, k_n, g = reference(q, k, z, A_log, dt_bias)
+        from titan_moe.ops.kda.chunk_torch import chunk_local_cumsum
+
+        return q_n, k_n, chunk_local_cumsum(g, cu_seqlens)
+
+    return fn
+
+
+@pytest.mark.parametrize("shape,cu", [((2, 70, 3, 16), None), ((1, 150, 2, 32), [0, 5, 70, 150])])
+def test_op_chunk_cumsum_matches_composite(shape, cu):
+    """`chunk_cumsum=True`: G = chunk-local cumsum of the gate (chunks from each sequence
+    start), its backward reverse-sums dG: the composite's outputs and gradients."""
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    inputs = make_inputs(shape, torch.float32, seed=13)
+    got, got_grads = outputs_and_grads(lambda *a: kda_prepare(*a, LB, cu_seqlens=cu_t, chunk_cumsum=True), inputs, 31)
+    want, want_grads = outputs_and_grads(_chunked_reference(cu_t), inputs, 31)
+    for name, g, w in zip(("q_hat", "k_hat", "G", "dq", "dk", "dz", "dA_log", "ddt_bias"),
+                          (*got, *got_grads), (*want, *want_grads), strict=True):
+        assert rel_err(g, w) < 1e-5, (name, rel_err(g, w))
+    with pytest.raises(ValueError, match="chunk_cumsum needs"):
+        kda_prepare(*(x[0] for x in inputs[:3]), *inputs[3:], LB, chunk_cumsum=True)
+    with pytest.raises(ValueError, match="only used with chunk_cumsum"):
+        kda_prepare(*inputs, LB, cu_seqlens=torch.tensor([0, shape[1]]))
+
+
 # ---------------------------------------------------------------------------------------
 # the Triton kernels (interpreted on CPU, compiled on CUDA)
 # ---------------------------------------------------------------------------------------
-def _triton_fn():
+def _triton_fn(cu_seqlens=None, chunk_cumsum=False):
     """Forward and backward through the Triton launchers (the op's autograd wiring, with the
     launchers standing in for the registered kernels)."""
+    extra = (cu_seqlens, chunk_cumsum)
 
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, z, A_log, dt_bias):
             ctx.save_for_backward(q, k, z, A_log, dt_bias)
-            return triton_prepare.kda_prepare_triton(q, k, z, A_log, dt_bias, LB)
+            return triton_prepare.kda_prepare_triton(q, k, z, A_log, dt_bias, LB, *extra)
 
         @staticmethod
         def backward(ctx, dq_hat, dk_hat, dg):
-            return triton_prepare.kda_prepare_bwd_triton(*ctx.saved_tensors, LB, dq_hat, dk_hat, dg)
+            return triton_prepare.kda_prepare_bwd_triton(*ctx.saved_tensors, LB, dq_hat, dk_hat, dg, *extra)
 
     return Fn.apply
 
@@ -163,6 +247,20 @@ def _triton_fn():
 def test_triton_kernels_match_composite(shape, dtype, out_tol, grad_tol):
     inputs = make_inputs(shape, dtype, seed=6, device=DEVICE)
     assert_matches_reference(_triton_fn(), inputs, out_tol, grad_tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape,cu", [((2, 70, 3, 32), None), ((1, 150, 2, 24), [0, 5, 70, 150])])
+def test_triton_kernels_chunk_cumsum_match_composite(shape, cu):
+    """Chunk mode: one program per KDA chunk (cut at sequence ends; dk 24 masks channels)
+    writes G and reverse-sums dG in registers."""
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    inputs = make_inputs(shape, torch.float32, seed=14, device=DEVICE)
+    got, got_grads = outputs_and_grads(_triton_fn(cu_t, True), inputs, 41)
+    want, want_grads = outputs_and_grads(_chunked_reference(cu_t), inputs, 41)
+    for name, g, w in zip(("q_hat", "k_hat", "G", "dq", "dk", "dz", "dA_log", "ddt_bias"),
+                          (*got, *got_grads), (*want, *want_grads), strict=True):
+        assert rel_err(g, w) < 1e-5, (name, rel_err(g, w))
 
 
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")

@@ -298,12 +298,13 @@ def test_scan_selection(monkeypatch):
 
 @needs_kernels
 def test_parallel_scan_under_lean_walk(monkeypatch):
-    """`TITAN_MOE_KDA_WALK=lean` with fp16 inputs stores W, U, h and V~ in fp16: the parallel
-    scan reads and writes them so (its walks upcast W and U; segment starts stay fp32, in
-    AB), meets the lean walk's fp16 bound against the float64 recurrence (7.5e-4, see
-    test_kda_triton) and agrees with the sequential lean walk to fp16 rounding (2e-3: the
-    sequential walk rounds S and V~ at its dots, the parallel one does not; seen ~3e-4).
-    Segments of one chunk: a middle segment ([A | B] walk) in the 200-token sequence."""
+    """`TITAN_MOE_KDA_WALK=lean` with fp16 inputs stores W, U, h and V~ in fp16: the parallel scan
+    reads and writes them so (its walks upcast W and U; segment starts stay fp32, in AB), meets
+    the lean walk's fp16 bound against the float64 recurrence (7.5e-4 interpreted, 1.5e-3
+    compiled: tf32 tile dots, see test_kda_triton; H200: 1.33e-3) and agrees with the sequential
+    lean walk to fp16 rounding (2e-3: the sequential walk rounds S and V~ at its dots, the
+    parallel one does not; seen ~3e-4). Segments of one chunk: a middle segment ([A | B] walk)
+    in the 200-token sequence."""
     monkeypatch.setenv(triton_fwd.WALK_ENV, "lean")
     lens = [5, 0, 200, 70]
     bounds = bounds_of(lens)
@@ -318,8 +319,9 @@ def test_parallel_scan_under_lean_walk(monkeypatch):
                             scan=scan, segment_chunks=L)
         assert st.h.dtype == st.v_new.dtype == torch.float16
         o = kda_fwd_output(inp["q"], inp["v"], st)
-        assert rel_err(o, o_ref) < 7.5e-4, (scan, rel_err(o, o_ref))
-        assert rel_err(st.final_state, ht_ref) < 7.5e-4, (scan, rel_err(st.final_state, ht_ref))
+        bound = 7.5e-4 if triton_fwd._interpreted() else 1.5e-3
+        assert rel_err(o, o_ref) < bound, (scan, rel_err(o, o_ref))
+        assert rel_err(st.final_state, ht_ref) < bound, (scan, rel_err(st.final_state, ht_ref))
         runs[scan] = st
     for name in ("h", "v_new", "final_state"):
         err = rel_err(getattr(runs["parallel"], name), getattr(runs["sequential"], name))

@@ -549,9 +549,9 @@ def test_cli_activations_flag_defaults_to_the_compile_setting(capsys):
 def test_cli_counts_the_kda_keep_residuals(capsys, monkeypatch):
     """TITAN_MOE_KDA_KEEP=1 (the default): per token and head the kept forward holds fp32 G, A_qk, A_inv
     (dk + 2C), the lean walk's W, K~, V~ and chunk states (2 dk + dv + dk dv / C, in q's
-    dtype) and e^{G_last} (dk / C fp32). The eager profile measures exactly that much more
-    for each KDA layer kind (debug_cpu: fp32 q), nothing more for MLA; the compiled count
-    adds it as an entry."""
+    dtype) and e^{G_last} (dk / C fp32). The eager profile measures exactly that much more,
+    less G (eager layers hand the op G itself), for each KDA layer kind (debug_cpu: fp32 q),
+    nothing more for MLA; the compiled count adds it, G included, as an entry."""
     from titan_moe.plan.activations import kept_residual_bytes_per_token
 
     base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141")
@@ -567,9 +567,12 @@ def test_cli_counts_the_kda_keep_residuals(capsys, monkeypatch):
         want = H * (4 * (dk + 2 * C) + element_bytes * (3 * dk + dk * dk / C) + 4 * dk / C)
         assert kept_residual_bytes_per_token(args, element_bytes) == pytest.approx(want)
     residual_kib = kept_residual_bytes_per_token(args, 4) / 1024
+    # eager layers hand the op G from kda_prepare (`g_cumsum`): no G residual of its own
+    eager_kib = kept_residual_bytes_per_token(args, 4, g_cumsum=True) / 1024
+    assert residual_kib - eager_kib == pytest.approx(4 * H * dk / 1024)
     before, after = plain["eager_profiles"]["no_fsdp"], kept["eager_profiles"]["no_fsdp"]
     for kind in ("kda+dense", "kda+moe"):
-        assert after[kind]["kib_per_token"] - before[kind]["kib_per_token"] == pytest.approx(residual_kib, rel=1e-3)
+        assert after[kind]["kib_per_token"] - before[kind]["kib_per_token"] == pytest.approx(eager_kib, rel=1e-3)
     assert after["mla+moe"]["kib_per_token"] == before["mla+moe"]["kib_per_token"]
     for with_keep, without in ((kept, plain), (kept_compiled, plain_compiled)):
         assert with_keep["layouts"][0]["gib"]["activations_none"] > without["layouts"][0]["gib"]["activations_none"]

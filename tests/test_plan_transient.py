@@ -113,9 +113,10 @@ def _kda_inputs(T: int, H: int, K: int):
 _LAYOUT = ("cu_seqlens", "chunk_indices", "chunk_offsets")  # host lists turned into tensors: not dispatched
 
 
+@pytest.mark.parametrize("K,g_cumsum", [(32, False), (128, True)], ids=["dk32", "dk128-g_cumsum"])
 @pytest.mark.parametrize("walk", ["classic", "lean"])
 @pytest.mark.parametrize("direction", ["forward", "backward", "backward_kept"])
-def test_kda_allocations_replay_the_triton_launchers(direction, walk, monkeypatch):
+def test_kda_allocations_replay_the_triton_launchers(direction, walk, K, g_cumsum, monkeypatch):
     """The launchers, run on CPU tensors with their kernels stubbed out, allocate exactly the
     tensors `kda_fwd_allocations` / `kda_bwd_allocations` list, in that order, and peak where
     they say (the chunk layout's int32 tensors come from host lists: not dispatched, not
@@ -129,18 +130,22 @@ def test_kda_allocations_replay_the_triton_launchers(direction, walk, monkeypatc
     from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton
     from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton, kept_forward
 
-    T, H, K = 256, 2, 32
+    T, H = 256, 2  # dk = 128: the backward intra kernel's key split (dbeta shares summed after it)
     q, k, v, g, beta, do, cu_seqlens = _kda_inputs(T, H, K)
     # the kept pair's backward (TITAN_MOE_KDA_KEEP=1) reads the forward's residuals
-    kept = kept_forward(q, k, v, g, beta, K**-0.5, cu_seqlens=cu_seqlens)[2] if direction == "backward_kept" else None
+    kept = None
+    if direction == "backward_kept":
+        kept = kept_forward(q, k, v, g, beta, K**-0.5, cu_seqlens=cu_seqlens, g_cumsum=g_cumsum)[2]
     with LiveBytes() as counter:
         counter.mark("launch")
         if direction == "forward":
-            outputs = chunk_kda_fwd_triton(q, k, v, g, beta, K**-0.5, cu_seqlens=cu_seqlens)
-            events = kda_fwd_allocations(q, k, v, g, beta, K**-0.5, None, cu_seqlens, False)
+            outputs = chunk_kda_fwd_triton(q, k, v, g, beta, K**-0.5, cu_seqlens=cu_seqlens, g_cumsum=g_cumsum)
+            events = kda_fwd_allocations(q, k, v, g, beta, K**-0.5, None, cu_seqlens, False, g_cumsum)
         else:
-            outputs = chunk_kda_bwd_triton(q, k, v, g, beta, K**-0.5, do, cu_seqlens=cu_seqlens, kept=kept)
-            events = kda_bwd_allocations(q, k, v, g, beta, K**-0.5, None, cu_seqlens, do, None, kept=kept is not None)
+            outputs = chunk_kda_bwd_triton(q, k, v, g, beta, K**-0.5, do, cu_seqlens=cu_seqlens, kept=kept,
+                                           g_cumsum=g_cumsum)
+            events = kda_bwd_allocations(q, k, v, g, beta, K**-0.5, None, cu_seqlens, do, None, g_cumsum,
+                                         kept=kept is not None)
         peak = counter.peak - counter.start
     events = [(name, n) for name, n in events if name not in _LAYOUT]
     assert counter.sizes == [n for _, n in events if n > 0]
@@ -152,17 +157,19 @@ def test_kda_allocations_replay_the_triton_launchers(direction, walk, monkeypatc
 @pytest.mark.parametrize("walk", ["lean", "classic"])
 def test_kda_workspace_is_the_documented_formula(walk, monkeypatch):
     """Per token, the backward launcher's own tensors at its peak (plus the chunk layout's
-    few int32s): lean (the default) `(4C + 4dk + dv + dk dv / C + 1) * 4 * H`, small_1gpu
-    36 KiB; classic `(4C + 5dk + 3dv + 2 dk dv / C + 1) * 4 * H`, 56 KiB."""
+    few int32s): lean (the default) `(4C + 4dk + dv + dk dv / C + 1 + s) * 4 * H`, small_1gpu
+    36 KiB; classic `(4C + 5dk + 3dv + 2 dk dv / C + 1 + s) * 4 * H`, 56 KiB; s = dk / 64
+    where the backward intra kernel splits the key columns (dk > 64), else 0."""
     from titan_moe.ops.kda.triton_fwd import WALK_ENV
 
     monkeypatch.setenv(WALK_ENV, walk)
     C = KDA_CHUNK
     for H, dk, dv in ((8, 128, 128), (4, 64, 32), (96, 128, 128)):
+        split = dk // 64 if dk > 64 else 0
         if walk == "lean":
-            formula = (4 * C + 4 * dk + dv + dk * dv / C + 1) * 4 * H
+            formula = (4 * C + 4 * dk + dv + dk * dv / C + 1 + split) * 4 * H
         else:
-            formula = (4 * C + 5 * dk + 3 * dv + 2 * dk * dv / C + 1) * 4 * H
+            formula = (4 * C + 5 * dk + 3 * dv + 2 * dk * dv / C + 1 + split) * 4 * H
         assert kda_bwd_workspace_per_token(H, dk, dv) == pytest.approx(formula, rel=1e-4, abs=0.1)
     assert round(kda_bwd_workspace_per_token(8, 128, 128) / 1024) == (36 if walk == "lean" else 56)
 

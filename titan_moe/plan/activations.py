@@ -218,8 +218,10 @@ def kda_bwd_workspace_per_token(H: int, dk: int, dv: int) -> float:
     """Bytes per token of the KDA Triton backward launcher's own tensors at its peak (its
     outputs, the op's gradients, excluded), from `transient.kda_bwd_allocations` with
     contiguous bf16 inputs over whole chunks, for the walk `$TITAN_MOE_KDA_WALK` selects:
-    lean `(4C + 4dk + dv + dk dv / C + 1) * 4 * H`, classic `(4C + 5dk + 3dv + 2 dk dv / C +
-    1) * 4 * H` (and the chunk layout's int32s)."""
+    lean `(4C + 4dk + dv + dk dv / C + 1 + s) * 4 * H`, classic `(4C + 5dk + 3dv + 2 dk dv / C +
+    1 + s) * 4 * H` (and the chunk layout's int32s), where s = dk / 64 when the backward
+    intra kernel splits the key columns (dk > 64, `triton_bwd.bwd_intra_bk`: its dbeta
+    shares), else 0."""
     T = 16 * KDA_CHUNK
     with torch.device("meta"):
         q = torch.empty(1, T, H, dk, dtype=torch.bfloat16)
@@ -231,12 +233,14 @@ def kda_bwd_workspace_per_token(H: int, dk: int, dv: int) -> float:
     return (_peak(events) - outputs) / T
 
 
-def kept_residual_bytes_per_token(args: ModelArgs, element_bytes: int = 2) -> float:
+def kept_residual_bytes_per_token(args: ModelArgs, element_bytes: int = 2, g_cumsum: bool = False) -> float:
     """Bytes per token one KDA layer's forward keeps for its backward under
     `TITAN_MOE_KDA_KEEP=1` (the default), for q of `element_bytes` (16-bit or fp32), from
     `triton_fwd.residual_specs` over whole chunks of one sequence with the walk
     `$TITAN_MOE_KDA_WALK` selects; an entry of the compiled count when the switch is on
-    (the eager profile measures them: `eager.GpuKernelSaves`)."""
+    (the eager profile measures them: `eager.GpuKernelSaves`). `g_cumsum`: the eager layer's
+    case, where `kda_prepare` hands the op G itself, so no G of its own is kept (compiled
+    layers take the composite input maps and keep it)."""
     # imported here: importing Triton decides interpreted vs compiled kernels for the process
     from titan_moe.ops.kda.triton_fwd import residual_specs, selected_walk
     from titan_moe.ops.kda.triton_op import kernels_cover
@@ -247,7 +251,7 @@ def kept_residual_bytes_per_token(args: ModelArgs, element_bytes: int = 2) -> fl
         q = torch.empty(1, T, H, dk, dtype=torch.bfloat16 if element_bytes == 2 else torch.float32)
     if not kernels_cover(q, q, q.float()):  # head widths the kernels do not run keep nothing
         return 0.0
-    specs = residual_specs(q, q, 1, False, selected_walk())
+    specs = residual_specs(q, q, 1, False, selected_walk(), g_cumsum)
     return sum(math.prod(shape) * dt.itemsize for shape, dt in specs) / T
 
 

@@ -194,6 +194,7 @@ class LiveBytes(TorchDispatchMode):
 _OPAQUE_OPS = frozenset(f"titan_moe::{name}" for name in (
     "grouped_mm", "grouped_mm_dx", "grouped_mm_dw",  # torch._grouped_mm / Triton: outputs
     "moe_permute", "moe_unpermute_combine", "moe_unpermute_combine_backward",  # Triton: outputs
+    "kda_prepare", "kda_prepare_bwd",  # Triton: outputs (and the backward's few per-block partial sums)
 ))
 
 
@@ -241,7 +242,13 @@ def _walk_bytes(q: torch.Tensor) -> tuple[bool, int]:
     return lean, q.element_size() if lean else 4
 
 
-def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state, output_q_decay=True) -> list[str]:
+def _G_copy_bytes(g: torch.Tensor) -> int:
+    """Under `g_cumsum` the launchers read G from g itself: a copy only if g is not fp32."""
+    return 0 if g.dtype == torch.float32 else g.numel() * 4
+
+
+def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state, output_q_decay=True,
+                g_cumsum=False) -> list[str]:
     """`triton_fwd.kda_fwd_states`: appends its allocations and frees to `events`, returns
     the names of what it returns (the `KDAForwardState`)."""
     B, T, H, K = q.shape
@@ -252,8 +259,10 @@ def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state, output
     copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in zip("qkvg", (q, k, v, g)) if not x.is_contiguous()]
     if not beta.is_contiguous():
         copies.append(("beta_contiguous", _nbytes(beta)))
+    G_bytes = _G_copy_bytes(g) if g_cumsum else TT * H * K * f32
     states = [
-        ("G", TT * H * K * f32), ("Aqk", TT * H * C * f32), ("Akk", TT * H * C * f32), ("Ainv", TT * H * C * f32),
+        *([("G", G_bytes)] if G_bytes else []),
+        ("Aqk", TT * H * C * f32), ("Akk", TT * H * C * f32), ("Ainv", TT * H * C * f32),
         *([("q_decay_out", TT * H * K * w)] if output_q_decay else []),  # scale Q e^G for the output
         ("W", TT * H * K * w), ("U", TT * H * V * w), ("h", chunks * H * K * V * w), ("v_new", TT * H * V * w),
     ]
@@ -269,25 +278,28 @@ def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state, output
     return [name for name, _ in layout + states if name not in freed]
 
 
-def kda_fwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+def kda_fwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, g_cumsum=False):
     """The tensors `triton_op.kda_chunk_fwd_triton` allocates, in order, as (name, bytes)
     events (negative: freed); its output `o` stays. Arguments as the op's (shapes, dtypes
     and contiguity are read, never values)."""
     events: list[tuple[str, int]] = []
-    states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state)
+    states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state, g_cumsum=g_cumsum)
     sizes = dict(events)
     events += [("o", q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] * v.element_size())]
     events += [(name, -sizes[name]) for name in states if name != "ht"]
     return events
 
 
-def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept: bool = False):
+def kda_bwd_allocations(
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, g_cumsum: bool = False, kept: bool = False
+):
     """The tensors `triton_op.kda_chunk_bwd_triton` allocates (the forward recompute of
     `kda_fwd_states`, then `chunk_kda_bwd_triton`'s own), in order, as (name, bytes) events
     (negative: freed); its outputs dq, dk, dv, dg, dbeta (and dh0) stay. `kept`: the kept
     pair's backward (`kda.kept`), which reads the forward's residuals (autograd holds them)
     instead of recomputing them: only the chunk layout is built (counted per call here;
-    `triton_fwd._chunk_layout` keeps it after its first build, a few KiB)."""
+    `triton_fwd._chunk_layout` keeps it after its first build, a few KiB). `g_cumsum`: g is
+    G (no G of its own; dG is returned as dg)."""
     B, T, H, K = q.shape
     V, TT, C, f32 = v.shape[-1], B * T, KDA_CHUNK, 4
     N, chunks = _chunk_counts(q, cu_seqlens)
@@ -295,8 +307,12 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
     if kept:
         states = ["cu_seqlens", "chunk_indices", "chunk_offsets"]
         events += [("cu_seqlens", (N + 1) * 4), ("chunk_indices", chunks * 2 * 4), ("chunk_offsets", (N + 1) * 4)]
+        if g_cumsum and _G_copy_bytes(g):
+            states.append("G")
+            events.append(("G", _G_copy_bytes(g)))
     else:
-        states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state=False, output_q_decay=False)
+        states = _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state=False, output_q_decay=False,
+                             g_cumsum=g_cumsum)
     copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in
               (("q", q), ("k", k), ("v", v), ("beta", beta), ("do", do)) if not x.is_contiguous()]
     lean, w = _walk_bytes(q)
@@ -308,28 +324,44 @@ def kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
         scan.append(("q_decay", TT * H * K * q.element_size()))
         walk_only = ["q_decay"] if kept else ["q_decay", "W", "k_to_end", "decay"]
     # imported here: importing Triton decides interpreted vs compiled kernels for the process
-    from titan_moe.ops.kda.triton_bwd import bwd_chunk_config
+    from titan_moe.ops.kda.triton_bwd import bwd_chunk_config, bwd_intra_bk
 
     NK = K // bwd_chunk_config(K, V)[0]  # stage 2's key blocks: their dX and dbeta shares
     shares = [("dbeta_keys", NK * TT * H * f32), ("dX_keys", NK * TT * H * C * f32)]
     chunk = [("dq_part", TT * H * K * f32), ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), *shares,
              ("dAqk", TT * H * C * f32), ("dbeta_part", TT * H * f32), ("dv", _nbytes(v)),
              ("dbeta_keys", -shares[0][1]), ("dAkk", TT * H * C * f32), ("dX_keys", -shares[1][1])]  # stage 2
-    intra = [("dq", _nbytes(q)), ("dk", _nbytes(k)), ("dbeta", _nbytes(beta))]  # stage 3
+    intra = [("dq", _nbytes(q)), ("dk", _nbytes(k))]  # stage 3
+    NK_intra = K // bwd_intra_bk(K)
+    if NK_intra == 1:
+        intra.append(("dbeta", _nbytes(beta)))
+    else:  # the key blocks' dbeta shares, summed onto dbeta_part by PyTorch
+        sum_bytes = TT * H * f32
+        intra += [("dbeta_intra_keys", NK_intra * sum_bytes), ("dbeta_keys_sum", sum_bytes)]
+        if beta.dtype == torch.float32:  # the sum is dbeta
+            intra += [("dbeta", sum_bytes), ("dbeta_keys_sum", -sum_bytes)]
+        else:
+            intra += [("dbeta_f32", sum_bytes), ("dbeta_keys_sum", -sum_bytes), ("dbeta", _nbytes(beta)),
+                      ("dbeta_f32", -sum_bytes)]
     events += copies + scan
     sizes = dict(events)
     events += [(name, -sizes[name]) for name in walk_only]
-    events += chunk + intra + [("dg", _nbytes(g))]  # stage 4: dg
+    dG_returned = g_cumsum and g.dtype == torch.float32
+    events += chunk + intra + ([] if dG_returned else [("dg", _nbytes(g))])  # stage 4: dg
     sizes = dict(events)
     work = copies + [(name, n) for name, n in scan + chunk
-                     if n > 0 and name not in ("dh0", "dv", "dbeta_keys", "dX_keys", *walk_only)]
+                     if n > 0 and name not in ("dh0", "dv", "dbeta_keys", "dX_keys", *walk_only)
+                     and not (dG_returned and name == "dG")]  # dG is dg
+    work += [(name, n) for name, n in intra if name == "dbeta_intra_keys"]
     events += [(name, -sizes[name]) for name in states if name not in walk_only] + [(name, -n) for name, n in work]
     return events
 
 
-def _kda_bwd_kept_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, *residuals):
-    kept = residuals[0].numel() > 0  # empty: a forward that kept nothing, the backward recomputes
-    return kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=kept)
+def _kda_bwd_kept_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, *residuals_and_g_cumsum):
+    residuals = residuals_and_g_cumsum[:8]
+    g_cumsum = bool(residuals_and_g_cumsum[8]) if len(residuals_and_g_cumsum) > 8 else False
+    kept = residuals[1].numel() > 0  # empty A_qk: a forward that kept nothing, the backward recomputes
+    return kda_bwd_allocations(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, g_cumsum, kept=kept)
 
 
 _MIRRORED_OPS = {

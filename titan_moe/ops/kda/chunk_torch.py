@@ -205,6 +205,31 @@ def _to_chunks(x: torch.Tensor, plan: _ChunkPlan, C: int, dtype: torch.dtype) ->
     return x_chunks.transpose(1, 2)
 
 
+def _fill_padding_with_last(G_c: torch.Tensor, plan: _ChunkPlan, n_tokens: int, C: int) -> torch.Tensor:
+    """`[NC, H, C, dk]` chunk-local cumsums with the padding slots of each sequence's last
+    chunk set to the last real token's value (what cumsum over g = 0 padding gives)."""
+    real_NC = (plan.gather_idx.view(-1, C) != n_tokens).sum(-1)
+    slot_NC = torch.minimum(torch.arange(C, device=G_c.device)[None, :], real_NC[:, None] - 1)
+    return G_c.gather(2, slot_NC[:, None, :, None].expand_as(G_c))
+
+
+def chunk_local_cumsum(
+    x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, reverse: bool = False, chunk_size: int = 64
+) -> torch.Tensor:
+    """Cumulative sum of `x [B, T, H, *d]` over the tokens of each chunk of `chunk_size`
+    (chunks start at every sequence start, as in `chunk_kda_torch`); `reverse` sums from each
+    token to its chunk's end (the cumsum's gradient). Same shape and dtype as x; float32
+    (float64) arithmetic."""
+    B, T, H = x.shape[:3]
+    bounds = list(range(0, B * T + 1, T)) if cu_seqlens is None else seqlens_bounds(cu_seqlens, T)
+    plan = _make_plan(bounds, B * T, chunk_size, x.device)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x_c = _to_chunks(x, plan, chunk_size, dtype)
+    sums_c = x_c.flip(2).cumsum(2).flip(2) if reverse else x_c.cumsum(2)
+    flat = sums_c.transpose(1, 2).reshape(-1, H, *x.shape[3:]).index_select(0, plan.scatter_idx)
+    return flat.view(x.shape).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------------------
 # Intra-chunk pieces
 # ----------------------------------------------------------------------------------------
@@ -248,6 +273,7 @@ def chunk_kda_torch(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    g_cumsum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward (differentiable PyTorch).
 
@@ -255,6 +281,9 @@ def chunk_kda_torch(
         q, k: `[B, T, H, dk]`; used as given (no L2 norm here).
         v: `[B, T, H, dv]`.
         g: `[B, T, H, dk]` log-space decay, already bounded: `g_min <= g <= 0`, g_min >= -5.
+            With `g_cumsum`, g holds instead its chunk-local cumulative sum G
+            (`chunk_local_cumsum(g, cu_seqlens, chunk_size=chunk_size)`), as the input-map op
+            can emit it; the gradient is then dG.
         beta: `[B, T, H]`.
         scale: query scale, default `dk ** -0.5`.
         initial_state: `[N, H, dk, dv]` fp32 or None (zeros).
@@ -286,7 +315,8 @@ def chunk_kda_torch(
     q_c = _to_chunks(q, plan, C, dtype) * scale  # [NC, H, C, dk]
     k_c = _to_chunks(k, plan, C, dtype)
     v_c = _to_chunks(v, plan, C, dtype)  # [NC, H, C, dv]
-    G_c = _to_chunks(g, plan, C, dtype).cumsum(-2)
+    G_c = _to_chunks(g, plan, C, dtype)
+    G_c = _fill_padding_with_last(G_c, plan, B * T, C) if g_cumsum else G_c.cumsum(-2)
     beta_c = _to_chunks(beta, plan, C, dtype)  # [NC, H, C]
 
     # intra-chunk: WY factors and the causal q.k matrix

@@ -5,10 +5,14 @@ The chunked KDA operator is registered with torch.library so that a model callin
 survives `torch.export`: Dynamo sees one opaque op per direction, described to the
 compiler by its fake (meta) implementation.
 
-    kda_chunk_fwd(q, k, v, g, beta, scale, initial_state?, cu_seqlens?, output_final_state)
+    kda_chunk_fwd(q, k, v, g, beta, scale, initial_state?, cu_seqlens?, output_final_state,
+                  g_cumsum=False)
         -> (o [B,T,H,dv] in v's dtype, final_state [N,H,dk,dv] fp32, or [0] if not asked)
-    kda_chunk_bwd(q, k, v, g, beta, scale, initial_state?, cu_seqlens?, do, dht?)
+    kda_chunk_bwd(q, k, v, g, beta, scale, initial_state?, cu_seqlens?, do, dht?, g_cumsum=False)
         -> (dq, dk, dv, dg, dbeta, dh0 [N,H,dk,dv], or [0] without initial_state)
+
+With `g_cumsum`, g is the chunk-local cumsum G of the log decay (what `kda_prepare` emits
+with `chunk_cumsum=True`) and dg is dG.
 
 The plain-PyTorch implementations here (`kda_chunk_fwd_torch`, `kda_chunk_bwd_torch`)
 serve every device. `triton_op.register_cuda_kernels` puts the Triton kernels under the
@@ -59,17 +63,19 @@ def kda_chunk_fwd_torch(
     initial_state: Tensor | None,
     cu_seqlens: Tensor | None,
     output_final_state: bool,
+    g_cumsum: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Chunked KDA forward (plain-PyTorch implementation, `chunk_torch.chunk_kda_torch`).
 
     Inputs are the bare operator inputs (q/k already normalised if wanted, g already
-    bounded). The final state is an empty `[0]` tensor when `output_final_state` is False
-    (custom ops cannot return None).
+    bounded; with `g_cumsum`, g is its chunk-local cumsum G, as `kda_prepare(chunk_cumsum=True)`
+    emits it, and the backward returns dG). The final state is an empty `[0]` tensor when
+    `output_final_state` is False (custom ops cannot return None).
     """
     with nvtx_range("op.kda_chunk_fwd"):
         o, final_state = chunk_kda_torch(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, g_cumsum=g_cumsum,
         )
     if final_state is None:
         final_state = q.new_empty(0, dtype=_state_dtype(q))
@@ -80,7 +86,7 @@ kda_chunk_fwd = torch.library.custom_op(FWD_OP, kda_chunk_fwd_torch, mutates_arg
 
 
 @kda_chunk_fwd.register_fake
-def _kda_chunk_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+def _kda_chunk_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, g_cumsum=False):
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     o = v.new_empty(B, T, H, dv)
@@ -125,6 +131,7 @@ def kda_chunk_bwd_torch(
     cu_seqlens: Tensor | None,
     do: Tensor,
     dht: Tensor | None,
+    g_cumsum: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Chunked KDA backward. INTERIM implementation until the Triton kernels land.
 
@@ -133,7 +140,7 @@ def kda_chunk_bwd_torch(
     forward graph and costs several forward passes. `do` is `[B,T,H,dv]`; `dht`
     (`[N,H,dk,dv]` or None) is the gradient of the final state. Returns gradients in
     the dtypes of q, k, v, g, beta, initial_state; `dh0` is an empty `[0]` tensor when
-    there is no initial state.
+    there is no initial state. With `g_cumsum` (see `kda_chunk_fwd_torch`) dg is dG.
     """
     inputs = [x.detach() for x in (q, k, v, g, beta)]
     if initial_state is not None:
@@ -143,7 +150,7 @@ def kda_chunk_bwd_torch(
         h0 = leaves[5] if initial_state is not None else None
         o, ht = chunk_kda_torch(
             *leaves[:5], scale=scale, initial_state=h0,
-            output_final_state=dht is not None, cu_seqlens=cu_seqlens,
+            output_final_state=dht is not None, cu_seqlens=cu_seqlens, g_cumsum=g_cumsum,
         )
         outputs, grads = [o], [do]
         if dht is not None:
@@ -159,7 +166,7 @@ kda_chunk_bwd = torch.library.custom_op(BWD_OP, kda_chunk_bwd_torch, mutates_arg
 
 
 @kda_chunk_bwd.register_fake
-def _kda_chunk_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+def _kda_chunk_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, g_cumsum=False):
     dh0 = q.new_empty(0, dtype=_state_dtype(q)) if initial_state is None else torch.empty_like(initial_state)
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -171,10 +178,11 @@ def _kda_chunk_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, 
 # autograd: forward op -> backward op
 # ----------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state = inputs
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, g_cumsum = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
+    ctx.g_cumsum = g_cumsum
 
 
 def _backward(ctx, do: Tensor | None, dht: Tensor | None):
@@ -184,11 +192,11 @@ def _backward(ctx, do: Tensor | None, dht: Tensor | None):
     if not ctx.output_final_state:
         dht = None
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.titan_moe.kda_chunk_bwd(
-        q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht
+        q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, ctx.g_cumsum
     )
     if initial_state is None:
         dh0 = None
-    return dq, dk, dv, dg, dbeta, None, dh0, None, None
+    return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 
 
 kda_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -262,10 +270,13 @@ def chunk_kda(
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     both = use_qk_l2norm and gate_in_kernel and A_log is not None and dt_bias is not None
-    if both and not torch.compiler.is_compiling() and fused_prepare_selected():
+    g_cumsum = both and not torch.compiler.is_compiling() and fused_prepare_selected()
+    if g_cumsum:
         # eager (default): both maps as one op (`prepare`; one Triton pass per direction on
-        # CUDA). Otherwise the composite below, same maths, which Inductor fuses when compiled.
-        q, k, g = kda_prepare(q, k, g, A_log, dt_bias, lower_bound)
+        # CUDA), which also takes over the chunk-local cumsum of g and its reverse in the
+        # backward from the core op. Otherwise the composite below, same maths, which Inductor
+        # fuses when compiled.
+        q, k, g = kda_prepare(q, k, g, A_log, dt_bias, lower_bound, cu_seqlens=cu_seqlens, chunk_cumsum=True)
     else:
         q, k, g = prepare_qkg(
             q, k, g, use_qk_l2norm=use_qk_l2norm, gate_in_kernel=gate_in_kernel,
@@ -275,7 +286,7 @@ def chunk_kda(
         _debug_check_gate(g, lower_bound)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    args = (q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state)
+    args = (q, k, v, g, beta, float(scale), initial_state, cu_seqlens, output_final_state, g_cumsum)
     records = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
     )

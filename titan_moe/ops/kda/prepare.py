@@ -1,7 +1,9 @@
 """`titan_moe::kda_prepare` / `titan_moe::kda_prepare_bwd`: the KDA layer's input maps in one op.
 
-    kda_prepare(q, k, z, A_log, dt_bias, lower_bound) -> (q_hat, k_hat, g)
-    kda_prepare_bwd(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg)
+    kda_prepare(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens=None, chunk_cumsum=False)
+        -> (q_hat, k_hat, g)
+    kda_prepare_bwd(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg, cu_seqlens=None,
+                    chunk_cumsum=False)
         -> (dq, dk, dz, dA_log, ddt_bias)
 
 Shapes: q, k, z `[..., H, dk]` (any leading dims, one shape); A_log `[H]`; dt_bias `[H * dk]`.
@@ -16,6 +18,11 @@ Backward (r recomputed from q, nothing but the inputs saved):
     dq = r_q (dq_hat - q_hat sum_c q_hat dq_hat)             (q_hat the fp32 value)
     dz = dg lb s (1 - s) a_h,  s = sigmoid(a_h (z + b_hc))
     ddt_bias_hc = sum over tokens of dz;   dA_log_h = sum over tokens and c of dz (z + b_hc)
+
+With `chunk_cumsum` (q, k, z then `[B, T, H, dk]`, cu_seqlens as in `chunk_kda`) the op
+returns G, the cumulative sum of g inside each 64-token chunk of the KDA chunked form
+(`chunk_torch.chunk_local_cumsum`), instead of g, and its backward takes dG (reverse-summed
+in the same pass): the KDA core ops then skip their own cumsum kernels (`g_cumsum=True`).
 
 This is what `chunk_kda(..., use_qk_l2norm=True, gate_in_kernel=True)` applies before the
 recurrence: the same maths as `chunk_torch.l2norm` and `gate.kda_gate` (which stay the
@@ -41,6 +48,7 @@ import os
 import torch
 from torch import Tensor
 
+from titan_moe.ops.kda.chunk_torch import chunk_local_cumsum
 from titan_moe.ops.kda.gate import check_lower_bound
 from titan_moe.ops.nvtx import nvtx_range
 
@@ -63,13 +71,23 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def check_prepare_inputs(q: Tensor, k: Tensor, z: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float) -> None:
+def check_prepare_inputs(
+    q: Tensor, k: Tensor, z: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
+    cu_seqlens: Tensor | None = None, chunk_cumsum: bool = False,
+) -> None:
     """ValueError unless the shapes match the contract above and `lower_bound` is in [-5, 0)."""
     check_lower_bound(lower_bound)
     if q.dim() < 2 or q.shape != k.shape or q.shape != z.shape:
         raise ValueError(
             f"q, k and z must share one [..., H, dk] shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(z.shape)}"
         )
+    if chunk_cumsum and q.dim() != 4:
+        raise ValueError(f"chunk_cumsum needs [B, T, H, dk] inputs, got {tuple(q.shape)}")
+    if cu_seqlens is not None and not chunk_cumsum:
+        raise ValueError("cu_seqlens is only used with chunk_cumsum=True")
+    if cu_seqlens is not None and (q.shape[0] != 1 or cu_seqlens.dim() != 1):
+        raise ValueError(f"cu_seqlens needs B = 1 and one dimension, got q {tuple(q.shape)}, "
+                         f"cu_seqlens {tuple(cu_seqlens.shape)}")
     H, dk = q.shape[-2], q.shape[-1]
     if A_log.shape != (H,):
         raise ValueError(f"A_log must have shape ({H},), got {tuple(A_log.shape)}")
@@ -94,22 +112,29 @@ def _gate_terms(z: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tens
 
 
 def kda_prepare_torch(
-    q: Tensor, k: Tensor, z: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float
+    q: Tensor, k: Tensor, z: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
+    cu_seqlens: Tensor | None = None, chunk_cumsum: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The forward in PyTorch (contract: module docstring)."""
     with nvtx_range("op.kda_prepare"):
         q_hat, _ = _normalised(q)
         k_hat, _ = _normalised(k)
         _, _, s = _gate_terms(z, A_log, dt_bias)
-        return q_hat.to(q.dtype), k_hat.to(k.dtype), lower_bound * s
+        g = lower_bound * s
+        if chunk_cumsum:
+            g = chunk_local_cumsum(g, cu_seqlens)
+        return q_hat.to(q.dtype), k_hat.to(k.dtype), g
 
 
 def kda_prepare_bwd_torch(
     q: Tensor, k: Tensor, z: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
-    dq_hat: Tensor, dk_hat: Tensor, dg: Tensor,
+    dq_hat: Tensor, dk_hat: Tensor, dg: Tensor, cu_seqlens: Tensor | None = None, chunk_cumsum: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward in PyTorch (formulas: module docstring); gradients in the inputs' dtypes."""
+    """The backward in PyTorch (formulas: module docstring; with `chunk_cumsum`, dg is dG);
+    gradients in the inputs' dtypes."""
     with nvtx_range("op.kda_prepare_bwd"):
+        if chunk_cumsum:
+            dg = chunk_local_cumsum(dg, cu_seqlens, reverse=True)
         grads = []
         for x, dy in ((q, dq_hat), (k, dk_hat)):
             y, r = _normalised(x)
@@ -129,12 +154,13 @@ kda_prepare_bwd_op = torch.library.custom_op(BWD_OP, kda_prepare_bwd_torch, muta
 
 
 @kda_prepare_op.register_fake
-def _kda_prepare_fake(q, k, z, A_log, dt_bias, lower_bound):
+def _kda_prepare_fake(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens=None, chunk_cumsum=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(z, dtype=_compute_dtype(z))
 
 
 @kda_prepare_bwd_op.register_fake
-def _kda_prepare_bwd_fake(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg):
+def _kda_prepare_bwd_fake(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg, cu_seqlens=None,
+                          chunk_cumsum=False):
     return (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(z),
         torch.empty_like(A_log), torch.empty_like(dt_bias),
@@ -142,28 +168,31 @@ def _kda_prepare_bwd_fake(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, z, A_log, dt_bias, lower_bound = inputs
-    ctx.save_for_backward(q, k, z, A_log, dt_bias)
+    q, k, z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_cumsum = inputs
+    ctx.save_for_backward(q, k, z, A_log, dt_bias, cu_seqlens)
     ctx.lower_bound = lower_bound
+    ctx.chunk_cumsum = chunk_cumsum
 
 
 def _backward(ctx, dq_hat: Tensor | None, dk_hat: Tensor | None, dg: Tensor | None):
-    q, k, z, A_log, dt_bias = ctx.saved_tensors
+    q, k, z, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
     dq_hat = torch.zeros_like(q) if dq_hat is None else dq_hat
     dk_hat = torch.zeros_like(k) if dk_hat is None else dk_hat
     dg = torch.zeros_like(z, dtype=_compute_dtype(z)) if dg is None else dg
     dq, dk, dz, dA_log, ddt_bias = torch.ops.titan_moe.kda_prepare_bwd(
-        q, k, z, A_log, dt_bias, ctx.lower_bound, dq_hat, dk_hat, dg
+        q, k, z, A_log, dt_bias, ctx.lower_bound, dq_hat, dk_hat, dg, cu_seqlens, ctx.chunk_cumsum
     )
-    return dq, dk, dz, dA_log, ddt_bias, None
+    return dq, dk, dz, dA_log, ddt_bias, None, None, None
 
 
 kda_prepare_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def kda_prepare(
-    q: Tensor, k: Tensor, z: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float
+    q: Tensor, k: Tensor, z: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
+    cu_seqlens: Tensor | None = None, chunk_cumsum: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """L2-normalised q and k and the bounded gate g, differentiable (module docstring)."""
-    check_prepare_inputs(q, k, z, A_log, dt_bias, lower_bound)
-    return torch.ops.titan_moe.kda_prepare(q, k, z, A_log, dt_bias, float(lower_bound))
+    """L2-normalised q and k and the bounded gate g (its chunk-local cumsum G with
+    `chunk_cumsum`), differentiable (module docstring)."""
+    check_prepare_inputs(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_cumsum)
+    return torch.ops.titan_moe.kda_prepare(q, k, z, A_log, dt_bias, float(lower_bound), cu_seqlens, chunk_cumsum)

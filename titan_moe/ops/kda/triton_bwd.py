@@ -27,6 +27,7 @@ scan below is always sequential, see `triton_scan` for the forward's parallel on
     stage 3  `_bwd_intra_kernel`  per 16-token tile, the gradients of A_qk and A_kk into
              q, k, beta and G, with the same anchored dense tile dots as the forward
     stage 4  `_bwd_reverse_cumsum_kernel`  dg = reverse cumsum of dG inside each chunk
+             (skipped with `g_cumsum`: dG is returned, `kda_prepare_bwd` sums it)
 
 Stage 3 and the tile anchors: tile T of a chunk, anchor c = G at its middle row. As rows
 (tiles J <= T): dq_T = Σ_J (dA_qk[T,J] @ (K_J ⊙ e^{c - G_J})) ⊙ e^{G_T - c}, and likewise
@@ -90,11 +91,12 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
 
 
 def bwd_intra_bk(K: int) -> int:
-    """Key columns per program of `_bwd_intra_kernel`: K by default (one program per 16-row
-    tile, 8 warps, 128 registers at dk = 128); `$TITAN_MOE_KDA_BWD_INTRA_BK` (16, 32, 64 or 128,
-    read per call, clipped to dk) splits each tile's columns over dk / BK adjacent programs,
-    for tuning its occupancy with `TITAN_MOE_KDA_TILE_WARPS`. Not yet timed: K stays the default."""
-    text = os.environ.get(BWD_INTRA_BK_ENV) or str(K)
+    """Key columns per program of `_bwd_intra_kernel`: 64 by default, clipped to dk (at dk = 128
+    each 16-row tile's columns go to two adjacent programs; with 4 warps, `tile_warps`, the
+    kernel took 1.287 ms at T = 32K on the H200 against 1.417 for one 8-warp program per tile,
+    BENCHMARKS.md "backward intra key split"); `$TITAN_MOE_KDA_BWD_INTRA_BK` (16, 32, 64 or
+    128, read per call, clipped to dk) overrides it for tuning."""
+    text = os.environ.get(BWD_INTRA_BK_ENV) or "64"
     if text not in ("16", "32", "64", "128"):
         raise ValueError(f"{BWD_INTRA_BK_ENV} must be 16, 32, 64 or 128, got {text!r}")
     return min(int(text), K)
@@ -561,13 +563,16 @@ def chunk_kda_bwd_triton(
     cu_seqlens: torch.Tensor | None = None,
     dht: torch.Tensor | None = None,
     kept: list[torch.Tensor] | None = None,
+    g_cumsum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of `chunk_kda_fwd_triton`.
 
     Args: the forward's inputs (same contract), `do [B, T, H, dv]` (gradient of o),
     `dht [N, H, dk, dv]` fp32 (gradient of the final state) or None, and `kept`: the
     residuals of `triton_fwd.kept_forward` on the same inputs, or None to recompute them
-    (stages 1-3 of the forward, about a fifth of the forward+backward's time).
+    (stages 1-3 of the forward, about a fifth of the forward+backward's time). With
+    `g_cumsum` (g is the chunk-local cumsum G, see `chunk_kda_fwd_triton`) dg is dG: the
+    reverse cumsum of stage 4 is left to the caller (`kda_prepare_bwd` does it in its pass).
 
     Returns:
         `(dq, dk, dv, dg, dbeta, dh0)` in the dtypes of q, k, v, g, beta; dh0
@@ -575,9 +580,9 @@ def chunk_kda_bwd_triton(
     """
     if kept is None:
         st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state=False,
-                            output_q_decay=False)
+                            output_q_decay=False, g_cumsum=g_cumsum)
     else:
-        st = state_from_residuals(q, k, v, g, beta, initial_state, cu_seqlens, kept)
+        st = state_from_residuals(q, k, v, g, beta, initial_state, cu_seqlens, kept, g_cumsum)
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = st.cu_seqlens.shape[0] - 1
@@ -661,6 +666,8 @@ def chunk_kda_bwd_triton(
     if dbeta_keys is not None:
         dbeta = (dbeta_part + dbeta_keys.sum(0)).to(beta.dtype).view(beta.shape)
 
+    if g_cumsum:
+        return dq, dk, dv.view_as(v), dG.view(g.shape).to(g.dtype), dbeta, dh0
     dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     _bwd_reverse_cumsum_kernel[(n_chunks, H)](dG, dg, st.cu_seqlens, st.chunk_indices, H=H, K=K, BT=CHUNK)
     return dq, dk, dv.view_as(v), dg, dbeta, dh0

@@ -7,7 +7,8 @@ Per head, with state `S ∈ R^{dk×dv}` (fp32):
 Chunked evaluation (chunk C = 64 tokens, cut into NC = 4 tiles of 16; G = cumsum of g
 inside the chunk):
 
-    stage 1  `_chunk_cumsum_kernel`   G = chunk-local cumsum(g)
+    stage 1  `_chunk_cumsum_kernel`   G = chunk-local cumsum(g) (skipped with `g_cumsum`: the
+                                      input-map op `kda_prepare` then hands over G itself)
     stage 2  `_intra_tiles_kernel`    A_qk[i,j] = scale Σ_c q_ic k_jc e^{G_ic - G_jc}   (j <= i)
                                       A_kk[i,j] = beta_i Σ_c k_ic k_jc e^{G_ic - G_jc}  (j <  i)
                                       Q^ = scale Q ⊙ e^G (the output's operand)
@@ -762,15 +763,17 @@ def kda_fwd_states(
     segment_chunks: int | None = None,
     chunk_rows: int | None = None,
     output_q_decay: bool = True,
+    g_cumsum: bool = False,
 ) -> KDAForwardState:
     """Stages 1-3 of the forward: chunk cumsum, A_qk / WY factors, the state scan.
 
-    Arguments as for `chunk_kda_fwd_triton`. The backward pass calls this to recompute
-    what it needs (with `output_q_decay=False`: the output's operand scale Q ⊙ e^G is then
-    not stored), unless the forward kept it (`titan_moe.ops.kda.kept`). `chunk_rows`
-    (at least the chunk count) sizes h and decay along their first dimension: the kept
-    forward allocates the shape-only bound `max_chunk_rows` so that its outputs' shapes do
-    not depend on cu_seqlens' values; the rows past the chunk count stay unwritten.
+    Arguments as for `chunk_kda_fwd_triton` (with `g_cumsum` stage 1 is skipped: g is G). The
+    backward pass calls this to recompute what it needs (with `output_q_decay=False`: the
+    output's operand scale Q ⊙ e^G is then not stored), unless the forward kept it
+    (`titan_moe.ops.kda.kept`). `chunk_rows` (at least the chunk count) sizes h and decay along
+    their first dimension: the kept forward allocates the shape-only bound `max_chunk_rows` so
+    that its outputs' shapes do not depend on cu_seqlens' values; the rows past the chunk count
+    stay unwritten.
     """
     # late import: triton_scan imports this module
     from titan_moe.ops.kda.triton_scan import selected_scan, state_scan_parallel
@@ -790,7 +793,7 @@ def kda_fwd_states(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     TT = B * T
     f32 = dict(dtype=torch.float32, device=q.device)
-    G = torch.empty(TT, H, K, **f32)
+    G = g.view(TT, H, K).float() if g_cumsum else torch.empty(TT, H, K, **f32)
     Aqk = torch.empty(TT, H, CHUNK, **f32)
     Akk = torch.empty(TT, H, CHUNK, **f32)
     Ainv = torch.empty(TT, H, CHUNK, **f32)
@@ -807,7 +810,8 @@ def kda_fwd_states(
     decay = torch.empty(rows, H, K, **f32) if lean else None
 
     intra_warps, inverse_warps, wy_warps, _ = tile_warps()
-    _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
+    if not g_cumsum:
+        _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
     _intra_tiles_kernel[(n_chunks * N_TILES, H)](
         q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
         H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, STORE_Q_DECAY=output_q_decay,
@@ -853,18 +857,19 @@ def max_chunk_rows(B: int, T: int, N: int, varlen: bool) -> int:
 
 
 def residual_specs(
-    q: torch.Tensor, v: torch.Tensor, N: int, varlen: bool, walk: str
+    q: torch.Tensor, v: torch.Tensor, N: int, varlen: bool, walk: str, g_cumsum: bool = False
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of each of `RESIDUAL_NAMES` as `kept_forward` returns them (the fake
     implementation of the kept-forward op builds its outputs from this). A residual the walk
-    does not make (classic: k_to_end, decay) is an empty `[0]` fp32 tensor."""
+    does not make (classic: k_to_end, decay) is an empty `[0]` fp32 tensor, and so is G when
+    the input g is G already (`g_cumsum`)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     TT, rows = B * T, max_chunk_rows(B, T, N, varlen)
     lean = walk == "lean"
     walk_dtype, f32 = (q.dtype if lean else torch.float32), torch.float32
     return [
-        ((TT, H, K), f32), ((TT, H, CHUNK), f32), ((TT, H, CHUNK), f32), ((TT, H, K), walk_dtype),
+        ((0,) if g_cumsum else (TT, H, K), f32), ((TT, H, CHUNK), f32), ((TT, H, CHUNK), f32), ((TT, H, K), walk_dtype),
         ((rows, H, K, V), walk_dtype), ((TT, H, V), walk_dtype),
         ((TT, H, K) if lean else (0,), walk_dtype if lean else f32), ((rows, H, K) if lean else (0,), f32),
     ]
@@ -880,6 +885,7 @@ def kept_forward(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     output_final_state: bool = False,
+    g_cumsum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """`chunk_kda_fwd_triton` that also returns the intermediates the backward needs
     (`RESIDUAL_NAMES`, shapes in `residual_specs`), so that `chunk_kda_bwd_triton(kept=...)`
@@ -888,28 +894,35 @@ def kept_forward(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     rows = max_chunk_rows(B, T, N, cu_seqlens is not None)
     st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-                        scan="sequential", chunk_rows=rows)
+                        scan="sequential", chunk_rows=rows, g_cumsum=g_cumsum)
     o = kda_fwd_output(q, v, st)
     empty = q.new_empty(0, dtype=torch.float32)
     residuals = [getattr(st, name) for name in RESIDUAL_NAMES]
+    if g_cumsum:  # G is the input g (or its fp32 copy): the backward reads it there
+        residuals[0] = None
     return o, st.final_state, [empty if r is None else r for r in residuals]
 
 
 def state_from_residuals(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, residuals: list[torch.Tensor],
+    g_cumsum: bool = False,
 ) -> KDAForwardState:
     """The `KDAForwardState` that `kept_forward` built, from its residuals (the chunk layout
-    is recomputed: one host read of cu_seqlens, as the recomputing backward does)."""
+    is recomputed: one host read of cu_seqlens, as the recomputing backward does; with
+    `g_cumsum`, G is g)."""
     N, bounds = check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if len(residuals) != len(RESIDUAL_NAMES):
         raise ValueError(f"expected {len(RESIDUAL_NAMES)} residuals {RESIDUAL_NAMES}, got {len(residuals)}")
     walk = "lean" if residuals[RESIDUAL_NAMES.index("k_to_end")].numel() else "classic"
-    for (shape, dtype), r, name in zip(residual_specs(q, v, N, cu_seqlens is not None, walk), residuals, RESIDUAL_NAMES):
+    specs = residual_specs(q, v, N, cu_seqlens is not None, walk, g_cumsum)
+    for (shape, dtype), r, name in zip(specs, residuals, RESIDUAL_NAMES):
         if tuple(r.shape) != shape or r.dtype != dtype:
             raise ValueError(f"residual {name}: expected {dtype} {shape}, got {r.dtype} {tuple(r.shape)}")
     cu, chunk_indices, chunk_offsets = _chunk_layout(bounds, q.device)
     fields = dict(zip(RESIDUAL_NAMES, residuals))
+    if g_cumsum:
+        fields["G"] = g.reshape(-1, *g.shape[2:]).float().contiguous()
     if walk == "classic":
         fields["k_to_end"] = fields["decay"] = None
     return KDAForwardState(
@@ -930,13 +943,15 @@ def chunk_kda_fwd_triton(
     output_final_state: bool = False,
     scan: str | None = None,
     segment_chunks: int | None = None,
+    g_cumsum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward with Triton kernels.
 
     Args:
         q, k: `[B, T, H, dk]`; v: `[B, T, H, dv]`; fp32, bf16 or fp16, one dtype.
         g: `[B, T, H, dk]` log decay (fp32 or bf16), already bounded: `-5 <= g <= 0`
-            (not checked here; below -5 the tile exponents may overflow).
+            (not checked here; below -5 the tile exponents may overflow). With `g_cumsum`,
+            g is instead its chunk-local cumsum G (fp32 preferred; `kda_prepare` emits it).
         beta: `[B, T, H]`.
         scale: query scale.
         initial_state: `[N, H, dk, dv]` fp32, or None (zeros).
@@ -955,7 +970,8 @@ def chunk_kda_fwd_triton(
         `o [B, T, H, dv]` in v's dtype and `final_state [N, H, dk, dv]` fp32 (None unless
         `output_final_state`).
     """
-    st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, scan, segment_chunks)
+    st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, scan, segment_chunks,
+                        g_cumsum=g_cumsum)
     return kda_fwd_output(q, v, st), st.final_state
 
 
@@ -1004,9 +1020,10 @@ def output_config(V: int) -> tuple[int, int]:
 
 def tile_warps() -> tuple[int, int, int, int]:
     """num_warps of `_intra_tiles_kernel`, `_diag_inverse_kernel`, `_wy_kernel` and
-    `triton_bwd._bwd_intra_kernel`: default 4, 1, 4, 8 (H200, BENCHMARKS.md);
+    `triton_bwd._bwd_intra_kernel`: default 4, 1, 4, 4 (H200, BENCHMARKS.md; the last with
+    `triton_bwd.bwd_intra_bk`'s 64 key columns per program);
     `$TITAN_MOE_KDA_TILE_WARPS` ("AxBxCxD", read per call) overrides them for tuning."""
-    warps = _env_ints(TILE_WARPS_ENV, "4x1x4x8", "4x2x4x8", 4)
+    warps = _env_ints(TILE_WARPS_ENV, "4x1x4x4", "4x2x4x8", 4)
     if any(w not in _WARPS for w in warps):
         raise ValueError(f"{TILE_WARPS_ENV}: warps must be powers of two <= 16, got {warps}")
     return warps

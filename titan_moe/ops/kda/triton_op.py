@@ -45,32 +45,35 @@ def kernels_cover(q: Tensor, v: Tensor, g: Tensor) -> bool:
     )
 
 
-def kda_chunk_fwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+def kda_chunk_fwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, g_cumsum=False):
     """`titan_moe::kda_chunk_fwd` contract on top of `chunk_kda_fwd_triton`."""
     if not kernels_cover(q, v, g):
-        return kda_op.kda_chunk_fwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+        return kda_op.kda_chunk_fwd_torch(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, g_cumsum
+        )
     from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton
 
     with nvtx_range("op.kda_chunk_fwd"):
         o, final_state = chunk_kda_fwd_triton(
             q, k, v, g, beta, scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-            output_final_state=output_final_state,
+            output_final_state=output_final_state, g_cumsum=g_cumsum,
         )
     if final_state is None:
         final_state = q.new_empty(0, dtype=torch.float32)
     return o, final_state
 
 
-def kda_chunk_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None):
+def kda_chunk_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, g_cumsum=False, kept=None):
     """`titan_moe::kda_chunk_bwd` contract on top of `chunk_kda_bwd_triton` (`kept`: the
     residuals of `triton_fwd.kept_forward`, or None to recompute them)."""
     if not kernels_cover(q, v, g):
-        return kda_op.kda_chunk_bwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
+        return kda_op.kda_chunk_bwd_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, g_cumsum)
     from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton
 
     with nvtx_range("op.kda_chunk_bwd"):
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_triton(
-            q, k, v, g, beta, scale, do, initial_state=initial_state, cu_seqlens=cu_seqlens, dht=dht, kept=kept
+            q, k, v, g, beta, scale, do, initial_state=initial_state, cu_seqlens=cu_seqlens, dht=dht, kept=kept,
+            g_cumsum=g_cumsum,
         )
     dh0 = q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0.to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0

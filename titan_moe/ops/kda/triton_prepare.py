@@ -5,11 +5,19 @@ q_hat, k_hat and g (forward), or dq, dk, dz and its token-block partial sums of 
 parameters' gradients (backward; the partials are summed over blocks by PyTorch, so the
 result does not depend on the order threads finish). All arithmetic in fp32.
 
+With `chunk_cumsum` the blocks are the KDA chunks (64 tokens from each sequence start, the
+chunk layout of `triton_fwd`): the forward stores the chunk-local cumsum G of g and the
+backward reverse-sums the incoming dG in registers before the gate's chain rule. This
+replaces the KDA forward's `_chunk_cumsum_kernel` and the backward's
+`_bwd_reverse_cumsum_kernel`, each a full pass over a `[tokens, H, dk]` fp32 tensor.
+
 Registered for CUDA tensors by `register_cuda_kernels` with the KDA kernels (same switch,
 `TITAN_MOE_KDA_BACKEND`); dtypes they do not cover (float64) take the PyTorch path.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -17,9 +25,25 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_moe.ops.kda import prepare
+from titan_moe.ops.kda.chunk_torch import seqlens_bounds
+from titan_moe.ops.kda.triton_fwd import CHUNK, _chunk_layout, _chunk_location
 from titan_moe.ops.nvtx import nvtx_range
 
 BLOCK_TOKENS = 32
+CHUNK_WARPS_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK_WARPS"  # "FWDxBWD" warps in chunk mode, for tuning
+
+
+def chunk_warps() -> tuple[int, int]:
+    """num_warps of the forward and backward kernels in chunk mode (a `[64, dk]` tile per
+    program): default 8 and 8; `$TITAN_MOE_KDA_PREPARE_CHUNK_WARPS` ("FWDxBWD", read per
+    call) overrides them for tuning."""
+    text = os.environ.get(CHUNK_WARPS_ENV) or "8x8"
+    parts = text.split("x")
+    if len(parts) != 2 or any(p not in ("1", "2", "4", "8", "16") for p in parts):
+        raise ValueError(f"{CHUNK_WARPS_ENV} must be FWDxBWD warps (powers of two <= 16), e.g. 8x8, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 _COVERED = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -31,6 +55,23 @@ def _tile(i_t, i_h, n_tokens, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr
     mask = (rows < n_tokens)[:, None] & (cols < K)[None, :]
     offsets = (rows.to(tl.int64)[:, None] * H + i_h) * K + cols[None, :]
     return offsets, mask, cols
+
+
+@triton.jit
+def _block_tile(n_tokens, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                BT: tl.constexpr, CHUNKED: tl.constexpr):
+    """`_tile` of this program: token block program_id(0) of BT rows, or (CHUNKED) the KDA
+    chunk program_id(0) of the chunk layout (BT = its 64 rows, cut at the sequence's end)."""
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    if CHUNKED:
+        bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_b)
+        o_t = i_t * BT + tl.arange(0, BT)
+        cols = tl.arange(0, BK)
+        mask = (o_t < T)[:, None] & (cols < K)[None, :]
+        offsets = ((bos + o_t) * H + i_h)[:, None] * K + cols[None, :]
+    else:
+        offsets, mask, cols = _tile(i_b, i_h, n_tokens, H, K, BK, BT)
+    return offsets, mask, cols, i_b, i_h
 
 
 @triton.jit
@@ -61,29 +102,35 @@ def _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K: tl.constexpr):
 
 @triton.jit
 def _prepare_fwd_kernel(
-    q, k, z, A_log, dt_bias, q_hat, k_hat, g, n_tokens, lower_bound, eps,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    q, k, z, A_log, dt_bias, q_hat, k_hat, g, n_tokens, lower_bound, eps, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, CHUNKED: tl.constexpr,
 ):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    offsets, mask, cols = _tile(i_t, i_h, n_tokens, H, K, BK, BT)
+    """g: the gate, or (CHUNKED) its chunk-local cumsum G."""
+    offsets, mask, cols, _, i_h = _block_tile(n_tokens, cu_seqlens, chunk_indices, H, K, BK, BT, CHUNKED)
     _l2norm_fwd(q, q_hat, offsets, mask, eps)
     _l2norm_fwd(k, k_hat, offsets, mask, eps)
     _, _, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
-    tl.store(g + offsets, lower_bound * s, mask=mask)
+    b_g = lower_bound * s
+    if CHUNKED:
+        b_g = tl.cumsum(tl.where(mask, b_g, 0.0), axis=0)
+    tl.store(g + offsets, b_g, mask=mask)
 
 
 @triton.jit
 def _prepare_bwd_kernel(
     q, k, z, A_log, dt_bias, dq_hat, dk_hat, dg, dq, dk, dz, ddt_part, dA_part, n_tokens, lower_bound, eps,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, CHUNKED: tl.constexpr,
 ):
-    """ddt_part `[blocks, H, K]`, dA_part `[blocks, H]` fp32: this block's token sums."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    offsets, mask, cols = _tile(i_t, i_h, n_tokens, H, K, BK, BT)
+    """ddt_part `[blocks, H, K]`, dA_part `[blocks, H]` fp32: this block's token sums.
+    dg: the gate's gradient, or (CHUNKED) G's, summed here from each row to its chunk's end."""
+    offsets, mask, cols, i_t, i_h = _block_tile(n_tokens, cu_seqlens, chunk_indices, H, K, BK, BT, CHUNKED)
     _l2norm_bwd(q, dq_hat, dq, offsets, mask, eps)
     _l2norm_bwd(k, dk_hat, dk, offsets, mask, eps)
     u, a, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
     b_dg = tl.load(dg + offsets, mask=mask, other=0.0).to(tl.float32)
+    if CHUNKED:
+        b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
     b_dz = b_dg * lower_bound * s * (1.0 - s) * a  # zero where masked (dg loaded as 0)
     tl.store(dz + offsets, b_dz.to(dz.dtype.element_ty), mask=mask)
     tl.store(ddt_part + (i_t * H + i_h) * K + cols, tl.sum(b_dz, axis=0), mask=cols < K)
@@ -99,33 +146,43 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
 
 
-def _launch_args(q: Tensor) -> tuple[int, int, int, tuple[int, int]]:
+def _launch_args(q: Tensor, cu_seqlens: Tensor | None, chunk_cumsum: bool, backward: bool) -> tuple:
+    """(n_tokens, H, K, grid, block rows, the chunk layout or (None, None), warps)."""
     H, K = q.shape[-2], q.shape[-1]
     n_tokens = q.numel() // (H * K) if q.numel() else 0
-    return n_tokens, H, K, (triton.cdiv(n_tokens, BLOCK_TOKENS), H)
+    if not chunk_cumsum:
+        return n_tokens, H, K, (triton.cdiv(n_tokens, BLOCK_TOKENS), H), BLOCK_TOKENS, (None, None), 4
+    B, T = q.shape[:2]
+    bounds = list(range(0, B * T + 1, T)) if cu_seqlens is None else seqlens_bounds(cu_seqlens, T)
+    cu, chunk_indices, _ = _chunk_layout(bounds, q.device)
+    return n_tokens, H, K, (chunk_indices.shape[0], H), CHUNK, (cu, chunk_indices), chunk_warps()[int(backward)]
 
 
-def kda_prepare_triton(q, k, z, A_log, dt_bias, lower_bound):
+def kda_prepare_triton(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens=None, chunk_cumsum=False):
     """`titan_moe::kda_prepare` on CUDA (or interpreted) tensors; outputs as the op's."""
     if not _covered(q, k, z) or q.numel() == 0:
-        return prepare.kda_prepare_torch(q, k, z, A_log, dt_bias, lower_bound)
-    n_tokens, H, K, grid = _launch_args(q)
+        return prepare.kda_prepare_torch(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_cumsum)
+    n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum, backward=False)
     q_f, k_f, z_f = _flat(q), _flat(k), _flat(z)
     q_hat, k_hat = torch.empty_like(q_f), torch.empty_like(k_f)
     g = torch.empty(q_f.shape, dtype=torch.float32, device=q.device)
     with nvtx_range("op.kda_prepare"):
         _prepare_fwd_kernel[grid](
             q_f, k_f, z_f, A_log.contiguous(), dt_bias.contiguous(), q_hat, k_hat, g, n_tokens,
-            float(lower_bound), prepare.EPS, H=H, K=K, BK=triton.next_power_of_2(K), BT=BLOCK_TOKENS, num_warps=4,
+            float(lower_bound), prepare.EPS, *layout,
+            H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum, num_warps=warps,
         )
     return q_hat.view(q.shape), k_hat.view(k.shape), g.view(z.shape)
 
 
-def kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg):
+def kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg, cu_seqlens=None,
+                           chunk_cumsum=False):
     """`titan_moe::kda_prepare_bwd` on CUDA (or interpreted) tensors; outputs as the op's."""
     if not _covered(q, k, z, dq_hat, dk_hat, dg) or q.numel() == 0:
-        return prepare.kda_prepare_bwd_torch(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg)
-    n_tokens, H, K, grid = _launch_args(q)
+        return prepare.kda_prepare_bwd_torch(
+            q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg, cu_seqlens, chunk_cumsum
+        )
+    n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum, backward=True)
     q_f, k_f, z_f = _flat(q), _flat(k), _flat(z)
     dq, dk, dz = torch.empty_like(q_f), torch.empty_like(k_f), torch.empty_like(z_f)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -134,8 +191,8 @@ def kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat,
     with nvtx_range("op.kda_prepare_bwd"):
         _prepare_bwd_kernel[grid](
             q_f, k_f, z_f, A_log.contiguous(), dt_bias.contiguous(), _flat(dq_hat), _flat(dk_hat), _flat(dg),
-            dq, dk, dz, ddt_part, dA_part, n_tokens, float(lower_bound), prepare.EPS,
-            H=H, K=K, BK=triton.next_power_of_2(K), BT=BLOCK_TOKENS, num_warps=4,
+            dq, dk, dz, ddt_part, dA_part, n_tokens, float(lower_bound), prepare.EPS, *layout,
+            H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum, num_warps=warps,
         )
     dA_log = dA_part.sum(0).to(A_log.dtype)
     ddt_bias = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
