@@ -385,3 +385,23 @@ def test_decode_step_validation():
         kda_decode_step(q, q, torch.randn(2, 3, 4), -torch.rand(2, 3, 8), torch.rand(2, 3), torch.zeros(2, 3, 8, 5))
     with pytest.raises(ValueError, match="beta"):
         kda_decode_step(q, q, torch.randn(2, 3, 4), -torch.rand(2, 3, 8), torch.rand(2, 4), torch.zeros(2, 3, 8, 4))
+
+
+def test_seqlens_bounds_reads_each_tensor_once(monkeypatch):
+    """cu_seqlens is read on the host once per tensor (a CUDA read waits for the GPU), again
+    after an in-place change; a bad tensor is refused every time."""
+    from titan_moe.ops.kda.chunk_torch import seqlens_bounds
+
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    assert seqlens_bounds(cu, 10) == [0, 3, 10] and seqlens_bounds(cu, 10) == [0, 3, 10]
+    assert len(reads) == 1
+    seqlens_bounds(cu, 10).append(99)  # callers get their own list
+    assert seqlens_bounds(cu, 10) == [0, 3, 10]
+    cu[1] = 4
+    assert seqlens_bounds(cu, 10) == [0, 4, 10] and len(reads) == 2
+    with pytest.raises(ValueError, match="non-decreasing"):
+        seqlens_bounds(cu, 12)
+    assert seqlens_bounds(torch.tensor([0, 3, 10]), 10) == [0, 3, 10] and len(reads) == 3

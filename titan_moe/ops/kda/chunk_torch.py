@@ -29,6 +29,7 @@ algebraic check in tests); `o` is returned in `v`'s dtype.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -156,12 +157,40 @@ class _ChunkPlan:
     active: list[int]  # sequences still running at each step (non-increasing)
 
 
+# id(cu_seqlens) -> (a weak reference to it, its version counter, its bounds): see
+# `seqlens_bounds` (not a WeakKeyDictionary: that compares tensor keys with ==)
+_bounds_read: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+
+
+def _forget_bounds(key: int) -> None:
+    _bounds_read.pop(key, None)
+
+
 def seqlens_bounds(cu_seqlens: torch.Tensor, n_tokens: int) -> list[int]:
-    """cu_seqlens as a Python list (a host sync), checked: non-decreasing from 0 to n_tokens."""
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    """cu_seqlens as a Python list, checked: non-decreasing from 0 to n_tokens.
+
+    Reading a CUDA tensor on the host waits for the GPU to drain its queue, so the list is
+    remembered per tensor object (until the tensor is freed or changed in place, which bumps
+    its version counter): one packed batch's cu_seqlens, passed to every KDA layer's input
+    maps and core ops in the forward and again in the backward, is read once."""
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:  # inference tensors keep no version counter: read every time
+        version = None
+    if version is not None:
+        key = id(cu_seqlens)
+        seen = _bounds_read.get(key)
+        if seen is not None and seen[0]() is cu_seqlens and seen[1] == version:
+            bounds = seen[2]
+        else:
+            bounds = [int(b) for b in cu_seqlens.tolist()]
+            ref = weakref.ref(cu_seqlens, lambda _ref, key=key: _forget_bounds(key))
+            _bounds_read[key] = (ref, version, bounds)
+    else:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != n_tokens or any(a > b for a, b in zip(bounds[:-1], bounds[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={n_tokens}, got {bounds}")
-    return bounds
+    return list(bounds)
 
 
 def _make_plan(bounds: list[int], n_tokens: int, C: int, device: torch.device) -> _ChunkPlan:
