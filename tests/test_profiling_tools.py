@@ -430,6 +430,19 @@ def test_gpu_suite_kda_intra_section_sweeps_the_backward_intra_split(tmp_path):
     assert set(bench_kda.parse_variants(",".join(variants))) == {"bk128w8", "bk128w4", "bk64w2", "bk64w8", "bk32w2"}
 
 
+def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_keys", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    variants = _load("bench_kda").parse_variants(commands["kda_keys"].split("--variants ", 1)[1])
+    assert set(variants) == {"k128w16", "k128w16bv32", "k128w8"}
+    triton_bwd = pytest.importorskip("titan_moe.ops.kda.triton_bwd")
+    for env in variants.values():  # each a launch the keys kernel accepts at dk = dv = 128
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TITAN_MOE_KDA_BWD_CHUNK", env["TITAN_MOE_KDA_BWD_CHUNK"])
+            assert triton_bwd.bwd_chunk_config(128, 128)[0] == 128
+
+
 def test_gpu_suite_kda_ncu_section_profiles_one_call_and_tabulates_it(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_ncu", gpus="1")
     assert proc.returncode == 0, proc.stderr
