@@ -250,10 +250,13 @@ def test_triton_kernels_match_composite(shape, dtype, out_tol, grad_tol):
 
 
 @needs_kernels
+@pytest.mark.parametrize("form", ["fused", "split32"])
 @pytest.mark.parametrize("shape,cu", [((2, 70, 3, 32), None), ((1, 150, 2, 24), [0, 5, 70, 150])])
-def test_triton_kernels_chunk_cumsum_match_composite(shape, cu):
+def test_triton_kernels_chunk_cumsum_match_composite(shape, cu, form, monkeypatch):
     """Chunk mode: one program per KDA chunk (cut at sequence ends; dk 24 masks channels)
-    writes G and reverse-sums dG in registers."""
+    writes G and reverse-sums dG in registers; split (`TITAN_MOE_KDA_PREPARE_CHUNK`): the
+    norms in token blocks, the gate per chunk and 32 channels (dk 24: one masked block)."""
+    monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, form)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     inputs = make_inputs(shape, torch.float32, seed=14, device=DEVICE)
     got, got_grads = outputs_and_grads(_triton_fn(cu_t, True), inputs, 41)
@@ -261,6 +264,17 @@ def test_triton_kernels_chunk_cumsum_match_composite(shape, cu):
     for name, g, w in zip(("q_hat", "k_hat", "G", "dq", "dk", "dz", "dA_log", "ddt_bias"),
                           (*got, *got_grads), (*want, *want_grads), strict=True):
         assert rel_err(g, w) < 1e-5, (name, rel_err(g, w))
+
+
+def test_chunk_form_switch(monkeypatch):
+    monkeypatch.delenv(triton_prepare.CHUNK_FORM_ENV, raising=False)
+    assert triton_prepare.chunk_form() == 0
+    for text, columns in (("fused", 0), ("split32", 32), ("split64", 64)):
+        monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, text)
+        assert triton_prepare.chunk_form() == columns
+    monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, "split16")
+    with pytest.raises(ValueError, match=triton_prepare.CHUNK_FORM_ENV):
+        triton_prepare.chunk_form()
 
 
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")

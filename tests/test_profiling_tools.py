@@ -443,6 +443,15 @@ def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
             assert triton_bwd.bwd_chunk_config(128, 128)[0] == 128
 
 
+def test_gpu_suite_kda_prepare_section_sweeps_the_split_chunk_mode(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_prepare", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    variants = _load("bench_kda").parse_variants(commands["kda_prepare"].split("--variants ", 1)[1])
+    assert variants == {"split32": {"TITAN_MOE_KDA_PREPARE_CHUNK": "split32"},
+                        "split64": {"TITAN_MOE_KDA_PREPARE_CHUNK": "split64"}}
+
+
 def test_gpu_suite_kda_ncu_section_profiles_one_call_and_tabulates_it(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_ncu", gpus="1")
     assert proc.returncode == 0, proc.stderr

@@ -33,6 +33,22 @@ BLOCK_TOKENS = 32
 CHUNK_WARPS_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK_WARPS"  # "FWDxBWD" warps in chunk mode, for tuning
 
 
+CHUNK_FORM_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK"  # fused (default) | split32 | split64, see `chunk_form`
+
+
+def chunk_form() -> int:
+    """How chunk mode runs, `$TITAN_MOE_KDA_PREPARE_CHUNK` read per call: "fused" (default;
+    0 returned: one program per chunk does the norms and the gate's cumsum) or "split32" /
+    "split64" (that many gate channels per program: the norms in the plain 32-token blocks,
+    then the gate and its cumsum per chunk and column block, every program small; not yet
+    timed on a GPU)."""
+    text = os.environ.get(CHUNK_FORM_ENV) or "fused"
+    forms = {"fused": 0, "split32": 32, "split64": 64}
+    if text not in forms:
+        raise ValueError(f"{CHUNK_FORM_ENV} must be one of {sorted(forms)}, got {text!r}")
+    return forms[text]
+
+
 def chunk_warps() -> tuple[int, int]:
     """num_warps of the forward and backward kernels in chunk mode (a `[64, dk]` tile per
     program): default 8 and 8; `$TITAN_MOE_KDA_PREPARE_CHUNK_WARPS` ("FWDxBWD", read per
@@ -104,16 +120,18 @@ def _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K: tl.constexpr):
 def _prepare_fwd_kernel(
     q, k, z, A_log, dt_bias, q_hat, k_hat, g, n_tokens, lower_bound, eps, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, CHUNKED: tl.constexpr,
+    GATE: tl.constexpr,
 ):
-    """g: the gate, or (CHUNKED) its chunk-local cumsum G."""
+    """g: the gate, or (CHUNKED) its chunk-local cumsum G; without GATE the norms only."""
     offsets, mask, cols, _, i_h = _block_tile(n_tokens, cu_seqlens, chunk_indices, H, K, BK, BT, CHUNKED)
     _l2norm_fwd(q, q_hat, offsets, mask, eps)
     _l2norm_fwd(k, k_hat, offsets, mask, eps)
-    _, _, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
-    b_g = lower_bound * s
-    if CHUNKED:
-        b_g = tl.cumsum(tl.where(mask, b_g, 0.0), axis=0)
-    tl.store(g + offsets, b_g, mask=mask)
+    if GATE:
+        _, _, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
+        b_g = lower_bound * s
+        if CHUNKED:
+            b_g = tl.cumsum(tl.where(mask, b_g, 0.0), axis=0)
+        tl.store(g + offsets, b_g, mask=mask)
 
 
 @triton.jit
@@ -121,20 +139,60 @@ def _prepare_bwd_kernel(
     q, k, z, A_log, dt_bias, dq_hat, dk_hat, dg, dq, dk, dz, ddt_part, dA_part, n_tokens, lower_bound, eps,
     cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, CHUNKED: tl.constexpr,
+    GATE: tl.constexpr,
 ):
     """ddt_part `[blocks, H, K]`, dA_part `[blocks, H]` fp32: this block's token sums.
-    dg: the gate's gradient, or (CHUNKED) G's, summed here from each row to its chunk's end."""
+    dg: the gate's gradient, or (CHUNKED) G's, summed here from each row to its chunk's end.
+    Without GATE the norms' gradients only."""
     offsets, mask, cols, i_t, i_h = _block_tile(n_tokens, cu_seqlens, chunk_indices, H, K, BK, BT, CHUNKED)
     _l2norm_bwd(q, dq_hat, dq, offsets, mask, eps)
     _l2norm_bwd(k, dk_hat, dk, offsets, mask, eps)
+    if GATE:
+        u, a, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
+        b_dg = tl.load(dg + offsets, mask=mask, other=0.0).to(tl.float32)
+        if CHUNKED:
+            b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
+        b_dz = b_dg * lower_bound * s * (1.0 - s) * a  # zero where masked (dg loaded as 0)
+        tl.store(dz + offsets, b_dz.to(dz.dtype.element_ty), mask=mask)
+        tl.store(ddt_part + (i_t * H + i_h) * K + cols, tl.sum(b_dz, axis=0), mask=cols < K)
+        tl.store(dA_part + i_t * H + i_h, tl.sum(tl.sum(b_dz * u, axis=1), axis=0))
+
+
+@triton.jit
+def _gate_chunk_tile(cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                     BT: tl.constexpr):
+    """(offsets, mask, cols, chunk, head, column block) of a split-mode gate program: BK gate
+    channels of one KDA chunk; grid (chunks, H, cdiv(K, BK))."""
+    i_c, i_h, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = i_t * BT + tl.arange(0, BT)
+    cols = i_kb * BK + tl.arange(0, BK)
+    mask = (o_t < T)[:, None] & (cols < K)[None, :]
+    offsets = ((bos + o_t) * H + i_h)[:, None] * K + cols[None, :]
+    return offsets, mask, cols, i_c, i_h, i_kb
+
+
+@triton.jit
+def _gate_cumsum_fwd_kernel(z, A_log, dt_bias, G, lower_bound, cu_seqlens, chunk_indices,
+                            H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):
+    """Split chunk mode: G, the chunk-local cumsum of the gate, for BK channels of a chunk."""
+    offsets, mask, cols, _, i_h, _ = _gate_chunk_tile(cu_seqlens, chunk_indices, H, K, BK, BT)
+    _, _, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
+    tl.store(G + offsets, tl.cumsum(tl.where(mask, lower_bound * s, 0.0), axis=0), mask=mask)
+
+
+@triton.jit
+def _gate_cumsum_bwd_kernel(z, A_log, dt_bias, dG, dz, ddt_part, dA_part, lower_bound, cu_seqlens, chunk_indices,
+                            H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):
+    """Split chunk mode: dz for BK channels of a chunk from dG (reverse-summed here); this
+    program's sums into ddt_part `[chunks, H, K]` and dA_part `[chunks, cdiv(K, BK), H]`."""
+    offsets, mask, cols, i_c, i_h, i_kb = _gate_chunk_tile(cu_seqlens, chunk_indices, H, K, BK, BT)
     u, a, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
-    b_dg = tl.load(dg + offsets, mask=mask, other=0.0).to(tl.float32)
-    if CHUNKED:
-        b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
-    b_dz = b_dg * lower_bound * s * (1.0 - s) * a  # zero where masked (dg loaded as 0)
+    b_dg = tl.cumsum(tl.load(dG + offsets, mask=mask, other=0.0).to(tl.float32), axis=0, reverse=True)
+    b_dz = b_dg * lower_bound * s * (1.0 - s) * a  # zero where masked (dG loaded as 0)
     tl.store(dz + offsets, b_dz.to(dz.dtype.element_ty), mask=mask)
-    tl.store(ddt_part + (i_t * H + i_h) * K + cols, tl.sum(b_dz, axis=0), mask=cols < K)
-    tl.store(dA_part + i_t * H + i_h, tl.sum(tl.sum(b_dz * u, axis=1), axis=0))
+    tl.store(ddt_part + (i_c * H + i_h) * K + cols, tl.sum(b_dz, axis=0), mask=cols < K)
+    tl.store(dA_part + (i_c * tl.num_programs(2) + i_kb) * H + i_h, tl.sum(tl.sum(b_dz * u, axis=1), axis=0))
 
 
 def _covered(*tensors: Tensor) -> bool:
@@ -146,32 +204,47 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
 
 
-def _launch_args(q: Tensor, cu_seqlens: Tensor | None, chunk_cumsum: bool, backward: bool) -> tuple:
-    """(n_tokens, H, K, grid, block rows, the chunk layout or (None, None), warps)."""
+def _launch_args(q: Tensor, cu_seqlens: Tensor | None, chunked: bool, backward: bool) -> tuple:
+    """(n_tokens, H, K, grid, block rows, the chunk layout or (None, None), warps) of the main
+    kernel: 32-token blocks, or (`chunked`) one program per KDA chunk."""
     H, K = q.shape[-2], q.shape[-1]
     n_tokens = q.numel() // (H * K) if q.numel() else 0
-    if not chunk_cumsum:
+    if not chunked:
         return n_tokens, H, K, (triton.cdiv(n_tokens, BLOCK_TOKENS), H), BLOCK_TOKENS, (None, None), 4
+    cu, chunk_indices = _chunks_of(q, cu_seqlens)
+    return n_tokens, H, K, (chunk_indices.shape[0], H), CHUNK, (cu, chunk_indices), chunk_warps()[int(backward)]
+
+
+def _chunks_of(q: Tensor, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The KDA chunk layout (cu_seqlens, chunk_indices) of `[B, T, ...]` inputs."""
     B, T = q.shape[:2]
     bounds = list(range(0, B * T + 1, T)) if cu_seqlens is None else seqlens_bounds(cu_seqlens, T)
     cu, chunk_indices, _ = _chunk_layout(bounds, q.device)
-    return n_tokens, H, K, (chunk_indices.shape[0], H), CHUNK, (cu, chunk_indices), chunk_warps()[int(backward)]
+    return cu, chunk_indices
 
 
 def kda_prepare_triton(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens=None, chunk_cumsum=False):
     """`titan_moe::kda_prepare` on CUDA (or interpreted) tensors; outputs as the op's."""
     if not _covered(q, k, z) or q.numel() == 0:
         return prepare.kda_prepare_torch(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_cumsum)
-    n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum, backward=False)
+    split = chunk_form() if chunk_cumsum else 0
+    n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum and not split, backward=False)
     q_f, k_f, z_f = _flat(q), _flat(k), _flat(z)
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
     q_hat, k_hat = torch.empty_like(q_f), torch.empty_like(k_f)
     g = torch.empty(q_f.shape, dtype=torch.float32, device=q.device)
     with nvtx_range("op.kda_prepare"):
         _prepare_fwd_kernel[grid](
-            q_f, k_f, z_f, A_log.contiguous(), dt_bias.contiguous(), q_hat, k_hat, g, n_tokens,
-            float(lower_bound), prepare.EPS, *layout,
-            H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum, num_warps=warps,
+            q_f, k_f, z_f, A_log, dt_bias, q_hat, k_hat, g, n_tokens, float(lower_bound), prepare.EPS, *layout,
+            H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum and not split, GATE=not split,
+            num_warps=warps,
         )
+        if split:
+            cu, chunk_indices = _chunks_of(q, cu_seqlens)
+            _gate_cumsum_fwd_kernel[(chunk_indices.shape[0], H, triton.cdiv(K, split))](
+                z_f, A_log, dt_bias, g, float(lower_bound), cu, chunk_indices, H=H, K=K, BK=split, BT=CHUNK,
+                num_warps=4,
+            )
     return q_hat.view(q.shape), k_hat.view(k.shape), g.view(z.shape)
 
 
@@ -182,18 +255,32 @@ def kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat,
         return prepare.kda_prepare_bwd_torch(
             q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg, cu_seqlens, chunk_cumsum
         )
-    n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum, backward=True)
-    q_f, k_f, z_f = _flat(q), _flat(k), _flat(z)
+    split = chunk_form() if chunk_cumsum else 0
+    n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum and not split, backward=True)
+    q_f, k_f, z_f, dg_f = _flat(q), _flat(k), _flat(z), _flat(dg)
+    A_log_c, dt_bias_c = A_log.contiguous(), dt_bias.contiguous()
     dq, dk, dz = torch.empty_like(q_f), torch.empty_like(k_f), torch.empty_like(z_f)
     f32 = dict(dtype=torch.float32, device=q.device)
-    ddt_part = torch.empty(grid[0], H, K, **f32)
-    dA_part = torch.empty(grid[0], H, **f32)
+    if split:
+        cu, chunk_indices = _chunks_of(q, cu_seqlens)
+        gate_grid = (chunk_indices.shape[0], H, triton.cdiv(K, split))
+        ddt_part = torch.empty(gate_grid[0], H, K, **f32)
+        dA_part = torch.empty(gate_grid[0], gate_grid[2], H, **f32)
+    else:
+        ddt_part = torch.empty(grid[0], H, K, **f32)
+        dA_part = torch.empty(grid[0], H, **f32)
     with nvtx_range("op.kda_prepare_bwd"):
         _prepare_bwd_kernel[grid](
-            q_f, k_f, z_f, A_log.contiguous(), dt_bias.contiguous(), _flat(dq_hat), _flat(dk_hat), _flat(dg),
+            q_f, k_f, z_f, A_log_c, dt_bias_c, _flat(dq_hat), _flat(dk_hat), dg_f,
             dq, dk, dz, ddt_part, dA_part, n_tokens, float(lower_bound), prepare.EPS, *layout,
-            H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum, num_warps=warps,
+            H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum and not split, GATE=not split,
+            num_warps=warps,
         )
-    dA_log = dA_part.sum(0).to(A_log.dtype)
+        if split:
+            _gate_cumsum_bwd_kernel[gate_grid](
+                z_f, A_log_c, dt_bias_c, dg_f, dz, ddt_part, dA_part, float(lower_bound), cu, chunk_indices,
+                H=H, K=K, BK=split, BT=CHUNK, num_warps=4,
+            )
+    dA_log = dA_part.reshape(-1, H).sum(0).to(A_log.dtype)
     ddt_bias = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
     return dq.view(q.shape), dk.view(k.shape), dz.view(z.shape), dA_log, ddt_bias
