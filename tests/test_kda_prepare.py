@@ -211,6 +211,9 @@ def test_op_chunk_cumsum_matches_composite(shape, cu):
         kda_prepare(*(x[0] for x in inputs[:3]), *inputs[3:], LB, chunk_cumsum=True)
     with pytest.raises(ValueError, match="only used with chunk_cumsum"):
         kda_prepare(*inputs, LB, cu_seqlens=torch.tensor([0, shape[1]]))
+    if shape[0] == 1:
+        with pytest.raises(ValueError, match="int32/int64"):
+            kda_prepare(*inputs, LB, cu_seqlens=torch.tensor([0.0, shape[1]]), chunk_cumsum=True)
 
 
 # ---------------------------------------------------------------------------------------

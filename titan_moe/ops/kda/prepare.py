@@ -85,9 +85,11 @@ def check_prepare_inputs(
         raise ValueError(f"chunk_cumsum needs [B, T, H, dk] inputs, got {tuple(q.shape)}")
     if cu_seqlens is not None and not chunk_cumsum:
         raise ValueError("cu_seqlens is only used with chunk_cumsum=True")
-    if cu_seqlens is not None and (q.shape[0] != 1 or cu_seqlens.dim() != 1):
-        raise ValueError(f"cu_seqlens needs B = 1 and one dimension, got q {tuple(q.shape)}, "
-                         f"cu_seqlens {tuple(cu_seqlens.shape)}")
+    if cu_seqlens is not None and (
+        q.shape[0] != 1 or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(f"cu_seqlens needs B = 1 and one int32/int64 dimension, got q {tuple(q.shape)}, "
+                         f"cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     H, dk = q.shape[-2], q.shape[-1]
     if A_log.shape != (H,):
         raise ValueError(f"A_log must have shape ({H},), got {tuple(A_log.shape)}")

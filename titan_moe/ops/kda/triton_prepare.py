@@ -31,8 +31,6 @@ from titan_moe.ops.nvtx import nvtx_range
 
 BLOCK_TOKENS = 32
 CHUNK_WARPS_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK_WARPS"  # "FWDxBWD" warps in chunk mode, for tuning
-
-
 CHUNK_FORM_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK"  # fused (default) | split32 | split64, see `chunk_form`
 
 
@@ -74,17 +72,26 @@ def _tile(i_t, i_h, n_tokens, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
+def _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, i_kb, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                BT: tl.constexpr):
+    """`_tile` of KDA chunk i_c (its BT = 64 rows, cut at the sequence's end), head i_h and
+    column block i_kb of BK channels."""
+    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
+    o_t = i_t * BT + tl.arange(0, BT)
+    cols = i_kb * BK + tl.arange(0, BK)
+    mask = (o_t < T)[:, None] & (cols < K)[None, :]
+    offsets = ((bos + o_t) * H + i_h)[:, None] * K + cols[None, :]
+    return offsets, mask, cols
+
+
+@triton.jit
 def _block_tile(n_tokens, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                 BT: tl.constexpr, CHUNKED: tl.constexpr):
     """`_tile` of this program: token block program_id(0) of BT rows, or (CHUNKED) the KDA
     chunk program_id(0) of the chunk layout (BT = its 64 rows, cut at the sequence's end)."""
     i_b, i_h = tl.program_id(0), tl.program_id(1)
     if CHUNKED:
-        bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_b)
-        o_t = i_t * BT + tl.arange(0, BT)
-        cols = tl.arange(0, BK)
-        mask = (o_t < T)[:, None] & (cols < K)[None, :]
-        offsets = ((bos + o_t) * H + i_h)[:, None] * K + cols[None, :]
+        offsets, mask, cols = _chunk_tile(cu_seqlens, chunk_indices, i_b, i_h, 0, H, K, BK, BT)
     else:
         offsets, mask, cols = _tile(i_b, i_h, n_tokens, H, K, BK, BT)
     return offsets, mask, cols, i_b, i_h
@@ -164,11 +171,7 @@ def _gate_chunk_tile(cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr
     """(offsets, mask, cols, chunk, head, column block) of a split-mode gate program: BK gate
     channels of one KDA chunk; grid (chunks, H, cdiv(K, BK))."""
     i_c, i_h, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, T, i_t = _chunk_location(cu_seqlens, chunk_indices, i_c)
-    o_t = i_t * BT + tl.arange(0, BT)
-    cols = i_kb * BK + tl.arange(0, BK)
-    mask = (o_t < T)[:, None] & (cols < K)[None, :]
-    offsets = ((bos + o_t) * H + i_h)[:, None] * K + cols[None, :]
+    offsets, mask, cols = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, i_kb, H, K, BK, BT)
     return offsets, mask, cols, i_c, i_h, i_kb
 
 
