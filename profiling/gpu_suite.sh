@@ -24,13 +24,13 @@
 #   kda_intra  profiling/bench_kda.py at 32K and 8 x 4K: the backward intra kernel's key columns
 #              per program (TITAN_MOE_KDA_BWD_INTRA_BK) and warps (TITAN_MOE_KDA_TILE_WARPS' last
 #              value) beside the default 64 x 4 (not in the default list)
-#   kda_keys   profiling/bench_kda.py at 32K and 8 x 4K: the keys kernel with all 128 key columns
-#              per program (TITAN_MOE_KDA_BWD_CHUNK; 16 warps: the same 128-register cap and
-#              248-byte spill as the default's 64 columns at 8 warps on sm_90, do / V~ / dV~ read
-#              once per chunk instead of twice) beside the default (not in the default list)
-#   kda_prepare  profiling/bench_kda.py at 32K and 8 x 4K: the input maps' chunk mode split in two
-#              kernels (TITAN_MOE_KDA_PREPARE_CHUNK=split32/split64: the norms in token blocks, the
-#              gate's cumsum per chunk and column block) beside the fused default (not in the default list)
+#   kda_keys   profiling/bench_kda.py at 32K and 8 x 4K: the keys kernel's launch
+#              (TITAN_MOE_KDA_BWD_CHUNK): the default, all 128 key columns per program at 16 warps,
+#              beside 64 columns at 8 warps (the earlier default), 32 value columns, 8 warps
+#              (not in the default list)
+#   kda_prepare  profiling/bench_kda.py at 32K and 8 x 4K: the input maps' chunk mode
+#              (TITAN_MOE_KDA_PREPARE_CHUNK, FWD,BWD): the default split64 forward, fused backward,
+#              beside fused and split32 / split64 in both (not in the default list)
 #   kda_ncu    Nsight Compute on one warm forward and one forward+backward call of our op at 32K
 #              ($SUITE_NCU_SHAPES): kda_ncu_details.csv, kda_ncu_raw.csv and, from them,
 #              kda_ncu_table.txt (profiling/ncu_table.py: per kernel time, DRAM and SM throughput,
@@ -110,9 +110,9 @@ for section in "${SECTIONS[@]}"; do
         kda_intra) run kda_intra python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
                 --variants bk128w8:TITAN_MOE_KDA_BWD_INTRA_BK=128+TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk128w4:TITAN_MOE_KDA_BWD_INTRA_BK=128,bk64w2:TITAN_MOE_KDA_TILE_WARPS=4x1x4x2,bk64w8:TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk32w2:TITAN_MOE_KDA_BWD_INTRA_BK=32+TITAN_MOE_KDA_TILE_WARPS=4x1x4x2 ;;
         kda_keys) run kda_keys python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants k128w16:TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8,k128w16bv32:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,k128w8:TITAN_MOE_KDA_BWD_CHUNK=128x64x8x8 ;;
+                --variants k64w8:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8,k128w16bv32:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,k128w8:TITAN_MOE_KDA_BWD_CHUNK=128x64x8x8 ;;
         kda_prepare) run kda_prepare python profiling/bench_kda.py --no-fla --kernels 10 --shapes 32768,4096 \
-                --variants split32:TITAN_MOE_KDA_PREPARE_CHUNK=split32,split64:TITAN_MOE_KDA_PREPARE_CHUNK=split64 ;;
+                --variants fused:TITAN_MOE_KDA_PREPARE_CHUNK=fused,split32:TITAN_MOE_KDA_PREPARE_CHUNK=split32,split64:TITAN_MOE_KDA_PREPARE_CHUNK=split64 ;;
         kda_ncu)
             NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
             run kda_ncu "${NCU:-ncu}" --clock-control none --profile-from-start off --section SpeedOfLight \

@@ -253,7 +253,7 @@ def test_triton_kernels_match_composite(shape, dtype, out_tol, grad_tol):
 
 
 @needs_kernels
-@pytest.mark.parametrize("form", ["fused", "split32"])
+@pytest.mark.parametrize("form", ["fused", "split32", "split64,fused"])
 @pytest.mark.parametrize("shape,cu", [((2, 70, 3, 32), None), ((1, 150, 2, 24), [0, 5, 70, 150])])
 def test_triton_kernels_chunk_cumsum_match_composite(shape, cu, form, monkeypatch):
     """Chunk mode: one program per KDA chunk (cut at sequence ends; dk 24 masks channels)
@@ -270,14 +270,17 @@ def test_triton_kernels_chunk_cumsum_match_composite(shape, cu, form, monkeypatc
 
 
 def test_chunk_form_switch(monkeypatch):
+    """Default split64 forward, fused backward; one form for both or "FWD,BWD"; bad text refused."""
     monkeypatch.delenv(triton_prepare.CHUNK_FORM_ENV, raising=False)
-    assert triton_prepare.chunk_form() == 0
-    for text, columns in (("fused", 0), ("split32", 32), ("split64", 64)):
+    assert (triton_prepare.chunk_form(backward=False), triton_prepare.chunk_form(backward=True)) == (64, 0)
+    for text, columns in (("fused", (0, 0)), ("split32", (32, 32)), ("split64", (64, 64)),
+                          ("fused,split32", (0, 32))):
         monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, text)
-        assert triton_prepare.chunk_form() == columns
-    monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, "split16")
-    with pytest.raises(ValueError, match=triton_prepare.CHUNK_FORM_ENV):
-        triton_prepare.chunk_form()
+        assert (triton_prepare.chunk_form(backward=False), triton_prepare.chunk_form(backward=True)) == columns
+    for bad in ("split16", "fused,fused,fused", "fused,"):
+        monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, bad)
+        with pytest.raises(ValueError, match=triton_prepare.CHUNK_FORM_ENV):
+            triton_prepare.chunk_form(backward=False)
 
 
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")

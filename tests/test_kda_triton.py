@@ -313,6 +313,8 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
     default's single key block."""
     inp = make_inputs(1, 100, 2, 64, 64, "rand", seed=6)
     do = torch.randn(1, 100, 2, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    assert triton_bwd.bwd_chunk_config(64, 64) == (64, 64, 8, 8)  # the defaults: below dk = 128
+    assert triton_bwd.bwd_chunk_config(128, 128) == (128, 64, 16, 8)  # and at it
     default = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
     monkeypatch.setenv(triton_bwd.BWD_CHUNK_ENV, "16x16x2x4")
     assert triton_bwd.bwd_chunk_config(64, 64) == (16, 16, 2, 4)

@@ -64,7 +64,7 @@ from titan_moe.ops.kda.triton_fwd import (
 )
 from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
-# stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x64x8x8 (the default)
+# stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 128x64x16x8 (the default at dk >= 128)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
 # key columns per program of the backward intra kernel, see `bwd_intra_bk`
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
@@ -77,12 +77,17 @@ DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
 def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     """(BK, BV, keys warps, values warps) of stage 2: `_bwd_chunk_keys_kernel` runs one
     program per chunk, head and BK key columns, both stage-2 kernels loop over BV value
-    columns. Default 64 x 64 with 8 warps each (at dk = dv = 128 on sm_90 and without the
-    register caps of `bwd_register_caps`: 197 and 143 registers, `profiling/kernel_resources.py`;
-    on the H200, before those caps, 1.70 + 0.78 ms at T = 32K against 64 x 32's 2.00 + 0.82,
-    BENCHMARKS.md), clipped to dk and dv; `$TITAN_MOE_KDA_BWD_CHUNK` ("BKxBVxWKxWV", read per
-    call) overrides it for tuning."""
-    bk, bv, wk, wv = _env_ints(BWD_CHUNK_ENV, "64x64x8x8", "64x32x8x8 (BKxBVxKEYS_WARPSxVALUES_WARPS)", 4)
+    columns. Default at dk >= 128: 128 x 64 with 16 keys warps and 8 values warps (one keys
+    program per chunk at dk = 128, reading do, V~, dV~ once instead of once per key block; on
+    sm_90 the same 128-register cap and 248-byte spill as 64 columns at 8 warps,
+    `profiling/kernel_resources.py`; on the H200 at T = 32K keys 1.456 + values 0.606 ms
+    against 64 x 64 x 8 x 8's 1.520 + 0.619, BENCHMARKS.md "keys kernel over all key columns");
+    below dk = 128: 64 x 64 x 8 x 8, clipped to dk and dv (the earlier default: sixteen warps
+    on a `[64, dk < 128]` tile are correct, the GPU tests pass with them at dk = 32, but they
+    were never timed). `$TITAN_MOE_KDA_BWD_CHUNK` ("BKxBVxWKxWV", read per call) overrides it
+    for tuning."""
+    default = "128x64x16x8" if K >= 128 else "64x64x8x8"
+    bk, bv, wk, wv = _env_ints(BWD_CHUNK_ENV, default, "64x32x8x8 (BKxBVxKEYS_WARPSxVALUES_WARPS)", 4)
     if bk not in (16, 32, 64, 128) or bv not in (16, 32, 64, 128):
         raise ValueError(f"{BWD_CHUNK_ENV}: BK and BV must be 16, 32, 64 or 128, got {bk}x{bv}")
     if wk not in _WARPS or wv not in _WARPS:

@@ -31,20 +31,24 @@ from titan_moe.ops.nvtx import nvtx_range
 
 BLOCK_TOKENS = 32
 CHUNK_WARPS_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK_WARPS"  # "FWDxBWD" warps in chunk mode, for tuning
-CHUNK_FORM_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK"  # fused (default) | split32 | split64, see `chunk_form`
+CHUNK_FORM_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK"  # "FWD,BWD" of fused | split32 | split64, see `chunk_form`
 
 
-def chunk_form() -> int:
-    """How chunk mode runs, `$TITAN_MOE_KDA_PREPARE_CHUNK` read per call: "fused" (default;
-    0 returned: one program per chunk does the norms and the gate's cumsum) or "split32" /
-    "split64" (that many gate channels per program: the norms in the plain 32-token blocks,
-    then the gate and its cumsum per chunk and column block, every program small; not yet
-    timed on a GPU)."""
-    text = os.environ.get(CHUNK_FORM_ENV) or "fused"
+def chunk_form(backward: bool) -> int:
+    """How chunk mode runs in the forward or the backward kernel(s): "fused" (0 returned:
+    one program per chunk does the norms and the gate's cumsum) or "split32" / "split64"
+    (that many gate channels per program: the norms in the plain 32-token blocks, then the
+    gate and its cumsum per chunk and column block, every program small). Default: split64
+    forward, fused backward (H200, T = 32K, dk = 128: forward 0.134 + 0.116 ms split64 against
+    0.292 fused, backward 0.194 + 0.251 against 0.430; split32 0.134 + 0.139 and 0.195 +
+    0.258; BENCHMARKS.md "keys kernel over all key columns"). `$TITAN_MOE_KDA_PREPARE_CHUNK`
+    (read per call): one form for both directions or "FWD,BWD", e.g. "split64,fused"."""
+    text = os.environ.get(CHUNK_FORM_ENV) or "split64,fused"
+    parts = text.split(",")
     forms = {"fused": 0, "split32": 32, "split64": 64}
-    if text not in forms:
-        raise ValueError(f"{CHUNK_FORM_ENV} must be one of {sorted(forms)}, got {text!r}")
-    return forms[text]
+    if len(parts) > 2 or any(p not in forms for p in parts):
+        raise ValueError(f"{CHUNK_FORM_ENV} must be one of {sorted(forms)} or FWD,BWD of them, got {text!r}")
+    return forms[parts[-1] if backward else parts[0]]
 
 
 def chunk_warps() -> tuple[int, int]:
@@ -230,7 +234,7 @@ def kda_prepare_triton(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens=None, ch
     """`titan_moe::kda_prepare` on CUDA (or interpreted) tensors; outputs as the op's."""
     if not _covered(q, k, z) or q.numel() == 0:
         return prepare.kda_prepare_torch(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_cumsum)
-    split = chunk_form() if chunk_cumsum else 0
+    split = chunk_form(backward=False) if chunk_cumsum else 0
     n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum and not split, backward=False)
     q_f, k_f, z_f = _flat(q), _flat(k), _flat(z)
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
@@ -258,7 +262,7 @@ def kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat,
         return prepare.kda_prepare_bwd_torch(
             q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg, cu_seqlens, chunk_cumsum
         )
-    split = chunk_form() if chunk_cumsum else 0
+    split = chunk_form(backward=True) if chunk_cumsum else 0
     n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum and not split, backward=True)
     q_f, k_f, z_f, dg_f = _flat(q), _flat(k), _flat(z), _flat(dg)
     A_log_c, dt_bias_c = A_log.contiguous(), dt_bias.contiguous()
