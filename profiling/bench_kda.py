@@ -16,6 +16,8 @@ columns-per-program x warps (`TITAN_MOE_KDA_SCAN_BV` / `_WARPS`; default: 4 warp
 block that still gives every SM a program, see `sequential_scan_config`).
 `--profile-once` times nothing: per row one warm call inside cudaProfilerStart/Stop, for
 Nsight Compute (`gpu_suite.sh OUT kda_ncu`, `profiling/ncu_table.py`).
+`--host-profile CALLS` times nothing either: per row, CALLS warm calls under cProfile, the
+host time per call beside the wall time, and the functions that take it.
 `--variants prep:TITAN_MOE_KDA_PREPARE=fused,...` adds rows for ours with other environment
 switches (read per call by our ops). `--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
 both sides: where the time goes, stage by stage. Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
@@ -136,6 +138,10 @@ def bench(args) -> list[dict]:
                     profile_once(step, args.device)
                     print(f"profiled one call: {name} {'fwd+bwd' if backward else 'fwd'} B={B} T={T}", flush=True)
                     continue
+                if args.host_profile:
+                    host_profile(step, args.device, args.host_profile, f"{name} {'fwd+bwd' if backward else 'fwd'} "
+                                 f"B={B} T={T}")
+                    continue
                 ms = median_ms(step, args.device, args.reps)
                 flops = kda_flops(B, T, H, dk, backward)
                 rows.append(dict(impl=name, B=B, T=T, H=H, dk=dk, direction="fwd+bwd" if backward else "fwd",
@@ -162,6 +168,41 @@ def profile_once(fn, device: str) -> None:
     fn()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+
+
+def host_profile(fn, device: str, calls: int, label: str, top: int = 25) -> None:
+    """Where the host's time goes: `calls` warm calls of `fn` under cProfile, issued back to
+    back and synchronized once at the end. Prints the host time per call (the Python loop
+    alone, before the final synchronize; when it exceeds the device time the GPU waits on the
+    host), the wall time per call, and the `top` functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    fn()
+    fn()
+    sync()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    t_host = time.perf_counter()
+    sync()
+    t_end = time.perf_counter()
+    print(f"host profile, {label}: host {(t_host - t0) / calls * 1e3:.3f} ms per call, wall "
+          f"{(t_end - t0) / calls * 1e3:.3f} ms per call (under cProfile; {calls} calls)", flush=True)
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        print(text.getvalue(), flush=True)
 
 
 def parse_variants(spec: str) -> dict[str, dict[str, str]]:
@@ -240,6 +281,9 @@ def main() -> None:
     parser.add_argument("--profile-once", action="store_true",
                         help="no timing: one warm call per row inside cudaProfilerStart/Stop (for ncu "
                         "--profile-from-start off, `profiling/ncu_table.py`)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                        help="no timing: per row, CALLS warm calls under cProfile (where the host's time goes, "
+                        "for shapes whose calls wait on the host)")
     parser.add_argument("--watchdog", type=float, default=0.0,
                         help="dump every thread's stack every this many seconds (finding hangs)")
     args = parser.parse_args()

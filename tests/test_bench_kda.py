@@ -31,3 +31,19 @@ def test_bench_kda_profile_once_runs_each_row_without_timing():
     assert profiled == [f"profiled one call: ours {d} B={b} T={t}"
                         for b, t in ((1, 128), (2, 64)) for d in ("fwd", "fwd+bwd")]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["rows"] == []
+
+
+def test_bench_kda_host_profile_reports_host_time_and_callers():
+    """`--host-profile N`: per row a host/wall line and the cProfile tables (own, then
+    cumulative time) naming our functions; nothing timed."""
+    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--shapes", "128",
+                           "--host-profile", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("host profile, ")]
+    assert [line.split(":")[0] for line in lines] == [f"host profile, ours {d} B=1 T=128" for d in ("fwd", "fwd+bwd")]
+    for line in lines:
+        host, wall = (float(part.split(" ms")[0].rsplit(" ", 1)[1]) for part in line.split(",")[1:3])
+        assert 0 < host <= wall
+    assert proc.stdout.count("Ordered by: internal time") == 2 and proc.stdout.count("Ordered by: cumulative time") == 2
+    assert "titan_moe/ops/kda/op.py" in proc.stdout
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["rows"] == []
