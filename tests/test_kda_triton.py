@@ -328,6 +328,27 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
 
 
 @needs_kernels
+def test_keys_kernel_load_order_keeps_results(monkeypatch):
+    """When the keys kernel loads its chunk's q, k, G (`TITAN_MOE_KDA_KEYS_LOADS`) changes
+    the schedule, not the maths; default late at 16 warps, early below; bad values refused."""
+    monkeypatch.delenv(triton_bwd.KEYS_LOADS_ENV, raising=False)
+    assert triton_bwd.keys_late_loads(16) and not triton_bwd.keys_late_loads(8)
+    inp = make_inputs(1, 100, 2, 32, 32, "rand", seed=10)
+    do = torch.randn(1, 100, 2, 32, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    runs = {}
+    for order in ("early", "late"):
+        monkeypatch.setenv(triton_bwd.KEYS_LOADS_ENV, order)
+        assert triton_bwd.keys_late_loads(8) == (order == "late")
+        runs[order] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+    for name, got, want in zip(GRAD_NAMES, runs["late"], runs["early"]):
+        if want is not None:  # the same operations (compiled, the FMA contraction may differ)
+            assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
+    monkeypatch.setenv(triton_bwd.KEYS_LOADS_ENV, "never")
+    with pytest.raises(ValueError, match="early or late"):
+        triton_bwd.keys_late_loads(16)
+
+
+@needs_kernels
 def test_bwd_register_caps_keep_results(monkeypatch):
     """The register-cap knob of stage 2 is a launch option (the interpreter ignores it), so
     results are equal; its parsing and its bounds."""

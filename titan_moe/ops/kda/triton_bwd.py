@@ -66,6 +66,8 @@ from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 
 # stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 128x64x16x8 (the default at dk >= 128)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
+# when the keys kernel loads its chunk's q, k, G: "early" or "late", see `keys_late_loads`
+KEYS_LOADS_ENV = "TITAN_MOE_KDA_KEYS_LOADS"
 # key columns per program of the backward intra kernel, see `bwd_intra_bk`
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
@@ -93,6 +95,20 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     if wk not in _WARPS or wv not in _WARPS:
         raise ValueError(f"{BWD_CHUNK_ENV}: warps must be powers of two in [1, 16], got {wk}x{wv}")
     return min(bk, K), min(bv, V), wk, wv
+
+
+def keys_late_loads(keys_warps: int) -> bool:
+    """Whether `_bwd_chunk_keys_kernel` loads its chunk's q, k, G after the value loop
+    (LATE_LOADS) rather than before it. `$TITAN_MOE_KDA_KEYS_LOADS` ("early" or "late", read
+    per call) decides; by default late at 16 warps, early below. Measured on the H200 at
+    T = 32K: with 128 key columns at 16 warps (one block per SM, 128 registers) the early
+    tiles are what spills (248 bytes per thread on sm_90 against 144 late) and late loads
+    take the kernel from 1.455 to 1.382 ms; with 64 columns at 8 warps (two blocks per SM)
+    early loads overlap the loop and won, 1.51 against 1.61 ms (BENCHMARKS.md)."""
+    text = os.environ.get(KEYS_LOADS_ENV) or ("late" if keys_warps >= 16 else "early")
+    if text not in ("early", "late"):
+        raise ValueError(f"{KEYS_LOADS_ENV} must be early or late, got {text!r}")
+    return text == "late"
 
 
 def bwd_intra_bk(K: int) -> int:
@@ -293,7 +309,7 @@ def _bwd_chunk_keys_kernel(
     q, k, G, beta, Ainv, h, dh, v_new, dv_new, do,
     dq_part, dk_part, dG_part, dbeta_keys, dX_keys, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, PRECISION: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr, LATE_LOADS: tl.constexpr,
 ):
     """One chunk and BK key columns: the state terms and W = X (beta e^G K) of dq, dk, dG,
     and this block's shares of dbeta and of dX = dW (beta e^G K)^T.
@@ -313,13 +329,14 @@ def _bwd_chunk_keys_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     walk_dt = h.dtype.element_ty
 
-    # the chunk's own operands first, so that their loads overlap the value loop below
-    # (issued after it they waited alone: 1.61 against 1.51 ms at T = 32K on the H200)
+    # the chunk's own operands before the value loop (their loads overlap it) or after it
+    # (their registers free during it): LATE_LOADS, see `keys_late_loads`
     last = tl.minimum(i_t * BT + BT, T) - 1
     p_k = tok[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
-    b_G = tl.load(G + p_k, mask=m_r, other=0.0)
+    if not LATE_LOADS:
+        b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
+        b_G = tl.load(G + p_k, mask=m_r, other=0.0)
     b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
     b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
     b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
@@ -341,6 +358,10 @@ def _bwd_chunk_keys_kernel(
         b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PRECISION)
         b_s_ds += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), axis=1)
 
+    if LATE_LOADS:
+        b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
+        b_G = tl.load(G + p_k, mask=m_r, other=0.0)
     b_eG = tl.exp(b_G)
     b_dq = b_dq_state * b_eG * scale
     b_dk_state = tl.where(m_r, b_dk_state * tl.exp(b_G_last[None, :] - b_G), 0.0)
@@ -638,7 +659,8 @@ def chunk_kda_bwd_triton(
     _bwd_chunk_keys_kernel[(n_chunks, H, K // BK)](
         q, k, st.G, beta, st.Ainv, st.h, dh, st.v_new, dv_new, do,
         dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
-        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=st.precision, num_warps=keys_warps, num_stages=2,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=st.precision,
+        LATE_LOADS=keys_late_loads(keys_warps), num_warps=keys_warps, num_stages=2,
         **keys_cap,
     )
     dAqk = torch.empty(TT, H, CHUNK, **f32)
