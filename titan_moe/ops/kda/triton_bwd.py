@@ -81,9 +81,11 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     program per chunk, head and BK key columns, both stage-2 kernels loop over BV value
     columns. Default at dk >= 128: 128 x 64 with 16 keys warps and 8 values warps (one keys
     program per chunk at dk = 128, reading do, V~, dV~ once instead of once per key block; on
-    sm_90 the same 128-register cap and 248-byte spill as 64 columns at 8 warps,
-    `profiling/kernel_resources.py`; on the H200 at T = 32K keys 1.456 + values 0.606 ms
-    against 64 x 64 x 8 x 8's 1.520 + 0.619, BENCHMARKS.md "keys kernel over all key columns");
+    sm_90 the same 128-register cap as 64 columns at 8 warps and the same 248-byte spill with
+    the chunk's operands loaded before the value loop, 144 with them after it, the default
+    here, `keys_late_loads`, `profiling/kernel_resources.py`; on the H200 at T = 32K, early
+    loads: keys 1.456 + values 0.606 ms against 64 x 64 x 8 x 8's 1.520 + 0.619, BENCHMARKS.md
+    "keys kernel over all key columns");
     below dk = 128: 64 x 64 x 8 x 8, clipped to dk and dv (the earlier default: sixteen warps
     on a `[64, dk < 128]` tile are correct, the GPU tests pass with them at dk = 32, but they
     were never timed). `$TITAN_MOE_KDA_BWD_CHUNK` ("BKxBVxWKxWV", read per call) overrides it
