@@ -435,12 +435,16 @@ def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
     variants = _load("bench_kda").parse_variants(commands["kda_keys"].split("--variants ", 1)[1])
-    assert set(variants) == {"k64w8", "k128w16bv32", "k128w8"}
+    assert set(variants) == {"k64w8", "k128w16bv32", "k128w8", "k128early"}
+    assert variants["k128early"]["TITAN_MOE_KDA_KEYS_LOADS"] == "early"
     triton_bwd = pytest.importorskip("titan_moe.ops.kda.triton_bwd")
-    for name, env in variants.items():  # each a launch the keys kernel accepts at dk = dv = 128
+    for env in variants.values():  # each a launch the keys kernel accepts at dk = dv = 128
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TITAN_MOE_KDA_BWD_CHUNK", env["TITAN_MOE_KDA_BWD_CHUNK"])
-            assert triton_bwd.bwd_chunk_config(128, 128)[0] == int(name[1:].split("w")[0])
+            for var, value in env.items():
+                mp.setenv(var, value)
+            bk, _, warps, _ = triton_bwd.bwd_chunk_config(128, 128)
+            assert f"{bk}x" == env["TITAN_MOE_KDA_BWD_CHUNK"][: len(str(bk)) + 1]
+            assert triton_bwd.keys_late_loads(warps) == (warps == 16 and "TITAN_MOE_KDA_KEYS_LOADS" not in env)
 
 
 def test_gpu_suite_kda_prepare_section_sweeps_the_split_chunk_mode(tmp_path):
