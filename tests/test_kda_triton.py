@@ -328,6 +328,31 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
 
 
 @needs_kernels
+def test_branch_free_tile_loops_keep_results(monkeypatch):
+    """The per-tile kernels' masked walk over the other tiles (`TITAN_MOE_KDA_TILE_LOOPS=masked`)
+    gives the forward and every gradient of the branching default, on packed sequences with
+    a chunk cut short inside a tile; bad values are refused."""
+    inp = make_inputs(1, 150, 2, 32, 32, "rand", seed=12)
+    gen = torch.Generator().manual_seed(12)
+    do = torch.randn(1, 150, 2, 32, generator=gen).to(DEVICE)
+    cu_seqlens = torch.tensor([0, 37, 150], dtype=torch.int32, device=DEVICE)
+    monkeypatch.delenv(triton_fwd.TILE_LOOPS_ENV, raising=False)
+    assert not triton_fwd.tile_loops_branch_free()  # the default
+    runs = {}
+    for mode in ("branch", "masked"):
+        monkeypatch.setenv(triton_fwd.TILE_LOOPS_ENV, mode)
+        o, _ = chunk_kda_fwd_triton(**inp, scale=0.25, cu_seqlens=cu_seqlens)
+        runs[mode] = (o, *chunk_kda_bwd_triton(**inp, scale=0.25, do=do, cu_seqlens=cu_seqlens))
+    assert triton_fwd.tile_loops_branch_free()
+    for name, got, want in zip(("o", *GRAD_NAMES), runs["masked"], runs["branch"]):
+        if want is not None:  # zeros added for the masked tiles: the same sums, up to ordering
+            assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
+    monkeypatch.setenv(triton_fwd.TILE_LOOPS_ENV, "unrolled")
+    with pytest.raises(ValueError, match="branch or masked"):
+        triton_fwd.tile_loops_branch_free()
+
+
+@needs_kernels
 def test_keys_kernel_load_order_keeps_results(monkeypatch):
     """When the keys kernel loads its chunk's q, k, G (`TITAN_MOE_KDA_KEYS_LOADS`) changes
     the schedule, not the maths; default late at 16 warps, early below; bad values refused."""

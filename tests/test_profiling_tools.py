@@ -447,6 +447,22 @@ def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
             assert triton_bwd.keys_late_loads(warps) == (warps == 16 and "TITAN_MOE_KDA_KEYS_LOADS" not in env)
 
 
+def test_gpu_suite_kda_tiles_section_times_the_masked_tile_loops(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_tiles", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["kda_tiles"]
+    variants = _load("bench_kda").parse_variants(commands["kda_tiles"].split("--variants ", 1)[1])
+    assert set(variants) == {"masked", "masked_w8"}
+    triton_fwd = pytest.importorskip("titan_moe.ops.kda.triton_fwd")
+    for env in variants.values():  # settings the kernels accept
+        with pytest.MonkeyPatch.context() as mp:
+            for var, value in env.items():
+                mp.setenv(var, value)
+            assert triton_fwd.tile_loops_branch_free()
+            triton_fwd.tile_warps()
+
+
 def test_gpu_suite_kda_prepare_section_sweeps_the_split_chunk_mode(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_prepare", gpus="1")
     assert proc.returncode == 0, proc.stderr

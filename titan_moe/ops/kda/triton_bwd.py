@@ -59,6 +59,7 @@ from titan_moe.ops.kda.triton_fwd import (
     scan_stages,
     sequential_scan_config,
     state_from_residuals,
+    tile_loops_branch_free,
     tile_warps,
     walk_tiles_wide,
 )
@@ -460,11 +461,63 @@ def _bwd_dAkk_kernel(
 # stage 3: gradients of the intra-chunk tiles
 # ----------------------------------------------------------------------------------------
 @triton.jit
+def _load_rows(q, k, G, beta, tok, m, o_k, K: tl.constexpr):
+    """q, k (fp32), G `[rows, len(o_k)]` and beta `[rows]` (fp32) of the rows tok
+    (= token * H + head) where m holds, zeros elsewhere."""
+    p = tok[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p, mask=m[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + p, mask=m[:, None], other=0.0).to(tl.float32)
+    b_G = tl.load(G + p, mask=m[:, None], other=0.0)
+    b_beta = tl.load(beta + tok, mask=m, other=0.0).to(tl.float32)
+    return b_q, b_k, b_G, b_beta
+
+
+@triton.jit
+def _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h, o_r, o_k, live,
+                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """Tile J's terms of a row tile's dq and R (before the row decay), added to b_dq, b_R
+    `[BC, BK]`; `live` False (J above the diagonal) masks every load, adding zeros."""
+    cols = i_t * BT + i_j * BC + o_r
+    m_c = (cols < T) & live
+    p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
+    b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
+    b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
+    b_k_col = b_kc * tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf")))  # <= e^40
+    p_a = tok[:, None] * BT + (i_j * BC + o_r)[None, :]
+    m_a = m_r[:, None] & live
+    b_dAqk = tl.load(dAqk + p_a, mask=m_a, other=0.0)
+    b_dAkk = tl.load(dAkk + p_a, mask=m_a, other=0.0)
+    b_dq += tl.dot(b_dAqk, b_k_col, input_precision=PRECISION)
+    b_R += tl.dot(b_dAkk, b_k_col, input_precision=PRECISION)
+    return b_dq, b_R
+
+
+@triton.jit
+def _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T, i_h, o_r, o_k, live,
+                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    """Row tile I's terms of column tile i_i's dk (before the column decay), added to
+    b_dk_col `[BC, BK]`; `live` False (I above the column tile) masks every load."""
+    rows_r = i_t * BT + i_r * BC + o_r
+    m_rr = (rows_r < T) & live
+    tok_r = (bos + rows_r) * H + i_h
+    b_qr, b_kr, b_Gr, b_br = _load_rows(q, k, G, beta, tok_r, m_rr, o_k, K)
+    b_e = tl.exp(tl.where(m_rr[:, None], b_Gr - b_c[None, :], float("-inf")))  # <= e^40
+    p_a = tok_r[:, None] * BT + (i_i * BC + o_r)[None, :]
+    b_dAqk = tl.load(dAqk + p_a, mask=m_rr[:, None], other=0.0)
+    b_dAkk = tl.load(dAkk + p_a, mask=m_rr[:, None], other=0.0)
+    b_dk_col += tl.dot(tl.trans(b_dAqk), b_qr * b_e, input_precision=PRECISION)
+    b_dk_col += tl.dot(tl.trans(b_dAkk), b_kr * b_e * b_br[:, None], input_precision=PRECISION)
+    return b_dk_col
+
+
+@triton.jit
 def _bwd_intra_kernel(
     q, k, G, beta, dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dq, dk, dbeta, dbeta_keys,
     cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, BRANCH_FREE: tl.constexpr,
 ):
     """Tile T of one chunk: add the A_qk / A_kk gradients to its rows' dq, dk, dG, dbeta.
 
@@ -495,10 +548,7 @@ def _bwd_intra_kernel(
     m_r = rows < T
     tok = (bos + rows) * H + i_h
     p_r = tok[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
-    b_G = tl.load(G + p_r, mask=m_r[:, None], other=0.0)
-    b_beta = tl.load(beta + tok, mask=m_r, other=0.0).to(tl.float32)
+    b_q, b_k, b_G, b_beta = _load_rows(q, k, G, beta, tok, m_r, o_k, K)
     anchor = row0 + tl.minimum(T - row0, BC) // 2  # middle of the valid rows
     b_c = tl.load(G + ((bos + anchor) * H + i_h) * K + o_k)
 
@@ -506,18 +556,12 @@ def _bwd_intra_kernel(
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
     b_R = tl.zeros([BC, BK], dtype=tl.float32)
     for i_j in tl.static_range(NC):
-        if i_j <= i_i:
-            cols = i_t * BT + i_j * BC + o_r
-            m_c = cols < T
-            p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
-            b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
-            b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
-            b_k_col = b_kc * tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf")))  # <= e^40
-            p_a = tok[:, None] * BT + (i_j * BC + o_r)[None, :]
-            b_dAqk = tl.load(dAqk + p_a, mask=m_r[:, None], other=0.0)
-            b_dAkk = tl.load(dAkk + p_a, mask=m_r[:, None], other=0.0)
-            b_dq += tl.dot(b_dAqk, b_k_col, input_precision=PRECISION)
-            b_R += tl.dot(b_dAkk, b_k_col, input_precision=PRECISION)
+        if BRANCH_FREE:  # every tile's loads masked instead of skipped: no branch between tiles
+            b_dq, b_R = _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h,
+                                             o_r, o_k, i_j <= i_i, H, K, BT, BC, PRECISION)
+        elif i_j <= i_i:
+            b_dq, b_R = _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h,
+                                             o_r, o_k, True, H, K, BT, BC, PRECISION)
     b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))  # <= e^40
     b_dq *= b_row_decay
     b_R *= b_row_decay
@@ -525,21 +569,12 @@ def _bwd_intra_kernel(
     # this tile as columns: tiles I >= T
     b_dk_col = tl.zeros([BC, BK], dtype=tl.float32)
     for i_r in tl.static_range(NC):
-        if i_r >= i_i:
-            rows_r = i_t * BT + i_r * BC + o_r
-            m_rr = rows_r < T
-            tok_r = (bos + rows_r) * H + i_h
-            p_rr = tok_r[:, None] * K + o_k[None, :]
-            b_qr = tl.load(q + p_rr, mask=m_rr[:, None], other=0.0).to(tl.float32)
-            b_kr = tl.load(k + p_rr, mask=m_rr[:, None], other=0.0).to(tl.float32)
-            b_Gr = tl.load(G + p_rr, mask=m_rr[:, None], other=0.0)
-            b_br = tl.load(beta + tok_r, mask=m_rr, other=0.0).to(tl.float32)
-            b_e = tl.exp(tl.where(m_rr[:, None], b_Gr - b_c[None, :], float("-inf")))  # <= e^40
-            p_a = tok_r[:, None] * BT + (i_i * BC + o_r)[None, :]
-            b_dAqk = tl.load(dAqk + p_a, mask=m_rr[:, None], other=0.0)
-            b_dAkk = tl.load(dAkk + p_a, mask=m_rr[:, None], other=0.0)
-            b_dk_col += tl.dot(tl.trans(b_dAqk), b_qr * b_e, input_precision=PRECISION)
-            b_dk_col += tl.dot(tl.trans(b_dAkk), b_kr * b_e * b_br[:, None], input_precision=PRECISION)
+        if BRANCH_FREE:
+            b_dk_col = _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T,
+                                               i_h, o_r, o_k, i_r >= i_i, H, K, BT, BC, PRECISION)
+        elif i_r >= i_i:
+            b_dk_col = _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T,
+                                               i_h, o_r, o_k, True, H, K, BT, BC, PRECISION)
     b_dk_col *= tl.exp(tl.where(m_r[:, None], b_c[None, :] - b_G, float("-inf")))  # <= e^40
 
     m_rk = m_r[:, None]
@@ -690,7 +725,7 @@ def chunk_kda_bwd_triton(
     _bwd_intra_kernel[(n_chunks * N_TILES * (K // intra_bk), H)](
         q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta, dbeta_keys,
         st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=st.precision,
-        num_warps=tile_warps()[3],
+        BRANCH_FREE=tile_loops_branch_free(), num_warps=tile_warps()[3],
     )
     if dbeta_keys is not None:
         dbeta = (dbeta_part + dbeta_keys.sum(0)).to(beta.dtype).view(beta.shape)
