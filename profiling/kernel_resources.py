@@ -2,6 +2,7 @@
 stack and shared memory per launch configuration, without a GPU.
 
     python profiling/kernel_resources.py [--cases kda_fwd_lean,kda_bwd_lean,...] [--kernels NAME,...] [--json OUT]
+        [--sass DIR]
 
 Each case runs one of our launchers on CPU tensors of the model's shapes (KDA: bf16, H = 16,
 dk = dv = 128, T = 256; the KDA input maps; SiTU-GLU at hidden 768) with every `@triton.jit`
@@ -20,6 +21,8 @@ loop); shared memory above 227 KiB per block does not launch on an H200; and how
 blocks of the kernel fit on one SM at once (`blocks_per_sm`: registers, shared memory and
 warps against sm_90's limits), which is what hides memory latency in a kernel that moves
 little data per block.
+`--sass DIR` writes each launch's SASS (instructions only): run it on two trees and diff the
+folders, and a refactor that leaves the GPU code unchanged is shown to, without a GPU.
 What it does not tell: time. Speed is measured on the device (profiling/bench_kda.py), this
 only explains it.
 
@@ -32,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -111,8 +115,9 @@ def compile_source(fn, args: tuple, kwargs: dict):
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options
 
 
-def resources(fn, args: tuple, kwargs: dict) -> dict:
-    """Compile one launch for sm_90; its registers, stack (spill) bytes and shared memory."""
+def resources(fn, args: tuple, kwargs: dict, sass_dir: Path | None = None, case: str = "") -> dict:
+    """Compile one launch for sm_90; its registers, stack (spill) bytes and shared memory.
+    With `sass_dir`, also write its SASS there as `CASE.KERNEL.sass` (`sass_text`)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -123,6 +128,9 @@ def resources(fn, args: tuple, kwargs: dict) -> dict:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+        if sass_dir is not None:
+            dump = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+            (sass_dir / f"{case}.{fn.__name__}.sass").write_text(sass_text(dump))
     fields = {}
     for line in usage.splitlines():
         if "REG:" in line:
@@ -136,6 +144,16 @@ def resources(fn, args: tuple, kwargs: dict) -> dict:
         "shared_bytes": int(compiled.metadata.shared),
         "loop_loads_waited": loads_waited_in_loops(compiled.asm["ttgir"]),
     }
+
+
+def sass_text(dump: str) -> str:
+    """The instructions of `cuobjdump -sass` output, one per line, without their addresses
+    and encodings: two builds of the same kernel compare equal when their code is the same."""
+    lines = []
+    for line in dump.splitlines():
+        if re.search(r"/\*[0-9a-f]{4}\*/", line):
+            lines.append(re.sub(r"/\*\s*[0-9a-fx]+\s*\*/", "", line).strip().rstrip(";").strip())
+    return "\n".join(lines) + "\n"
 
 
 def loads_waited_in_loops(ttgir: str) -> int:
@@ -244,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="kda_fwd_lean,kda_bwd_lean", help=f"comma-separated, of {','.join(CASES)}")
     parser.add_argument("--kernels", default="", help="comma-separated kernel names to compile (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--sass", metavar="DIR", help="also write each launch's SASS to DIR/CASE.KERNEL.sass "
+                        "(addresses stripped): diff two trees' folders to see whether a refactor changed the code")
     opts = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("run without TRITON_INTERPRET: the kernels must be compiled, not interpreted")
@@ -252,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown cases {unknown}; choose from {','.join(CASES)}")
     wanted = {k for k in opts.kernels.split(",") if k}
+    sass_dir = Path(opts.sass) if opts.sass else None
+    if sass_dir is not None:
+        sass_dir.mkdir(parents=True, exist_ok=True)
     rows, seen = [], set()
     print(f"{'case':<16} {'kernel':<28} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'shared KiB':>10} "
           f"{'blocks/SM':>9} {'loop loads':>10}")
@@ -259,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         for fn, args, kwargs in CASES[case]():
             if wanted and fn.__name__ not in wanted:
                 continue
-            row = {"case": case, **resources(fn, args, kwargs)}
+            row = {"case": case, **resources(fn, args, kwargs, sass_dir, case)}
             row["blocks_per_sm"] = blocks_per_sm(row["registers"], row["num_warps"], row["shared_bytes"])
             key = tuple(v for k, v in row.items() if k != "case")
             if key in seen:

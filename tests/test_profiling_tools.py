@@ -386,6 +386,26 @@ def test_bwd_intra_key_split_compiles_for_the_h200(tmp_path, monkeypatch):
     assert rows["32"]["registers"] < rows["128"]["registers"] and rows["32"]["stack_bytes"] == 0, rows
 
 
+def test_kernel_resources_sass_shows_whether_the_code_changed(tmp_path):
+    """`--sass DIR`: the same launch compiled twice writes the same instruction text (no
+    addresses or encodings), and a different code path (the masked tile loops) a different
+    one."""
+    pytest.importorskip("triton")
+    argv = ("--cases", "kda_bwd_lean", "--kernels", "_bwd_intra_kernel")
+    texts = {}
+    for name, loops in (("first", "branch"), ("again", "branch"), ("masked", "masked")):
+        env_proc = subprocess.run(
+            [sys.executable, str(REPO / "profiling" / "kernel_resources.py"), *argv, "--sass", str(tmp_path / name)],
+            capture_output=True, text=True, cwd=tmp_path, timeout=600,
+            env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TITAN_MOE_KDA_TILE_LOOPS": loops})
+        assert env_proc.returncode == 0, env_proc.stderr[-2000:]
+        texts[name] = (tmp_path / name / "kda_bwd_lean._bwd_intra_kernel.sass").read_text()
+    assert texts["first"] == texts["again"] and texts["first"] != texts["masked"]
+    lines = texts["first"].splitlines()
+    assert len(lines) > 100 and not any("/*" in line for line in lines)
+    assert any(line.startswith(("HMMA", "LDG", "EXIT")) for line in lines)
+
+
 def test_blocks_per_sm_follows_the_sm90_limits():
     """Occupancy from registers, shared memory and warps (sm_90: 64K registers allocated per
     warp in units of 256, 228 KiB shared plus 1 KiB reserved per block, 64 warps, 32 blocks)."""
