@@ -173,8 +173,8 @@ def profile_once(fn, device: str) -> None:
 def host_profile(fn, device: str, calls: int, label: str, top: int = 25) -> None:
     """Where the host's time goes: `calls` warm calls of `fn` under cProfile, issued back to
     back and synchronized once at the end. Prints the host time per call (the Python loop
-    alone, before the final synchronize; when it exceeds the device time the GPU waits on the
-    host), the wall time per call, and the `top` functions by own time and by cumulative time."""
+    alone, before the final synchronize; when it exceeds the GPU kernels' time the GPU waits on
+    the host), the wall time per call, and the `top` functions by own time and by cumulative time."""
     import cProfile
     import io
     import pstats
