@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny import CONFIG, REPO, TINY_CLI, records
+from gloo_ranks import spawn_gloo
+from tiny import CONFIG, TINY_CLI, records
 from tiny import run_train as _run_train
 
 TINY = TINY_CLI
@@ -55,7 +56,7 @@ STYLE_CASES = [
 ]
 
 
-def _style_worker(rank: int, world: int, init_file: str) -> None:
+def _style_worker(rank: int, world: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -64,59 +65,66 @@ def _style_worker(rank: int, world: int, init_file: str) -> None:
     from titan_moe.model.moe import RoutedExperts
     from titan_moe.parallelize import LatentExpertParallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-        for n_experts, latent, hidden, *counts in STYLE_CASES:
-            torch.manual_seed(0)  # the same full experts on every rank
-            full = RoutedExperts(n_experts, latent, hidden, beta1=1.0, beta2=1.0)
-            full.init_weights(0.5)
-            sharded = parallelize_module(copy.deepcopy(full), mesh, LatentExpertParallel())
-            n_local = n_experts // world
-            assert isinstance(sharded.w_gate_up, DTensor)
-            assert sharded.w_gate_up.to_local().shape[0] == n_local
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    for n_experts, latent, hidden, *counts in STYLE_CASES:
+        torch.manual_seed(0)  # the same full experts on every rank
+        full = RoutedExperts(n_experts, latent, hidden, beta1=1.0, beta2=1.0)
+        full.init_weights(0.5)
+        sharded = parallelize_module(copy.deepcopy(full), mesh, LatentExpertParallel())
+        n_local = n_experts // world
+        assert isinstance(sharded.w_gate_up, DTensor)
+        assert sharded.w_gate_up.to_local().shape[0] == n_local
 
-            gen = torch.Generator().manual_seed(100 + rank)  # each rank routes its own tokens
-            offs_E = torch.cumsum(torch.tensor(counts[rank]), 0).to(torch.int32)
-            x_ML = torch.randn(int(offs_E[-1]), latent, generator=gen, requires_grad=True)
-            grad_ML = torch.randn(x_ML.shape[0], latent, generator=gen)
-            x_ref = x_ML.detach().clone().requires_grad_(True)
+        gen = torch.Generator().manual_seed(100 + rank)  # each rank routes its own tokens
+        offs_E = torch.cumsum(torch.tensor(counts[rank]), 0).to(torch.int32)
+        x_ML = torch.randn(int(offs_E[-1]), latent, generator=gen, requires_grad=True)
+        grad_ML = torch.randn(x_ML.shape[0], latent, generator=gen)
+        x_ref = x_ML.detach().clone().requires_grad_(True)
 
-            out_ML = sharded(x_ML, offs_E)
-            ref_ML = full(x_ref, offs_E)
-            assert out_ML.shape == ref_ML.shape
-            # Each output row is the same fp32 arithmetic on the same weights: only the GEMM
-            # blocking over a different set of rows can change the rounding.
-            torch.testing.assert_close(out_ML, ref_ML, rtol=1e-6, atol=1e-6)
+        out_ML = sharded(x_ML, offs_E)
+        ref_ML = full(x_ref, offs_E)
+        assert out_ML.shape == ref_ML.shape
+        # Each output row is the same fp32 arithmetic on the same weights: only the GEMM
+        # blocking over a different set of rows can change the rounding.
+        torch.testing.assert_close(out_ML, ref_ML, rtol=1e-6, atol=1e-6)
 
-            (out_ML * grad_ML).sum().backward()
-            (ref_ML * grad_ML).sum().backward()
-            torch.testing.assert_close(x_ML.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
-            # A local expert's gradient sums the rows of every rank; so does the all-reduced
-            # reference (in another order: fp32 reassociation).
-            for name in ("w_gate_up", "w_down"):
-                ref_grad = getattr(full, name).grad.clone()
-                dist.all_reduce(ref_grad)
-                local = getattr(sharded, name).grad.to_local()
-                torch.testing.assert_close(local, ref_grad[rank * n_local:(rank + 1) * n_local],
-                                           rtol=1e-5, atol=1e-6)
+        (out_ML * grad_ML).sum().backward()
+        (ref_ML * grad_ML).sum().backward()
+        torch.testing.assert_close(x_ML.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+        # A local expert's gradient sums the rows of every rank; so does the all-reduced
+        # reference (in another order: fp32 reassociation).
+        for name in ("w_gate_up", "w_down"):
+            ref_grad = getattr(full, name).grad.clone()
+            dist.all_reduce(ref_grad)
+            local = getattr(sharded, name).grad.to_local()
+            torch.testing.assert_close(local, ref_grad[rank * n_local:(rank + 1) * n_local],
+                                       rtol=1e-5, atol=1e-6)
 
-        with pytest.raises(ValueError, match="not divisible"):
-            parallelize_module(RoutedExperts(3, 8, 8, 1.0, 1.0), mesh, LatentExpertParallel())
-        # Both ranks past their last collective before either tears gloo down: a rank that
-        # destroyed its group while the other still exchanged once aborted the other
-        # ("terminate called without an active exception", SIGABRT) on a loaded machine.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="not divisible"):
+        parallelize_module(RoutedExperts(3, 8, 8, 1.0, 1.0), mesh, LatentExpertParallel())
 
 
 @pytest.mark.slow
 def test_expert_parallel_style_matches_unsharded_experts(tmp_path):
+    spawn_gloo(_style_worker, 2, tmp_path)
+
+
+def _failing_worker(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    # Both ranks connected, then both fail with no collective after, so whichever the parent
+    # reports names this check (a rank left waiting in gloo would fail there, with a gloo error).
+    dist.barrier()
+    raise AssertionError(f"rank {rank} fails its check")
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_spawning_test(tmp_path):
+    """The harness above leaves early after its checks; a failed check must still surface."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_style_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+    with pytest.raises(mp.ProcessRaisedException, match="fails its check"):
+        spawn_gloo(_failing_worker, 2, tmp_path)
 
 
 def test_unsupported_layouts_are_refused():

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import spawn_gloo
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.moe import (
     LatentMoE,
@@ -148,29 +148,23 @@ _DIST_ARGS = dict(
 )
 
 
-def _dist_worker(rank, world, init_file, out_dir, scores, bias, k, bins, x_BTD, moe_state):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        part = scores.chunk(world)[rank]
-        counts = qb_histogram(part, bias, k, bins)
-        dist.all_reduce(counts)
-        result = {
-            "counts": counts,
-            "hist_bias": quantile_balance(part, bias, k, bins=bins, group=dist.group.WORLD),
-            "exact_bias": quantile_balance(part, bias, k, group=dist.group.WORLD),
-        }
-        for rule, qb_bins in (("qb", bins), ("qb", 0), ("sign", 0)):
-            moe = LatentMoE(ModelArgs(**{**_DIST_ARGS, "balance_rule": rule, "qb_bins": qb_bins}))
-            moe.load_state_dict(moe_state)
-            moe.train()
-            moe(x_BTD.chunk(world)[rank])
-            metrics = update_expert_biases(moe, group=dist.group.WORLD)
-            result[f"moe_{rule}{qb_bins}"] = (moe.expert_bias.clone(), metrics)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # both ranks past their last collective before teardown (tests/test_parallel.py)
-    finally:
-        dist.destroy_process_group()
+def _dist_worker(rank, world, out_dir, scores, bias, k, bins, x_BTD, moe_state):
+    part = scores.chunk(world)[rank]
+    counts = qb_histogram(part, bias, k, bins)
+    dist.all_reduce(counts)
+    result = {
+        "counts": counts,
+        "hist_bias": quantile_balance(part, bias, k, bins=bins, group=dist.group.WORLD),
+        "exact_bias": quantile_balance(part, bias, k, group=dist.group.WORLD),
+    }
+    for rule, qb_bins in (("qb", bins), ("qb", 0), ("sign", 0)):
+        moe = LatentMoE(ModelArgs(**{**_DIST_ARGS, "balance_rule": rule, "qb_bins": qb_bins}))
+        moe.load_state_dict(moe_state)
+        moe.train()
+        moe(x_BTD.chunk(world)[rank])
+        metrics = update_expert_biases(moe, group=dist.group.WORLD)
+        result[f"moe_{rule}{qb_bins}"] = (moe.expert_bias.clone(), metrics)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.slow
@@ -186,12 +180,7 @@ def test_two_gloo_ranks_match_single_process(tmp_path, monkeypatch):
     state = moe.state_dict()
     x_BTD = torch.randn(4, 6, 16)
 
-    mp.spawn(
-        _dist_worker,
-        args=(2, str(tmp_path / "store"), str(tmp_path), scores, bias, k, bins, x_BTD, state),
-        nprocs=2,
-        join=True,
-    )
+    spawn_gloo(_dist_worker, 2, tmp_path, str(tmp_path), scores, bias, k, bins, x_BTD, state)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     single_counts = qb_histogram(scores, bias, k, bins)
