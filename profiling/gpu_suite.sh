@@ -33,6 +33,10 @@
 #              other tiles masked instead of branched (TITAN_MOE_KDA_TILE_LOOPS=masked; on sm_90
 #              254 / 184 registers and 2 blocks per SM against 128 / 127 and 4), uncapped and
 #              with the forward's warps at 8, beside the default (not in the default list)
+#   kda_dakk   profiling/bench_kda.py at 32K and 8 x 4K: dA_kk in the values kernel's epilogue
+#              (TITAN_MOE_KDA_DAKK=fused; on sm_90 264 bytes of spill at the default 128-register
+#              cap, none at 168 with one block per SM) at both caps, beside the separate kernel,
+#              then the GPU backward tests with it (not in the default list)
 #   kda_prepare  profiling/bench_kda.py at 32K and 8 x 4K: the input maps' chunk mode
 #              (TITAN_MOE_KDA_PREPARE_CHUNK, FWD,BWD): the default split64 forward, fused backward,
 #              beside fused and split32 / split64 in both (not in the default list)
@@ -118,6 +122,11 @@ for section in "${SECTIONS[@]}"; do
                 --variants k64w8:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8,k128w16bv32:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,k128w8:TITAN_MOE_KDA_BWD_CHUNK=128x64x8x8,k128early:TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8+TITAN_MOE_KDA_KEYS_LOADS=early ;;
         kda_tiles) run kda_tiles python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
                 --variants masked:TITAN_MOE_KDA_TILE_LOOPS=masked,masked_w8:TITAN_MOE_KDA_TILE_LOOPS=masked+TITAN_MOE_KDA_TILE_WARPS=8x1x4x8 ;;
+        kda_dakk)
+            run kda_dakk python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
+                --variants fused:TITAN_MOE_KDA_DAKK=fused,fused168:TITAN_MOE_KDA_DAKK=fused+TITAN_MOE_KDA_BWD_MAXNREG=128x168x168
+            run kda_dakk_tests env TITAN_MOE_KDA_DAKK=fused python -m pytest -q -m gpu tests/test_kda_triton.py \
+                tests/test_kda_kept.py ;;
         kda_prepare) run kda_prepare python profiling/bench_kda.py --no-fla --kernels 10 --shapes 32768,4096 \
                 --variants fused:TITAN_MOE_KDA_PREPARE_CHUNK=fused,split32:TITAN_MOE_KDA_PREPARE_CHUNK=split32,split64:TITAN_MOE_KDA_PREPARE_CHUNK=split64 ;;
         kda_ncu)

@@ -356,6 +356,29 @@ def test_branch_free_tile_loops_keep_results(monkeypatch):
 
 
 @needs_kernels
+def test_fused_dakk_keeps_results(monkeypatch):
+    """dA_kk = -X^T dX X^T in the values kernel's epilogue (`TITAN_MOE_KDA_DAKK=fused`) gives
+    every gradient of the separate kernel, on packed sequences with a chunk cut short;
+    separate by default; bad values are refused."""
+    inp = make_inputs(1, 150, 2, 32, 32, "rand", seed=14)
+    do = torch.randn(1, 150, 2, 32, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    cu_seqlens = torch.tensor([0, 37, 150], dtype=torch.int32, device=DEVICE)
+    monkeypatch.delenv(triton_bwd.DA_KK_ENV, raising=False)
+    assert not triton_bwd.dakk_fused()
+    runs = {}
+    for mode in ("separate", "fused"):
+        monkeypatch.setenv(triton_bwd.DA_KK_ENV, mode)
+        runs[mode] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do, cu_seqlens=cu_seqlens)
+    assert triton_bwd.dakk_fused()
+    for name, got, want in zip(GRAD_NAMES, runs["fused"], runs["separate"]):
+        if want is not None:  # the same dots on the same operands, in one kernel instead of two
+            assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
+    monkeypatch.setenv(triton_bwd.DA_KK_ENV, "both")
+    with pytest.raises(ValueError, match="separate or fused"):
+        triton_bwd.dakk_fused()
+
+
+@needs_kernels
 def test_keys_kernel_load_order_keeps_results(monkeypatch):
     """When the keys kernel loads its chunk's q, k, G (`TITAN_MOE_KDA_KEYS_LOADS`) changes
     the schedule, not the maths; default late at 16 warps, early below; bad values refused."""

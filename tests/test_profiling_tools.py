@@ -291,6 +291,16 @@ def test_gpu_suite_fp8_fused_section_compares_the_two_expert_gemms(tmp_path):
     assert all("titan_float8_experts" in c and "--compile.enable" not in c for c in commands.values())
 
 
+def test_gpu_suite_kda_dakk_section_times_both_caps_then_tests_the_fused_epilogue(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_dakk", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["kda_dakk", "kda_dakk_tests"]
+    assert "fused:TITAN_MOE_KDA_DAKK=fused," in commands["kda_dakk"]
+    assert "fused168:TITAN_MOE_KDA_DAKK=fused+TITAN_MOE_KDA_BWD_MAXNREG=128x168x168" in commands["kda_dakk"]
+    assert commands["kda_dakk_tests"].startswith("env TITAN_MOE_KDA_DAKK=fused python -m pytest -q -m gpu")
+
+
 def test_gpu_suite_kda_caps_section_times_the_default_caps_beside_none(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_caps", gpus="1")
     assert proc.returncode == 0, proc.stderr
@@ -579,3 +589,32 @@ def test_kernel_resources_counts_loads_a_loop_waits_for():
     assert loads_waited_in_loops(_TTGIR.replace("scf.yield %sum, %ahead", "scf.yield %sum, %now")) == 2
     assert loads_waited_in_loops(_TTGIR.replace("      %now = tt.load %p3", "      %now = arith.constant")) == 1
     assert loads_waited_in_loops("%x = tt.load %p : tensor<4x!tt.ptr<f32>>\n") == 0
+
+
+def _kda_host_cost(*argv: str, **env: str) -> list[dict]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TITAN_MOE_KDA")}
+    environ.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(REPO / "profiling" / "kda_host_cost.py"), *argv], cwd=REPO,
+                          env={**environ, **env}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kda_host_cost_counts_the_launches_of_each_direction():
+    """The host-cost tool runs the real launchers with the launches stubbed: the forward's
+    kernels once each, the backward's on top, and dA_kk's kernel gone when fused."""
+    fwd, both = _kda_host_cost("--shape", "1,128,2,16", "--reps", "2")
+    assert (fwd["direction"], both["direction"]) == ("fwd", "fwd+bwd")
+    assert set(fwd["launches"]) < set(both["launches"])
+    assert set(fwd["launches"].values()) == set(both["launches"].values()) == {1.0}  # each kernel once
+    assert {"_wy_kernel", "_state_scan_kernel", "_bwd_chunk_keys_kernel", "_bwd_dAkk_kernel"} <= set(both["launches"])
+    assert both["triton_launches"] == len(both["launches"]) and both["aten_ops"] > fwd["aten_ops"] > 0
+    assert both["host_ms"] > fwd["host_ms"] > 0
+    _, fused = _kda_host_cost("--shape", "1,128,2,16", "--reps", "2", TITAN_MOE_KDA_DAKK="fused")
+    assert set(fused["launches"]) == set(both["launches"]) - {"_bwd_dAkk_kernel"}
+
+
+def test_kda_host_cost_rejects_a_bad_shape():
+    proc = subprocess.run([sys.executable, str(REPO / "profiling" / "kda_host_cost.py"), "--shape", "1,2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "B,T,H,dk" in proc.stderr

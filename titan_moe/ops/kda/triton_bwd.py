@@ -75,6 +75,9 @@ BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 # dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
 DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
+# where dA_kk is computed: "separate" (`_bwd_dAkk_kernel`) or "fused" (the values kernel's
+# epilogue), see `dakk_fused`
+DA_KK_ENV = "TITAN_MOE_KDA_DAKK"
 
 
 def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
@@ -124,6 +127,19 @@ def bwd_intra_bk(K: int) -> int:
     if text not in ("16", "32", "64", "128"):
         raise ValueError(f"{BWD_INTRA_BK_ENV} must be 16, 32, 64 or 128, got {text!r}")
     return min(int(text), K)
+
+
+def dakk_fused() -> bool:
+    """Whether `_bwd_chunk_values_kernel` computes dA_kk = -X^T dX X^T itself, at its end,
+    from the X and dX it already holds (FUSE_DAKK), instead of storing dX for
+    `_bwd_dAkk_kernel` to read back with X: one launch less, and the fp32 dX `[TT, H, BT]`
+    is neither written nor read (256 MiB of traffic at T = 32K, H = 16), for two [BT, BT]
+    dots more in the values kernel. `$TITAN_MOE_KDA_DAKK` ("separate" or "fused", read per
+    call); "separate" by default until timed on the GPU."""
+    text = os.environ.get(DA_KK_ENV) or "separate"
+    if text not in ("separate", "fused"):
+        raise ValueError(f"{DA_KK_ENV} must be separate or fused, got {text!r}")
+    return text == "fused"
 
 
 def bwd_register_caps() -> tuple[dict, dict, dict]:
@@ -387,16 +403,17 @@ def _bwd_chunk_keys_kernel(
 @triton.jit
 def _bwd_chunk_values_kernel(
     v, beta, Ainv, v_new, dv_new, do, dX_keys, dbeta_keys,
-    dAqk, dbeta_part, dv, scale, cu_seqlens, chunk_indices, TT,
+    dAqk, dbeta_part, dv, dAkk, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FUSE_DAKK: tl.constexpr, PRECISION_DA: tl.constexpr,
 ):
     """One chunk: dA_qk = dO V~^T, dv and dbeta from U = X (beta V), and, with the key
     blocks' shares of `_bwd_chunk_keys_kernel` added, the whole dX.
 
     Writes dAqk (= scale dO V~^T, lower incl. diagonal) `[TT, H, BT]` fp32; dbeta_part
     `[TT, H]` fp32 (all but the A_kk tiles' share, which `_bwd_intra_kernel` adds); dv
-    `[TT, H, V]` (v's dtype); dX over share 0 of dX_keys (for `_bwd_dAkk_kernel`).
+    `[TT, H, V]` (v's dtype); then either dX over share 0 of dX_keys (for `_bwd_dAkk_kernel`)
+    or, with FUSE_DAKK, dAkk `[TT, H, BT]` fp32 as that kernel computes it (`dakk_fused`).
     Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -427,7 +444,19 @@ def _bwd_chunk_values_kernel(
         b_dbeta += tl.sum(b_z * b_v, axis=1)
     tl.store(dAqk + tok[:, None] * BT + o_t[None, :], tl.where(m_tril, b_dAqk * scale, 0.0), mask=m_r)
     tl.store(dbeta_part + tok, b_dbeta, mask=m_t)
-    tl.store(dX_keys + tok.to(tl.int64)[:, None] * BT + o_t[None, :], b_dX, mask=m_r)  # the whole dX, in share 0
+    p_a = tok.to(tl.int64)[:, None] * BT + o_t[None, :]
+    if FUSE_DAKK:
+        b_dA = _dAkk_of(b_X, b_dX, PRECISION_DA)
+        tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
+    else:
+        tl.store(dX_keys + p_a, b_dX, mask=m_r)  # the whole dX, in share 0
+
+
+@triton.jit
+def _dAkk_of(b_X, b_dX, PRECISION_DA: tl.constexpr):
+    """-X^T dX X^T for one chunk's [BT, BT] fp32 X (lower, zero above) and dX."""
+    b_XtdX = tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA)
+    return -tl.dot(b_XtdX, tl.trans(b_X), input_precision=PRECISION_DA)
 
 
 @triton.jit
@@ -452,8 +481,7 @@ def _bwd_dAkk_kernel(
     p_a = tok.to(tl.int64)[:, None] * BT + o_t[None, :]
     b_X = tl.load(Ainv + p_a, mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
     b_dX = tl.load(dX + p_a, mask=m_r, other=0.0)
-    b_XtdX = tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA)
-    b_dA = -tl.dot(b_XtdX, tl.trans(b_X), input_precision=PRECISION_DA)
+    b_dA = _dAkk_of(b_X, b_dX, PRECISION_DA)
     tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
 
 
@@ -703,18 +731,21 @@ def chunk_kda_bwd_triton(
     dAqk = torch.empty(TT, H, CHUNK, **f32)
     dbeta_part = torch.empty(TT, H, **f32)
     dv = torch.empty_like(v)
+    dAkk = torch.empty(TT, H, CHUNK, **f32)
+    fuse_dakk = dakk_fused()
+    precision_da = "ieee" if st.precision == "ieee" else DA_KK_PRECISION
     _bwd_chunk_values_kernel[(n_chunks, H)](
         v, beta, st.Ainv, st.v_new, dv_new, do, dX_keys, dbeta_keys,
-        dAqk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
-        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, num_warps=values_warps, num_stages=2,
-        **values_cap,
+        dAqk, dbeta_part, dv, dAkk, scale, st.cu_seqlens, st.chunk_indices, TT,
+        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, FUSE_DAKK=fuse_dakk,
+        PRECISION_DA=precision_da, num_warps=values_warps, num_stages=2, **values_cap,
     )
     dbeta_keys = None
-    dAkk = torch.empty(TT, H, CHUNK, **f32)
-    _bwd_dAkk_kernel[(n_chunks, H)](
-        st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
-        PRECISION_DA="ieee" if st.precision == "ieee" else DA_KK_PRECISION, num_warps=DA_KK_WARPS, **dAkk_cap,
-    )
+    if not fuse_dakk:
+        _bwd_dAkk_kernel[(n_chunks, H)](
+            st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
+            PRECISION_DA=precision_da, num_warps=DA_KK_WARPS, **dAkk_cap,
+        )
     dX_keys = None
 
     dq = torch.empty_like(q)
