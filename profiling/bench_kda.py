@@ -18,6 +18,8 @@ block that still gives every SM a program, see `sequential_scan_config`).
 Nsight Compute (`gpu_suite.sh OUT kda_ncu`, `profiling/ncu_table.py`).
 `--host-profile CALLS` times nothing either: per row, CALLS warm calls under cProfile, the
 host time per call beside the wall time, and the functions that take it.
+`--cuda-graphs` adds, per row, the same call replayed from a CUDA graph (`ours+graph`,
+`fla+graph`): no host work between kernels, so the gap to the plain row is the host's share.
 `--variants prep:TITAN_MOE_KDA_PREPARE=fused,...` adds rows for ours with other environment
 switches (read per call by our ops). `--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
 both sides: where the time goes, stage by stage. Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
@@ -142,16 +144,50 @@ def bench(args) -> list[dict]:
                     host_profile(step, args.device, args.host_profile, f"{name} {'fwd+bwd' if backward else 'fwd'} "
                                  f"B={B} T={T}")
                     continue
-                ms = median_ms(step, args.device, args.reps)
+                direction = "fwd+bwd" if backward else "fwd"
                 flops = kda_flops(B, T, H, dk, backward)
-                rows.append(dict(impl=name, B=B, T=T, H=H, dk=dk, direction="fwd+bwd" if backward else "fwd",
-                                 ms=ms, tokens_per_s=B * T / (ms / 1e3), tflops=flops / (ms / 1e3) / 1e12))
+
+                def row(impl: str, ms: float) -> dict:
+                    return dict(impl=impl, B=B, T=T, H=H, dk=dk, direction=direction, ms=ms,
+                                tokens_per_s=B * T / (ms / 1e3), tflops=flops / (ms / 1e3) / 1e12)
+
+                rows.append(row(name, median_ms(step, args.device, args.reps)))
                 print(format_row(rows[-1]), flush=True)
                 if args.kernels:
                     rows[-1]["kernels_ms"] = kernel_times(step, args.device)
                     for kernel, k_ms in list(rows[-1]["kernels_ms"].items())[: args.kernels]:
                         print(f"    {k_ms:9.3f} ms  {kernel[:100]}", flush=True)
+                if args.cuda_graphs:
+                    try:
+                        replay = graph_replay(step)
+                    except Exception as e:  # e.g. a peer that reads a device value on the host
+                        print(f"{name} {direction} B={B} T={T}: CUDA graph capture failed: "
+                              f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+                    else:
+                        rows.append(row(f"{name}+graph", median_ms(replay, args.device, args.reps)))
+                        print(format_row(rows[-1]), flush=True)
+                        del replay  # frees the graph's memory pool before the next row
     return rows
+
+
+def graph_replay(fn):
+    """One call of `fn` captured into a CUDA graph; returns its replay. Replaying issues the
+    captured kernels with no Python, launcher or dispatcher work, so its time is the GPU's
+    alone: beside the plain row it shows how much of a call waits on the host. Warmed up on a
+    side stream first (the CUDA-graph recipe: compilation, autotuning and first allocations
+    outside the capture); the gradients `fn` produces live in the graph's own memory pool."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def profile_once(fn, device: str) -> None:
@@ -284,9 +320,14 @@ def main() -> None:
     parser.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
                         help="no timing: per row, CALLS warm calls under cProfile (where the host's time goes, "
                         "for shapes whose calls wait on the host)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="also time each row replayed from a CUDA graph (`<impl>+graph` rows: the GPU's "
+                        "time without the host's launches)")
     parser.add_argument("--watchdog", type=float, default=0.0,
                         help="dump every thread's stack every this many seconds (finding hangs)")
     args = parser.parse_args()
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     if args.watchdog > 0:
         faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     os.environ["TITAN_MOE_KDA_BACKEND"] = args.backend if args.device == "cuda" else "torch"

@@ -46,6 +46,8 @@
 #              occupancy, stall reasons) (not in the default list)
 #   kda_fla    profiling/bench_kda.py --kernels 6: ours against fla in the same run (fla's
 #              autotuning takes minutes on a fresh machine)
+#   kda_graphs profiling/bench_kda.py --cuda-graphs at 8K and 32K: ours and fla, each also
+#              replayed from a CUDA graph (the host's share of each call) (not in the default list)
 #   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
 #   train      small_1gpu eager and compiled, 30 steps each (tokens/s, memory)
 #   train_ep   small_1gpu FSDP2 x EP2 compiled, 30 steps (needs 2 GPUs)
@@ -143,6 +145,7 @@ for section in "${SECTIONS[@]}"; do
             run kda_ncu_table python profiling/ncu_table.py "$OUT/kda_ncu_details.csv" \
                 --raw "$OUT/kda_ncu_raw.csv" ;;
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
+        kda_graphs) run kda_graphs python profiling/bench_kda.py --cuda-graphs --shapes 8192,32768 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
         train)
             run train_eager torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/train_eager"

@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"kda_host_cost: --shape takes B,T,H,dk, got {args.shape!r}") from None
     if args.reps < 1:
         raise SystemExit("kda_host_cost: --reps must be >= 1")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # interpreted kernels bypass JITFunction.run
+        raise SystemExit("kda_host_cost: run without TRITON_INTERPRET=1 (it stubs compiled launches)")
 
     import torch
 

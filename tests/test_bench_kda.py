@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -47,3 +50,25 @@ def test_bench_kda_host_profile_reports_host_time_and_callers():
     assert proc.stdout.count("Ordered by: internal time") == 2 and proc.stdout.count("Ordered by: cumulative time") == 2
     assert "titan_moe/ops/kda/op.py" in proc.stdout
     assert json.loads(proc.stdout.strip().splitlines()[-1])["rows"] == []
+
+
+def test_bench_kda_cuda_graphs_needs_cuda():
+    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--cuda-graphs"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--cuda-graphs needs --device cuda" in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_kda_cuda_graphs_capture_our_op():
+    """Our op, forward and forward+backward, captures into a CUDA graph (no host sync in it):
+    every plain row has its `+graph` row."""
+    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--tiny", "--no-fla", "--reps", "2",
+                           "--cuda-graphs"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "capture failed" not in proc.stdout, proc.stdout[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    plain = {(r["B"], r["T"], r["direction"]) for r in rows if r["impl"] == "ours"}
+    graphed = {(r["B"], r["T"], r["direction"]) for r in rows if r["impl"] == "ours+graph"}
+    assert len(plain) == 4 and graphed == plain
+    assert all(r["ms"] > 0 for r in rows)
