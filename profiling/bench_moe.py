@@ -1,7 +1,7 @@
 """Benchmark: the grouped expert GEMM and the whole MoE layer, ours against the peers.
 
     python profiling/bench_moe.py                       # H200: the shapes below, bf16
-    python profiling/bench_moe.py --sweep-tiles         # also time a few Triton tile shapes
+    python profiling/bench_moe.py --sweep-tiles         # also time Triton tile shapes per product
     python profiling/bench_moe.py --device cpu --tiny   # plumbing check only, no speed claim
     python profiling/bench_moe.py --skip-gemm --skip-layer --dispatch   # token dispatch only
 
@@ -30,7 +30,9 @@ M = 8192 tokens x 16 routed x 112/896 = 16384 rows, gate/up 3584 -> 2*3072 and d
 3072 -> 3584, balanced and Zipf(1.1). FLOPs: 2*M*K*N forward, 3x that forward+backward.
 Each case also reports the relative error ||a - b|| / ||b|| of the triton providers'
 out, dx, dw against the torch provider's (both bf16 outputs of fp32 accumulations), and
-``--sweep-tiles`` times the Triton forward over a few tile shapes (``TileConfig``).
+``--sweep-tiles`` times each Triton product (forward with and without TMA, dx, dw) over a
+few tile shapes (``TileConfig``, written BMxBNxBKxWARPSxSTAGES as ``$TITAN_MOE_GROUPED_MM_TILES``
+takes them), each beside ``torch._grouped_mm`` on the same product ("peer").
 
 Part 2, one MoE layer forward and forward+backward on [1, tokens, dim] activations:
 ours (:class:`titan_moe.model.moe.LatentMoE`, experts in the latent width ``latent``,
@@ -252,29 +254,66 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
         if name in results:
             for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
                 row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
-    if sweep_tiles and timed:
-        row["tile_sweep_fwd_ms"] = sweep_forward_tiles(x.detach(), w.detach(), offs)
+    if sweep_tiles:
+        with torch.no_grad():
+            row["tile_sweep"] = tile_sweep(x.detach(), w.detach(), grad, offs, timed,
+                                              tma_available(device))
     return row
 
 
-TILE_SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages)
-    (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-    (128, 128, 128, 8, 3), (128, 64, 64, 4, 4),
+# (block_m, block_n, block_k, num_warps, num_stages); for "k" (dw) block_m is the reduction
+# step and block_k x block_n the output tile. The defaults of `default_config` come first.
+MK_SWEEP = [
+    (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+    (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
 ]
+K_SWEEP = [
+    (64, 128, 128, 8, 4), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4), (64, 128, 256, 8, 3),
+    (128, 128, 128, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4),
+]
+TINY_SWEEP = [(16, 16, 16, 4, 1), (32, 16, 16, 4, 1)]  # CPU plumbing check (interpreter)
 
 
-def sweep_forward_tiles(x, w, offs) -> dict[str, float]:
-    """Forward time of the Triton kernel for a few tile shapes (compiled GPU only)."""
+def tile_sweep(x, w, grad, offs, timed: bool, with_tma: bool) -> dict[str, dict]:
+    """Each Triton product of the op over its tile candidates, beside `torch._grouped_mm` on
+    the same product, for the forward ("fwd", and "fwd_tma" on sm90), dx (grad @ w^T per
+    group, with TMA when available) and dw: {product: {"ms": {"peer": ms, tile key: ms or
+    "failed: ..."}, "max_rel_err": the worst configuration's result against the op's own
+    native path}}.
+    Untimed (CPU) it only runs each call, with the tiny candidates."""
+    import torch
+
     from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
+    tiny = x.device.type != "cuda"
+    w_t = w.transpose(1, 2)
+    ops = torch.ops.titan_moe
+    products = {  # name: (kind, fn(cfg), peer, reference: our op's native path, which zeroes
+        # what the peer leaves unwritten: empty groups' dw)
+        "fwd": ("mk", lambda cfg: tk.grouped_mm_triton(x, w, offs, cfg, tma=False),
+                lambda: torch._grouped_mm(x, w, offs=offs), lambda: ops.grouped_mm(x, w, offs, "native")),
+        "dx": ("mk", lambda cfg: tk.grouped_mm_triton(grad, w_t, offs, cfg, tma=with_tma),
+               lambda: torch._grouped_mm(grad, w_t, offs=offs), lambda: ops.grouped_mm_dx(grad, w, offs, "native")),
+        "dw": ("k", lambda cfg: tk.grouped_mm_dw_triton(x, grad, offs, cfg),
+               lambda: torch._grouped_mm(x.t(), grad, offs=offs), lambda: ops.grouped_mm_dw(x, grad, offs, "native")),
+    }
+    if with_tma:
+        products["fwd_tma"] = ("mk", lambda cfg: tk.grouped_mm_triton(x, w, offs, cfg, tma=True),
+                               *products["fwd"][2:])
     out = {}
-    for bm, bn, bk, warps, stages in TILE_SWEEP:
-        cfg = tk.TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
-        key = f"{bm}x{bn}x{bk}_w{warps}_s{stages}"
-        try:
-            out[key] = measure(lambda cfg=cfg: tk.grouped_mm_triton(x, w, offs, cfg), True)
-        except Exception as exc:  # e.g. out of shared memory: record and go on
-            out[key] = f"failed: {type(exc).__name__}"
+    for name, (kind, run, peer, reference) in products.items():
+        ref = reference()
+        ms: dict = {"peer": measure(peer, timed) if timed else None}
+        worst = 0.0  # every configuration's result against the reference (the same fp32 sums, tiled)
+        for bm, bn, bk, warps, stages in TINY_SWEEP if tiny else (MK_SWEEP if kind == "mk" else K_SWEEP):
+            cfg = tk.TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
+            key = f"{bm}x{bn}x{bk}x{warps}x{stages}"
+            try:
+                worst = max(worst, rel_err(run(cfg), ref))
+                ms[key] = measure(lambda cfg=cfg: run(cfg), timed)
+            except Exception as exc:  # e.g. out of shared memory: record and go on
+                ms[key] = f"failed: {type(exc).__name__}"
+        out[name] = dict(ms=ms, max_rel_err=worst)
     return out
 
 
@@ -538,9 +577,10 @@ def print_gemm_table(rows: list[dict]) -> None:
                 for name in ("triton", "triton_tma", "fp8", "fp8_fused", "fp8_fused_dw8")
                 if f"{name}_vs_torch_out" in r["rel_err"]]
         print(line + "  " + "  ".join(errs))
-        if "tile_sweep_fwd_ms" in r:
-            print("    tile sweep (fwd ms): " + ", ".join(f"{k} {v if isinstance(v, str) else f'{v:.3f}'}"
-                                                       for k, v in r["tile_sweep_fwd_ms"].items()))
+        for product, sweep in r.get("tile_sweep", {}).items():
+            print(f"    tile sweep {product:<7} " + ", ".join(
+                f"{k} {v if isinstance(v, str) else _fmt(v)}" for k, v in sweep["ms"].items())
+                + f"  (max rel err vs native {sweep['max_rel_err']:.1e})")
 
 
 def print_dispatch_table(rows: list[dict]) -> None:
@@ -584,7 +624,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gemm-cases", default="", help="comma-separated GEMM case names to keep, e.g. e64_balanced")
     parser.add_argument("--skip-layer", action="store_true")
     parser.add_argument("--sweep-tiles", action="store_true",
-                        help="also time the Triton forward over a few tile shapes")
+                        help="also time each Triton product (fwd, dx, dw) over a few tile shapes")
     parser.add_argument("--compile", action="store_true", help="torch.compile both MoE layers")
     parser.add_argument("--dispatch", action="store_true",
                         help="also time the token dispatch ops (permute, unpermute+combine) against plain gathers")

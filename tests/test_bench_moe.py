@@ -122,3 +122,26 @@ def test_flop_counts_match_parameter_shapes():
 
     assert bench.latent_moe_flops(tokens, dim, n, k, hidden, shared, latent) == 2 * tokens * touched(ours)
     assert bench.torchtitan_moe_flops(tokens, dim, n, k, hidden, shared) == 2 * tokens * touched(theirs)
+
+
+def test_tile_sweep_runs_every_product_and_checks_each_configuration():
+    """`--sweep-tiles` on the CPU (untimed): forward, dx and dw over the tiny candidates, each
+    result against the op's native path; the CPU has no TMA rows."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--skip-layer", "--sweep-tiles"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bench = _load_bench()
+    tiles = {"x".join(map(str, t)) for t in bench.TINY_SWEEP}
+    for row in json.loads(proc.stdout.strip().splitlines()[-1])["gemm"]:
+        sweep = row["tile_sweep"]
+        assert set(sweep) == {"fwd", "dx", "dw"}
+        for product, result in sweep.items():
+            assert set(result["ms"]) == {"peer", *tiles} and all(v is None for v in result["ms"].values())
+            assert 0 <= result["max_rel_err"] < 1e-5, (row["case"], product, result)
+    # the GPU candidates are valid tiles, the defaults first
+    from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
+    for sweep, kind in ((bench.MK_SWEEP, "mk"), (bench.K_SWEEP, "k")):
+        configs = [tk.TileConfig(bm, bn, bk, num_warps=w, num_stages=s) for bm, bn, bk, w, s in sweep]
+        assert configs[0] == tk.default_config(torch.bfloat16, torch.device("cuda"), kind)
+        assert len(set(configs)) == len(configs)

@@ -419,3 +419,24 @@ def test_cuda_bf16_vs_float64(m, k, n, e):
     assert rel_err(xc.grad, x64.grad) < 5e-3
     assert rel_err(wc.grad, w64.grad) < 5e-3
     assert torch.all(out[int(offs[-1]):] == 0)
+
+
+def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):
+    """`$TITAN_MOE_GROUPED_MM_TILES` sets either kernel's GPU tiles (a sweep's winner timed
+    through the whole op); the CPU keeps its interpreter tiles; malformed values are refused."""
+    from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(tk.TILES_ENV, raising=False)
+    default_mk = tk.default_config(torch.bfloat16, cuda, "mk")
+    monkeypatch.setenv(tk.TILES_ENV, "k=32x128x256x4x3")
+    assert tk.default_config(torch.bfloat16, cuda, "mk") == default_mk
+    assert tk.default_config(torch.bfloat16, cuda, "k") == tk.TileConfig(32, 128, 256, num_warps=4, num_stages=3)
+    monkeypatch.setenv(tk.TILES_ENV, "mk=128x256x64x8x3,k=64x128x128x8x4")
+    assert tk.default_config(torch.float32, cuda, "mk") == tk.TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+    assert tk.default_config(torch.float32, cpu, "mk") == tk.TileConfig(16, 16, 16, num_warps=4, num_stages=1)
+    for bad, match in (("mk=128x256x64x8", "BMxBNxBKxWARPSxSTAGES"), ("dw=64x64x64x4x3", "KIND"),
+                       ("mk=128x256x64x6x3", "power of two"), ("mk=96x128x64x4x3", "power of two >= 16")):
+        monkeypatch.setenv(tk.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            tk.default_config(torch.bfloat16, cuda, "mk")

@@ -52,8 +52,9 @@ once, at the store. Under ``TRITON_INTERPRET=1`` (CPU tests) bf16 ``tl.dot`` is 
 wrongly by the interpreter; fp32 and fp16 are exact there.
 
 Tile sizes on the GPU are starting points chosen from the shared-memory budget of an
-H100/H200 (228 KB per SM), not tuned: ``profiling/bench_moe.py`` is the place to tune them
-(``TileConfig`` overrides every launcher's defaults).
+H100/H200 (228 KB per SM), not tuned: ``profiling/bench_moe.py --sweep-tiles`` times each
+product over candidate tiles beside ``torch._grouped_mm``, and ``$TITAN_MOE_GROUPED_MM_TILES``
+(``tile_overrides``) runs the whole op with other tiles before they become defaults.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_r
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "1": TMA loads on sm90 for the forward and dx kernel
+# GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
+TILES_ENV = "TITAN_MOE_GROUPED_MM_TILES"
+_KINDS = ("mk", "k")
 
 
 # ----------------------------------------------------------------------------------------
@@ -329,15 +333,40 @@ def _num_programs(cfg: TileConfig, device: torch.device, max_tiles: int) -> int:
     return max(1, min(n, max_tiles))
 
 
+def tile_overrides() -> dict[str, TileConfig]:
+    """`$TITAN_MOE_GROUPED_MM_TILES` (read per call), "KIND=BMxBNxBKxWARPSxSTAGES,...", KIND
+    "mk" (the forward and dx kernel) or "k" (the dw kernel): the GPU tiles of that kernel, for
+    any dtype, in place of `default_config`'s (to time a tile sweep's winner through the whole
+    op before it becomes a default)."""
+    text = os.environ.get(TILES_ENV, "")
+    out: dict[str, TileConfig] = {}
+    for item in filter(None, text.split(",")):
+        kind, _, dims = item.partition("=")
+        try:
+            bm, bn, bk, warps, stages = (int(v) for v in dims.split("x"))
+        except ValueError:
+            raise ValueError(f"{TILES_ENV}: expected KIND=BMxBNxBKxWARPSxSTAGES, got {item!r}") from None
+        if kind not in _KINDS:
+            raise ValueError(f"{TILES_ENV}: KIND must be one of {_KINDS}, got {kind!r}")
+        if warps < 1 or warps & (warps - 1) or stages < 1:
+            raise ValueError(f"{TILES_ENV}: warps must be a power of two and stages >= 1, got {item!r}")
+        out[kind] = TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
+    return out
+
+
 def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileConfig:
     """Tile defaults per dtype and kernel ("mk" forward/dx, "k" dw); unmeasured starting points.
 
     16-bit on the GPU: 128x128 output tiles, 64-deep steps, 4 stages: (128*64 + 64*128) * 2 B
     = 32 KB of shared memory per stage, 128 KB in all. fp32: half the tile edge and 3 stages.
     Under the interpreter the smallest tiles, so that small test shapes cross tile edges.
+    On the GPU `$TITAN_MOE_GROUPED_MM_TILES` overrides either kind (`tile_overrides`).
     """
     if device.type != "cuda":
         return TileConfig(16, 16, 16, num_warps=4, num_stages=1)
+    override = tile_overrides().get(kind)
+    if override is not None:
+        return override
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, num_warps=4, num_stages=3)
     if kind == "k":
