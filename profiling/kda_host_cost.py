@@ -57,19 +57,27 @@ class _LaunchCounter:
         JITFunction.run = self._saved
 
 
+_adapters_lib = None  # the registrations live as long as this Library object
+
+
 def register_adapters(device: str) -> None:
-    """The CUDA registrations of `triton_op.register_cuda_kernels`, for ``device``'s key."""
+    """The CUDA registrations of `triton_op.register_cuda_kernels`, for ``device``'s key
+    ("meta" or "cpu"), in this process. Through `Library.impl(..., allow_override=True)`:
+    on the Meta key they replace the ops' fake implementations, which torch 2.11's
+    `register_kernel` refuses to do."""
+    global _adapters_lib
     import torch
 
     from titan_moe.ops.kda import kept, prepare, triton_op, triton_prepare
     from titan_moe.ops.kda import op as kda_op
 
-    torch.library.register_kernel(kda_op.FWD_OP, device, triton_op.kda_chunk_fwd_triton)
-    torch.library.register_kernel(kda_op.BWD_OP, device, triton_op.kda_chunk_bwd_triton)
-    torch.library.register_kernel(kept.FWD_OP, device, kept.kda_chunk_fwd_kept_triton)
-    torch.library.register_kernel(kept.BWD_OP, device, kept.kda_chunk_bwd_kept_triton)
-    torch.library.register_kernel(prepare.FWD_OP, device, triton_prepare.kda_prepare_triton)
-    torch.library.register_kernel(prepare.BWD_OP, device, triton_prepare.kda_prepare_bwd_triton)
+    _adapters_lib = torch.library.Library("titan_moe", "IMPL")
+    key = {"meta": "Meta", "cpu": "CPU"}[device]
+    for op_name, fn in ((kda_op.FWD_OP, triton_op.kda_chunk_fwd_triton), (kda_op.BWD_OP, triton_op.kda_chunk_bwd_triton),
+                        (kept.FWD_OP, kept.kda_chunk_fwd_kept_triton), (kept.BWD_OP, kept.kda_chunk_bwd_kept_triton),
+                        (prepare.FWD_OP, triton_prepare.kda_prepare_triton),
+                        (prepare.BWD_OP, triton_prepare.kda_prepare_bwd_triton)):
+        _adapters_lib.impl(op_name.split("::")[1], fn, key, allow_override=True)
 
 
 def _aten_ops_per_call(fn) -> int:
