@@ -23,7 +23,8 @@ scan below is always sequential, see `triton_scan` for the forward's parallel on
              share of dX = dW (beta e^G K)^T and of dbeta;
              `_bwd_chunk_values_kernel` per chunk: dA_qk = dO V~^T; dU = dV~;
              dv = beta ⊙ X^T dU; dX += dU (beta V)^T; then `_bwd_dAkk_kernel`:
-             dA_kk = -X^T dX X^T (strictly lower)
+             dA_kk = -X^T dX X^T (strictly lower), or the values kernel's own epilogue
+             with `TITAN_MOE_KDA_DAKK=fused` (`dakk_fused`)
     stage 3  `_bwd_intra_kernel`  per 16-token tile, the gradients of A_qk and A_kk into
              q, k, beta and G, with the same anchored dense tile dots as the forward
     stage 4  `_bwd_reverse_cumsum_kernel`  dg = reverse cumsum of dG inside each chunk
