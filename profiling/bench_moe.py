@@ -13,6 +13,8 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
 * ``triton_tma`` (sm90 only): the same with ``TITAN_MOE_GROUPED_MM_TMA=1``, TMA-descriptor
   loads in the forward and dx kernel (bit-identical to ``torch._grouped_mm`` in every run
   so far; its error columns say so per run);
+* ``tma_dw_native`` (sm90 only): per-product backends, the forward and dx on the TMA kernel
+  and dw on ``torch._grouped_mm`` (``backend="fwd=triton,dx=triton,dw=native"``);
 * ``native``: ``grouped_mm(..., backend="native")``, our op around ``torch._grouped_mm``
   (adds the zeroing of unowned rows / empty groups);
 * ``torch``:  raw ``torch._grouped_mm`` with its own autograd (what torchtitan calls);
@@ -202,6 +204,8 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
     providers = {"triton": (ours("triton"), {TMA_ENV: "0"})}
     if with_tma:
         providers["triton_tma"] = (ours("triton"), {TMA_ENV: "1"})
+        # forward and dx on our TMA kernel (where it led), dw on torch._grouped_mm
+        providers["tma_dw_native"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1"})
     providers["native"] = (ours("native"), {})
     providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
     if with_fp8:
@@ -250,7 +254,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
         del out
     for key in list(row["ms"]):
         row["tflops"][key] = tflops(row["flops_fwd_bwd"] if key.endswith("fwd_bwd") else flops, row["ms"][key])
-    for name in ("triton", "triton_tma", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8"):
+    for name in ("triton", "triton_tma", "tma_dw_native", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8"):
         if name in results:
             for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
                 row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
@@ -574,7 +578,7 @@ def print_gemm_table(rows: list[dict]) -> None:
         for c in cols:
             line += f"{_fmt(r['ms'][c]) + ' (' + _fmt(r['tflops'][c], '.0f') + ')':>{width[c]}}"
         errs = [name + " " + "/".join(f"{r['rel_err'][f'{name}_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
-                for name in ("triton", "triton_tma", "fp8", "fp8_fused", "fp8_fused_dw8")
+                for name in ("triton", "triton_tma", "tma_dw_native", "fp8", "fp8_fused", "fp8_fused_dw8")
                 if f"{name}_vs_torch_out" in r["rel_err"]]
         print(line + "  " + "  ".join(errs))
         for product, sweep in r.get("tile_sweep", {}).items():

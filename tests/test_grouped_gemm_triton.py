@@ -249,6 +249,31 @@ def test_env_switch_selects_triton(monkeypatch):
         grouped_mm(x, w, offs)
 
 
+@needs_kernels
+def test_backend_per_product(monkeypatch):
+    """`fwd=...,dx=...,dw=...` runs each product on its own backend (unnamed: native), with
+    the results of the single-backend runs; a bad product or name is refused."""
+    calls = spy_on(monkeypatch, tk, ("grouped_mm_triton", "grouped_mm_dw_triton"))
+    x, w, grad, offs = make_case(30, 16, 16, 3, 1.0, torch.float32, seed=9)
+    runs = {}
+    for spec in ("loop", "fwd=triton,dx=loop,dw=triton", "dx=triton"):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        monkeypatch.setenv(gg_op.BACKEND_ENV, spec)
+        out = grouped_mm(xl, wl, offs)
+        out.backward(grad)
+        runs[spec] = (out.detach(), xl.grad, wl.grad)
+    assert calls == ["grouped_mm_triton", "grouped_mm_dw_triton", "grouped_mm_triton"]
+    for spec in ("fwd=triton,dx=loop,dw=triton", "dx=triton"):
+        for got, ref in zip(runs[spec], runs["loop"]):
+            assert rel_err(got, ref) < TOL[torch.float32], spec
+    assert [gg_op.resolve_backend("dx=triton", p) for p in gg_op.PRODUCTS] == ["native", "triton", "native"]
+    for bad, match in (("fwd=triton,dgrad=loop", "products are"), ("dw=cutlass", "must name backends")):
+        with pytest.raises(ValueError, match=match):
+            gg_op.resolve_backend(bad)
+        with pytest.raises(ValueError, match="backend argument"):
+            grouped_mm(x, w, offs, backend=bad)
+
+
 def test_backend_names():
     assert gg_op.resolve_backend("loop") == "loop"
     with pytest.raises(ValueError, match="backend argument"):

@@ -12,7 +12,9 @@ nodes in both the forward and the backward graph:
 * ``titan_moe::grouped_mm_dw`` (x [M,K], grad [M,N], offs [E]) -> [E,K,N] = x^T @ grad per group
 
 Backends, chosen per call by the ``backend`` argument of the ops, else the environment
-variable ``TITAN_MOE_GROUPED_MM_BACKEND``, else ``"native"``:
+variable ``TITAN_MOE_GROUPED_MM_BACKEND``, else ``"native"``; either names one backend for
+the three products, or one per product, ``"fwd=triton,dx=triton,dw=native"`` (a product not
+named takes ``"native"``), so that each product can run where it was measured fastest:
 
 * ``"native"`` (default): ``torch._grouped_mm`` where it supports the case (below), else
   the per-group loop.
@@ -60,16 +62,29 @@ from titan_moe.ops.nvtx import nvtx_range
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("native", "triton", "loop")
+PRODUCTS = ("fwd", "dx", "dw")
 BACKEND_ENV = "TITAN_MOE_GROUPED_MM_BACKEND"
 
 
-def resolve_backend(backend: str | None = None) -> str:
-    """The backend a call uses: ``backend`` if given, else ``$TITAN_MOE_GROUPED_MM_BACKEND``, else "native"."""
-    name = backend or os.environ.get(BACKEND_ENV) or "native"
-    if name not in BACKENDS:
-        source = "backend argument" if backend else BACKEND_ENV
-        raise ValueError(f"grouped_mm: {source} must be one of {BACKENDS}, got {name!r}")
-    return name
+def resolve_backend(backend: str | None = None, product: str = "fwd") -> str:
+    """The backend ``product`` ("fwd", "dx" or "dw") uses: from ``backend`` if given, else
+    ``$TITAN_MOE_GROUPED_MM_BACKEND``, else "native". The spec is one backend name, or
+    ``PRODUCT=NAME`` pairs joined by commas (products not named: "native")."""
+    spec = backend or os.environ.get(BACKEND_ENV) or "native"
+    source = "backend argument" if backend else BACKEND_ENV
+    if "=" not in spec:
+        names = dict.fromkeys(PRODUCTS, spec)
+    else:
+        names = dict.fromkeys(PRODUCTS, "native")
+        for item in spec.split(","):
+            key, _, name = item.partition("=")
+            if key not in PRODUCTS:
+                raise ValueError(f"grouped_mm: {source}: products are {PRODUCTS}, got {item!r} in {spec!r}")
+            names[key] = name
+    bad = sorted({name for name in names.values() if name not in BACKENDS})
+    if bad:
+        raise ValueError(f"grouped_mm: {source} must name backends of {BACKENDS}, got {spec!r}")
+    return names[product]
 
 
 def _triton_kernels():
@@ -161,9 +176,9 @@ def _zero_empty_groups(dw_EKN: Tensor, offs_E: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- forward
-def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None) -> Tensor:
+def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None, product: str) -> Tensor:
     """``w_EKN`` may be row-major or a transposed (column-major) view; every backend takes both."""
-    name = resolve_backend(backend)
+    name = resolve_backend(backend, product)
     m = x_MK.shape[0]
     if name == "triton":
         if x_MK.device.type == "cpu":
@@ -182,7 +197,7 @@ def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | No
 @torch.library.custom_op("titan_moe::grouped_mm", mutates_args=())
 def _grouped_mm_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     with nvtx_range("op.grouped_mm"):
-        return _forward_impl(x_MK, w_EKN, offs_E, backend)
+        return _forward_impl(x_MK, w_EKN, offs_E, backend, "fwd")
 
 
 @_grouped_mm_op.register_fake
@@ -196,7 +211,7 @@ def _(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -
 def _grouped_mm_dx_op(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     # dx[rows of e] = grad[rows of e] @ w[e]^T: the forward op on the transposed weights.
     with nvtx_range("op.grouped_mm_dx"):
-        return _forward_impl(grad_MN, w_EKN.transpose(1, 2), offs_E, backend)
+        return _forward_impl(grad_MN, w_EKN.transpose(1, 2), offs_E, backend, "dx")
 
 
 @_grouped_mm_dx_op.register_fake
@@ -208,7 +223,7 @@ def _(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None
 @torch.library.custom_op("titan_moe::grouped_mm_dw", mutates_args=())
 def _grouped_mm_dw_op(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     with nvtx_range("op.grouped_mm_dw"):
-        name = resolve_backend(backend)
+        name = resolve_backend(backend, "dw")
         if name == "triton":
             if x_MK.device.type == "cpu":
                 group_bounds(offs_E, x_MK.shape[0])
@@ -251,9 +266,9 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None 
         x_MK: [M, K] rows sorted by group.
         w_EKN: [E, K, N] per-group weights, same dtype as ``x_MK`` (fp32, bf16 or fp16).
         offs_E: [E] int32 cumulative group ends, non-decreasing, ``offs[-1] <= M``.
-        backend: "native", "triton" or "loop" (module docstring), for the forward and
-            both backward products; None reads ``$TITAN_MOE_GROUPED_MM_BACKEND`` at run
-            time, default "native".
+        backend: "native", "triton" or "loop" (module docstring) for the forward and
+            both backward products, or one per product ("fwd=triton,dx=triton,dw=native");
+            None reads ``$TITAN_MOE_GROUPED_MM_BACKEND`` at run time, default "native".
 
     Returns:
         [M, N] in ``x_MK.dtype`` (fp32 accumulation); rows ``offs[-1]:`` are zero and
