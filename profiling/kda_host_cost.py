@@ -7,11 +7,13 @@ every Triton launch replaced by a no-op.
 On the GPU a small call waits on the host (`bench_kda.py --host-profile`: at T = 8K the
 forward+backward's kernels take about half its wall time). This script measures the part of
 that host time that is ours, on any machine: it registers the CUDA adapters of the four KDA
-ops (`triton_op`, `kept`, `triton_prepare`) for CPU tensors, in this process only, and makes
-`JITFunction.run` return at once, counting the launches. The tensors are allocated but never
-written, so no arithmetic is timed: what remains is Python (the public function, the
-`custom_op` layers, autograd, our launchers' argument handling and allocations). Triton's own
-launch cost (binding, cache lookup, the driver call) is not in it; it is measured on the GPU.
+ops (`triton_op`, `kept`, `triton_prepare`) for `meta` tensors (or, `--device cpu`, CPU
+tensors), in this process only, and makes `JITFunction.run` return at once, counting the
+launches. Meta tensors hold no data, so no arithmetic is timed: what remains is Python (the
+public function, the `custom_op` layers, autograd, our launchers' argument handling and
+allocations) and the ATen ops' dispatch (some of their meta kernels are Python, slower than
+CUDA's). Triton's own launch cost (binding, cache lookup, the driver call) is not in it; it
+is measured on the GPU.
 
 The times are a CPU's and vary from run to run (on a shared virtual machine the median of
 100 calls moved by a third between runs); the launch and op counts do not.
