@@ -8,8 +8,9 @@ On the GPU a small call waits on the host (`bench_kda.py --host-profile`: at T =
 forward+backward's kernels take about half its wall time). This script measures the part of
 that host time that is ours, on any machine: it registers the CUDA adapters of the four KDA
 ops (`triton_op`, `kept`, `triton_prepare`) for `meta` tensors (or, `--device cpu`, CPU
-tensors), in this process only, and makes `JITFunction.run` return at once, counting the
-launches. Meta tensors hold no data, so no arithmetic is timed: what remains is Python (the
+tensors), in this process only, and replaces every Triton kernel of the KDA modules by
+`kernel_resources.recording`'s recorder, which counts the launches and runs nothing. Meta
+tensors hold no data, so no arithmetic is timed: what remains is Python (the
 public function, the `custom_op` layers, autograd, our launchers' argument handling and
 allocations) and the ATen ops' dispatch (some of their meta kernels are Python, slower than
 CUDA's). Triton's own launch cost (binding, cache lookup, the driver call) is not in it; it
@@ -30,33 +31,9 @@ import argparse
 import json
 import os
 import time
+from collections import Counter
 
 os.environ.setdefault("TITAN_MOE_KDA_BACKEND", "triton")
-
-
-class _LaunchCounter:
-    """Replaces `JITFunction.run` with a counter (restores it on exit)."""
-
-    def __init__(self):
-        self.launches: dict[str, int] = {}
-
-    def __enter__(self):
-        from triton.runtime.jit import JITFunction
-
-        self._saved = JITFunction.run
-        counter = self
-
-        def run(fn_self, *args, grid, warmup, **kwargs):
-            name = fn_self.fn.__name__
-            counter.launches[name] = counter.launches.get(name, 0) + 1
-
-        JITFunction.run = run
-        return self
-
-    def __exit__(self, *exc):
-        from triton.runtime.jit import JITFunction
-
-        JITFunction.run = self._saved
 
 
 _adapters_lib = None  # the registrations live as long as this Library object
@@ -95,6 +72,9 @@ def measure(B: int, T: int, H: int, dk: int, device: str, reps: int, profile_cal
     import torch
 
     from bench_kda import host_profile, make_inputs, run_ours
+    from kernel_resources import recording  # every `*_kernel` of the modules replaced by a recorder
+
+    from titan_moe.ops.kda import triton_bwd, triton_fwd, triton_prepare, triton_scan
 
     rows = []
     for backward in (False, True):
@@ -109,16 +89,17 @@ def measure(B: int, T: int, H: int, dk: int, device: str, reps: int, profile_cal
                     inp[key].grad = None
             return run_ours(inp, backward)
 
-        with _LaunchCounter() as counter:
+        with recording((triton_fwd, triton_bwd, triton_scan, triton_prepare)) as launched:
             step()
             step()
-            counter.launches.clear()
+            launched.clear()
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 step()
                 times.append((time.perf_counter() - t0) * 1e3)
-            launches = {name: n / reps for name, n in counter.launches.items()}
+            launches = {name: n / reps for name, n in Counter(fn.__name__ for fn, _, _ in launched).items()}
+            launched.clear()
             aten_ops = _aten_ops_per_call(step)
             if profile_calls:
                 host_profile(step, device, profile_calls, f"{'fwd+bwd' if backward else 'fwd'} B={B} T={T}")
@@ -147,7 +128,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"kda_host_cost: --shape takes B,T,H,dk, got {args.shape!r}") from None
     if args.reps < 1:
         raise SystemExit("kda_host_cost: --reps must be >= 1")
-    if os.environ.get("TRITON_INTERPRET") == "1":  # interpreted kernels bypass JITFunction.run
+    if os.environ.get("TRITON_INTERPRET") == "1":  # interpreted kernels are not JIT functions: not replaced
         raise SystemExit("kda_host_cost: run without TRITON_INTERPRET=1 (it stubs compiled launches)")
 
     import torch
