@@ -29,14 +29,6 @@
 #              with the chunk's q, k, G loaded after the value loop, beside 64 columns at 8 warps
 #              (the earlier default), 32 value columns, 8 warps, and early loads
 #              (TITAN_MOE_KDA_KEYS_LOADS=early) (not in the default list)
-#   kda_tiles  profiling/bench_kda.py at 32K and 8 x 4K: the per-tile kernels' walk over the
-#              other tiles masked instead of branched (TITAN_MOE_KDA_TILE_LOOPS=masked; on sm_90
-#              254 / 184 registers and 2 blocks per SM against 128 / 127 and 4), uncapped and
-#              with the forward's warps at 8, beside the default (not in the default list)
-#   kda_dakk   profiling/bench_kda.py at 32K and 8 x 4K: dA_kk in the values kernel's epilogue
-#              (TITAN_MOE_KDA_DAKK=fused; on sm_90 264 bytes of spill at the default 128-register
-#              cap, none at 168 with one block per SM) at both caps, beside the separate kernel,
-#              then the GPU backward tests with it (not in the default list)
 #   kda_prepare  profiling/bench_kda.py at 32K and 8 x 4K: the input maps' chunk mode
 #              (TITAN_MOE_KDA_PREPARE_CHUNK, FWD,BWD): the default split64 forward, fused backward,
 #              beside fused and split32 / split64 in both (not in the default list)
@@ -125,13 +117,6 @@ for section in "${SECTIONS[@]}"; do
                 --variants bk128w8:TITAN_MOE_KDA_BWD_INTRA_BK=128+TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk128w4:TITAN_MOE_KDA_BWD_INTRA_BK=128,bk64w2:TITAN_MOE_KDA_TILE_WARPS=4x1x4x2,bk64w8:TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk32w2:TITAN_MOE_KDA_BWD_INTRA_BK=32+TITAN_MOE_KDA_TILE_WARPS=4x1x4x2 ;;
         kda_keys) run kda_keys python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
                 --variants k64w8:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8,k128w16bv32:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,k128w8:TITAN_MOE_KDA_BWD_CHUNK=128x64x8x8,k128early:TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8+TITAN_MOE_KDA_KEYS_LOADS=early ;;
-        kda_tiles) run kda_tiles python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants masked:TITAN_MOE_KDA_TILE_LOOPS=masked,masked_w8:TITAN_MOE_KDA_TILE_LOOPS=masked+TITAN_MOE_KDA_TILE_WARPS=8x1x4x8 ;;
-        kda_dakk)
-            run kda_dakk python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants fused:TITAN_MOE_KDA_DAKK=fused,fused168:TITAN_MOE_KDA_DAKK=fused+TITAN_MOE_KDA_BWD_MAXNREG=128x168x168
-            run kda_dakk_tests env TITAN_MOE_KDA_DAKK=fused python -m pytest -q -m gpu tests/test_kda_triton.py \
-                tests/test_kda_kept.py ;;
         kda_prepare) run kda_prepare python profiling/bench_kda.py --no-fla --kernels 10 --shapes 32768,4096 \
                 --variants fused:TITAN_MOE_KDA_PREPARE_CHUNK=fused,split32:TITAN_MOE_KDA_PREPARE_CHUNK=split32,split64:TITAN_MOE_KDA_PREPARE_CHUNK=split64 ;;
         kda_ncu)

@@ -330,65 +330,6 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
             triton_bwd.bwd_chunk_config(128, 128)
 
 
-def _runs_per_setting(monkeypatch, env: str, settings: tuple[str, ...], run) -> dict:
-    """`run()` once with `$env` set to each of `settings`: {setting: its results}."""
-    runs = {}
-    for value in settings:
-        monkeypatch.setenv(env, value)
-        runs[value] = run()
-    return runs
-
-
-def _assert_close_per_name(got, want, names, tol: float) -> None:
-    for name, g, w in zip(names, got, want, strict=True):
-        if w is not None:
-            assert rel_err(g, w) < tol, (name, rel_err(g, w))
-
-
-@needs_kernels
-def test_branch_free_tile_loops_keep_results(monkeypatch):
-    """The per-tile kernels' masked walk over the other tiles (`TITAN_MOE_KDA_TILE_LOOPS=masked`)
-    gives the forward and every gradient of the branching default, on packed sequences with
-    a chunk cut short inside a tile; bad values are refused."""
-    inp = make_inputs(1, 150, 2, 32, 32, "rand", seed=12)
-    gen = torch.Generator().manual_seed(12)
-    do = torch.randn(1, 150, 2, 32, generator=gen).to(DEVICE)
-    cu_seqlens = torch.tensor([0, 37, 150], dtype=torch.int32, device=DEVICE)
-    monkeypatch.delenv(triton_fwd.TILE_LOOPS_ENV, raising=False)
-    assert not triton_fwd.tile_loops_branch_free()  # the default
-    def run():
-        o, _ = chunk_kda_fwd_triton(**inp, scale=0.25, cu_seqlens=cu_seqlens)
-        return (o, *chunk_kda_bwd_triton(**inp, scale=0.25, do=do, cu_seqlens=cu_seqlens))
-
-    runs = _runs_per_setting(monkeypatch, triton_fwd.TILE_LOOPS_ENV, ("branch", "masked"), run)
-    assert triton_fwd.tile_loops_branch_free()
-    # zeros added for the masked tiles: the same sums, up to ordering
-    _assert_close_per_name(runs["masked"], runs["branch"], ("o", *GRAD_NAMES), 1e-6)
-    monkeypatch.setenv(triton_fwd.TILE_LOOPS_ENV, "unrolled")
-    with pytest.raises(ValueError, match="branch or masked"):
-        triton_fwd.tile_loops_branch_free()
-
-
-@needs_kernels
-def test_fused_dakk_keeps_results(monkeypatch):
-    """dA_kk = -X^T dX X^T in the values kernel's epilogue (`TITAN_MOE_KDA_DAKK=fused`) gives
-    every gradient of the separate kernel, on packed sequences with a chunk cut short;
-    separate by default; bad values are refused."""
-    inp = make_inputs(1, 150, 2, 32, 32, "rand", seed=14)
-    do = torch.randn(1, 150, 2, 32, generator=torch.Generator().manual_seed(14)).to(DEVICE)
-    cu_seqlens = torch.tensor([0, 37, 150], dtype=torch.int32, device=DEVICE)
-    monkeypatch.delenv(triton_bwd.DA_KK_ENV, raising=False)
-    assert not triton_bwd.dakk_fused()
-    runs = _runs_per_setting(monkeypatch, triton_bwd.DA_KK_ENV, ("separate", "fused"),
-                             lambda: chunk_kda_bwd_triton(**inp, scale=0.25, do=do, cu_seqlens=cu_seqlens))
-    assert triton_bwd.dakk_fused()
-    # the same dots on the same operands, in one kernel instead of two
-    _assert_close_per_name(runs["fused"], runs["separate"], GRAD_NAMES, 1e-6)
-    monkeypatch.setenv(triton_bwd.DA_KK_ENV, "both")
-    with pytest.raises(ValueError, match="separate or fused"):
-        triton_bwd.dakk_fused()
-
-
 @needs_kernels
 def test_keys_kernel_load_order_keeps_results(monkeypatch):
     """When the keys kernel loads its chunk's q, k, G (`TITAN_MOE_KDA_KEYS_LOADS`) changes
@@ -397,13 +338,14 @@ def test_keys_kernel_load_order_keeps_results(monkeypatch):
     assert triton_bwd.keys_late_loads(16) and not triton_bwd.keys_late_loads(8)
     inp = make_inputs(1, 100, 2, 32, 32, "rand", seed=10)
     do = torch.randn(1, 100, 2, 32, generator=torch.Generator().manual_seed(10)).to(DEVICE)
-    def run():
-        return triton_bwd.keys_late_loads(8), chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
-
-    runs = _runs_per_setting(monkeypatch, triton_bwd.KEYS_LOADS_ENV, ("early", "late"), run)
-    assert (runs["early"][0], runs["late"][0]) == (False, True)  # the setting overrides the warps rule
-    # the same operations (compiled, the FMA contraction may differ)
-    _assert_close_per_name(runs["late"][1], runs["early"][1], GRAD_NAMES, 1e-6)
+    runs = {}
+    for order in ("early", "late"):
+        monkeypatch.setenv(triton_bwd.KEYS_LOADS_ENV, order)
+        assert triton_bwd.keys_late_loads(8) == (order == "late")  # the setting overrides the warps rule
+        runs[order] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+    for name, got, want in zip(GRAD_NAMES, runs["late"], runs["early"]):
+        if want is not None:  # the same operations (compiled, the FMA contraction may differ)
+            assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
     monkeypatch.setenv(triton_bwd.KEYS_LOADS_ENV, "never")
     with pytest.raises(ValueError, match="early or late"):
         triton_bwd.keys_late_loads(16)

@@ -291,16 +291,6 @@ def test_gpu_suite_fp8_fused_section_compares_the_two_expert_gemms(tmp_path):
     assert all("titan_float8_experts" in c and "--compile.enable" not in c for c in commands.values())
 
 
-def test_gpu_suite_kda_dakk_section_times_both_caps_then_tests_the_fused_epilogue(tmp_path):
-    proc = _gpu_suite(tmp_path, "kda_dakk", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_dakk", "kda_dakk_tests"]
-    assert "fused:TITAN_MOE_KDA_DAKK=fused," in commands["kda_dakk"]
-    assert "fused168:TITAN_MOE_KDA_DAKK=fused+TITAN_MOE_KDA_BWD_MAXNREG=128x168x168" in commands["kda_dakk"]
-    assert commands["kda_dakk_tests"].startswith("env TITAN_MOE_KDA_DAKK=fused python -m pytest -q -m gpu")
-
-
 def test_gpu_suite_kda_caps_section_times_the_default_caps_beside_none(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_caps", gpus="1")
     assert proc.returncode == 0, proc.stderr
@@ -398,19 +388,19 @@ def test_bwd_intra_key_split_compiles_for_the_h200(tmp_path, monkeypatch):
 
 def test_kernel_resources_sass_shows_whether_the_code_changed(tmp_path):
     """`--sass DIR`: the same launch compiled twice writes the same instruction text (no
-    addresses or encodings), and a different code path (the masked tile loops) a different
-    one."""
+    addresses or encodings), and different code (32 key columns per program instead of 64)
+    a different one."""
     pytest.importorskip("triton")
     argv = ("--cases", "kda_bwd_lean", "--kernels", "_bwd_intra_kernel")
     texts = {}
-    for name, loops in (("first", "branch"), ("again", "branch"), ("masked", "masked")):
+    for name, bk in (("first", "64"), ("again", "64"), ("bk32", "32")):
         env_proc = subprocess.run(
             [sys.executable, str(REPO / "profiling" / "kernel_resources.py"), *argv, "--sass", str(tmp_path / name)],
             capture_output=True, text=True, cwd=tmp_path, timeout=600,
-            env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TITAN_MOE_KDA_TILE_LOOPS": loops})
+            env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TITAN_MOE_KDA_BWD_INTRA_BK": bk})
         assert env_proc.returncode == 0, env_proc.stderr[-2000:]
         texts[name] = (tmp_path / name / "kda_bwd_lean._bwd_intra_kernel.sass").read_text()
-    assert texts["first"] == texts["again"] and texts["first"] != texts["masked"]
+    assert texts["first"] == texts["again"] and texts["first"] != texts["bk32"]
     lines = texts["first"].splitlines()
     assert len(lines) > 100 and not any("/*" in line for line in lines)
     assert any(line.startswith(("HMMA", "LDG", "EXIT")) for line in lines)
@@ -475,22 +465,6 @@ def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
             bk, _, warps, _ = triton_bwd.bwd_chunk_config(128, 128)
             assert f"{bk}x" == env["TITAN_MOE_KDA_BWD_CHUNK"][: len(str(bk)) + 1]
             assert triton_bwd.keys_late_loads(warps) == (warps == 16 and "TITAN_MOE_KDA_KEYS_LOADS" not in env)
-
-
-def test_gpu_suite_kda_tiles_section_times_the_masked_tile_loops(tmp_path):
-    proc = _gpu_suite(tmp_path, "kda_tiles", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_tiles"]
-    variants = _load("bench_kda").parse_variants(commands["kda_tiles"].split("--variants ", 1)[1])
-    assert set(variants) == {"masked", "masked_w8"}
-    triton_fwd = pytest.importorskip("titan_moe.ops.kda.triton_fwd")
-    for env in variants.values():  # settings the kernels accept
-        with pytest.MonkeyPatch.context() as mp:
-            for var, value in env.items():
-                mp.setenv(var, value)
-            assert triton_fwd.tile_loops_branch_free()
-            triton_fwd.tile_warps()
 
 
 def test_gpu_suite_kda_prepare_section_sweeps_the_split_chunk_mode(tmp_path):
@@ -602,7 +576,7 @@ def _kda_host_cost(*argv: str, **env: str) -> list[dict]:
 
 def test_kda_host_cost_counts_the_launches_of_each_direction():
     """The host-cost tool runs the real launchers with the launches stubbed: the forward's
-    kernels once each, the backward's on top, and dA_kk's kernel gone when fused."""
+    kernels once each, the backward's on top."""
     fwd, both = _kda_host_cost("--shape", "1,128,2,16", "--reps", "2")
     assert (fwd["direction"], both["direction"]) == ("fwd", "fwd+bwd")
     assert set(fwd["launches"]) < set(both["launches"])
@@ -610,8 +584,6 @@ def test_kda_host_cost_counts_the_launches_of_each_direction():
     assert {"_wy_kernel", "_state_scan_kernel", "_bwd_chunk_keys_kernel", "_bwd_dAkk_kernel"} <= set(both["launches"])
     assert both["triton_launches"] == len(both["launches"]) and both["aten_ops"] > fwd["aten_ops"] > 0
     assert both["host_ms"] > fwd["host_ms"] > 0
-    _, fused = _kda_host_cost("--shape", "1,128,2,16", "--reps", "2", TITAN_MOE_KDA_DAKK="fused")
-    assert set(fused["launches"]) == set(both["launches"]) - {"_bwd_dAkk_kernel"}
 
 
 def test_kda_host_cost_rejects_a_bad_shape():

@@ -330,7 +330,7 @@ def kda_bwd_allocations(
     shares = [("dbeta_keys", NK * TT * H * f32), ("dX_keys", NK * TT * H * C * f32)]
     chunk = [("dq_part", TT * H * K * f32), ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), *shares,
              ("dAqk", TT * H * C * f32), ("dbeta_part", TT * H * f32), ("dv", _nbytes(v)),
-             ("dAkk", TT * H * C * f32), ("dbeta_keys", -shares[0][1]), ("dX_keys", -shares[1][1])]  # stage 2
+             ("dbeta_keys", -shares[0][1]), ("dAkk", TT * H * C * f32), ("dX_keys", -shares[1][1])]  # stage 2
     intra = [("dq", _nbytes(q)), ("dk", _nbytes(k))]  # stage 3
     NK_intra = K // bwd_intra_bk(K)
     if NK_intra == 1:

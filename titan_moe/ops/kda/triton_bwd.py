@@ -23,8 +23,7 @@ scan below is always sequential, see `triton_scan` for the forward's parallel on
              share of dX = dW (beta e^G K)^T and of dbeta;
              `_bwd_chunk_values_kernel` per chunk: dA_qk = dO V~^T; dU = dV~;
              dv = beta ⊙ X^T dU; dX += dU (beta V)^T; then `_bwd_dAkk_kernel`:
-             dA_kk = -X^T dX X^T (strictly lower), or the values kernel's own epilogue
-             with `TITAN_MOE_KDA_DAKK=fused` (`dakk_fused`)
+             dA_kk = -X^T dX X^T (strictly lower)
     stage 3  `_bwd_intra_kernel`  per 16-token tile, the gradients of A_qk and A_kk into
              q, k, beta and G, with the same anchored dense tile dots as the forward
     stage 4  `_bwd_reverse_cumsum_kernel`  dg = reverse cumsum of dG inside each chunk
@@ -60,7 +59,6 @@ from titan_moe.ops.kda.triton_fwd import (
     scan_stages,
     sequential_scan_config,
     state_from_residuals,
-    tile_loops_branch_free,
     tile_warps,
     walk_tiles_wide,
 )
@@ -76,9 +74,6 @@ BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 # dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
 DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
-# where dA_kk is computed: "separate" (`_bwd_dAkk_kernel`) or "fused" (the values kernel's
-# epilogue), see `dakk_fused`
-DA_KK_ENV = "TITAN_MOE_KDA_DAKK"
 
 
 def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
@@ -128,19 +123,6 @@ def bwd_intra_bk(K: int) -> int:
     if text not in ("16", "32", "64", "128"):
         raise ValueError(f"{BWD_INTRA_BK_ENV} must be 16, 32, 64 or 128, got {text!r}")
     return min(int(text), K)
-
-
-def dakk_fused() -> bool:
-    """Whether `_bwd_chunk_values_kernel` computes dA_kk = -X^T dX X^T itself, at its end,
-    from the X and dX it already holds (FUSE_DAKK), instead of storing dX for
-    `_bwd_dAkk_kernel` to read back with X: one launch less, and the fp32 dX `[TT, H, BT]`
-    is neither written nor read (256 MiB of traffic at T = 32K, H = 16), for two [BT, BT]
-    dots more in the values kernel. `$TITAN_MOE_KDA_DAKK` ("separate" or "fused", read per
-    call); "separate" by default until timed on the GPU."""
-    text = os.environ.get(DA_KK_ENV) or "separate"
-    if text not in ("separate", "fused"):
-        raise ValueError(f"{DA_KK_ENV} must be separate or fused, got {text!r}")
-    return text == "fused"
 
 
 def bwd_register_caps() -> tuple[dict, dict, dict]:
@@ -404,17 +386,16 @@ def _bwd_chunk_keys_kernel(
 @triton.jit
 def _bwd_chunk_values_kernel(
     v, beta, Ainv, v_new, dv_new, do, dX_keys, dbeta_keys,
-    dAqk, dbeta_part, dv, dAkk, scale, cu_seqlens, chunk_indices, TT,
+    dAqk, dbeta_part, dv, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
-    PRECISION: tl.constexpr, FUSE_DAKK: tl.constexpr, PRECISION_DA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One chunk: dA_qk = dO V~^T, dv and dbeta from U = X (beta V), and, with the key
     blocks' shares of `_bwd_chunk_keys_kernel` added, the whole dX.
 
     Writes dAqk (= scale dO V~^T, lower incl. diagonal) `[TT, H, BT]` fp32; dbeta_part
     `[TT, H]` fp32 (all but the A_kk tiles' share, which `_bwd_intra_kernel` adds); dv
-    `[TT, H, V]` (v's dtype); then either dX over share 0 of dX_keys (for `_bwd_dAkk_kernel`)
-    or, with FUSE_DAKK, dAkk `[TT, H, BT]` fp32 as that kernel computes it (`dakk_fused`).
+    `[TT, H, V]` (v's dtype); dX over share 0 of dX_keys (for `_bwd_dAkk_kernel`).
     Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -445,19 +426,7 @@ def _bwd_chunk_values_kernel(
         b_dbeta += tl.sum(b_z * b_v, axis=1)
     tl.store(dAqk + tok[:, None] * BT + o_t[None, :], tl.where(m_tril, b_dAqk * scale, 0.0), mask=m_r)
     tl.store(dbeta_part + tok, b_dbeta, mask=m_t)
-    p_a = tok.to(tl.int64)[:, None] * BT + o_t[None, :]
-    if FUSE_DAKK:
-        b_dA = _dAkk_of(b_X, b_dX, PRECISION_DA)
-        tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
-    else:
-        tl.store(dX_keys + p_a, b_dX, mask=m_r)  # the whole dX, in share 0
-
-
-@triton.jit
-def _dAkk_of(b_X, b_dX, PRECISION_DA: tl.constexpr):
-    """-X^T dX X^T for one chunk's [BT, BT] fp32 X (lower, zero above) and dX."""
-    b_XtdX = tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA)
-    return -tl.dot(b_XtdX, tl.trans(b_X), input_precision=PRECISION_DA)
+    tl.store(dX_keys + tok.to(tl.int64)[:, None] * BT + o_t[None, :], b_dX, mask=m_r)  # the whole dX, in share 0
 
 
 @triton.jit
@@ -482,7 +451,8 @@ def _bwd_dAkk_kernel(
     p_a = tok.to(tl.int64)[:, None] * BT + o_t[None, :]
     b_X = tl.load(Ainv + p_a, mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
     b_dX = tl.load(dX + p_a, mask=m_r, other=0.0)
-    b_dA = _dAkk_of(b_X, b_dX, PRECISION_DA)
+    b_XtdX = tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA)
+    b_dA = -tl.dot(b_XtdX, tl.trans(b_X), input_precision=PRECISION_DA)
     tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
 
 
@@ -502,34 +472,33 @@ def _load_rows(q, k, G, beta, tok, m, o_k, K: tl.constexpr):
 
 
 @triton.jit
-def _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h, o_r, o_k, live,
+def _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h, o_r, o_k,
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                          PRECISION: tl.constexpr):
-    """Tile J's terms of a row tile's dq and R (before the row decay), added to b_dq, b_R
-    `[BC, BK]`; `live` False (J above the diagonal) masks every load, adding zeros."""
+    """Tile J's terms (J <= the row tile) of a row tile's dq and R (before the row decay),
+    added to b_dq, b_R `[BC, BK]`."""
     cols = i_t * BT + i_j * BC + o_r
-    m_c = (cols < T) & live
+    m_c = cols < T
     p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
     b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
     b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
     b_k_col = b_kc * tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf")))  # <= e^40
     p_a = tok[:, None] * BT + (i_j * BC + o_r)[None, :]
-    m_a = m_r[:, None] & live
-    b_dAqk = tl.load(dAqk + p_a, mask=m_a, other=0.0)
-    b_dAkk = tl.load(dAkk + p_a, mask=m_a, other=0.0)
+    b_dAqk = tl.load(dAqk + p_a, mask=m_r[:, None], other=0.0)
+    b_dAkk = tl.load(dAkk + p_a, mask=m_r[:, None], other=0.0)
     b_dq += tl.dot(b_dAqk, b_k_col, input_precision=PRECISION)
     b_R += tl.dot(b_dAkk, b_k_col, input_precision=PRECISION)
     return b_dq, b_R
 
 
 @triton.jit
-def _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T, i_h, o_r, o_k, live,
+def _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T, i_h, o_r, o_k,
                             H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             PRECISION: tl.constexpr):
-    """Row tile I's terms of column tile i_i's dk (before the column decay), added to
-    b_dk_col `[BC, BK]`; `live` False (I above the column tile) masks every load."""
+    """Row tile I's terms (I >= the column tile) of column tile i_i's dk (before the column
+    decay), added to b_dk_col `[BC, BK]`."""
     rows_r = i_t * BT + i_r * BC + o_r
-    m_rr = (rows_r < T) & live
+    m_rr = rows_r < T
     tok_r = (bos + rows_r) * H + i_h
     b_qr, b_kr, b_Gr, b_br = _load_rows(q, k, G, beta, tok_r, m_rr, o_k, K)
     b_e = tl.exp(tl.where(m_rr[:, None], b_Gr - b_c[None, :], float("-inf")))  # <= e^40
@@ -546,7 +515,7 @@ def _bwd_intra_kernel(
     q, k, G, beta, dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dq, dk, dbeta, dbeta_keys,
     cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr, BRANCH_FREE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Tile T of one chunk: add the A_qk / A_kk gradients to its rows' dq, dk, dG, dbeta.
 
@@ -585,12 +554,9 @@ def _bwd_intra_kernel(
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
     b_R = tl.zeros([BC, BK], dtype=tl.float32)
     for i_j in tl.static_range(NC):
-        if BRANCH_FREE:  # every tile's loads masked instead of skipped: no branch between tiles
+        if i_j <= i_i:
             b_dq, b_R = _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h,
-                                             o_r, o_k, i_j <= i_i, H, K, BT, BC, PRECISION)
-        elif i_j <= i_i:
-            b_dq, b_R = _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h,
-                                             o_r, o_k, True, H, K, BT, BC, PRECISION)
+                                             o_r, o_k, H, K, BT, BC, PRECISION)
     b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))  # <= e^40
     b_dq *= b_row_decay
     b_R *= b_row_decay
@@ -598,12 +564,9 @@ def _bwd_intra_kernel(
     # this tile as columns: tiles I >= T
     b_dk_col = tl.zeros([BC, BK], dtype=tl.float32)
     for i_r in tl.static_range(NC):
-        if BRANCH_FREE:
+        if i_r >= i_i:
             b_dk_col = _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T,
-                                               i_h, o_r, o_k, i_r >= i_i, H, K, BT, BC, PRECISION)
-        elif i_r >= i_i:
-            b_dk_col = _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T,
-                                               i_h, o_r, o_k, True, H, K, BT, BC, PRECISION)
+                                               i_h, o_r, o_k, H, K, BT, BC, PRECISION)
     b_dk_col *= tl.exp(tl.where(m_r[:, None], b_c[None, :] - b_G, float("-inf")))  # <= e^40
 
     m_rk = m_r[:, None]
@@ -732,21 +695,18 @@ def chunk_kda_bwd_triton(
     dAqk = torch.empty(TT, H, CHUNK, **f32)
     dbeta_part = torch.empty(TT, H, **f32)
     dv = torch.empty_like(v)
-    dAkk = torch.empty(TT, H, CHUNK, **f32)
-    fuse_dakk = dakk_fused()
-    precision_da = "ieee" if st.precision == "ieee" else DA_KK_PRECISION
     _bwd_chunk_values_kernel[(n_chunks, H)](
         v, beta, st.Ainv, st.v_new, dv_new, do, dX_keys, dbeta_keys,
-        dAqk, dbeta_part, dv, dAkk, scale, st.cu_seqlens, st.chunk_indices, TT,
-        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, FUSE_DAKK=fuse_dakk,
-        PRECISION_DA=precision_da, num_warps=values_warps, num_stages=2, **values_cap,
+        dAqk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
+        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, num_warps=values_warps, num_stages=2,
+        **values_cap,
     )
     dbeta_keys = None
-    if not fuse_dakk:
-        _bwd_dAkk_kernel[(n_chunks, H)](
-            st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
-            PRECISION_DA=precision_da, num_warps=DA_KK_WARPS, **dAkk_cap,
-        )
+    dAkk = torch.empty(TT, H, CHUNK, **f32)
+    _bwd_dAkk_kernel[(n_chunks, H)](
+        st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
+        PRECISION_DA="ieee" if st.precision == "ieee" else DA_KK_PRECISION, num_warps=DA_KK_WARPS, **dAkk_cap,
+    )
     dX_keys = None
 
     dq = torch.empty_like(q)
@@ -757,7 +717,7 @@ def chunk_kda_bwd_triton(
     _bwd_intra_kernel[(n_chunks * N_TILES * (K // intra_bk), H)](
         q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta, dbeta_keys,
         st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=st.precision,
-        BRANCH_FREE=tile_loops_branch_free(), num_warps=tile_warps()[3],
+        num_warps=tile_warps()[3],
     )
     if dbeta_keys is not None:
         dbeta = (dbeta_part + dbeta_keys.sum(0)).to(beta.dtype).view(beta.shape)

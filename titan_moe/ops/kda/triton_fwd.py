@@ -170,7 +170,7 @@ def _chunk_cumsum_kernel(g, G, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl
 def _intra_tiles_kernel(
     q, k, G, beta, Aqk, Akk, q_decay, scale, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_Q_DECAY: tl.constexpr, BRANCH_FREE: tl.constexpr,
+    STORE_Q_DECAY: tl.constexpr,
 ):
     """Row tile I of one chunk: tiles (I, J) of A_qk and A_kk for every J <= I.
 
@@ -205,24 +205,21 @@ def _intra_tiles_kernel(
         tl.store(q_decay + p_r, (b_q * tl.exp(b_G) * scale).to(q_decay.dtype.element_ty), mask=m_r[:, None])
 
     # tiles J = 0..I (a static loop with a uniform branch: the interpreter cannot take
-    # range(i_i + 1), see `_state_scan_kernel`; or, BRANCH_FREE, every tile with masks)
+    # range(i_i + 1), see `_state_scan_kernel`)
     for i_j in tl.static_range(NC):
-        if BRANCH_FREE:
+        if i_j <= i_i:
             _intra_tile_pair(k, G, Aqk, Akk, b_q_row, b_k_row, b_beta, b_c, rows, m_r, i_t, i_i, i_j, bos, T, i_h,
-                             o_r, o_k, i_j <= i_i, H, K, BT, BC, PRECISION)
-        elif i_j <= i_i:
-            _intra_tile_pair(k, G, Aqk, Akk, b_q_row, b_k_row, b_beta, b_c, rows, m_r, i_t, i_i, i_j, bos, T, i_h,
-                             o_r, o_k, True, H, K, BT, BC, PRECISION)
+                             o_r, o_k, H, K, BT, BC, PRECISION)
 
 
 @triton.jit
 def _intra_tile_pair(k, G, Aqk, Akk, b_q_row, b_k_row, b_beta, b_c, rows, m_r, i_t, i_i, i_j, bos, T, i_h, o_r,
-                     o_k, live, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     o_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                      PRECISION: tl.constexpr):
-    """Tile (I, J) of A_qk and A_kk from the row tile's decayed q and k (`[BC, K]`, anchor
-    c_I); `live` False (J > I) masks its loads and stores."""
+    """Tile (I, J <= I) of A_qk and A_kk from the row tile's decayed q and k (`[BC, K]`,
+    anchor c_I)."""
     cols = i_t * BT + i_j * BC + o_r
-    m_c = (cols < T) & live
+    m_c = cols < T
     p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
     b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
     b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
@@ -237,9 +234,8 @@ def _intra_tile_pair(k, G, Aqk, Akk, b_q_row, b_k_row, b_beta, b_c, rows, m_r, i
     keep_qk = off_diag | (o_r[:, None] >= o_r[None, :])
     keep_kk = off_diag | (o_r[:, None] > o_r[None, :])
     p_a = ((bos + rows) * H + i_h)[:, None] * BT + (i_j * BC + o_r)[None, :]
-    m_a = m_r[:, None] & live
-    tl.store(Aqk + p_a, tl.where(keep_qk, b_aqk, 0.0), mask=m_a)
-    tl.store(Akk + p_a, tl.where(keep_kk, b_akk, 0.0), mask=m_a)
+    tl.store(Aqk + p_a, tl.where(keep_qk, b_aqk, 0.0), mask=m_r[:, None])
+    tl.store(Akk + p_a, tl.where(keep_kk, b_akk, 0.0), mask=m_r[:, None])
 
 
 # ----------------------------------------------------------------------------------------
@@ -829,7 +825,6 @@ def kda_fwd_states(
     _intra_tiles_kernel[(n_chunks * N_TILES, H)](
         q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
         H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, STORE_Q_DECAY=output_q_decay,
-        BRANCH_FREE=tile_loops_branch_free(),
         num_warps=intra_warps,
     )
     _diag_inverse_kernel[(n_chunks * N_TILES, H)](
@@ -1008,7 +1003,6 @@ def kda_fwd_output(q: torch.Tensor, v: torch.Tensor, st: KDAForwardState) -> tor
 
 OUTPUT_ENV = "TITAN_MOE_KDA_OUTPUT"  # "BVxWARPS" of `_output_kernel`, for tuning
 TILE_WARPS_ENV = "TITAN_MOE_KDA_TILE_WARPS"  # warps of the per-tile kernels, for tuning (`tile_warps`)
-TILE_LOOPS_ENV = "TITAN_MOE_KDA_TILE_LOOPS"  # "branch" | "masked", see `tile_loops_branch_free`
 _WARPS = (1, 2, 4, 8, 16)
 
 
@@ -1032,21 +1026,6 @@ def output_config(V: int) -> tuple[int, int]:
     if bv not in (16, 32, 64, 128) or warps not in _WARPS:
         raise ValueError(f"{OUTPUT_ENV}: BV must be 16, 32, 64 or 128 and warps a power of two <= 16, got {bv}x{warps}")
     return min(bv, V), warps
-
-
-def tile_loops_branch_free() -> bool:
-    """How the per-tile kernels (`_intra_tiles_kernel`, `triton_bwd._bwd_intra_kernel`) walk
-    their chunk's other 16-row tiles, `$TITAN_MOE_KDA_TILE_LOOPS` read per call: "branch"
-    (default: a tile outside the causal range is skipped by a uniform branch) or "masked"
-    (every tile's loads are issued with the out-of-range ones masked to zero, the stores
-    masked likewise: straight-line code, so that the compiler can issue a later tile's loads
-    while an earlier tile computes, at the price of the skipped tiles' arithmetic on zeros;
-    both kernels wait mostly on global loads, BENCHMARKS.md "where each kernel waits"). Not
-    yet timed: the default stays "branch" until the GPU says otherwise."""
-    text = os.environ.get(TILE_LOOPS_ENV) or "branch"
-    if text not in ("branch", "masked"):
-        raise ValueError(f"{TILE_LOOPS_ENV} must be branch or masked, got {text!r}")
-    return text == "masked"
 
 
 def tile_warps() -> tuple[int, int, int, int]:
