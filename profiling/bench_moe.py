@@ -2,6 +2,7 @@
 
     python profiling/bench_moe.py                       # H200: the shapes below, bf16
     python profiling/bench_moe.py --sweep-tiles         # also time Triton tile shapes per product
+    python profiling/bench_moe.py --best-tiles OUT.txt  # that sweep's winners, as $TITAN_MOE_GROUPED_MM_TILES
     python profiling/bench_moe.py --device cpu --tiny   # plumbing check only, no speed claim
     python profiling/bench_moe.py --skip-gemm --skip-layer --dispatch   # token dispatch only
 
@@ -17,6 +18,8 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
   and dw on ``torch._grouped_mm`` (``backend="fwd=triton,dx=triton,dw=native"``);
 * ``native``: ``grouped_mm(..., backend="native")``, our op around ``torch._grouped_mm``
   (adds the zeroing of unowned rows / empty groups);
+* ``auto``: ``grouped_mm(..., backend="auto")``, the backend chosen per call from the shapes
+  (``titan_moe.ops.grouped_gemm.op.auto_backend``);
 * ``torch``:  raw ``torch._grouped_mm`` with its own autograd (what torchtitan calls);
 * ``fp8`` (compute capability >= 8.9, bf16 only): :func:`titan_moe.float8.experts.fp8_grouped_mm`,
   the path of the ``titan_float8_experts`` converter: dynamic rowwise e4m3 quantization of
@@ -26,7 +29,8 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
   with ``[compile] enable``).
 
 Shapes: E=64, M=65536 (8192 tokens x top-8), K=2048, N=1408, group sizes balanced and
-Zipf(1.1) (sizes proportional to 1/rank^1.1, shuffled, rounded to multiples of 16); and the
+Zipf(1.1), and balanced at M = 32768 and 16384 (512 and 256 rows per group); the MoE layer
+benchmark's two expert GEMMs (K=1024 -> N=2*1408, K=1408 -> N=1024, M=65536, balanced) (sizes proportional to 1/rank^1.1, shuffled, rounded to multiples of 16); and the
 K3 latent experts on one of 8 expert-parallel ranks: 112 local experts of 896,
 M = 8192 tokens x 16 routed x 112/896 = 16384 rows, gate/up 3584 -> 2*3072 and down
 3072 -> 3584, balanced and Zipf(1.1). FLOPs: 2*M*K*N forward, 3x that forward+backward.
@@ -37,7 +41,7 @@ few tile shapes (``TileConfig``, written BMxBNxBKxWARPSxSTAGES as ``$TITAN_MOE_G
 takes them), each beside ``torch._grouped_mm`` on the same product ("peer").
 
 Part 2, one MoE layer forward and forward+backward on [1, tokens, dim] activations:
-ours (:class:`titan_moe.model.moe.LatentMoE`, experts in the latent width ``latent``,
+timed in interleaved rounds like part 1: ours (:class:`titan_moe.model.moe.LatentMoE`, experts in the latent width ``latent``,
 run once with each grouped-GEMM backend and once as ``ours_fp8_experts``, a copy whose
 routed experts are converted by ``titan_float8_experts`` (fp8 rowwise grouped GEMMs, on the
 CPU their fp32 emulation; on CUDA only with compute capability >= 8.9 and bf16), plus the
@@ -59,7 +63,12 @@ L = 3584 (896 experts). Reported: ms, GB/s of the least traffic
 (:func:`dispatch_min_bytes`) and the relative error of every output and gradient against
 ``gather``. The report gains a ``"dispatch"`` list only when the flag is given.
 
-Timing: ``triton.testing.do_bench`` medians on CUDA. With ``--device cpu`` every provider
+Timing: ``triton.testing.do_bench`` medians on CUDA. The grouped GEMM providers and the tile
+sweep's candidates are timed in ``ROUNDS`` interleaved rounds (`measure_rounds`: each round
+times every provider of the case once, in a seeded random order; the median of the rounds is
+reported, and the rounds' spread beside it): on the H200 the same ``torch._grouped_mm`` call
+measured 0.584 and 0.674 ms minutes apart in one process, a drift larger than the ratios
+these rows decide. With ``--device cpu`` every provider
 runs once (the correctness columns are filled) and no time is reported: the JSON has
 ``"timed": false`` and null times. The last line of stdout is one JSON object with
 everything; nothing here writes to BENCHMARKS.md.
@@ -90,6 +99,12 @@ def gemm_cases(tiny: bool) -> list[dict]:
     return [
         dict(case="e64_balanced", E=64, M=65536, K=2048, N=1408, dist="balanced"),
         dict(case="e64_zipf1.1", E=64, M=65536, K=2048, N=1408, dist="zipf"),
+        # fewer rows per group (512 and 256 on average): where "auto" switches backends
+        dict(case="e64_m32k_balanced", E=64, M=32768, K=2048, N=1408, dist="balanced"),
+        dict(case="e64_m16k_balanced", E=64, M=16384, K=2048, N=1408, dist="balanced"),
+        # the MoE layer benchmark's own expert GEMMs (latent 1024, hidden 1408, SiTU-GLU gate+up fused)
+        dict(case="layer_gate_up", E=64, M=65536, K=1024, N=2 * 1408, dist="balanced"),
+        dict(case="layer_down", E=64, M=65536, K=1408, N=1024, dist="balanced"),
         dict(case="k3_gate_up_balanced", E=112, M=m, K=3584, N=2 * 3072, dist="balanced"),
         dict(case="k3_gate_up_zipf1.1", E=112, M=m, K=3584, N=2 * 3072, dist="zipf"),
         dict(case="k3_down_balanced", E=112, M=m, K=3072, N=3584, dist="balanced"),
@@ -152,6 +167,39 @@ def measure(fn, timed: bool, grad_to_none=None) -> float | None:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
 
 
+ROUNDS = 7  # interleaved rounds of `measure_rounds`
+
+
+def measure_rounds(fns: dict, timed: bool, grad_to_none=None, rounds: int = ROUNDS) -> tuple[dict, dict]:
+    """Median milliseconds of each of ``fns`` ({name: fn}) over ``rounds`` interleaved rounds:
+    every round times each fn once (do_bench median) in a fresh seeded random order, so that a
+    drift of the GPU's clocks during the run, and the state one fn leaves to the next (a
+    rotated fixed order keeps each fn's predecessor: measured on the H200, the same
+    ``torch._grouped_mm`` call ran 8-10% slower behind one provider than behind another),
+    fall on all of them alike. Returns ({name: median of the rounds}, {name: (max - min) / median of the rounds},
+    the spread to read a ratio against); ({name: None}, {}) when not timed (each fn runs once)."""
+    for fn in fns.values():
+        fn()  # compile / autotune outside the rounds
+    if not timed:
+        return dict.fromkeys(fns), {}
+    import statistics
+
+    import triton.testing
+
+    import random
+
+    names = list(fns)
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    order = random.Random(0)
+    for _ in range(rounds):
+        for name in order.sample(names, len(names)):
+            per_round[name].append(float(triton.testing.do_bench(
+                fns[name], warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median")))
+    medians = {name: statistics.median(v) for name, v in per_round.items()}
+    spread = {name: (max(v) - min(v)) / medians[name] for name, v in per_round.items()}
+    return medians, spread
+
+
 def tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None else flops / (ms * 1e-3) / 1e12
 
@@ -207,6 +255,7 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # forward and dx on our TMA kernel (where it led), dw on torch._grouped_mm
         providers["tma_dw_native"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1"})
     providers["native"] = (ours("native"), {})
+    providers["auto"] = (ours("auto"), {})  # per shape: TMA forward and dx for large groups on sm90
     providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
     if with_fp8:
         from titan_moe.float8.experts import fp8_grouped_mm
@@ -235,18 +284,26 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
     flops = 2 * M * K * N
     row = dict(case=case["case"], E=E, M=M, K=K, N=N, dist=case["dist"], group_min=min(sizes),
                group_max=max(sizes), flops_fwd=flops, flops_fwd_bwd=3 * flops, ms={}, tflops={}, rel_err={})
+    providers = gemm_providers(tma_available(device), fp8_available(device, dtype))
+
+    def under(env, call):
+        def run():
+            with env_vars(env):
+                call()
+        return run
+
+    def fwd_bwd(fn):
+        fn(x, w, offs).backward(grad)
+
+    timers = {}
+    for name, (fn, env) in providers.items():
+        timers[f"{name}_fwd"] = under(env, torch.no_grad()(lambda fn=fn: fn(x, w, offs)))
+        timers[f"{name}_fwd_bwd"] = under(env, lambda fn=fn: fwd_bwd(fn))
+    row["ms"], row["ms_spread"] = measure_rounds(timers, timed, grad_to_none=[x, w])
     results = {}
-    for name, (fn, env) in gemm_providers(tma_available(device), fp8_available(device, dtype)).items():
+    for name, (fn, env) in providers.items():
+        x.grad = w.grad = None
         with env_vars(env):
-            with torch.no_grad():
-                row["ms"][f"{name}_fwd"] = measure(lambda fn=fn: fn(x, w, offs), timed)
-
-            def fwd_bwd(fn=fn):
-                fn(x, w, offs).backward(grad)
-
-            x.grad = w.grad = None
-            row["ms"][f"{name}_fwd_bwd"] = measure(fwd_bwd, timed, grad_to_none=[x, w])
-            x.grad = w.grad = None
             out = fn(x, w, offs)
             out.backward(grad)
         results[name] = (out.detach(), x.grad, w.grad)
@@ -254,7 +311,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
         del out
     for key in list(row["ms"]):
         row["tflops"][key] = tflops(row["flops_fwd_bwd"] if key.endswith("fwd_bwd") else flops, row["ms"][key])
-    for name in ("triton", "triton_tma", "tma_dw_native", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8"):
+    for name in ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8"):
         if name in results:
             for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
                 row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
@@ -307,17 +364,50 @@ def tile_sweep(x, w, grad, offs, timed: bool, with_tma: bool) -> dict[str, dict]
     out = {}
     for name, (kind, run, peer, reference) in products.items():
         ref = reference()
-        ms: dict = {"peer": measure(peer, timed) if timed else None}
+        timers = {"peer": peer}
+        ms: dict = {}
         worst = 0.0  # every configuration's result against the reference (the same fp32 sums, tiled)
         for bm, bn, bk, warps, stages in TINY_SWEEP if tiny else (MK_SWEEP if kind == "mk" else K_SWEEP):
             cfg = tk.TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
             key = f"{bm}x{bn}x{bk}x{warps}x{stages}"
             try:
                 worst = max(worst, rel_err(run(cfg), ref))
-                ms[key] = measure(lambda cfg=cfg: run(cfg), timed)
+                timers[key] = lambda cfg=cfg: run(cfg)
             except Exception as exc:  # e.g. out of shared memory: record and go on
                 ms[key] = f"failed: {type(exc).__name__}"
-        out[name] = dict(ms=ms, max_rel_err=worst)
+        medians, spread = measure_rounds(timers, timed)
+        ms = {**medians, **ms}
+        out[name] = dict(ms=ms, max_rel_err=worst, max_spread=max(spread.values(), default=None))
+    return out
+
+
+def best_tiles(report: dict) -> dict:
+    """The tile sweep's winners per kernel kind, over every swept case of ``report`` (a
+    ``--sweep-tiles`` run's JSON): "mk" (forward and dx share it) minimizes the sum over cases of
+    the forward (its TMA form where swept) plus dx, "k" the sum of dw; a candidate that failed in
+    any case is out. Returns {"env": the ``$TITAN_MOE_GROUPED_MM_TILES`` value,
+    kind: {"tile": key, "ms": summed ms, "peer_ms": the peer's sum on the same products}}."""
+    rows = [r for r in report["gemm"] if "tile_sweep" in r]
+    if not rows or not report["timed"]:
+        raise ValueError("best_tiles: needs a timed --sweep-tiles report")
+    out: dict = {}
+    for kind in ("mk", "k"):
+        per_key: dict[str, list] = {}  # key: its ms on every (case, product) pair
+        pairs = 0
+        for r in rows:
+            sweep = r["tile_sweep"]
+            for product in (("fwd_tma" if "fwd_tma" in sweep else "fwd", "dx") if kind == "mk" else ("dw",)):
+                pairs += 1
+                for key, ms in sweep[product]["ms"].items():
+                    per_key.setdefault(key, []).append(ms)
+        totals = {key: sum(v) for key, v in per_key.items()
+                  if len(v) == pairs and all(isinstance(ms, (int, float)) for ms in v)}
+        valid = {key: ms for key, ms in totals.items() if key != "peer"}
+        if not valid:
+            raise ValueError(f"best_tiles: every {kind} candidate failed somewhere")
+        tile = min(valid, key=valid.get)
+        out[kind] = dict(tile=tile, ms=valid[tile], peer_ms=totals.get("peer"))
+    out["env"] = f"mk={out['mk']['tile']},k={out['k']['tile']}"
     return out
 
 
@@ -367,7 +457,7 @@ def build_layers(cfg: dict, device: str, dtype):
     return ours, theirs
 
 
-def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool) -> dict:
+def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool, kernels: int = 0) -> dict:
     import torch
 
     from titan_moe.ops.grouped_gemm.op import BACKEND_ENV
@@ -393,6 +483,7 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
         # the same with the experts' SiTU-GLU as one Triton pass per direction
         "ours_native_situ_triton": (ours, {BACKEND_ENV: "native", SITU_ENV: "triton"}),
         "ours_triton": (ours, {BACKEND_ENV: "triton", TMA_ENV: "0"}),
+        "ours_auto": (ours, {BACKEND_ENV: "auto"}),
     }
     if tma_available(device):
         runs["ours_triton_tma"] = (ours, {BACKEND_ENV: "triton", TMA_ENV: "1"})
@@ -400,29 +491,41 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
         runs["ours_fp8_experts"] = (ours_fp8, {BACKEND_ENV: "native"})
     runs["torchtitan"] = (theirs, {})
     out = dict(config=cfg, compiled=compile_layers, providers={})
+    timers = {}
     for name, (layer, env) in runs.items():
         f = flops["torchtitan" if name == "torchtitan" else "ours"]
+        out["providers"][name] = dict(flops_fwd=f, flops_fwd_bwd=3 * f)
         if name == "torchtitan" and device != "cuda":
             # its router counts tokens with torch.histc on int64, which has no CPU kernel
-            out["providers"][name] = dict(flops_fwd=f, flops_fwd_bwd=3 * f, ms_fwd=None, ms_fwd_bwd=None,
-                                          tflops_fwd=None, tflops_fwd_bwd=None,
-                                          skipped="torch.histc(int64) in its router is CUDA-only")
+            out["providers"][name]["skipped"] = "torch.histc(int64) in its router is CUDA-only"
             continue
-        params = [x, *layer.parameters()]
-        with env_vars(env):  # our op reads the backend switches at run time, also when compiled
-            with torch.no_grad():
-                ms_fwd = measure(lambda layer=layer: layer(x), timed)
 
-            def fwd_bwd(layer=layer):
+        def fwd(layer=layer, env=env):
+            with env_vars(env), torch.no_grad():  # our op reads the backend switches at run time
+                layer(x)
+
+        def fwd_bwd(layer=layer, env=env):
+            with env_vars(env):
                 layer(x).backward(grad)
 
-            ms_fwd_bwd = measure(fwd_bwd, timed, grad_to_none=params)
-        for p in params:
-            p.grad = None
-        out["providers"][name] = dict(
-            flops_fwd=f, flops_fwd_bwd=3 * f, ms_fwd=ms_fwd, ms_fwd_bwd=ms_fwd_bwd,
-            tflops_fwd=tflops(f, ms_fwd), tflops_fwd_bwd=tflops(3 * f, ms_fwd_bwd),
-        )
+        timers[f"{name}_fwd"], timers[f"{name}_fwd_bwd"] = fwd, fwd_bwd
+    params = [x, *ours.parameters(), *theirs.parameters(), *(ours_fp8.parameters() if ours_fp8 is not None else ())]
+    ms, out["ms_spread"] = measure_rounds(timers, timed, grad_to_none=params)
+    if kernels:  # each provider's device kernels per forward+backward: immune to the host's noise
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_kda import kernel_times
+
+        for name, fn in timers.items():
+            if name.endswith("_fwd_bwd"):
+                times = kernel_times(fn, device)
+                out["providers"][name[:-len("_fwd_bwd")]]["kernels_fwd_bwd"] = dict(
+                    sum_ms=sum(times.values()), top=dict(list(times.items())[:kernels]))
+    for p in params:
+        p.grad = None
+    for name, p in out["providers"].items():
+        f = p["flops_fwd"]
+        p.update(ms_fwd=ms.get(f"{name}_fwd"), ms_fwd_bwd=ms.get(f"{name}_fwd_bwd"))
+        p.update(tflops_fwd=tflops(f, p["ms_fwd"]), tflops_fwd_bwd=tflops(3 * f, p["ms_fwd_bwd"]))
     out["rel_err_ours_vs_native"] = {
         name: _layer_agreement(layer, ours, x, grad, env, runs["ours_native"][1])
         for name, (layer, env) in runs.items() if name.startswith("ours_") and name != "ours_native"
@@ -578,13 +681,15 @@ def print_gemm_table(rows: list[dict]) -> None:
         for c in cols:
             line += f"{_fmt(r['ms'][c]) + ' (' + _fmt(r['tflops'][c], '.0f') + ')':>{width[c]}}"
         errs = [name + " " + "/".join(f"{r['rel_err'][f'{name}_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
-                for name in ("triton", "triton_tma", "tma_dw_native", "fp8", "fp8_fused", "fp8_fused_dw8")
+                for name in ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_fused", "fp8_fused_dw8")
                 if f"{name}_vs_torch_out" in r["rel_err"]]
-        print(line + "  " + "  ".join(errs))
+        spread = max(r.get("ms_spread", {}).values(), default=None)
+        print(line + "  " + "  ".join(errs) + ("" if spread is None else f"  rounds spread <= {spread:.1%}"))
         for product, sweep in r.get("tile_sweep", {}).items():
             print(f"    tile sweep {product:<7} " + ", ".join(
                 f"{k} {v if isinstance(v, str) else _fmt(v)}" for k, v in sweep["ms"].items())
-                + f"  (max rel err vs native {sweep['max_rel_err']:.1e})")
+                + f"  (max rel err vs native {sweep['max_rel_err']:.1e}"
+                + ("" if sweep.get("max_spread") is None else f", rounds spread <= {sweep['max_spread']:.1%}") + ")")
 
 
 def print_dispatch_table(rows: list[dict]) -> None:
@@ -616,6 +721,9 @@ def print_tables(report: dict) -> None:
         print(f"{name:<14}{p['flops_fwd'] / 1e9:>12.3f}{_fmt(p['ms_fwd']):>10}{_fmt(p['tflops_fwd'], '.0f'):>9}"
               f"{p['flops_fwd_bwd'] / 1e9:>12.3f}{_fmt(p['ms_fwd_bwd']):>10}{_fmt(p['tflops_fwd_bwd'], '.0f'):>9}"
               + (f"  skipped: {p['skipped']}" if "skipped" in p else ""))
+        if "kernels_fwd_bwd" in p:
+            k = p["kernels_fwd_bwd"]
+            print(f"    kernels f+b {k['sum_ms']:.3f} ms: " + ", ".join(f"{n[:40]} {t:.3f}" for n, t in k["top"].items()))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -629,7 +737,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-layer", action="store_true")
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time each Triton product (fwd, dx, dw) over a few tile shapes")
+    parser.add_argument("--best-tiles", metavar="FILE", default=None,
+                        help="print the winners of a saved --sweep-tiles run's output (its last line, the JSON) "
+                             "as a $TITAN_MOE_GROUPED_MM_TILES value, then exit")
     parser.add_argument("--compile", action="store_true", help="torch.compile both MoE layers")
+    parser.add_argument("--layer-kernels", type=int, default=0, metavar="N",
+                        help="also profile each MoE layer provider's forward+backward: the sum of its device "
+                             "kernels and its N most expensive ones")
     parser.add_argument("--dispatch", action="store_true",
                         help="also time the token dispatch ops (permute, unpermute+combine) against plain gathers")
     parser.add_argument("--tokens", type=int, default=8192)
@@ -644,6 +758,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.best_tiles:
+        with open(args.best_tiles) as f:
+            best = best_tiles(json.loads(f.read().strip().splitlines()[-1]))
+        for kind in ("mk", "k"):
+            b = best[kind]
+            print(f"# {kind}: {b['tile']} {b['ms']:.3f} ms summed, peer {_fmt(b['peer_ms'])} ms", file=sys.stderr)
+        print(best["env"])
+        return best
     if args.device == "cpu":
         # Must precede the first import of our Triton kernel module (it decides at import).
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -674,7 +796,8 @@ def main(argv=None) -> dict:
             if timed:
                 torch.cuda.empty_cache()
     if not args.skip_layer:
-        report["moe_layer"] = bench_layer(layer_config(args), args.device, dtype, timed, args.compile)
+        report["moe_layer"] = bench_layer(layer_config(args), args.device, dtype, timed, args.compile,
+                                          args.layer_kernels)
     if args.dispatch:
         report["dispatch"] = [bench_dispatch_case(case, args.device, dtype, timed)
                               for case in dispatch_cases(args.tiny)]

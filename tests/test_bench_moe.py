@@ -32,7 +32,7 @@ def test_tiny_cpu_run_reports_every_row_without_times():
             "moe_layer"} <= report.keys()
     assert report["device"] == "cpu" and report["timed"] is False and report["dtype"] == "fp32"
 
-    providers = ("triton", "native", "torch")
+    providers = ("triton", "native", "auto", "torch")
     timings = {f"{p}_{d}" for p in providers for d in ("fwd", "fwd_bwd")}
     assert [r["case"] for r in report["gemm"]] == ["tiny_balanced", "tiny_zipf1.1"]
     for row in report["gemm"]:
@@ -43,20 +43,20 @@ def test_tiny_cpu_run_reports_every_row_without_times():
         assert row["ms"].keys() == timings and row["tflops"].keys() == timings
         assert all(v is None for v in (*row["ms"].values(), *row["tflops"].values()))  # no speed claim
         # fp32 interpreter kernels vs torch._grouped_mm: a few fp32 ulps (K <= 32, <= 96 rows)
-        assert set(row["rel_err"]) == {f"triton_vs_torch_{p}" for p in ("out", "dx", "dw")}
+        assert set(row["rel_err"]) == {f"{name}_vs_torch_{p}" for name in ("triton", "auto") for p in ("out", "dx", "dw")}
         assert all(0 <= e < 1e-5 for e in row["rel_err"].values()), row["rel_err"]
 
     layer = report["moe_layer"]
-    assert set(layer["providers"]) == {"ours_native", "ours_native_situ_triton", "ours_triton", "ours_fp8_experts",
-                                       "torchtitan"}
+    assert set(layer["providers"]) == {"ours_native", "ours_native_situ_triton", "ours_triton", "ours_auto",
+                                       "ours_fp8_experts", "torchtitan"}
     for name, p in layer["providers"].items():
         assert p["flops_fwd"] > 0 and p["flops_fwd_bwd"] == 3 * p["flops_fwd"]
         assert p["ms_fwd"] is None and p["ms_fwd_bwd"] is None and p["tflops_fwd_bwd"] is None, name
     # fp32: the Triton and native backends (GEMM, SiTU-GLU) differ by fp32 rounding only; the
     # fp8 experts (emulated e4m3 operands) by a few percent: they did quantize, and stay close
     errors = layer["rel_err_ours_vs_native"]
-    assert set(errors) == {"ours_native_situ_triton", "ours_triton", "ours_fp8_experts"}
-    for name in ("ours_native_situ_triton", "ours_triton"):
+    assert set(errors) == {"ours_native_situ_triton", "ours_triton", "ours_auto", "ours_fp8_experts"}
+    for name in ("ours_native_situ_triton", "ours_triton", "ours_auto"):
         assert all(0 <= e < 1e-5 for e in errors[name].values()), errors
     assert all(1e-3 < e < 0.1 for e in errors["ours_fp8_experts"].values()), errors
 
@@ -138,10 +138,40 @@ def test_tile_sweep_runs_every_product_and_checks_each_configuration():
         for product, result in sweep.items():
             assert set(result["ms"]) == {"peer", *tiles} and all(v is None for v in result["ms"].values())
             assert 0 <= result["max_rel_err"] < 1e-5, (row["case"], product, result)
-    # the GPU candidates are valid tiles, the defaults first
+    # the GPU candidates are valid tiles, the generic defaults first, sm90's among them
     from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
     for sweep, kind in ((bench.MK_SWEEP, "mk"), (bench.K_SWEEP, "k")):
         configs = [tk.TileConfig(bm, bn, bk, num_warps=w, num_stages=s) for bm, bn, bk, w, s in sweep]
-        assert configs[0] == tk.default_config(torch.bfloat16, torch.device("cuda"), kind)
+        assert configs[0] == tk.default_config(torch.bfloat16, torch.device("cuda"), kind)  # no GPU here
+        assert tk.SM90_TILES[kind] in configs
         assert len(set(configs)) == len(configs)
+
+
+def test_best_tiles_sums_each_kind_over_cases_and_drops_failed_candidates(tmp_path):
+    """`--best-tiles`: "mk" minimizes forward (TMA where swept) + dx over every case, "k" dw;
+    a candidate that failed in one case is out even where it was fastest elsewhere."""
+    def sweep(fwd, fwd_tma, dx, dw):
+        return {"fwd": {"ms": fwd}, "fwd_tma": {"ms": fwd_tma}, "dx": {"ms": dx}, "dw": {"ms": dw}}
+
+    rows = [
+        {"case": "a", "tile_sweep": sweep({"peer": 1.0, "A": 0.1, "B": 9.0}, {"peer": 1.0, "A": 1.0, "B": 0.5},
+                                          {"peer": 1.0, "A": 1.0, "B": 0.9}, {"peer": 2.0, "K1": 1.0, "K2": 0.1})},
+        {"case": "b", "tile_sweep": sweep({"peer": 1.0, "A": 0.1, "B": 9.0}, {"peer": 1.0, "A": 1.0, "B": 0.5},
+                                          {"peer": 1.0, "A": 1.0, "B": 0.9},
+                                          {"peer": 2.0, "K1": 1.5, "K2": "failed: OutOfResources"})},
+    ]
+    report = {"timed": True, "gemm": [{"case": "no sweep"}, *rows]}
+    bench = _load_bench()
+    best = bench.best_tiles(report)
+    assert best["env"] == "mk=B,k=K1"  # B wins on fwd_tma + dx (the plain forward is not counted)
+    assert best["mk"]["ms"] == pytest.approx(2.8) and best["mk"]["peer_ms"] == pytest.approx(4.0)
+    assert best["k"]["ms"] == pytest.approx(2.5) and best["k"]["peer_ms"] == pytest.approx(4.0)
+    saved = tmp_path / "sweep.txt"
+    saved.write_text("table lines\n" + json.dumps(report) + "\n")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--best-tiles", str(saved)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "mk=B,k=K1"
+    with pytest.raises(ValueError, match="timed"):
+        bench.best_tiles({**report, "timed": False})
