@@ -217,17 +217,20 @@ def test_kernel_argument_errors():
 
 
 # ---------------------------------------------------------------------------- the op backend
+def run_backend(x, w, grad, offs, backend=None):
+    """(out, dx, dw) of `grouped_mm(..., backend=backend)` through autograd, on fresh leaves."""
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = grouped_mm(xl, wl, offs, backend=backend)
+    out.backward(grad)
+    return out.detach(), xl.grad, wl.grad
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_op_triton_backend_forward_backward(dtype):
     """`grouped_mm(..., backend="triton")` against the loop backend, through autograd."""
     x, w, grad, offs = make_case(60, 16, 32, 4, 0.9, dtype, seed=6)
-    grads = {}
-    for backend in ("triton", "loop"):
-        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = grouped_mm(xl, wl, offs, backend=backend)
-        out.backward(grad)
-        grads[backend] = (out.detach(), xl.grad, wl.grad)
+    grads = {backend: run_backend(x, w, grad, offs, backend) for backend in ("triton", "loop")}
     for got, ref in zip(grads["triton"], grads["loop"]):
         assert rel_err(got, ref) < TOL[dtype]
 
@@ -257,11 +260,8 @@ def test_backend_per_product(monkeypatch):
     x, w, grad, offs = make_case(30, 16, 16, 3, 1.0, torch.float32, seed=9)
     runs = {}
     for spec in ("loop", "fwd=triton,dx=loop,dw=triton", "dx=triton"):
-        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
         monkeypatch.setenv(gg_op.BACKEND_ENV, spec)
-        out = grouped_mm(xl, wl, offs)
-        out.backward(grad)
-        runs[spec] = (out.detach(), xl.grad, wl.grad)
+        runs[spec] = run_backend(x, w, grad, offs)
     assert calls == ["grouped_mm_triton", "grouped_mm_dw_triton", "grouped_mm_triton"]
     for spec in ("fwd=triton,dx=loop,dw=triton", "dx=triton"):
         for got, ref in zip(runs[spec], runs["loop"]):
@@ -339,9 +339,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         plain_async = "cp.async.cg" in ptx or "cp.async.ca" in ptx
         return "wgmma" in ptx, plain_async, "cp.async.bulk.tensor" in ptx, k.metadata.shared
 
-    dev = torch.device("cuda")
-    mk = tk.default_config(torch.bfloat16, dev, "mk")
-    kk = tk.default_config(torch.bfloat16, dev, "k")
+    mk, kk = tk.SM90_TILES["mk"], tk.SM90_TILES["k"]  # the tiles sm90 runs by default
     bm, bn, bk = mk.block_m, mk.block_n, mk.block_k
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=128, PRECISION="tf32",
                   INTERPRETED=False)
@@ -465,3 +463,61 @@ def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):
         monkeypatch.setenv(tk.TILES_ENV, bad)
         with pytest.raises(ValueError, match=match):
             tk.default_config(torch.bfloat16, cuda, "mk")
+
+
+def test_sm90_defaults_tma_and_swept_tiles(monkeypatch):
+    """On sm90 the 16-bit kernels default to the sweep's tiles and TMA loads
+    (`$TITAN_MOE_GROUPED_MM_TMA=0` turns TMA off); other GPUs keep the generic tiles and
+    pointer loads; an explicit `tma=` or tile override wins over both."""
+    from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(tk.TILES_ENV, raising=False)
+    monkeypatch.delenv(tk.TMA_ENV, raising=False)
+    generic = {kind: tk.default_config(torch.bfloat16, cuda, kind) for kind in ("mk", "k")}
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: device.type == "cuda")
+    for kind in ("mk", "k"):
+        assert tk.default_config(torch.bfloat16, cuda, kind) == tk.SM90_TILES[kind] != generic[kind]
+        assert tk.default_config(torch.float16, cuda, kind) == tk.SM90_TILES[kind]
+    assert tk.default_config(torch.float32, cuda, "mk") == tk.TileConfig(64, 64, 32, num_warps=4, num_stages=3)
+    assert tk._use_tma(None, cuda) and not tk._use_tma(False, cuda)
+    monkeypatch.setenv(tk.TMA_ENV, "0")
+    assert not tk._use_tma(None, cuda) and tk._use_tma(True, cuda)
+    monkeypatch.setenv(tk.TILES_ENV, "mk=128x128x64x8x4")
+    assert tk.default_config(torch.bfloat16, cuda, "mk") == tk.TileConfig(128, 128, 64, num_warps=8, num_stages=4)
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: False)
+    monkeypatch.delenv(tk.TMA_ENV)
+    assert not tk._use_tma(None, cuda)
+
+
+def test_auto_backend_rule_and_routing(monkeypatch):
+    """"auto": our kernel for the forward and dx only on sm90, 16-bit, with at least
+    AUTO_MIN_GROUP_ROWS rows per group on average; native for dw, fp32, small groups, other
+    devices. The op routes each product through the rule's choice."""
+    from types import SimpleNamespace
+
+    def operand(rows, dtype=torch.bfloat16, device="cuda"):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(rows, 64))
+
+    E = 8
+    offs = torch.zeros(E, dtype=torch.int32)
+    big, small = gg_op.AUTO_MIN_GROUP_ROWS * E, gg_op.AUTO_MIN_GROUP_ROWS * E - 1
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: device.type == "cuda")
+    assert [gg_op.auto_backend(p, operand(big), offs) for p in gg_op.PRODUCTS] == ["triton", "triton", "native"]
+    assert gg_op.auto_backend("fwd", operand(big, torch.float16), offs) == "triton"
+    for args in ((operand(small),), (operand(big, torch.float32),), (operand(big, device="cpu"),)):
+        assert gg_op.auto_backend("fwd", *args, offs) == "native", args
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: False)
+    assert gg_op.auto_backend("fwd", operand(big), offs) == "native"
+
+    calls = spy_on(monkeypatch, tk, ("grouped_mm_triton", "grouped_mm_dw_triton"))
+    x, w, grad, offs = make_case(30, 16, 16, 3, 1.0, torch.float32, seed=4)
+    runs = {name: run_backend(x, w, grad, offs, name) for name in ("loop", "auto")}
+    assert calls == []  # on the CPU auto is native
+    monkeypatch.setattr(gg_op, "auto_backend", lambda product, x, offs: "triton" if product == "dx" else "loop")
+    routed = run_backend(x, w, grad, offs, "auto")
+    assert calls == ["grouped_mm_triton"]  # dx only
+    for got, ref in zip(routed, runs["loop"]):
+        assert rel_err(got, ref) < TOL[torch.float32]
+    for got, ref in zip(runs["auto"], runs["loop"]):
+        assert rel_err(got, ref) < TOL[torch.float32]

@@ -22,6 +22,8 @@ named takes ``"native"``), so that each product can run where it was measured fa
   alignment) on CUDA, or on CPU when ``TRITON_INTERPRET=1`` was set before the kernel
   module was first imported (tests); elsewhere a ``ValueError``.
 * ``"loop"``: always the per-group loop of the reference.
+* ``"auto"``: per call from the shapes (`auto_backend`): the Triton TMA kernel for the forward
+  and dx on sm90 where the groups are large, ``"native"`` otherwise and for dw.
 
 ``"native"`` in detail:
 
@@ -61,7 +63,7 @@ from titan_moe.ops.grouped_gemm.reference import (
 from titan_moe.ops.nvtx import nvtx_range
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKENDS = ("native", "triton", "loop")
+BACKENDS = ("native", "triton", "loop", "auto")
 PRODUCTS = ("fwd", "dx", "dw")
 BACKEND_ENV = "TITAN_MOE_GROUPED_MM_BACKEND"
 
@@ -85,6 +87,24 @@ def resolve_backend(backend: str | None = None, product: str = "fwd") -> str:
     if bad:
         raise ValueError(f"grouped_mm: {source} must name backends of {BACKENDS}, got {spec!r}")
     return names[product]
+
+
+# "auto": our TMA kernel for the forward and dx where the groups average at least this many
+# rows, else torch._grouped_mm (BENCHMARKS.md, "Grouped GEMM: interleaved rounds"): on the H200
+# the TMA forward led at 1,024 rows per group (E = 64, 1.06x balanced, 1.10x Zipf) and
+# trailed at 146 (K3's 112 local experts, 0.92-0.95x); AUTO_MIN_GROUP_ROWS lies between them.
+AUTO_MIN_GROUP_ROWS = 512
+
+
+def auto_backend(product: str, x_MK: Tensor, offs_E: Tensor) -> str:
+    """The backend "auto" picks for ``product`` on this call, from shapes only (no sync):
+    "triton" for the forward and dx on sm90 with 16-bit operands and at least
+    ``AUTO_MIN_GROUP_ROWS`` rows per group on average, else "native" (dw always: our dw
+    kernel trailed ``torch._grouped_mm`` at every measured shape)."""
+    if (product == "dw" or x_MK.device.type != "cuda" or x_MK.dtype == torch.float32
+            or x_MK.shape[0] < AUTO_MIN_GROUP_ROWS * offs_E.shape[0]):
+        return "native"
+    return "triton" if _triton_kernels()._is_sm90(x_MK.device) else "native"
 
 
 def _triton_kernels():
@@ -179,6 +199,8 @@ def _zero_empty_groups(dw_EKN: Tensor, offs_E: Tensor) -> Tensor:
 def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None, product: str) -> Tensor:
     """``w_EKN`` may be row-major or a transposed (column-major) view; every backend takes both."""
     name = resolve_backend(backend, product)
+    if name == "auto":
+        name = auto_backend(product, x_MK, offs_E)
     m = x_MK.shape[0]
     if name == "triton":
         if x_MK.device.type == "cpu":
@@ -224,6 +246,8 @@ def _(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None
 def _grouped_mm_dw_op(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     with nvtx_range("op.grouped_mm_dw"):
         name = resolve_backend(backend, "dw")
+        if name == "auto":
+            name = auto_backend("dw", x_MK, offs_E)
         if name == "triton":
             if x_MK.device.type == "cpu":
                 group_bounds(offs_E, x_MK.shape[0])

@@ -32,7 +32,8 @@ Loads: masked pointer loads by default (any strides; on sm90 the compiler turns 
 a cp.async pipeline feeding wgmma). The ragged-M kernel has a TMA variant
 (``USE_TMA``: host tensor descriptors for ``a`` and ``b``, zero-filled box edges; output
 rows past the group's end are computed from the next group's rows and never stored),
-opt-in on sm90 via ``grouped_mm_triton(tma=True)`` or ``TITAN_MOE_GROUPED_MM_TMA=1``.
+the default on sm90 (``TITAN_MOE_GROUPED_MM_TMA=0`` turns it off; ``grouped_mm_triton(tma=...)``
+forces either).
 
 GPU status (H200, BENCHMARKS.md "Grouped GEMM" sections): outputs, dx and dw bit-identical to
 ``torch._grouped_mm``'s; the TMA forward beats it on imbalanced groups (1.13-1.26x, third run) and
@@ -51,10 +52,11 @@ inputs use tensor-core dots with fp32 accumulators. Outputs are cast to the inpu
 once, at the store. Under ``TRITON_INTERPRET=1`` (CPU tests) bf16 ``tl.dot`` is computed
 wrongly by the interpreter; fp32 and fp16 are exact there.
 
-Tile sizes on the GPU are starting points chosen from the shared-memory budget of an
-H100/H200 (228 KB per SM), not tuned: ``profiling/bench_moe.py --sweep-tiles`` times each
-product over candidate tiles beside ``torch._grouped_mm``, and ``$TITAN_MOE_GROUPED_MM_TILES``
-(``tile_overrides``) runs the whole op with other tiles before they become defaults.
+Tile sizes: on sm90 the winners of a tile sweep (``SM90_TILES``); elsewhere starting points
+chosen from the shared-memory budget of an H100/H200 (228 KB per SM), not tuned.
+``profiling/bench_moe.py --sweep-tiles`` times each product over candidate tiles beside
+``torch._grouped_mm``, and ``$TITAN_MOE_GROUPED_MM_TILES`` (``tile_overrides``) runs the whole
+op with other tiles before they become defaults.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ import triton.language as tl
 from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on, sm_count
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "1": TMA loads on sm90 for the forward and dx kernel
+TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "0": pointer loads on sm90 too (TMA is sm90's default)
 # GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
 TILES_ENV = "TITAN_MOE_GROUPED_MM_TILES"
 _KINDS = ("mk", "k")
@@ -354,11 +356,26 @@ def tile_overrides() -> dict[str, TileConfig]:
     return out
 
 
-def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileConfig:
-    """Tile defaults per dtype and kernel ("mk" forward/dx, "k" dw); unmeasured starting points.
+# 16-bit tiles on sm90, the winners of the H200 tile sweep (BENCHMARKS.md, "Grouped GEMM: the
+# tile sweep per product"): summed over E = 64 balanced and Zipf(1.1), the TMA forward plus dx
+# 2.658 ms at 256x128x64 against 2.796 at the old 128x128x64 (peer 2.752), dw 1.755 against 1.866.
+SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3),
+              "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3)}
 
-    16-bit on the GPU: 128x128 output tiles, 64-deep steps, 4 stages: (128*64 + 64*128) * 2 B
-    = 32 KB of shared memory per stage, 128 KB in all. fp32: half the tile edge and 3 stages.
+
+def _is_sm90(device: torch.device) -> bool:
+    if device.type != "cuda" or interpreted() or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileConfig:
+    """Tile defaults per dtype and kernel ("mk" forward/dx, "k" dw).
+
+    16-bit on sm90: `SM90_TILES`, measured. 16-bit on other GPUs (unmeasured starting points):
+    128x128 output tiles, 64-deep steps, 4 stages: (128*64 + 64*128) * 2 B = 32 KB of shared
+    memory per stage, 128 KB in all. fp32: half the tile edge and 3 stages.
     Under the interpreter the smallest tiles, so that small test shapes cross tile edges.
     On the GPU `$TITAN_MOE_GROUPED_MM_TILES` overrides either kind (`tile_overrides`).
     """
@@ -369,6 +386,8 @@ def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileC
         return override
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, num_warps=4, num_stages=3)
+    if _is_sm90(device):
+        return SM90_TILES[kind]
     if kind == "k":
         return TileConfig(64, 128, 128, num_warps=8, num_stages=4)
     return TileConfig(128, 128, 64, num_warps=8, num_stages=4)
@@ -421,10 +440,7 @@ def _tma_operands(a_MK: torch.Tensor, b_EKN: torch.Tensor, cfg: TileConfig):
 def _use_tma(tma: bool | None, device: torch.device) -> bool:
     if tma is not None:
         return tma
-    if os.environ.get(TMA_ENV, "0") != "1" or device.type != "cuda" or interpreted():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] == 9
+    return os.environ.get(TMA_ENV, "1") != "0" and _is_sm90(device)
 
 
 def grouped_mm_triton(
@@ -441,11 +457,10 @@ def grouped_mm_triton(
         b_EKN: [E, K, N] any strides (``w.transpose(1, 2)`` gives the ``dx`` product).
         offs_E: [E] int32 cumulative group ends (not read on the host).
         config: tile override (default :func:`default_config`).
-        tma: load ``a`` and ``b`` through TMA tensor descriptors. None: only when
-            ``$TITAN_MOE_GROUPED_MM_TMA`` is "1" and the device is sm90 (Hopper). True
-            forces it (the interpreter runs it too); layouts TMA cannot describe fall back
-            to pointer loads. UNTESTED ON A GPU: only checked under the interpreter and by
-            compiling for sm90; benchmark and test it on an H100/H200 before enabling it.
+        tma: load ``a`` and ``b`` through TMA tensor descriptors. None: on sm90 (Hopper)
+            unless ``$TITAN_MOE_GROUPED_MM_TMA`` is "0" (measured faster than pointer loads
+            at every swept tile on the H200). True forces it (the interpreter runs it too);
+            layouts TMA cannot describe fall back to pointer loads.
 
     Returns:
         [M, N] contiguous, dtype of ``a_MK``, fp32 accumulation.
