@@ -43,7 +43,8 @@
 #   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
 #   gemm_tiles profiling/bench_moe.py --sweep-tiles at E = 64 (balanced, Zipf 1.1): each Triton
 #              product (forward, TMA forward, dx, dw) over tile candidates beside
-#              torch._grouped_mm on the same product (not in the default list)
+#              torch._grouped_mm on the same product, then (gemm_best) the whole op with the
+#              winners (--best-tiles) in $TITAN_MOE_GROUPED_MM_TILES (not in the default list)
 #   train      small_1gpu eager and compiled, 30 steps each (tokens/s, memory)
 #   train_ep   small_1gpu FSDP2 x EP2 compiled, 30 steps (needs 2 GPUs)
 #   fp8        small_1gpu compiled, fp8 linears and experts, 30 steps
@@ -135,8 +136,13 @@ for section in "${SECTIONS[@]}"; do
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         kda_graphs) run kda_graphs python profiling/bench_kda.py --cuda-graphs --shapes 8192,32768 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
-        gemm_tiles) run gemm_tiles python profiling/bench_moe.py --skip-layer --gemm-cases e64_balanced,e64_zipf1.1 \
-                --sweep-tiles ;;
+        gemm_tiles)
+            run gemm_tiles python profiling/bench_moe.py --skip-layer --gemm-cases e64_balanced,e64_zipf1.1 \
+                --sweep-tiles
+            # the winners through the whole op, beside the peer in the same run
+            BEST=$(python profiling/bench_moe.py --best-tiles "$OUT/gemm_tiles.txt" 2>/dev/null) || BEST=
+            run gemm_best env TITAN_MOE_GROUPED_MM_TILES="$BEST" python profiling/bench_moe.py --skip-layer \
+                --gemm-cases e64_balanced,e64_zipf1.1 ;;
         train)
             run train_eager torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/train_eager"
             run train_compiled torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable \
