@@ -255,7 +255,7 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # forward and dx on our TMA kernel (where it led), dw on torch._grouped_mm
         providers["tma_dw_native"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1"})
     providers["native"] = (ours("native"), {})
-    providers["auto"] = (ours("auto"), {})  # per shape: TMA forward and dx for large groups on sm90
+    providers["auto"] = (ours("auto"), {TMA_ENV: "1"})  # per shape: TMA forward and dx for large groups on sm90
     providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
     if with_fp8:
         from titan_moe.float8.experts import fp8_grouped_mm
@@ -338,7 +338,7 @@ TINY_SWEEP = [(16, 16, 16, 4, 1), (32, 16, 16, 4, 1)]  # CPU plumbing check (int
 def tile_sweep(x, w, grad, offs, timed: bool, with_tma: bool) -> dict[str, dict]:
     """Each Triton product of the op over its tile candidates, beside `torch._grouped_mm` on
     the same product, for the forward ("fwd", and "fwd_tma" on sm90), dx (grad @ w^T per
-    group, with TMA when available) and dw: {product: {"ms": {"peer": ms, tile key: ms or
+    group, with TMA when available) and dw (and "dw_tma" on sm90): {product: {"ms": {"peer": ms, tile key: ms or
     "failed: ..."}, "max_rel_err": the worst configuration's result against the op's own
     native path}}.
     Untimed (CPU) it only runs each call, with the tiny candidates."""
@@ -361,6 +361,8 @@ def tile_sweep(x, w, grad, offs, timed: bool, with_tma: bool) -> dict[str, dict]
     if with_tma:
         products["fwd_tma"] = ("mk", lambda cfg: tk.grouped_mm_triton(x, w, offs, cfg, tma=True),
                                *products["fwd"][2:])
+        products["dw_tma"] = ("k", lambda cfg: tk.grouped_mm_dw_triton(x, grad, offs, cfg, tma=True),
+                              *products["dw"][2:])
     out = {}
     for name, (kind, run, peer, reference) in products.items():
         ref = reference()
@@ -396,6 +398,7 @@ def best_tiles(report: dict) -> dict:
         pairs = 0
         for r in rows:
             sweep = r["tile_sweep"]
+            # the products as the op runs them: on sm90 the forward through TMA, dw not (yet)
             for product in (("fwd_tma" if "fwd_tma" in sweep else "fwd", "dx") if kind == "mk" else ("dw",)):
                 pairs += 1
                 for key, ms in sweep[product]["ms"].items():
@@ -483,7 +486,7 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
         # the same with the experts' SiTU-GLU as one Triton pass per direction
         "ours_native_situ_triton": (ours, {BACKEND_ENV: "native", SITU_ENV: "triton"}),
         "ours_triton": (ours, {BACKEND_ENV: "triton", TMA_ENV: "0"}),
-        "ours_auto": (ours, {BACKEND_ENV: "auto"}),
+        "ours_auto": (ours, {BACKEND_ENV: "auto", TMA_ENV: "1"}),
     }
     if tma_available(device):
         runs["ours_triton_tma"] = (ours, {BACKEND_ENV: "triton", TMA_ENV: "1"})

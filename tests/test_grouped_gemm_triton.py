@@ -127,6 +127,24 @@ def test_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 40, 24, 5, 0.8)])
+def test_dw_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype):
+    """The dw kernel's TMA loads (opt-in): group ends inside a reduction step, rows past
+    offs[-1], a K and N that are not multiples of the tiles; the rows a box reads past its
+    group's end (the next group's) must not enter the sum; empty groups stay zero."""
+    x, _, grad, offs = make_case(m, k, n, e, frac, dtype, seed=m + n)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    cfg = tk.default_config(dtype, x.device, "k")
+    assert tk._row_major_descriptor(x, [cfg.block_m, cfg.block_k]) is not None
+    assert any(int(s) % cfg.block_m for s in sizes)  # a group ends inside a reduction step
+    dw = tk.grouped_mm_dw_triton(x, grad, offs, tma=True)
+    assert rel_err(dw, grouped_mm_dw_reference(x, grad, offs)) < TOL[dtype]
+    assert torch.all(dw[sizes == 0] == 0)
+    assert torch.equal(dw, tk.grouped_mm_dw_triton(x, grad, offs))  # the same sums as pointer loads
+
+
+@needs_kernels
 def test_tma_falls_back_for_layouts_it_cannot_describe():
     x, w, _, offs = make_case(30, 20, 12, 3, 1.0, torch.float16, seed=9)  # rows of 40 bytes
     cfg = tk.default_config(torch.float16, x.device, "mk")
@@ -134,6 +152,9 @@ def test_tma_falls_back_for_layouts_it_cannot_describe():
     assert tk._tma_operands(x[:, :16], w[:, :16], cfg) is None  # row stride 40 bytes
     out = tk.grouped_mm_triton(x, w, offs, tma=True)
     assert rel_err(out, grouped_mm_reference(x, w, offs)) < TOL[torch.float16]
+    assert tk._row_major_descriptor(x, [16, 16]) is None
+    dw = tk.grouped_mm_dw_triton(x, x, offs, tma=True)  # falls back to pointer loads
+    assert rel_err(dw, grouped_mm_dw_reference(x, x, offs)) < TOL[torch.float16]
 
 
 @needs_kernels
@@ -363,7 +384,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False), kk)
+    results["dw_tma"] = compile_kernel(
+        tk._ragged_k_kernel, {"x_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_k}]>",
+                              "g_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_n}]>", "dw_ptr": "*bf16",
+                              "offs_ptr": "*i32"},
+        ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
+        ["stride_xk", "stride_gn", "stride_wn"],
+        dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=True), kk)
     print("RESULT", repr(results))
     """
 )
@@ -376,7 +405,7 @@ def test_compiles_for_sm90():
     variant) within the shared-memory budget."""
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "dw"}
+    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "dw", "dw_tma"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
         expected = (False, True) if name.endswith("_tma") else (True, False)
@@ -465,29 +494,29 @@ def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):
             tk.default_config(torch.bfloat16, cuda, "mk")
 
 
-def test_sm90_defaults_tma_and_swept_tiles(monkeypatch):
-    """On sm90 the 16-bit kernels default to the sweep's tiles and TMA loads
-    (`$TITAN_MOE_GROUPED_MM_TMA=0` turns TMA off); other GPUs keep the generic tiles and
-    pointer loads; an explicit `tma=` or tile override wins over both."""
+def test_sm90_defaults_swept_tiles_and_opt_in_tma(monkeypatch):
+    """On sm90 the 16-bit kernels default to the sweep's tiles, and load through TMA when
+    `$TITAN_MOE_GROUPED_MM_TMA=1`; other GPUs keep the generic tiles and pointer loads; an
+    explicit `tma=` or tile override wins over both."""
     from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
     cuda = torch.device("cuda")
     monkeypatch.delenv(tk.TILES_ENV, raising=False)
     monkeypatch.delenv(tk.TMA_ENV, raising=False)
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: False)
     generic = {kind: tk.default_config(torch.bfloat16, cuda, kind) for kind in ("mk", "k")}
+    monkeypatch.setenv(tk.TMA_ENV, "1")
+    assert not tk._use_tma(None, cuda)
     monkeypatch.setattr(tk, "_is_sm90", lambda device: device.type == "cuda")
     for kind in ("mk", "k"):
         assert tk.default_config(torch.bfloat16, cuda, kind) == tk.SM90_TILES[kind] != generic[kind]
         assert tk.default_config(torch.float16, cuda, kind) == tk.SM90_TILES[kind]
     assert tk.default_config(torch.float32, cuda, "mk") == tk.TileConfig(64, 64, 32, num_warps=4, num_stages=3)
     assert tk._use_tma(None, cuda) and not tk._use_tma(False, cuda)
-    monkeypatch.setenv(tk.TMA_ENV, "0")
+    monkeypatch.delenv(tk.TMA_ENV)
     assert not tk._use_tma(None, cuda) and tk._use_tma(True, cuda)
     monkeypatch.setenv(tk.TILES_ENV, "mk=128x128x64x8x4")
     assert tk.default_config(torch.bfloat16, cuda, "mk") == tk.TileConfig(128, 128, 64, num_warps=8, num_stages=4)
-    monkeypatch.setattr(tk, "_is_sm90", lambda device: False)
-    monkeypatch.delenv(tk.TMA_ENV)
-    assert not tk._use_tma(None, cuda)
 
 
 def test_auto_backend_rule_and_routing(monkeypatch):
@@ -521,3 +550,60 @@ def test_auto_backend_rule_and_routing(monkeypatch):
         assert rel_err(got, ref) < TOL[torch.float32]
     for got, ref in zip(runs["auto"], runs["loop"]):
         assert rel_err(got, ref) < TOL[torch.float32]
+
+
+def test_ensure_cuda_context_binds_the_primary_context_once_per_thread(monkeypatch):
+    """Before a TMA descriptor is encoded, a thread with no current CUDA context gets the
+    device's primary context (as Triton's launcher does before a launch); a thread that has
+    one keeps it; each thread checks once."""
+    import threading
+
+    from titan_moe.ops import triton_runtime as rt
+
+    class FakeDriver:
+        def __init__(self, current):
+            self.current, self.calls = current, []
+
+        def cuCtxGetCurrent(self, ptr):
+            self.calls.append("get")
+            ptr._obj.value = self.current
+            return 0
+
+        def cuDeviceGet(self, ptr, index):
+            self.calls.append(("device", index))
+            ptr._obj.value = 10 + index
+            return 0
+
+        def cuDevicePrimaryCtxRetain(self, ptr, device):
+            self.calls.append(("retain", device.value))
+            ptr._obj.value = 1234
+            return 0
+
+        def cuCtxSetCurrent(self, ctx):
+            self.calls.append(("set", ctx.value))
+            return 0
+
+    def in_new_thread(driver, index):
+        monkeypatch.setattr(rt, "_libcuda", lambda: driver)
+        worker = threading.Thread(target=lambda: [rt.ensure_cuda_context(index), rt.ensure_cuda_context(index)])
+        worker.start()
+        worker.join()
+        return driver.calls
+
+    assert in_new_thread(FakeDriver(None), 1) == ["get", ("device", 1), ("retain", 11), ("set", 1234)]
+    assert in_new_thread(FakeDriver(99), 0) == ["get"]
+    failing = FakeDriver(None)
+    failing.cuDevicePrimaryCtxRetain = lambda ptr, device: 201
+    monkeypatch.setattr(rt, "_libcuda", lambda: failing)
+    errors = []
+
+    def run():
+        try:
+            rt.ensure_cuda_context(0)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert errors and "cuDevicePrimaryCtxRetain" in errors[0] and "201" in errors[0]

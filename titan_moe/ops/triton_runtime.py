@@ -7,8 +7,10 @@ cannot run the other way. Each kernel module answers through its own kernel obje
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import threading
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -31,6 +33,42 @@ def sm_count(device_index: int | None = None) -> int:
     if not torch.cuda.is_available():
         return DEFAULT_SMS
     return _device_sm_count(torch.cuda.current_device() if device_index is None else device_index)
+
+
+_thread_has_context = threading.local()
+
+
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def ensure_cuda_context(device_index: int) -> None:
+    """Make a CUDA context current in this thread (the primary context of `device_index`
+    when none is), once per thread, before host-side TMA descriptors are encoded.
+
+    Triton 3.6 binds a context before each launch, but encodes host tensor descriptors
+    (`fill_tma_descriptor`, `cuTensorMapEncodeTiled`) before that, without one: in a thread
+    where no CUDA call has run yet, e.g. autograd's device thread at its first backward, it
+    fails with "invalid device context" (seen on the H200). PyTorch's device threads only
+    call `cudaSetDevice` when the device changes, which leaves device 0's thread unbound.
+    """
+    if getattr(_thread_has_context, "done", False):
+        return
+    lib = _libcuda()
+
+    def check(result: int, call: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"ensure_cuda_context: {call} returned CUDA error {result}")
+
+    ctx = ctypes.c_void_p()
+    check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if not ctx.value:
+        device = ctypes.c_int()
+        check(lib.cuDeviceGet(ctypes.byref(device), int(device_index)), "cuDeviceGet")
+        check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+        check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    _thread_has_context.done = True
 
 
 def is_interpreted(kernel) -> bool:

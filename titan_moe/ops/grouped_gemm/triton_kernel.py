@@ -32,8 +32,10 @@ Loads: masked pointer loads by default (any strides; on sm90 the compiler turns 
 a cp.async pipeline feeding wgmma). The ragged-M kernel has a TMA variant
 (``USE_TMA``: host tensor descriptors for ``a`` and ``b``, zero-filled box edges; output
 rows past the group's end are computed from the next group's rows and never stored),
-the default on sm90 (``TITAN_MOE_GROUPED_MM_TMA=0`` turns it off; ``grouped_mm_triton(tma=...)``
-forces either).
+opt-in on sm90 (``TITAN_MOE_GROUPED_MM_TMA=1``; ``grouped_mm_triton(tma=...)`` forces either),
+though it led the pointer loads at every swept tile: the first GPU test run with it on by
+default failed in the backward (descriptor encoding in a thread without a CUDA context, now
+bound by ``ensure_cuda_context``, not yet run on a GPU).
 
 GPU status (H200, BENCHMARKS.md "Grouped GEMM" sections): outputs, dx and dw bit-identical to
 ``torch._grouped_mm``'s; the TMA forward beats it on imbalanced groups (1.13-1.26x, third run) and
@@ -68,10 +70,10 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on, sm_count
+from titan_moe.ops.triton_runtime import check_runs_on, ensure_cuda_context, is_interpreted, kernel_runs_on, sm_count
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "0": pointer loads on sm90 too (TMA is sm90's default)
+TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "1": TMA loads on sm90 for the forward and dx kernel
 # GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
 TILES_ENV = "TITAN_MOE_GROUPED_MM_TILES"
 _KINDS = ("mk", "k")
@@ -204,19 +206,28 @@ def _ragged_m_kernel(
 
 
 @triton.jit
-def _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, m0, row_end, stride_xm, stride_xk, stride_gm, stride_gn,
-            BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+def _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_end,
+            stride_xm, stride_xk, stride_gm, stride_gn,
+            BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """acc += x[m0:m0+BLOCK_M, ks]^T @ g[m0:m0+BLOCK_M, cols], rows from row_end on excluded."""
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
-    rows64 = rows.to(tl.int64)
-    x_t = tl.load(  # [BLOCK_K, BLOCK_M]: a tile of x^T
-        x_ptr + rows64[None, :] * stride_xm + ks[:, None] * stride_xk,
-        mask=k_ok[:, None] & row_ok[None, :], other=0.0,
-    )
-    g = tl.load(
-        g_ptr + rows64[:, None] * stride_gm + cols[None, :] * stride_gn,
-        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-    )
+    if USE_TMA:
+        # Box loads (columns past K or N read as zero). The rows past the group's end belong
+        # to the next group and would enter the sum: zeroed in x^T, the dot's A operand,
+        # which the tensor cores take from registers.
+        x_t = tl.where(row_ok[None, :], tl.trans(x_ptr.load([m0, k_start])), 0.0)
+        g = g_ptr.load([m0, n_start])
+    else:
+        rows64 = rows.to(tl.int64)
+        x_t = tl.load(  # [BLOCK_K, BLOCK_M]: a tile of x^T
+            x_ptr + rows64[None, :] * stride_xm + ks[:, None] * stride_xk,
+            mask=k_ok[:, None] & row_ok[None, :], other=0.0,
+        )
+        g = tl.load(
+            g_ptr + rows64[:, None] * stride_gm + cols[None, :] * stride_gn,
+            mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+        )
     return tl.dot(x_t, g, acc, input_precision=PRECISION)
 
 
@@ -226,7 +237,7 @@ def _k_tile(
     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
     n_tiles, tiles_per_group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     group = tile // tiles_per_group
     within = tile % tiles_per_group
@@ -236,21 +247,23 @@ def _k_tile(
     row_start = tl.minimum(tl.maximum(row_start, 0), M)
     row_end = tl.maximum(tl.minimum(tl.load(offs_ptr + group), M), row_start)
 
-    ks = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = k_tile * BLOCK_K
+    n_start = n_tile * BLOCK_N
+    ks = k_start + tl.arange(0, BLOCK_K)
+    cols = n_start + tl.arange(0, BLOCK_N)
     k_ok = ks < K
     col_ok = cols < N
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
     if INTERPRETED:
         m0 = row_start
         while m0 < row_end:
-            acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, m0, row_end,
-                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION)
+            acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_end,
+                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA)
             m0 += BLOCK_M
     else:
         for m0 in tl.range(row_start, row_end, BLOCK_M):
-            acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, m0, row_end,
-                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION)
+            acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_end,
+                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA)
 
     dw = dw_ptr + group.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
@@ -266,6 +279,7 @@ def _ragged_k_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    USE_TMA: tl.constexpr = False,  # x_ptr, g_ptr are tensor descriptors (see grouped_mm_dw_triton)
 ):
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tiles_per_group = (K + BLOCK_K - 1) // BLOCK_K * n_tiles
@@ -276,13 +290,13 @@ def _ragged_k_kernel(
         while tile < total:
             _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
-                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED)
+                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
             _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
-                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED)
+                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA)
 
 
 # ----------------------------------------------------------------------------------------
@@ -418,13 +432,11 @@ def _tma_operands(a_MK: torch.Tensor, b_EKN: torch.Tensor, cfg: TileConfig):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     es = a_MK.element_size()
-    M, K = a_MK.shape
+    K = a_MK.shape[1]
     E, _, N = b_EKN.shape
-    if min(M, K, E, N) == 0 or a_MK.stride(1) != 1 or (a_MK.stride(0) * es) % 16:
-        return None  # descriptors need positive sizes
-    if a_MK.data_ptr() % 16 or b_EKN.data_ptr() % 16:
+    a_desc = _row_major_descriptor(a_MK, [cfg.block_m, cfg.block_k])
+    if a_desc is None or min(E, N) == 0 or b_EKN.data_ptr() % 16:
         return None
-    a_desc = TensorDescriptor(a_MK, [M, K], [a_MK.stride(0), 1], [cfg.block_m, cfg.block_k])
     if b_EKN.stride(2) == 1:
         b_view, shape, block, transposed = b_EKN, [E, K, N], [1, cfg.block_k, cfg.block_n], False
     elif b_EKN.stride(1) == 1:
@@ -437,10 +449,24 @@ def _tma_operands(a_MK: torch.Tensor, b_EKN: torch.Tensor, cfg: TileConfig):
     return a_desc, b_desc, transposed
 
 
+def _row_major_descriptor(t_MK: torch.Tensor, block: list[int]):
+    """A TMA descriptor of the 2-D ``t_MK`` with boxes of ``block``, or None where TMA cannot
+    describe it (an empty side, a non-unit last stride, a row stride or base pointer that is
+    not 16-byte aligned)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = t_MK.shape
+    if min(M, K) == 0 or t_MK.stride(1) != 1 or (t_MK.stride(0) * t_MK.element_size()) % 16 or t_MK.data_ptr() % 16:
+        return None
+    if t_MK.is_cuda:
+        ensure_cuda_context(t_MK.device.index if t_MK.device.index is not None else torch.cuda.current_device())
+    return TensorDescriptor(t_MK, [M, K], [t_MK.stride(0), 1], block)
+
+
 def _use_tma(tma: bool | None, device: torch.device) -> bool:
     if tma is not None:
         return tma
-    return os.environ.get(TMA_ENV, "1") != "0" and _is_sm90(device)
+    return os.environ.get(TMA_ENV, "0") == "1" and _is_sm90(device)
 
 
 def grouped_mm_triton(
@@ -458,9 +484,10 @@ def grouped_mm_triton(
         offs_E: [E] int32 cumulative group ends (not read on the host).
         config: tile override (default :func:`default_config`).
         tma: load ``a`` and ``b`` through TMA tensor descriptors. None: on sm90 (Hopper)
-            unless ``$TITAN_MOE_GROUPED_MM_TMA`` is "0" (measured faster than pointer loads
-            at every swept tile on the H200). True forces it (the interpreter runs it too);
-            layouts TMA cannot describe fall back to pointer loads.
+            when ``$TITAN_MOE_GROUPED_MM_TMA`` is "1" (measured faster than pointer loads at
+            every swept tile on the H200; opt-in until `ensure_cuda_context` is seen to make
+            it work in autograd's backward thread on a GPU). True forces it (the interpreter
+            runs it too); layouts TMA cannot describe fall back to pointer loads.
 
     Returns:
         [M, N] contiguous, dtype of ``a_MK``, fp32 accumulation.
@@ -500,7 +527,8 @@ def grouped_mm_triton(
 
 
 def grouped_mm_dw_triton(
-    x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch.Tensor, config: TileConfig | None = None
+    x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch.Tensor, config: TileConfig | None = None,
+    tma: bool = False,
 ) -> torch.Tensor:
     """``dw[e] = x[rows of e]^T @ grad[rows of e]`` -> [E, K, N] (zero for empty groups).
 
@@ -509,6 +537,9 @@ def grouped_mm_dw_triton(
         offs_E: [E] int32 cumulative group ends (not read on the host).
         config: tile override; here ``block_k`` x ``block_n`` is the output tile and
             ``block_m`` the reduction step.
+        tma: load x and grad through TMA descriptors (boxes of [block_m, block_k] and
+            [block_m, block_n]; the rows past a group's end zeroed in registers), where their
+            layouts allow, else pointer loads. Opt-in (the op does not set it) until timed.
 
     Returns:
         [E, K, N] contiguous, dtype of ``x_MK``, fp32 accumulation.
@@ -528,13 +559,21 @@ def grouped_mm_dw_triton(
     cfg = config or default_config(x_MK.dtype, x_MK.device, "k")
     max_tiles = E * triton.cdiv(K, cfg.block_k) * triton.cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, x_MK.device, max_tiles)
+    x_arg, g_arg = x_MK, grad_MN
+    if tma:
+        x_desc = _row_major_descriptor(x_MK, [cfg.block_m, cfg.block_k])
+        g_desc = _row_major_descriptor(grad_MN, [cfg.block_m, cfg.block_n])
+        tma = x_desc is not None and g_desc is not None
+        if tma:
+            x_arg, g_arg = x_desc, g_desc
     _ragged_k_kernel[(n_prog,)](
-        x_MK, grad_MN, dw_EKN, offs_E,
+        x_arg, g_arg, dw_EKN, offs_E,
         M, N, K, E,
         x_MK.stride(0), x_MK.stride(1),
         grad_MN.stride(0), grad_MN.stride(1),
         dw_EKN.stride(0), dw_EKN.stride(1), dw_EKN.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION=_precision(x_MK.dtype), INTERPRETED=interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=_precision(x_MK.dtype), INTERPRETED=interpreted(), USE_TMA=tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw_EKN
