@@ -3,6 +3,7 @@
     python profiling/bench_moe.py                       # H200: the shapes below, bf16
     python profiling/bench_moe.py --sweep-tiles         # also time Triton tile shapes per product
     python profiling/bench_moe.py --best-tiles OUT.txt  # that sweep's winners, as $TITAN_MOE_GROUPED_MM_TILES
+    python profiling/bench_moe.py --skip-gemm --layer-kernels 8   # MoE layer: device kernels per provider
     python profiling/bench_moe.py --device cpu --tiny   # plumbing check only, no speed claim
     python profiling/bench_moe.py --skip-gemm --skip-layer --dispatch   # token dispatch only
 
@@ -29,8 +30,9 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
   with ``[compile] enable``).
 
 Shapes: E=64, M=65536 (8192 tokens x top-8), K=2048, N=1408, group sizes balanced and
-Zipf(1.1), and balanced at M = 32768 and 16384 (512 and 256 rows per group); the MoE layer
-benchmark's two expert GEMMs (K=1024 -> N=2*1408, K=1408 -> N=1024, M=65536, balanced) (sizes proportional to 1/rank^1.1, shuffled, rounded to multiples of 16); and the
+Zipf(1.1) (sizes proportional to 1/rank^1.1, shuffled, rounded to multiples of 16), and
+balanced at M = 32768 and 16384 (512 and 256 rows per group); the MoE layer benchmark's two
+expert GEMMs (K=1024 -> N=2*1408, K=1408 -> N=1024, M=65536, balanced); and the
 K3 latent experts on one of 8 expert-parallel ranks: 112 local experts of 896,
 M = 8192 tokens x 16 routed x 112/896 = 16384 rows, gate/up 3584 -> 2*3072 and down
 3072 -> 3584, balanced and Zipf(1.1). FLOPs: 2*M*K*N forward, 3x that forward+backward.
@@ -41,7 +43,8 @@ few tile shapes (``TileConfig``, written BMxBNxBKxWARPSxSTAGES as ``$TITAN_MOE_G
 takes them), each beside ``torch._grouped_mm`` on the same product ("peer").
 
 Part 2, one MoE layer forward and forward+backward on [1, tokens, dim] activations:
-timed in interleaved rounds like part 1: ours (:class:`titan_moe.model.moe.LatentMoE`, experts in the latent width ``latent``,
+timed in interleaved rounds like part 1: ours (:class:`titan_moe.model.moe.LatentMoE`,
+experts in the latent width ``latent``,
 run once with each grouped-GEMM backend and once as ``ours_fp8_experts``, a copy whose
 routed experts are converted by ``titan_float8_experts`` (fp8 rowwise grouped GEMMs, on the
 CPU their fp32 emulation; on CUDA only with compute capability >= 8.9 and bf16), plus the
@@ -176,17 +179,17 @@ def measure_rounds(fns: dict, timed: bool, grad_to_none=None, rounds: int = ROUN
     drift of the GPU's clocks during the run, and the state one fn leaves to the next (a
     rotated fixed order keeps each fn's predecessor: measured on the H200, the same
     ``torch._grouped_mm`` call ran 8-10% slower behind one provider than behind another),
-    fall on all of them alike. Returns ({name: median of the rounds}, {name: (max - min) / median of the rounds},
-    the spread to read a ratio against); ({name: None}, {}) when not timed (each fn runs once)."""
+    fall on all of them alike. Returns ({name: median of the rounds}, {name: (max - min) /
+    median of the rounds, the spread to read a ratio against}); ({name: None}, {}) when not
+    timed (each fn then runs once)."""
     for fn in fns.values():
         fn()  # compile / autotune outside the rounds
     if not timed:
         return dict.fromkeys(fns), {}
+    import random
     import statistics
 
     import triton.testing
-
-    import random
 
     names = list(fns)
     per_round: dict[str, list[float]] = {name: [] for name in names}

@@ -90,9 +90,10 @@ def resolve_backend(backend: str | None = None, product: str = "fwd") -> str:
 
 
 # "auto": our TMA kernel for the forward and dx where the groups average at least this many
-# rows, else torch._grouped_mm (BENCHMARKS.md, "Grouped GEMM: interleaved rounds"): on the H200
-# the TMA forward led at 1,024 rows per group (E = 64, 1.06x balanced, 1.10x Zipf) and
-# trailed at 146 (K3's 112 local experts, 0.92-0.95x); AUTO_MIN_GROUP_ROWS lies between them.
+# rows, else torch._grouped_mm (BENCHMARKS.md, "Grouped GEMM: the tile sweep per product, ..."):
+# on the H200 our TMA forward led torch._grouped_mm's by 2-5% at 1,024 rows per group (E = 64,
+# interleaved timing) and trailed at 256 and at 146 (K3's 112 local experts); at 512 it led
+# slightly. A marginal, opt-in choice: the op's default stays "native".
 AUTO_MIN_GROUP_ROWS = 512
 
 

@@ -38,9 +38,10 @@ default failed in the backward (descriptor encoding in a thread without a CUDA c
 bound by ``ensure_cuda_context``, not yet run on a GPU).
 
 GPU status (H200, BENCHMARKS.md "Grouped GEMM" sections): outputs, dx and dw bit-identical to
-``torch._grouped_mm``'s; the TMA forward beats it on imbalanced groups (1.13-1.26x, third run) and
-loses on balanced K3 shapes, and forward+backward loses everywhere (0.67-1.00x: our dx
-and dw are slower than the peer's), so ``native`` is the op's default.
+``torch._grouped_mm``'s. Timed in interleaved rounds (the fair comparison, forty-eighth run)
+at E = 64: the TMA forward 1.02-1.03x the peer, dx 0.93-0.97x, dw 0.77-0.86x; at K3's small
+groups the forward trails too; so ``native`` is the op's default. (Earlier runs, timed one
+provider after another, showed the TMA forward 1.13-1.26x ahead on imbalanced groups.)
 Tested: results under the interpreter (fp32/fp16, both load variants), the compiled code
 path builds for sm90 with wgmma and a software pipeline, and bf16 against float64 on CUDA
 (``tests/test_grouped_gemm_triton.py``).
@@ -371,8 +372,9 @@ def tile_overrides() -> dict[str, TileConfig]:
 
 
 # 16-bit tiles on sm90, the winners of the H200 tile sweep (BENCHMARKS.md, "Grouped GEMM: the
-# tile sweep per product"): summed over E = 64 balanced and Zipf(1.1), the TMA forward plus dx
-# 2.658 ms at 256x128x64 against 2.796 at the old 128x128x64 (peer 2.752), dw 1.755 against 1.866.
+# tile sweep per product, ..."): summed over E = 64 balanced and Zipf(1.1), the TMA forward plus
+# dx 2.658 ms at 256x128x64 against 2.850 at the old 128x128x64 (peer 2.752), dw 1.755 against
+# 1.866; timed again in interleaved rounds, still ahead of the old tiles by 1-8% per product.
 SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3),
               "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3)}
 
