@@ -41,6 +41,9 @@
 #   kda_graphs profiling/bench_kda.py --cuda-graphs at 8K and 32K: ours and fla, each also
 #              replayed from a CUDA graph (the host's share of each call) (not in the default list)
 #   moe        profiling/bench_moe.py --dispatch: grouped GEMM, fp8 providers, MoE layer, dispatch
+#   gemm_tma   the grouped GEMM and MoE tests (compiled on the GPU) with TITAN_MOE_GROUPED_MM_TMA=1:
+#              the TMA loads in autograd's backward thread, where a thread with no CUDA context
+#              once failed to encode descriptors (not in the default list)
 #   gemm_tiles profiling/bench_moe.py --sweep-tiles at E = 64 (balanced, Zipf 1.1): each Triton
 #              product (forward, TMA forward, dx, dw) over tile candidates beside
 #              torch._grouped_mm on the same product, then (gemm_best) the whole op with the
@@ -136,6 +139,8 @@ for section in "${SECTIONS[@]}"; do
         kda_fla) run kda_fla python profiling/bench_kda.py --kernels 6 --watchdog 120 ;;
         kda_graphs) run kda_graphs python profiling/bench_kda.py --cuda-graphs --shapes 8192,32768 --watchdog 120 ;;
         moe) run moe python profiling/bench_moe.py --dispatch ;;
+        gemm_tma) run gemm_tma env TITAN_MOE_GROUPED_MM_TMA=1 python -m pytest -q -rsx -p no:cacheprovider \
+                tests/test_grouped_gemm_triton.py tests/test_grouped_gemm.py tests/test_moe.py ;;
         gemm_tiles)
             run gemm_tiles python profiling/bench_moe.py --skip-layer --gemm-cases e64_balanced,e64_zipf1.1 \
                 --sweep-tiles

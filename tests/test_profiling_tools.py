@@ -301,6 +301,22 @@ def test_gpu_suite_kda_caps_section_times_the_default_caps_beside_none(tmp_path)
     assert "TITAN_MOE_KDA_BWD_MAXNREG=0x128x168" in commands["kda_caps"]
 
 
+def test_gpu_suite_gemm_sections_run_the_tma_tests_and_the_sweep_winners(tmp_path):
+    proc = _gpu_suite(tmp_path, "gemm_tma", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["gemm_tma"]
+    assert commands["gemm_tma"].startswith("env TITAN_MOE_GROUPED_MM_TMA=1 python -m pytest")
+    assert "tests/test_grouped_gemm_triton.py" in commands["gemm_tma"] and "-m gpu" not in commands["gemm_tma"]
+    proc = _gpu_suite(tmp_path / "tiles", "gemm_tiles", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1)
+                    for line in (tmp_path / "tiles" / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["gemm_tiles", "gemm_best"]
+    assert "--sweep-tiles" in commands["gemm_tiles"] and "--sweep-tiles" not in commands["gemm_best"]
+    assert commands["gemm_best"].startswith("env TITAN_MOE_GROUPED_MM_TILES=")
+
+
 def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
     one_gpu = _gpu_suite(tmp_path, gpus="1")
     assert one_gpu.returncode == 0
