@@ -20,9 +20,10 @@ The times are a CPU's and vary from run to run (on a shared virtual machine the 
 100 calls moved by a third between runs); the launch and op counts do not.
 
 Printed: per direction, the median host time per call over `--reps` calls, the Triton
-launches per call, and the ATen ops dispatched per call (those inside the custom ops
-included: on the GPU each is a dispatch and most a kernel launch). The last line is one JSON
-object.
+launches per call, the ATen ops dispatched per call (those inside the custom ops and nested
+ones included: on the GPU each is a dispatch), and the top-level ones by name (at B=1 T=8K
+forward+backward mostly allocations, reshapes and views; few launch a kernel). The last line
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -59,13 +60,18 @@ def register_adapters(device: str) -> None:
         _adapters_lib.impl(op_name.split("::")[1], fn, key, allow_override=True)
 
 
-def _aten_ops_per_call(fn) -> int:
-    """ATen ops dispatched by one call of ``fn``, those inside the custom ops included."""
+def _aten_ops_per_call(fn) -> tuple[int, dict[str, int]]:
+    """ATen ops dispatched by one call of ``fn``: (all of them, those inside the custom ops and
+    nested ones included; {name: count} of the top-level ones, those not called by another
+    ATen op), the second largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(1 for event in prof.events() if event.name.startswith("aten::"))
+    events = [event for event in prof.events() if event.name.startswith("aten::")]
+    top = Counter(event.name for event in events
+                  if event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+    return len(events), dict(top.most_common())
 
 
 def measure(B: int, T: int, H: int, dk: int, device: str, reps: int, profile_calls: int) -> list[dict]:
@@ -100,15 +106,17 @@ def measure(B: int, T: int, H: int, dk: int, device: str, reps: int, profile_cal
                 times.append((time.perf_counter() - t0) * 1e3)
             launches = {name: n / reps for name, n in Counter(fn.__name__ for fn, _, _ in launched).items()}
             launched.clear()
-            aten_ops = _aten_ops_per_call(step)
+            aten_ops, top_ops = _aten_ops_per_call(step)
             if profile_calls:
                 host_profile(step, device, profile_calls, f"{'fwd+bwd' if backward else 'fwd'} B={B} T={T}")
         row = dict(B=B, T=T, H=H, dk=dk, direction="fwd+bwd" if backward else "fwd",
                    host_ms=sorted(times)[len(times) // 2], triton_launches=sum(launches.values()),
-                   aten_ops=aten_ops, launches=launches)
+                   aten_ops=aten_ops, top_level_aten_ops=top_ops, launches=launches)
         rows.append(row)
         print(f"{row['direction']:8s} B={B} T={T} H={H} dk={dk}: host {row['host_ms']:.3f} ms per call "
               f"(median of {reps}), {row['triton_launches']:.0f} Triton launches, {aten_ops} ATen ops", flush=True)
+        print(f"    top-level ATen ops ({sum(top_ops.values())}): "
+              + ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in top_ops.items()), flush=True)
     return rows
 
 

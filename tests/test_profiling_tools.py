@@ -599,6 +599,9 @@ def test_kda_host_cost_counts_the_launches_of_each_direction():
     assert set(fwd["launches"].values()) == set(both["launches"].values()) == {1.0}  # each kernel once
     assert {"_wy_kernel", "_state_scan_kernel", "_bwd_chunk_keys_kernel", "_bwd_dAkk_kernel"} <= set(both["launches"])
     assert both["triton_launches"] == len(both["launches"]) and both["aten_ops"] > fwd["aten_ops"] > 0
+    for row in (fwd, both):  # the top-level ops by name: a subset of all, allocations among them
+        top = row["top_level_aten_ops"]
+        assert 0 < sum(top.values()) <= row["aten_ops"] and "aten::empty" in top
     assert both["host_ms"] > fwd["host_ms"] > 0
 
 
