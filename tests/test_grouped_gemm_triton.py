@@ -494,9 +494,9 @@ def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):
             tk.default_config(torch.bfloat16, cuda, "mk")
 
 
-def test_sm90_defaults_swept_tiles_and_opt_in_tma(monkeypatch):
-    """On sm90 the 16-bit kernels default to the sweep's tiles, and load through TMA when
-    `$TITAN_MOE_GROUPED_MM_TMA=1`; other GPUs keep the generic tiles and pointer loads; an
+def test_sm90_defaults_swept_tiles_and_tma(monkeypatch):
+    """On sm90 the 16-bit kernels default to the sweep's tiles and to TMA loads (off with
+    `$TITAN_MOE_GROUPED_MM_TMA=0`); other GPUs keep the generic tiles and pointer loads; an
     explicit `tma=` or tile override wins over both."""
     from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
@@ -514,6 +514,8 @@ def test_sm90_defaults_swept_tiles_and_opt_in_tma(monkeypatch):
     assert tk.default_config(torch.float32, cuda, "mk") == tk.TileConfig(64, 64, 32, num_warps=4, num_stages=3)
     assert tk._use_tma(None, cuda) and not tk._use_tma(False, cuda)
     monkeypatch.delenv(tk.TMA_ENV)
+    assert tk._use_tma(None, cuda) and not tk._use_tma(False, cuda)
+    monkeypatch.setenv(tk.TMA_ENV, "0")
     assert not tk._use_tma(None, cuda) and tk._use_tma(True, cuda)
     monkeypatch.setenv(tk.TILES_ENV, "mk=128x128x64x8x4")
     assert tk.default_config(torch.bfloat16, cuda, "mk") == tk.TileConfig(128, 128, 64, num_warps=8, num_stages=4)

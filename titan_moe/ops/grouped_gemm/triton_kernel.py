@@ -32,10 +32,11 @@ Loads: masked pointer loads by default (any strides; on sm90 the compiler turns 
 a cp.async pipeline feeding wgmma). The ragged-M kernel has a TMA variant
 (``USE_TMA``: host tensor descriptors for ``a`` and ``b``, zero-filled box edges; output
 rows past the group's end are computed from the next group's rows and never stored),
-opt-in on sm90 (``TITAN_MOE_GROUPED_MM_TMA=1``; ``grouped_mm_triton(tma=...)`` forces either),
-though it led the pointer loads at every swept tile: the first GPU test run with it on by
-default failed in the backward (descriptor encoding in a thread without a CUDA context, now
-bound by ``ensure_cuda_context``, not yet run on a GPU).
+the default on sm90 (``TITAN_MOE_GROUPED_MM_TMA=0`` turns it off; ``grouped_mm_triton(tma=...)``
+forces either): it led the pointer loads at every swept tile. A first GPU test run with it on
+failed in the backward (Triton encodes host descriptors before binding a CUDA context, and
+autograd's device thread had none); ``ensure_cuda_context`` binds the primary context per
+thread, and the grouped-GEMM and MoE GPU tests then passed with TMA on (forty-ninth run).
 
 GPU status (H200, BENCHMARKS.md "Grouped GEMM" sections): outputs, dx and dw bit-identical to
 ``torch._grouped_mm``'s. Timed in interleaved rounds (the fair comparison, forty-eighth run)
@@ -74,7 +75,7 @@ import triton.language as tl
 from titan_moe.ops.triton_runtime import check_runs_on, ensure_cuda_context, is_interpreted, kernel_runs_on, sm_count
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "1": TMA loads on sm90 for the forward and dx kernel
+TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "0": pointer loads on sm90 too (default: TMA on sm90)
 # GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
 TILES_ENV = "TITAN_MOE_GROUPED_MM_TILES"
 _KINDS = ("mk", "k")
@@ -468,7 +469,7 @@ def _row_major_descriptor(t_MK: torch.Tensor, block: list[int]):
 def _use_tma(tma: bool | None, device: torch.device) -> bool:
     if tma is not None:
         return tma
-    return os.environ.get(TMA_ENV, "0") == "1" and _is_sm90(device)
+    return os.environ.get(TMA_ENV, "1") != "0" and _is_sm90(device)
 
 
 def grouped_mm_triton(
@@ -486,10 +487,9 @@ def grouped_mm_triton(
         offs_E: [E] int32 cumulative group ends (not read on the host).
         config: tile override (default :func:`default_config`).
         tma: load ``a`` and ``b`` through TMA tensor descriptors. None: on sm90 (Hopper)
-            when ``$TITAN_MOE_GROUPED_MM_TMA`` is "1" (measured faster than pointer loads at
-            every swept tile on the H200; opt-in until `ensure_cuda_context` is seen to make
-            it work in autograd's backward thread on a GPU). True forces it (the interpreter
-            runs it too); layouts TMA cannot describe fall back to pointer loads.
+            unless ``$TITAN_MOE_GROUPED_MM_TMA`` is "0" (measured faster than pointer loads
+            at every swept tile on the H200). True forces it (the interpreter runs it too);
+            layouts TMA cannot describe fall back to pointer loads.
 
     Returns:
         [M, N] contiguous, dtype of ``a_MK``, fp32 accumulation.
