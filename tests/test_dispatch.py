@@ -42,7 +42,15 @@ CUDA = interpret_without_gpu()
 import torch._dynamo.testing  # noqa: E402  (imports Triton: after TRITON_INTERPRET is set)
 
 from titan_moe.ops.dispatch import op as dispatch_op  # noqa: E402
-from titan_moe.ops.dispatch import permute, sorted_positions, unpermute_combine  # noqa: E402
+from titan_moe.ops.dispatch import (  # noqa: E402
+    aligned_positions,
+    combine_copies,
+    padded_rows,
+    permute,
+    scatter_copies,
+    sorted_positions,
+    unpermute_combine,
+)
 from titan_moe.ops.dispatch import triton_kernel as tk  # noqa: E402
 
 KERNELS_RUN_HERE, DEVICE, needs_kernels = kernel_test_setup(CUDA, tk.interpreted(), "test_in_fresh_interpreter_process")
@@ -52,14 +60,17 @@ FP32_TOL = 1e-6
 SHAPES = [(1, 1, 8, 3), (13, 2, 40, 5), (37, 8, 24, 12), (50, 1, 64, 4), (6, 8, 16, 9)]
 
 
-def make_routing(n, k, n_experts, seed, device="cpu"):
+def make_routing(n, k, n_experts, seed, device="cpu", with_experts=False):
     """order [N*k] as LatentMoE builds it (stable argsort of the flat expert ids, k distinct
-    experts per token), random fp32 weights [N, k]; expert 0 gets no token."""
+    experts per token), random fp32 weights [N, k]; expert 0 gets no token. With
+    `with_experts`, also the experts [N, k]."""
     assert k < n_experts
     gen = torch.Generator().manual_seed(seed)
     expert_idx = torch.stack([torch.randperm(n_experts - 1, generator=gen)[:k] + 1 for _ in range(n)])
     order = torch.argsort(expert_idx.reshape(-1), stable=True)
     weights = torch.rand(n, k, generator=gen) + 0.1
+    if with_experts:
+        return order.to(device), weights.to(device), expert_idx.to(device)
     return order.to(device), weights.to(device)
 
 
@@ -194,10 +205,22 @@ def _op_args(n, k, latent, seed, device="cpu"):
     return pos, x, y, weights.requires_grad_(), grad
 
 
+def _aligned_args(n, k, seed, device="cpu", alignment=4):
+    """Positions of an aligned layout for `_op_args`' routing: (pos [N, k], offs [E], rows)."""
+    order, _, expert_idx = make_routing(n, k, k + 4, seed=seed, device=device, with_experts=True)
+    counts = torch.bincount(expert_idx.reshape(-1), minlength=k + 4)
+    return aligned_positions(sorted_positions(order, k), expert_idx, counts, alignment)
+
+
 def _opcheck_all(n, k, latent, seed, device="cpu"):
     pos, x, y, w, grad = _op_args(n, k, latent, seed, device)
     ops = torch.ops.titan_moe
-    torch.library.opcheck(ops.moe_permute.default, (x, pos))
+    torch.library.opcheck(ops.moe_permute.default, (x, pos, 0))
+    aligned, _, rows = _aligned_args(n, k, seed, device)
+    y_rows = rand(rows, latent, seed=seed + 5, device=device).requires_grad_()
+    torch.library.opcheck(ops.moe_permute.default, (x, aligned, rows))
+    torch.library.opcheck(ops.moe_unpermute_combine.default, (y_rows, aligned, w, True))
+    torch.library.opcheck(ops.moe_unpermute_combine_backward.default, (grad, y_rows.detach(), aligned, w.detach()))
     torch.library.opcheck(ops.moe_unpermute_combine.default, (y, pos, w, False))
     torch.library.opcheck(ops.moe_unpermute_combine.default, (y, pos, None, True))
     torch.library.opcheck(ops.moe_unpermute_combine_backward.default, (grad, y.detach(), pos, w.detach()))
@@ -248,21 +271,144 @@ def _latent_moe(**overrides):
 
 
 @pytest.mark.parametrize("top_k", [1, 3])
-def test_latent_moe_dispatch_contract(top_k):
-    """route_and_sort's sorted rows are w_latent_down(x)[order // k] (the order it returns),
-    and combine equals the plain inverse-permutation gather, weight and sum it replaced."""
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_latent_moe_dispatch_contract(top_k, alignment):
+    """route_and_sort's sorted rows are w_latent_down(x) at the positions it returns (token i's
+    copy j in row pos[i, j]), grouped by expert in order with groups starting at multiples of
+    `alignment` and zero rows between them; combine equals the plain gather, weight and sum
+    it replaced."""
     import torch.nn.functional as F
 
     moe = _latent_moe(top_k=top_k)
     x = rand(19, 24, seed=top_k)
-    latent_sorted, offs, order, weights = moe.route_and_sort(x)
-    assert torch.equal(latent_sorted, moe.w_latent_down(x)[order // top_k])
+    latent_sorted, offs, pos, weights = moe.route_and_sort(x, alignment)
+    latent = moe.w_latent_down(x)
+    assert torch.equal(latent_sorted[pos], latent.unsqueeze(1).expand(-1, top_k, -1))
+    assert torch.equal(offs % alignment, torch.zeros_like(offs))
+    _, expert_idx, _ = moe.router(x, moe.expert_bias)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+    counts = torch.bincount(expert_idx.reshape(-1), minlength=moe.n_experts)
+    assert torch.equal(offs.long() - starts, (counts + alignment - 1) // alignment * alignment)
+    assert ((pos >= starts[expert_idx]) & (pos < starts[expert_idx] + counts[expert_idx])).all()
+    owned = torch.zeros(latent_sorted.shape[0], dtype=torch.bool)
+    owned[pos.reshape(-1)] = True
+    assert not latent_sorted[~owned].any()
     out_sorted = rand(*latent_sorted.shape, seed=10)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
-    u = (out_sorted[inverse].view(19, top_k, -1).double() * weights.double().unsqueeze(-1)).sum(1)
+    u = (out_sorted[pos].double() * weights.double().unsqueeze(-1)).sum(1)
     u = F.rms_norm(u, (moe.latent,), moe.latent_norm.weight.double(), moe.norm_eps)
     y = moe.w_latent_up(u.float()) + moe.shared_experts(x)
-    assert rel_err(moe.combine(x, out_sorted, order, weights), y) < 1e-5  # fp32 through two matmuls
+    assert rel_err(moe.combine(x, out_sorted, pos, weights), y) < 1e-5  # fp32 through two matmuls
+
+
+def test_latent_moe_aligned_groups_same_result():
+    """Experts that ask for aligned groups (as the fp8 experts do) get them, with
+    `groups_aligned=True`, and the layer's output and every gradient stay what they are
+    with packed groups (padding rows are zero and get no gradient)."""
+    moe = _latent_moe(top_k=3)
+    x0 = rand(2, 9, 24, seed=5)
+    seen, results = [], {}
+    original_forward = type(moe.experts).forward
+
+    def spy(self, x_RL, offs_E, groups_aligned=False):
+        seen.append((x_RL.shape[0], groups_aligned))
+        return original_forward(self, x_RL, offs_E, groups_aligned)
+
+    for alignment in (1, 16):
+        moe.experts.group_alignment = alignment
+        moe.experts.forward = spy.__get__(moe.experts)
+        x = x0.clone().requires_grad_()
+        moe.zero_grad()
+        y = moe(x)
+        y.square().sum().backward()
+        results[alignment] = [y.detach(), x.grad] + [p.grad.clone() for p in moe.parameters()]
+    assert seen == [(18 * 3, False), (padded_rows(18 * 3, 6, 16), True)]
+    for a, b in zip(results[16], results[1]):
+        assert rel_err(a, b) < 1e-6
+    moe.experts.expert_parallel = True  # the exchange regroups rows: packed groups then
+    moe(x0)
+    assert seen[-1] == (18 * 3, False)
+
+
+# ---------------------------------------------------------------------------- aligned layouts
+def loop_aligned_rows(order, expert_idx, k, n_experts, alignment):
+    """Sorted row of each copy when every expert's group starts at a multiple of `alignment`
+    (a cursor per group), and the padded groups' cumulative ends."""
+    counts = [int((expert_idx == e).sum()) for e in range(n_experts)]
+    starts, offs, end = [], [], 0
+    for c in counts:
+        starts.append(end)
+        end += -(-c // alignment) * alignment
+        offs.append(end)
+    cursor, rows = list(starts), {}
+    for copy in order.tolist():
+        e = int(expert_idx.reshape(-1)[copy])
+        rows[copy] = cursor[e]
+        cursor[e] += 1
+    pos = torch.tensor([rows[c] for c in range(order.numel())]).view(-1, k)
+    return pos, torch.tensor(offs, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("n,k,latent,n_experts", SHAPES)
+@pytest.mark.parametrize("alignment", [1, 4, 16])
+def test_aligned_positions_match_loop(n, k, latent, n_experts, alignment):
+    order, _, expert_idx = make_routing(n, k, n_experts, seed=n + k, with_experts=True)
+    counts = torch.bincount(expert_idx.reshape(-1), minlength=n_experts)
+    pos, offs, rows = aligned_positions(sorted_positions(order, k), expert_idx, counts, alignment)
+    ref_pos, ref_offs = loop_aligned_rows(order, expert_idx, k, n_experts, alignment)
+    assert torch.equal(pos, ref_pos) and torch.equal(offs, ref_offs)
+    assert rows == padded_rows(n * k, n_experts, alignment) >= int(offs[-1]) and rows % alignment == 0
+    if alignment == 1:
+        assert rows == n * k and torch.equal(pos, sorted_positions(order, k))
+
+
+def _aligned_round_trip(n, k, latent, n_experts, seed, device, alignment=4):
+    """scatter_copies / combine_copies on an aligned layout and on the plain one, forward and
+    backward, from the same inputs."""
+    order, weights, expert_idx = make_routing(n, k, n_experts, seed=seed, device=device, with_experts=True)
+    counts = torch.bincount(expert_idx.reshape(-1), minlength=n_experts)
+    plain = sorted_positions(order, k)
+    aligned, _, rows = aligned_positions(plain, expert_idx, counts, alignment)
+    x0 = rand(n, latent, seed=seed + 1, device=device)
+    y_plain0 = rand(n * k, latent, seed=seed + 2, device=device)
+    y_aligned0 = rand(rows, latent, seed=seed + 3, device=device)  # padding rows hold noise
+    y_aligned0[aligned.reshape(-1)] = y_plain0[plain.reshape(-1)]
+    g_out = rand(n, latent, seed=seed + 4, device=device)
+    results = {}
+    for name, pos, y0, n_rows in (("plain", plain, y_plain0, None), ("aligned", aligned, y_aligned0, rows)):
+        x, y, w = x0.clone().requires_grad_(), y0.clone().requires_grad_(), weights.clone().requires_grad_()
+        x_sorted = scatter_copies(x, pos, n_rows)
+        x_sorted.backward(x_sorted.detach() * 2)  # d/dx of sum(x_sorted^2): the k copies summed
+        out = combine_copies(y, pos, w, out_dtype=torch.float32)
+        out.backward(g_out)
+        results[name] = (pos, x_sorted.detach(), x.grad, out.detach(), y.grad, w.grad)
+    return results, rows
+
+
+def _check_aligned_round_trip(results, rows):
+    (p_pos, p_xs, p_dx, p_out, p_dy, p_dw), (a_pos, a_xs, a_dx, a_out, a_dy, a_dw) = results["plain"], results["aligned"]
+    owned = torch.zeros(rows, dtype=torch.bool, device=a_xs.device)
+    owned[a_pos.reshape(-1)] = True
+    assert a_xs.shape[0] == rows
+    assert torch.equal(a_xs[a_pos.reshape(-1)], p_xs[p_pos.reshape(-1)])
+    assert not a_xs[~owned].any()  # padding rows zero
+    assert torch.equal(a_dy[a_pos.reshape(-1)], p_dy[p_pos.reshape(-1)])
+    assert not a_dy[~owned].any()  # the noise in y's padding rows gets no gradient
+    for a, b in ((a_dx, p_dx), (a_out, p_out), (a_dw, p_dw)):
+        assert rel_err(a, b) < FP32_TOL
+
+
+@pytest.mark.parametrize("n,k,latent,n_experts", SHAPES[1:3])
+def test_aligned_layout_round_trip_torch(n, k, latent, n_experts, monkeypatch):
+    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "torch")
+    _check_aligned_round_trip(*_aligned_round_trip(n, k, latent, n_experts, seed=n, device="cpu"))
+
+
+def test_aligned_layout_rejects_too_few_rows():
+    order, _ = make_routing(5, 2, 4, seed=0)
+    with pytest.raises(ValueError, match="at least N\\*k"):
+        scatter_copies(rand(5, 8, seed=1), sorted_positions(order, 2), rows=9)
+    with pytest.raises(ValueError, match="at least N\\*k"):
+        combine_copies(rand(9, 8, seed=1), sorted_positions(order, 2), torch.ones(5, 2))
 
 
 # ---------------------------------------------------------------------------- Triton kernels
@@ -373,6 +519,13 @@ def test_opcheck_and_compile_triton_backend(monkeypatch):
     monkeypatch.setenv(dispatch_op.BACKEND_ENV, "triton")
     _opcheck_all(9, 2, 20, seed=3, device=DEVICE)
     _check_compiles(device=DEVICE, seed=4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k,latent,n_experts", SHAPES[1:3])
+def test_aligned_layout_round_trip_triton(n, k, latent, n_experts, monkeypatch):
+    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "triton")
+    _check_aligned_round_trip(*_aligned_round_trip(n, k, latent, n_experts, seed=n, device=DEVICE))
 
 
 @needs_kernels

@@ -360,6 +360,43 @@ def test_fused_experts_compile_fullgraph(monkeypatch, torch_quantization):
         assert torch.equal(got, want)
 
 
+def test_fused_experts_in_latent_moe_aligned_dispatch(monkeypatch, torch_quantization):
+    """A LatentMoE with fp8 experts lays its groups out 16-aligned, so the experts pad
+    nothing (`groups_aligned=True`); output and every gradient equal those of the same layer
+    with packed groups that the experts pad themselves (the same rows of each group go
+    through the same fp8 arithmetic)."""
+    from titan_moe.float8.experts import GEMM_ENV, Float8RoutedExperts, convert_routed_experts
+    from titan_moe.model.args import ModelArgs
+    from titan_moe.model.moe import LatentMoE
+
+    monkeypatch.setenv(GEMM_ENV, "fused")
+    torch.manual_seed(0)
+    moe = LatentMoE(ModelArgs(dim=48, n_routed_experts=5, top_k=2, n_shared_experts=1, moe_latent_dim=32,
+                              moe_expert_hidden=16, moe_shared_hidden=16))
+    moe.init_weights(0.1)
+    convert_routed_experts(moe)
+    assert isinstance(moe.experts, Float8RoutedExperts) and moe.experts.group_alignment == 16
+    x0 = torch.randn(3, 7, 48)
+    calls, results = [], {}
+    original = Float8RoutedExperts.forward
+
+    def spy(self, x_RL, offs_E, groups_aligned=False):
+        calls.append(groups_aligned)
+        return original(self, x_RL, offs_E, groups_aligned)
+
+    monkeypatch.setattr(Float8RoutedExperts, "forward", spy)
+    for alignment in (16, 1):
+        monkeypatch.setattr(Float8RoutedExperts, "group_alignment", alignment)
+        x = x0.clone().requires_grad_()
+        moe.zero_grad()
+        y = moe(x)
+        y.square().sum().backward()
+        results[alignment] = [y.detach(), x.grad] + [p.grad.clone() for p in moe.parameters()]
+    assert calls == [True, False]
+    for got, want in zip(results[16], results[1]):
+        assert rel_err(got, want) < 1e-6
+
+
 @needs_kernels
 def test_fp8_grouped_mm_through_the_kernels():
     """The autograd function with the Triton kernels doing every quantization (interpreted

@@ -106,6 +106,7 @@ class LatentExpertParallel(ParallelStyle):
                 f"n_routed_experts = {module.n_experts} is not divisible by expert_parallel_degree = "
                 f"{device_mesh.size()}"
             )
+        module.expert_parallel = True  # LatentMoE then sends packed groups (the exchange regroups them)
         return distribute_module(
             module, device_mesh, partition_fn=self._partition, input_fn=self._dispatch, output_fn=self._combine
         )

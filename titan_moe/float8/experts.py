@@ -32,10 +32,12 @@ path (eager, same run; compiled, in an earlier run, 5.84) and 1.91 for bf16; sma
 eager trains 11.9K tokens/s with it against 10.7K with torchao's; it compiles with
 `fullgraph=True` (custom ops), trained compiled on wide_1gpu, and trained 300 eager steps to
 bf16's loss. Ours is fused Triton quantization with no weight re-layout copy, and on the CPU
-an fp32 emulation of the fp8 GEMM, so this module's data flow is tested there. Either way
-the expert block pads its groups once per call: both GEMMs and the SiTU-GLU between them run
-on the padded rows (one pad and one unpad per layer, not one per GEMM). Neither is faster
-than bf16 yet: no fp8 speed-up is claimed for the experts.
+an fp32 emulation of the fp8 GEMM, so this module's data flow is tested there. In the model
+the token dispatch lays the groups out 16-aligned (`LatentMoE.route_and_sort`), so the
+expert block pads nothing; called with packed groups (expert parallelism, direct calls) it
+pads once per call: both GEMMs and the SiTU-GLU between them run on the padded rows (one
+pad and one unpad per layer, not one per GEMM). Neither is faster than bf16 yet: no fp8
+speed-up is claimed for the experts.
 """
 
 from __future__ import annotations
@@ -144,7 +146,13 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
 
 
 class Float8RoutedExperts(RoutedExperts):
-    """`RoutedExperts` whose two grouped GEMMs run in fp8 (CUDA, compute capability >= 8.9)."""
+    """`RoutedExperts` whose two grouped GEMMs run in fp8 (CUDA, compute capability >= 8.9).
+
+    Its groups must start at multiples of 16: `LatentMoE` lays its sorted copies out so
+    (`group_alignment`) and says so with `groups_aligned=True`; otherwise (expert
+    parallelism, or a direct call) `forward` pads the groups itself."""
+
+    group_alignment = GROUP_ALIGNMENT
 
     @classmethod
     def from_experts(cls, experts: RoutedExperts) -> Float8RoutedExperts:
@@ -156,19 +164,25 @@ class Float8RoutedExperts(RoutedExperts):
         new.w_down = experts.w_down
         return new
 
-    def forward(self, x_ML: Tensor, offs_E: Tensor) -> Tensor:
+    def forward(self, x_ML: Tensor, offs_E: Tensor, groups_aligned: bool = False) -> Tensor:
         """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent].
 
-        Pads the groups once: both GEMMs and the SiTU-GLU between them run on the padded
-        rows P. A padding row stays zero through all three (zero input rows give z = 0, and
-        SiTU-GLU multiplies by the zero up half), and gets a zero gradient from the unpad,
-        so it adds nothing to the weight gradients."""
+        With ``groups_aligned`` every ``offs_E[e]`` is a multiple of 16 (the caller's
+        promise, not checked on CUDA: a host sync) and the rows between groups are zero;
+        the GEMMs run on the rows as given. Otherwise the groups are padded once: both
+        GEMMs and the SiTU-GLU between them run on the padded rows P. A padding row stays
+        zero through all three (zero input rows give z = 0, and SiTU-GLU multiplies by the
+        zero up half), and gets a zero gradient (from the unpad, or from the caller's
+        combine), so it adds nothing to the weight gradients."""
         w_gate_up, w_down = self.local_weights()  # this rank's experts under expert parallelism
-        x_PL, offs_pad_E, dest_M = pad_groups(x_ML, offs_E)
+        if groups_aligned:
+            x_PL, offs_pad_E = x_ML, offs_E
+        else:
+            x_PL, offs_pad_E, dest_M = pad_groups(x_ML, offs_E)
         z_P2H = fp8_grouped_mm_padded(x_PL, w_gate_up.to(x_ML.dtype), offs_pad_E)
         hidden_PH = situ_glu_packed(z_P2H, self.beta1, self.beta2)
         out_PL = fp8_grouped_mm_padded(hidden_PH, w_down.to(hidden_PH.dtype), offs_pad_E)
-        return unpad_groups(out_PL, dest_M, offs_E)
+        return out_PL if groups_aligned else unpad_groups(out_PL, dest_M, offs_E)
 
 
 def convert_routed_experts(model: nn.Module, fqns: list[str] | tuple[str, ...] = ()) -> list[str]:

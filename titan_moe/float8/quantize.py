@@ -31,10 +31,10 @@ Four quantizations (each: ``<name>`` dispatches, ``<name>_reference`` is plain P
   ``offs[-1]`` belong to no group and are stored as zero codes. The column-major buffer has
   a leading dimension of M rounded up to 16 (16-byte aligned columns for the GEMM).
 
-The references are exact on the CPU. On CUDA, torch divides a tensor by a Python scalar as
-a multiplication by the scalar's reciprocal, so ``scale_from_amax`` there can be one ulp off
-the correctly rounded quotient the kernels compute (seen on the H200: 771 of 1307 row scales);
-compare the CUDA kernels with references computed on the CPU.
+The references are exact on both devices. (On CUDA, torch divides a tensor by a Python or
+CPU scalar as a multiplication by the scalar's reciprocal, one ulp off the correctly rounded
+quotient the kernels compute in 771 of 1307 row scales on the H200; so ``scale_from_amax``
+divides by a tensor on the amax's own device, a true division there too.)
 
 Dispatch: the Triton kernels run on CUDA, and on the CPU only when ``TRITON_INTERPRET=1`` was
 set before this module was imported (the tests); otherwise the references run.
@@ -105,8 +105,10 @@ class Fp8Weight(NamedTuple):
 # PyTorch references
 # ----------------------------------------------------------------------------------------
 def scale_from_amax(amax: Tensor) -> Tensor:
-    """Dequantization scale ``max(amax, EPS) / 448`` in fp32."""
-    return amax.float().clamp_min(EPS) / FP8_MAX
+    """Dequantization scale ``max(amax, EPS) / 448`` in fp32, correctly rounded on every
+    device (module docstring: the divisor is a same-device tensor, not a scalar)."""
+    amax_f32 = amax.float().clamp_min(EPS)
+    return amax_f32 / torch.full_like(amax_f32, FP8_MAX)
 
 
 def quantize_with_scale(x: Tensor, scale: Tensor) -> Tensor:

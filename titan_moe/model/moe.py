@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.ffn import SiTUGLUFeedForward
 from titan_moe.model.situ import situ_glu_packed
-from titan_moe.ops.dispatch import permute, unpermute_combine
+from titan_moe.ops.dispatch import aligned_positions, combine_copies, scatter_copies, sorted_positions
 from titan_moe.ops.grouped_gemm import grouped_mm
 from titan_moe.ops.nvtx import nvtx_range
 
@@ -238,7 +238,15 @@ class RoutedExperts(nn.Module):
     DTensors sharded on the expert dim: ``forward`` then runs this rank's ``E_local`` experts
     on the tokens the parallel style dispatched to them, and ``offs_E`` has ``E_local``
     entries.
+
+    ``group_alignment``: the row multiple at which the experts want each group to start
+    (1: anywhere). :class:`LatentMoE` lays its sorted copies out that way and passes
+    ``groups_aligned=True``, except under expert parallelism (``expert_parallel``, set by
+    the parallel style), whose exchange regroups the rows.
     """
+
+    group_alignment = 1
+    expert_parallel = False
 
     def __init__(self, n_experts: int, latent: int, hidden: int, beta1: float, beta2: float):
         super().__init__()
@@ -247,8 +255,11 @@ class RoutedExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, latent, 2 * hidden))
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, latent))
 
-    def forward(self, x_ML: Tensor, offs_E: Tensor) -> Tensor:
-        """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent]."""
+    def forward(self, x_ML: Tensor, offs_E: Tensor, groups_aligned: bool = False) -> Tensor:
+        """x_ML [M, latent] sorted by expert, offs_E [E] int32 cumulative ends -> [M, latent].
+
+        ``groups_aligned`` (the groups start at multiples of ``group_alignment``) changes
+        nothing here: any group sizes work."""
         w_gate_up, w_down = self.local_weights()
         # Under autocast the activations arrive in bf16 while the weights stay fp32; a custom
         # op is not autocast-aware, so cast the weights the way autocast would for a matmul.
@@ -360,19 +371,27 @@ class LatentMoE(nn.Module):
         as separate regions (see ``titan_moe.parallelize``).
         """
         x_ND = x_BTD.reshape(-1, self.dim)
-        latent_sorted_ML, offs_E, order_M, weights_Nk = self.route_and_sort(x_ND)
+        alignment = 1 if self.experts.expert_parallel else self.experts.group_alignment
+        latent_sorted_RL, offs_E, pos_Nk, weights_Nk = self.route_and_sort(x_ND, alignment)
         with nvtx_range("moe.experts"):
-            out_sorted_ML = self.experts(latent_sorted_ML, offs_E)
-        y_ND = self.combine(x_ND, out_sorted_ML, order_M, weights_Nk)
+            if alignment > 1:
+                out_sorted_RL = self.experts(latent_sorted_RL, offs_E, groups_aligned=True)
+            else:
+                out_sorted_RL = self.experts(latent_sorted_RL, offs_E)
+        y_ND = self.combine(x_ND, out_sorted_RL, pos_Nk, weights_Nk)
         return y_ND.view(x_BTD.shape).to(x_BTD.dtype)
 
-    def route_and_sort(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def route_and_sort(self, x_ND: Tensor, alignment: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Route ``x_ND`` [N, dim] and sort its ``M = N*k`` latent token copies by expert.
 
-        Returns ``latent_sorted_ML`` [M, latent], ``offs_E`` [E] int32 cumulative ends of
-        each expert's rows, ``order_M`` [M] int64 (sorted row -> token copy ``i*k + slot``)
-        and ``weights_Nk`` [N, k] fp32. Accumulates the balancing statistics in training.
-        The copies are made by the ``titan_moe::moe_permute`` op (:mod:`titan_moe.ops.dispatch`).
+        Returns ``latent_sorted_RL`` [R, latent], ``offs_E`` [E] int32 cumulative ends of
+        each expert's rows, ``pos_Nk`` [N, k] int64 (the sorted row of copy ``slot`` of token
+        ``i``) and ``weights_Nk`` [N, k] fp32. With ``alignment`` 1, ``R = M`` and the groups
+        are packed; otherwise every group starts at a multiple of ``alignment`` in a buffer
+        of the static size ``R = padded_rows(M, E, alignment)`` whose rows outside the groups
+        are zero (:func:`titan_moe.ops.dispatch.aligned_positions`; no host sync).
+        Accumulates the balancing statistics in training. The copies are made by the
+        ``titan_moe::moe_permute`` op (:mod:`titan_moe.ops.dispatch`).
         """
         k = self.top_k
         with nvtx_range("moe.router"):
@@ -384,24 +403,29 @@ class LatentMoE(nn.Module):
         # Dispatch: sort the N*k token copies by expert so that each expert's rows are contiguous.
         with nvtx_range("moe.dispatch"):
             flat_expert = expert_idx_Nk.reshape(-1)
-            order = torch.argsort(flat_expert, stable=True)
-            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            order_M = torch.argsort(flat_expert, stable=True)  # sorted row -> copy i*k + slot
+            pos_Nk = sorted_positions(order_M, k)
+            rows = None
+            if alignment > 1:
+                pos_Nk, offs_E, rows = aligned_positions(pos_Nk, expert_idx_Nk, counts_E, alignment)
+            else:
+                offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
             latent_NL = self.w_latent_down(x_ND)
-            latent_sorted_ML = permute(latent_NL, order, k)  # row m = latent_NL[order[m] // k]
-        return latent_sorted_ML, offs_E, order, weights_Nk
+            latent_sorted_RL = scatter_copies(latent_NL, pos_Nk, rows)  # row pos[i, j] = latent_NL[i]
+        return latent_sorted_RL, offs_E, pos_Nk, weights_Nk
 
-    def combine(self, x_ND: Tensor, out_sorted_ML: Tensor, order_M: Tensor, weights_Nk: Tensor) -> Tensor:
-        """Unsort the experts' outputs [M, latent], weight and sum them per token, normalise,
+    def combine(self, x_ND: Tensor, out_sorted_RL: Tensor, pos_Nk: Tensor, weights_Nk: Tensor) -> Tensor:
+        """Unsort the experts' outputs [R, latent], weight and sum them per token, normalise,
         project up and add the shared experts of ``x_ND`` [N, dim] -> y_ND [N, dim].
 
-        ``out_sorted_ML`` [M, latent] is in the order of ``order_M`` (as ``route_and_sort``
-        returned it). Unsorting, weighting and the fp32 sum over the k copies are one
+        ``out_sorted_RL`` is in the layout of ``pos_Nk`` (as ``route_and_sort`` returned
+        it). Unsorting, weighting and the fp32 sum over the k copies are one
         ``titan_moe::moe_unpermute_combine`` op (:mod:`titan_moe.ops.dispatch`)."""
         # Unsort, weight and sum over k in one pass (deterministic); u stays fp32 for the norm.
         with nvtx_range("moe.combine"):
-            u_NL = unpermute_combine(out_sorted_ML, order_M, weights_Nk, out_dtype=torch.float32)
+            u_NL = combine_copies(out_sorted_RL, pos_Nk, weights_Nk, out_dtype=torch.float32)
             u_NL = F.rms_norm(u_NL, (self.latent,), self.latent_norm.weight.float(), self.norm_eps)
-            y_ND = self.w_latent_up(u_NL.to(out_sorted_ML.dtype))
+            y_ND = self.w_latent_up(u_NL.to(out_sorted_RL.dtype))
         if self.shared_experts is not None:
             with nvtx_range("moe.shared"):
                 y_ND = y_ND + self.shared_experts(x_ND)

@@ -10,6 +10,11 @@ Contract (shared with :mod:`titan_moe.ops.dispatch.op` and the Triton kernels):
   token ``n`` sits in sorted row ``pos_Nk[n, j]``; ``pos.view(-1)[order[m]] == m``.
   It must be a permutation of ``range(M)``: that is not checked (it would cost a sort),
   and a violation leaves rows of the outputs unwritten.
+* Aligned layouts (:func:`aligned_positions`): the sorted rows may also live in a buffer of
+  ``R > M`` rows in which each expert's group starts at a multiple of an alignment (what
+  fp8 grouped GEMMs need). ``pos_Nk`` is then injective into ``range(R)``, and the ``R - M``
+  rows that no copy owns (padding) are zero in every ``[R, L]`` result: the permute's
+  output and the combine's row gradient.
 
 The ops take ``pos_Nk`` because every one of them (forwards and backwards) is then a
 token-major loop: token ``n`` reads or writes its ``k`` rows ``pos_Nk[n]``; no direction
@@ -40,11 +45,48 @@ def sorted_positions(order_M: Tensor, k: int) -> Tensor:
     return inverse_M.view(m // k, k)
 
 
-def permute_torch(x_NL: Tensor, pos_Nk: Tensor) -> Tensor:
-    """``out[pos[n, j]] = x[n]`` -> [N*k, L] in ``x_NL.dtype`` (a broadcast index_put, no repeat)."""
+def padded_rows(n_copies: int, n_experts: int, alignment: int) -> int:
+    """Static row count of an aligned layout: every group padded to a multiple of
+    ``alignment`` adds at most ``alignment - 1`` rows; rounded up to ``alignment``."""
+    rows = n_copies + n_experts * (alignment - 1)
+    return -(-rows // alignment) * alignment
+
+
+def aligned_positions(pos_Nk: Tensor, expert_Nk: Tensor, counts_E: Tensor, alignment: int) -> tuple[Tensor, Tensor, int]:
+    """Move the sorted rows of ``pos_Nk`` into a layout whose groups start at multiples of
+    ``alignment``, on the device, without a host sync.
+
+    Args:
+        pos_Nk: [N, k] sorted row of each copy (groups contiguous, in expert order).
+        expert_Nk: [N, k] expert of each copy.
+        counts_E: [E] rows per expert (``counts_E[e] == (expert_Nk == e).sum()``).
+        alignment: >= 1.
+
+    Returns:
+        ``pos_Nk`` [N, k] int64 rows in the aligned buffer, ``offs_E`` [E] int32 cumulative
+        ends of the padded groups (multiples of ``alignment``), and the buffer's static row
+        count ``R`` (:func:`padded_rows`; rows past ``offs_E[-1]`` belong to no group).
+    """
+    counts = counts_E.long()
+    padded_E = (counts + alignment - 1) // alignment * alignment
+    shift_E = (torch.cumsum(padded_E, 0) - padded_E) - (torch.cumsum(counts, 0) - counts)
+    pos_aligned_Nk = pos_Nk.long() + shift_E[expert_Nk.long()]
+    rows = padded_rows(pos_Nk.numel(), counts_E.shape[0], alignment)
+    return pos_aligned_Nk, torch.cumsum(padded_E, 0).to(torch.int32), rows
+
+
+def _rows_buffer(like: Tensor, rows: int, n_copies: int) -> Tensor:
+    """[rows, L] output buffer: zero where copies leave padding rows (``rows > n_copies``)."""
+    shape = (rows, like.shape[-1])
+    return like.new_zeros(shape) if rows > n_copies else like.new_empty(shape)
+
+
+def permute_torch(x_NL: Tensor, pos_Nk: Tensor, rows: int | None = None) -> Tensor:
+    """``out[pos[n, j]] = x[n]`` -> [rows (default N*k), L] in ``x_NL.dtype``, padding rows
+    zero (a broadcast index_put, no repeat)."""
     n, k = pos_Nk.shape
-    out_ML = x_NL.new_empty(n * k, x_NL.shape[1])
-    return out_ML.index_put_((pos_Nk.long(),), x_NL.unsqueeze(1))
+    out_RL = _rows_buffer(x_NL, rows or n * k, n * k)
+    return out_RL.index_put_((pos_Nk.long(),), x_NL.unsqueeze(1))
 
 
 def unpermute_combine_torch(
@@ -66,13 +108,14 @@ def unpermute_combine_backward_torch(
 ) -> tuple[Tensor, Tensor]:
     """Gradients of :func:`unpermute_combine_torch` with weights.
 
-    Returns ``dy_ML`` [M, L] in ``y_ML.dtype`` (``dy[pos[n, j]] = w[n, j] * grad[n]``) and
-    ``dw_Nk`` [N, k] in ``weights_Nk.dtype`` (``dw[n, j] = <grad[n], y[pos[n, j]]>``).
+    Returns ``dy_ML`` [rows of y, L] in ``y_ML.dtype`` (``dy[pos[n, j]] = w[n, j] * grad[n]``,
+    padding rows zero) and ``dw_Nk`` [N, k] in ``weights_Nk.dtype``
+    (``dw[n, j] = <grad[n], y[pos[n, j]]>``).
     """
     n, k = pos_Nk.shape
     grad_N1L = grad_NL.float().unsqueeze(1)
     y_NkL = y_ML[pos_Nk.reshape(-1)].view(n, k, y_ML.shape[1]).float()
     dw_Nk = (y_NkL * grad_N1L).sum(-1).to(weights_Nk.dtype)
     dy_NkL = (weights_Nk.float().unsqueeze(-1) * grad_N1L).to(y_ML.dtype)
-    dy_ML = y_ML.new_empty(y_ML.shape).index_put_((pos_Nk.long(),), dy_NkL)
+    dy_ML = _rows_buffer(y_ML, y_ML.shape[0], n * k).index_put_((pos_Nk.long(),), dy_NkL)
     return dy_ML, dw_Nk

@@ -173,21 +173,30 @@ def _check(name: str, rows: torch.Tensor, pos_Nk: torch.Tensor, *others: torch.T
     check_runs_on(_permute_kernel, rows.device, name, "titan_moe.ops.dispatch.triton_kernel")
 
 
-def permute_triton(x_NL: torch.Tensor, pos_Nk: torch.Tensor, config: BlockConfig | None = None) -> torch.Tensor:
-    """``out[pos[n, j]] = x[n]`` -> [N*k, L] contiguous, ``x_NL.dtype``."""
+def _check_sorted_rows(name: str, rows: int, n_copies: int) -> None:
+    if rows < n_copies:
+        raise ValueError(f"{name}: {rows} sorted rows cannot hold N*k = {n_copies} copies")
+
+
+def permute_triton(x_NL: torch.Tensor, pos_Nk: torch.Tensor, config: BlockConfig | None = None,
+                   rows: int | None = None) -> torch.Tensor:
+    """``out[pos[n, j]] = x[n]`` -> [rows (default N*k), L] contiguous, ``x_NL.dtype``; rows
+    that no copy owns (an aligned layout, ``rows > N*k``) are zero."""
     _check("permute_triton", x_NL, pos_Nk)
     x_NL, pos_Nk = x_NL.contiguous(), pos_Nk.contiguous()
     (n, k), latent = pos_Nk.shape, x_NL.shape[1]
     if x_NL.shape[0] != n:
         raise ValueError(f"permute_triton: x has {x_NL.shape[0]} rows, pos {n}")
-    out_ML = x_NL.new_empty(n * k, latent)
-    if out_ML.numel() == 0:
-        return out_ML
+    rows = n * k if rows is None else rows
+    _check_sorted_rows("permute_triton", rows, n * k)
+    out_RL = x_NL.new_zeros(rows, latent) if rows > n * k else x_NL.new_empty(rows, latent)
+    if n == 0 or latent == 0:
+        return out_RL
     cfg = config or default_config(latent, x_NL.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(latent, cfg.block_l))
-    _permute_kernel[grid](x_NL, pos_Nk, out_ML, n, n * k, L=latent, K=k, BLOCK_N=cfg.block_n,
+    _permute_kernel[grid](x_NL, pos_Nk, out_RL, n, rows, L=latent, K=k, BLOCK_N=cfg.block_n,
                           BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
-    return out_ML
+    return out_RL
 
 
 def gather_sum_triton(
@@ -199,13 +208,14 @@ def gather_sum_triton(
 ) -> torch.Tensor:
     """``out[n] = sum_j w[n, j] * y[pos[n, j]]`` (``w = None``: plain sum) -> [N, L] contiguous.
 
-    fp32 accumulation; one rounding to ``out_dtype`` (default ``y_ML.dtype``).
+    ``y_ML`` has N*k rows, or more in an aligned layout. fp32 accumulation; one rounding to
+    ``out_dtype`` (default ``y_ML.dtype``).
     """
     others = () if weights_Nk is None else (weights_Nk,)
     _check("gather_sum_triton", y_ML, pos_Nk, *others)
     y_ML, pos_Nk = y_ML.contiguous(), pos_Nk.contiguous()
     (n, k), latent = pos_Nk.shape, y_ML.shape[1]
-    if y_ML.shape[0] != n * k or (weights_Nk is not None and weights_Nk.shape != pos_Nk.shape):
+    if y_ML.shape[0] < n * k or (weights_Nk is not None and weights_Nk.shape != pos_Nk.shape):
         raise ValueError(f"gather_sum_triton: y {tuple(y_ML.shape)}, pos {tuple(pos_Nk.shape)} and weights "
                          f"{None if weights_Nk is None else tuple(weights_Nk.shape)} do not match")
     out_NL = y_ML.new_empty(n, latent, dtype=out_dtype or y_ML.dtype)
@@ -214,7 +224,7 @@ def gather_sum_triton(
     w_arg = pos_Nk if weights_Nk is None else weights_Nk.contiguous()  # unused pointer when no weights
     cfg = config or default_config(latent, y_ML.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(latent, cfg.block_l))
-    _gather_sum_kernel[grid](y_ML, pos_Nk, w_arg, out_NL, n, n * k, L=latent, K=k,
+    _gather_sum_kernel[grid](y_ML, pos_Nk, w_arg, out_NL, n, y_ML.shape[0], L=latent, K=k,
                              HAS_WEIGHTS=weights_Nk is not None, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l,
                              num_warps=cfg.num_warps)
     return out_NL
@@ -227,16 +237,17 @@ def combine_backward_triton(
     weights_Nk: torch.Tensor,
     config: BlockConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dy[pos[n, j]] = w[n, j] * grad[n]`` ([M, L], ``y_ML.dtype``) and
-    ``dw[n, j] = <grad[n], y[pos[n, j]]>`` ([N, k], ``weights_Nk.dtype``), fp32 arithmetic."""
+    """``dy[pos[n, j]] = w[n, j] * grad[n]`` ([rows of y, L], ``y_ML.dtype``, rows no copy
+    owns zero) and ``dw[n, j] = <grad[n], y[pos[n, j]]>`` ([N, k], ``weights_Nk.dtype``),
+    fp32 arithmetic."""
     _check("combine_backward_triton", y_ML, pos_Nk, grad_NL, weights_Nk)
     grad_NL, y_ML = grad_NL.contiguous(), y_ML.contiguous()
     pos_Nk, weights_Nk = pos_Nk.contiguous(), weights_Nk.contiguous()
     (n, k), latent = pos_Nk.shape, y_ML.shape[1]
-    if y_ML.shape[0] != n * k or weights_Nk.shape != pos_Nk.shape or grad_NL.shape != (n, latent):
+    if y_ML.shape[0] < n * k or weights_Nk.shape != pos_Nk.shape or grad_NL.shape != (n, latent):
         raise ValueError(f"combine_backward_triton: grad {tuple(grad_NL.shape)}, y {tuple(y_ML.shape)}, pos "
                          f"{tuple(pos_Nk.shape)}, weights {tuple(weights_Nk.shape)} do not match")
-    dy_ML = torch.empty_like(y_ML)
+    dy_ML = torch.zeros_like(y_ML) if y_ML.shape[0] > n * k else torch.empty_like(y_ML)
     dw_Nk = torch.empty_like(weights_Nk)
     if n == 0:
         return dy_ML, dw_Nk
@@ -244,7 +255,7 @@ def combine_backward_triton(
         return dy_ML, dw_Nk.zero_()
     cfg = config or default_config(latent, y_ML.device)
     _combine_bwd_kernel[(triton.cdiv(n, cfg.block_n),)](
-        grad_NL, y_ML, pos_Nk, weights_Nk, dy_ML, dw_Nk, n, n * k, L=latent, K=k,
+        grad_NL, y_ML, pos_Nk, weights_Nk, dy_ML, dw_Nk, n, y_ML.shape[0], L=latent, K=k,
         BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps,
     )
     return dy_ML, dw_Nk
