@@ -27,7 +27,10 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
   x and w included, torchao's ``torch._scaled_grouped_mm`` GEMMs, forward and backward,
   plus its 16-row group padding and the per-call weight re-layout; ``fp8_compiled``: the same
   function under ``torch.compile`` (Inductor fuses the quantization passes, as in training
-  with ``[compile] enable``).
+  with ``[compile] enable``); ``fp8_fused`` / ``fp8_fused_dw8``: our quantization kernels
+  around ``torch._scaled_grouped_mm`` (weight gradient in bf16 / fp8), weights quantized per
+  call; ``fp8_cached_w``: ``fp8_fused`` with the weight quantized once beforehand, as the fp8
+  experts do once per optimizer step (``Float8RoutedExperts.refresh_fp8_weights``).
 
 Shapes: E=64, M=65536 (8192 tokens x top-8), K=2048, N=1408, group sizes balanced and
 Zipf(1.1) (sizes proportional to 1/rank^1.1, shuffled, rounded to multiples of 16), and
@@ -47,7 +50,11 @@ timed in interleaved rounds like part 1: ours (:class:`titan_moe.model.moe.Laten
 experts in the latent width ``latent``,
 run once with each grouped-GEMM backend and once as ``ours_fp8_experts``, a copy whose
 routed experts are converted by ``titan_float8_experts`` (fp8 rowwise grouped GEMMs, on the
-CPU their fp32 emulation; on CUDA only with compute capability >= 8.9 and bf16), plus the
+CPU their fp32 emulation; on CUDA only with compute capability >= 8.9 and bf16; weights
+quantized per call), and as ``ours_fp8_cached``, another such copy whose expert weights
+were quantized beforehand (``refresh_fp8_weights``, what training does once per optimizer
+step; that refresh is timed on its own, ``fp8_weight_refresh_ms``, as it is paid once per
+step however many forwards the step has), plus the
 relative error of y and dx of every run against the native one) vs torchtitan 0.2.2's
 ``torchtitan.models.moe.MoE`` (full-width SwiGLU experts, grouped_mm with its padding kernel
 on CUDA), both with the same token count, width, expert count, top-k, expert hidden size and
@@ -82,6 +89,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -271,7 +279,25 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # as every case here): weight gradient in bf16, or in fp8 too
         providers["fp8_fused"] = (fused_fp8_grouped_mm, {})
         providers["fp8_fused_dw8"] = (lambda x, w, offs: fused_fp8_grouped_mm(x, w, offs, wgrad="fp8"), {})
+        # the same with w quantized beforehand (once per optimizer step in training; the
+        # first, untimed call of a case quantizes it): activations quantized in the call
+        providers["fp8_cached_w"] = (_with_quantized_weight(fused_fp8_grouped_mm), {})
     return providers
+
+
+def _with_quantized_weight(fp8_gemm):
+    """fn(x, w, offs) calling ``fp8_gemm(x, w, offs, w_fp8=...)`` with ``w`` quantized once
+    (both layouts), on the first call with that ``w``."""
+    from titan_moe.float8.quantize import quantize_weight
+
+    cache: dict = {}
+
+    def call(x, w, offs):
+        if cache.get("w") is not w:
+            cache.update(w=w, w_fp8=quantize_weight(w.detach()))
+        return fp8_gemm(x, w, offs, w_fp8=cache["w_fp8"])
+
+    return call
 
 
 def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bool) -> dict:
@@ -314,7 +340,8 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
         del out
     for key in list(row["ms"]):
         row["tflops"][key] = tflops(row["flops_fwd_bwd"] if key.endswith("fwd_bwd") else flops, row["ms"][key])
-    for name in ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8"):
+    for name in ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8",
+                 "fp8_cached_w"):
         if name in results:
             for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
                 row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
@@ -471,10 +498,18 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     from titan_moe.ops.situ.op import BACKEND_ENV as SITU_ENV
 
     ours, theirs = build_layers(cfg, device, dtype)
-    ours_fp8 = fp8_experts_copy(ours) if device == "cpu" or fp8_available(device, dtype) else None
+    ours_fp8 = ours_fp8_cached = None
+    if device == "cpu" or fp8_available(device, dtype):
+        from titan_moe.float8.experts import refresh_fp8_expert_weights
+
+        ours_fp8, ours_fp8_cached = fp8_experts_copy(ours), fp8_experts_copy(ours)
+        refresh = functools.partial(refresh_fp8_expert_weights, ours_fp8_cached)
+        if not refresh():
+            raise RuntimeError("bench_moe: the fp8 experts made no weight cache (TITAN_MOE_FP8_WEIGHT_CACHE=0?)")
     if compile_layers:
         ours, theirs = torch.compile(ours), torch.compile(theirs)
-        ours_fp8 = torch.compile(ours_fp8) if ours_fp8 is not None else None
+        if ours_fp8 is not None:
+            ours_fp8, ours_fp8_cached = torch.compile(ours_fp8), torch.compile(ours_fp8_cached)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, cfg["tokens"], cfg["dim"], generator=gen, device=device).to(dtype).requires_grad_()
     grad = torch.randn(1, cfg["tokens"], cfg["dim"], generator=gen, device=device).to(dtype)
@@ -495,6 +530,7 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
         runs["ours_triton_tma"] = (ours, {BACKEND_ENV: "triton", TMA_ENV: "1"})
     if ours_fp8 is not None:
         runs["ours_fp8_experts"] = (ours_fp8, {BACKEND_ENV: "native"})
+        runs["ours_fp8_cached"] = (ours_fp8_cached, {BACKEND_ENV: "native"})
     runs["torchtitan"] = (theirs, {})
     out = dict(config=cfg, compiled=compile_layers, providers={})
     timers = {}
@@ -515,8 +551,11 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
                 layer(x).backward(grad)
 
         timers[f"{name}_fwd"], timers[f"{name}_fwd_bwd"] = fwd, fwd_bwd
-    params = [x, *ours.parameters(), *theirs.parameters(), *(ours_fp8.parameters() if ours_fp8 is not None else ())]
+    params = [x, *ours.parameters(), *theirs.parameters(),
+              *(p for layer in (ours_fp8, ours_fp8_cached) if layer is not None for p in layer.parameters())]
     ms, out["ms_spread"] = measure_rounds(timers, timed, grad_to_none=params)
+    if ours_fp8 is not None:  # the once-per-step cost of the cached layer (the gradients leave the weights be)
+        out["fp8_weight_refresh_ms"] = measure_rounds({"refresh": refresh}, timed)[0]["refresh"]
     if kernels:  # each provider's device kernels per forward+backward: immune to the host's noise
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_kda import kernel_times
@@ -687,7 +726,8 @@ def print_gemm_table(rows: list[dict]) -> None:
         for c in cols:
             line += f"{_fmt(r['ms'][c]) + ' (' + _fmt(r['tflops'][c], '.0f') + ')':>{width[c]}}"
         errs = [name + " " + "/".join(f"{r['rel_err'][f'{name}_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
-                for name in ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_fused", "fp8_fused_dw8")
+                for name in ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_fused", "fp8_fused_dw8",
+                             "fp8_cached_w")
                 if f"{name}_vs_torch_out" in r["rel_err"]]
         spread = max(r.get("ms_spread", {}).values(), default=None)
         print(line + "  " + "  ".join(errs) + ("" if spread is None else f"  rounds spread <= {spread:.1%}"))
@@ -730,6 +770,9 @@ def print_tables(report: dict) -> None:
         if "kernels_fwd_bwd" in p:
             k = p["kernels_fwd_bwd"]
             print(f"    kernels f+b {k['sum_ms']:.3f} ms: " + ", ".join(f"{n[:40]} {t:.3f}" for n, t in k["top"].items()))
+    if "fp8_weight_refresh_ms" in layer:
+        print(f"ours_fp8_cached: weights quantized once per optimizer step, {_fmt(layer['fp8_weight_refresh_ms'])} ms "
+              "(not in its rows)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

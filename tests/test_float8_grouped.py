@@ -310,6 +310,57 @@ def test_ops_pass_opcheck(wgrad, torch_quantization):
 
 
 @pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+def test_prequantized_weight_same_as_per_call(wgrad, torch_quantization):
+    """`w_fp8` (the weight quantized beforehand): output, dx and dw bit-equal to quantizing it
+    in the call; the weight is then not quantized in the call (counted), opcheck passes on
+    the op with the extra operands, and a gradient-free call needs no dx layout."""
+    x, w, dy, offs = make_case([16, 0, 32], 5, 32, 48, seed=7)
+    want = run_fp8(x, w, dy, offs, wgrad)
+    w_fp8 = fq.quantize_weight(w)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fq, "quantize_weight_reference", lambda *a, **k: calls.append(1))  # must not run
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fp8_grouped_mm(xl, wl, offs, wgrad=wgrad, w_fp8=w_fp8)
+        out.backward(dy)
+    assert not calls
+    for got, ref in zip((out.detach(), xl.grad, wl.grad), want):
+        assert torch.equal(got, ref)
+    codes = torch.uint8
+    operands = (w_fp8.fwd_EKN.view(codes), w_fp8.scale_fwd_EN, w_fp8.dgrad_EKN.view(codes), w_fp8.scale_dgrad_EK)
+    torch.library.opcheck(torch.ops.titan_moe.fp8_grouped_mm_fwd,
+                          (x.clone().requires_grad_(), w.clone().requires_grad_(), offs, wgrad, True, True, *operands),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    with torch.no_grad():
+        assert torch.equal(fp8_grouped_mm(x, w, offs, w_fp8=fq.quantize_weight(w, dgrad=False)), want[0])
+
+
+def test_prequantized_fp32_weight_with_bf16_activations(torch_quantization):
+    """With `w_fp8` the weight may keep its own dtype (fp32 master weights under autocast):
+    its gradient comes back in fp32, equal to the bf16 weight gradient cast up, and the
+    output matches the all-bf16 call up to the quantization of the unrounded weight."""
+    x, w, dy, offs = make_case([32, 16], 0, 32, 16, seed=8)
+    w32 = w.float() + 1e-3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(9))
+    xl, wl = x.clone().requires_grad_(), w32.clone().requires_grad_()
+    out = fp8_grouped_mm(xl, wl, offs, w_fp8=fq.quantize_weight(w32))
+    out.backward(dy)
+    ref_out, ref_dx, ref_dw = run_fp8(x, w32.bfloat16(), dy, offs, "bf16")
+    assert out.dtype == torch.bfloat16 and wl.grad.dtype == torch.float32
+    assert torch.equal(wl.grad, ref_dw.float())  # dw reads x and dy only
+    assert rel_err(out.detach(), ref_out) < 0.02 and rel_err(xl.grad, ref_dx) < 0.02
+
+
+def test_prequantized_weight_argument_errors(torch_quantization):
+    x, w, _, offs = make_case([16, 16], 0, 32, 16)
+    with pytest.raises(ValueError, match="does not belong"):
+        fp8_grouped_mm(x, w[:, :, :0].new_zeros(2, 32, 32), offs, w_fp8=fq.quantize_weight(w))
+    with pytest.raises(ValueError, match="dx layout"):
+        fp8_grouped_mm(x.requires_grad_(), w, offs, w_fp8=fq.quantize_weight(w, dgrad=False))
+    with pytest.raises(ValueError, match="share a dtype"):
+        fp8_grouped_mm(x, w.float(), offs)
+
+
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
 def test_compiles_fullgraph_like_eager(wgrad, torch_quantization):
     """`torch.compile(fullgraph=True)` over the fp8 GEMM (the ops are opaque to dynamo): no graph
     break, and output and gradients equal eager's exactly."""
@@ -395,6 +446,89 @@ def test_fused_experts_in_latent_moe_aligned_dispatch(monkeypatch, torch_quantiz
     assert calls == [True, False]
     for got, want in zip(results[16], results[1]):
         assert rel_err(got, want) < 1e-6
+
+
+def _fp8_experts(seed=0, dtype=torch.float32):
+    from titan_moe.float8.experts import Float8RoutedExperts
+    from titan_moe.model.moe import RoutedExperts
+
+    torch.manual_seed(seed)
+    experts = RoutedExperts(3, 32, 16, 1.0, 1.0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return Float8RoutedExperts.from_experts(experts.to(dtype))
+
+
+def test_experts_weight_cache_refresh_use_and_invalidation(monkeypatch, torch_quantization):
+    """`refresh_fp8_weights` quantizes both weights once; later forwards quantize none and give
+    what per-call quantization gives (bf16 weights: bit-equal); an in-place change of a
+    weight (an optimizer step without the hook) drops the cache, as do `to()` and
+    `load_state_dict`; `TITAN_MOE_FP8_WEIGHT_CACHE=0` and the torchao GEMM make none;
+    `refresh_fp8_expert_weights` (the converter's post-optimizer hook) finds the modules."""
+    from titan_moe.float8.experts import GEMM_ENV, WEIGHT_CACHE_ENV, refresh_fp8_expert_weights
+
+    monkeypatch.setenv(GEMM_ENV, "fused")
+    experts = _fp8_experts(dtype=torch.bfloat16)
+    x = torch.randn(48, 32).bfloat16()
+    offs = torch.tensor([16, 16, 48], dtype=torch.int32)
+    quantized = []
+    real = fq.quantize_weight_reference
+    monkeypatch.setattr(fq, "quantize_weight_reference", lambda w, dgrad=True: quantized.append(w.shape) or real(w, dgrad))
+
+    def fwd_bwd():
+        xl = x.clone().requires_grad_()
+        out = experts(xl, offs, groups_aligned=True)
+        out.square().sum().backward()
+        result = [out.detach(), xl.grad] + [p.grad.clone() for p in experts.parameters()]
+        experts.zero_grad(set_to_none=True)
+        return result
+
+    per_call = fwd_bwd()
+    assert len(quantized) == 2
+    assert refresh_fp8_expert_weights([torch.nn.Sequential(experts)]) == 1 and len(quantized) == 4
+    for got, want in zip(fwd_bwd(), per_call):
+        assert torch.equal(got, want)
+    assert len(quantized) == 4  # the cached weights served the forward and the backward
+    with torch.no_grad():
+        experts.w_down.mul_(1.5)  # bumps the version counter
+    fwd_bwd()
+    assert len(quantized) == 6 and experts.current_fp8_weights() is None
+    experts.refresh_fp8_weights()
+    experts.load_state_dict(experts.state_dict())
+    assert experts.current_fp8_weights() is None
+    experts.refresh_fp8_weights()
+    experts.to(torch.float32)
+    assert experts.current_fp8_weights() is None
+    monkeypatch.setenv(WEIGHT_CACHE_ENV, "0")
+    assert not experts.refresh_fp8_weights() and experts.current_fp8_weights() is None
+    monkeypatch.setenv(WEIGHT_CACHE_ENV, "1")
+    monkeypatch.setenv(GEMM_ENV, "torchao")
+    assert not experts.refresh_fp8_weights()
+
+
+def test_experts_weight_cache_under_compile(monkeypatch, torch_quantization):
+    """A compiled forward reads the refreshed cache (no graph break, one recompile when the
+    cache appears, none when a refresh replaces it) and gives eager's results. fp32 weights
+    with bf16 activations (autocast's case) tell the two paths apart: per call the weight is
+    quantized from its bf16 copy, from the cache it is quantized from fp32."""
+    from titan_moe.float8.experts import GEMM_ENV
+
+    monkeypatch.setenv(GEMM_ENV, "fused")
+    experts = _fp8_experts(seed=1)
+    x = torch.randn(32, 32).bfloat16()
+    offs = torch.tensor([16, 16, 32], dtype=torch.int32)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(experts, backend=counter, fullgraph=True)
+    per_call = compiled(x, offs, groups_aligned=True)
+    assert torch.equal(per_call, experts(x, offs, groups_aligned=True))
+    for _ in range(2):
+        with torch.no_grad():
+            experts.w_gate_up.add_(0.1)
+        per_call = experts(x, offs, groups_aligned=True)
+        experts.refresh_fp8_weights()
+        got = compiled(x, offs, groups_aligned=True)
+        assert torch.equal(got, experts(x, offs, groups_aligned=True)) and not torch.equal(got, per_call)
+    assert counter.frame_count == 2
 
 
 @needs_kernels

@@ -27,17 +27,21 @@ Constraints and what this module does about them:
 * K and N (latent width, expert hidden width) must be multiples of 16: checked at conversion.
 
 Why ours is the default (H200, BENCHMARKS.md): at the MoE benchmark shape (E = 64,
-M = 65,536, K = 2048, N = 1408) forward+backward takes 2.05 ms against 8.15 for the torchao
-path (eager, same run; compiled, in an earlier run, 5.84) and 1.91 for bf16; small_1gpu
-eager trains 11.9K tokens/s with it against 10.7K with torchao's; it compiles with
-`fullgraph=True` (custom ops), trained compiled on wide_1gpu, and trained 300 eager steps to
-bf16's loss. Ours is fused Triton quantization with no weight re-layout copy, and on the CPU
-an fp32 emulation of the fp8 GEMM, so this module's data flow is tested there. In the model
-the token dispatch lays the groups out 16-aligned (`LatentMoE.route_and_sort`), so the
-expert block pads nothing; called with packed groups (expert parallelism, direct calls) it
-pads once per call: both GEMMs and the SiTU-GLU between them run on the padded rows (one
-pad and one unpad per layer, not one per GEMM). Neither is faster than bf16 yet: no fp8
-speed-up is claimed for the experts.
+M = 65,536, K = 2048, N = 1408) forward+backward took 2.05 ms against 8.15 for the torchao
+path (eager, same run; compiled, in an earlier run, 5.84); small_1gpu eager trains 11.9K
+tokens/s with it against 10.7K with torchao's; it compiles with `fullgraph=True` (custom
+ops), trained compiled on wide_1gpu, and trained 300 eager steps to bf16's loss. Ours is
+fused Triton quantization with no weight re-layout copy, and on the CPU an fp32 emulation of
+the fp8 GEMM, so this module's data flow is tested there.
+
+What keeps its quantization cheap: in the model the token dispatch lays the groups out
+16-aligned (`LatentMoE.route_and_sort`), so the expert block pads nothing (called with
+packed groups, under expert parallelism or directly, it pads once per call: both GEMMs and
+the SiTU-GLU between them run on the padded rows); and the weights are quantized once per
+optimizer step where they are plain tensors (`Float8RoutedExperts`). Measured that way
+(fifty-first to fifty-third GPU runs): the MoE layer's kernels take 0.98x of bf16's time
+(plus 0.75 ms once per step), and the compiled width-4096 training step with tensorwise fp8
+linears runs 1.14x bf16 against 1.08x with bf16 experts.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import os
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import has_cuda_capability
 
@@ -112,6 +117,7 @@ def unpad_groups(out_PN: Tensor, dest_M: Tensor, offs_E: Tensor) -> Tensor:
 
 GEMM_ENV = "TITAN_MOE_FP8_EXPERTS_GEMM"
 GEMMS = ("torchao", "fused")
+WEIGHT_CACHE_ENV = "TITAN_MOE_FP8_WEIGHT_CACHE"  # "0": quantize the expert weights per call
 
 
 def selected_gemm() -> str:
@@ -124,14 +130,17 @@ def selected_gemm() -> str:
     return name
 
 
-def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor) -> Tensor:
+def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor, w_fp8=None) -> Tensor:
     """The selected fp8 rowwise grouped GEMM (`selected_gemm`) on groups that are already
     16-aligned (`pad_groups`' layout): x_PK [P, K], w_EKN [E, K, N] in x's dtype, offs_pad_E
-    [E] int32 multiples of 16 -> [P, N] in x's dtype."""
+    [E] int32 multiples of 16 -> [P, N] in x's dtype. `w_fp8` (the fused GEMM only): `w`
+    quantized beforehand (`titan_moe.float8.grouped_mm.fp8_grouped_mm`), `w` then in any dtype."""
     if selected_gemm() == "fused":
         from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
 
-        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E)
+        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E, w_fp8=w_fp8)
+    if w_fp8 is not None:
+        raise ValueError("fp8_grouped_mm_padded: a pre-quantized weight needs the fused GEMM")
     w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group
     return _fp8_rowwise_grouped_mm(x_PK, w_t_EKN, offs_pad_E, x_PK.dtype)
 
@@ -150,9 +159,57 @@ class Float8RoutedExperts(RoutedExperts):
 
     Its groups must start at multiples of 16: `LatentMoE` lays its sorted copies out so
     (`group_alignment`) and says so with `groups_aligned=True`; otherwise (expert
-    parallelism, or a direct call) `forward` pads the groups itself."""
+    parallelism, or a direct call) `forward` pads the groups itself.
+
+    Weights: quantized per call, or once per optimizer step. :meth:`refresh_fp8_weights`
+    (the converter's `post_optimizer_hook` calls it after every step) quantizes both weights
+    into both fp8 layouts, from the parameters in their own dtype (fp32 under autocast:
+    no bf16 copy); the forwards until the next step (activation-checkpoint recomputes and
+    gradient-accumulation microbatches included) read those and quantize only activations,
+    and the backward reads their dx layout instead of a per-call saved copy. Made only for
+    plain-tensor weights on the fused GEMM (under FSDP or EP the forward sees gathered or
+    exchanged tensors, not the parameters; `TITAN_MOE_FP8_WEIGHT_CACHE=0` turns it off).
+    In eager mode a forward checks the parameters' version counters and drops a cache the
+    weights have changed since; compiled forwards rely on the hook (and on `load_state_dict`
+    and `to()`, which drop the cache)."""
 
     group_alignment = GROUP_ALIGNMENT
+    _fp8_weights: tuple | None = None  # (gate_up, down) Fp8Weight, from refresh_fp8_weights
+    _fp8_versions: tuple[int, int] | None = None
+
+    def refresh_fp8_weights(self) -> bool:
+        """Quantize both weights now for the forwards until the weights change (class
+        docstring). Returns whether a cache was made (False, with no cache kept, for the
+        torchao GEMM, DTensor or meta weights, or `TITAN_MOE_FP8_WEIGHT_CACHE=0`)."""
+        self._fp8_weights = self._fp8_versions = None
+        weights = (self.w_gate_up, self.w_down)
+        if (selected_gemm() != "fused" or os.environ.get(WEIGHT_CACHE_ENV, "1") == "0"
+                or any(isinstance(w, DTensor) or w.device.type == "meta" for w in weights)):
+            return False
+        from titan_moe.float8.quantize import quantize_weight
+
+        with torch.no_grad():
+            self._fp8_weights = tuple(quantize_weight(w.detach()) for w in weights)
+        self._fp8_versions = tuple(w._version for w in weights)
+        return True
+
+    def current_fp8_weights(self) -> tuple | None:
+        """The cached (gate_up, down) `Fp8Weight`s if they still match the weights, else None."""
+        cached = self._fp8_weights
+        if cached is None:
+            return None
+        if not torch.compiler.is_compiling() and (self.w_gate_up._version, self.w_down._version) != self._fp8_versions:
+            self._fp8_weights = self._fp8_versions = None  # changed since the refresh: per call until the next
+            return None
+        return cached
+
+    def _apply(self, fn, recurse=True):
+        self._fp8_weights = self._fp8_versions = None  # new parameter tensors (to(), cuda(), ...)
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._fp8_weights = self._fp8_versions = None
+        return super()._load_from_state_dict(*args, **kwargs)
 
     @classmethod
     def from_experts(cls, experts: RoutedExperts) -> Float8RoutedExperts:
@@ -179,9 +236,12 @@ class Float8RoutedExperts(RoutedExperts):
             x_PL, offs_pad_E = x_ML, offs_E
         else:
             x_PL, offs_pad_E, dest_M = pad_groups(x_ML, offs_E)
-        z_P2H = fp8_grouped_mm_padded(x_PL, w_gate_up.to(x_ML.dtype), offs_pad_E)
+        cached = self.current_fp8_weights()
+        if cached is None:
+            w_gate_up, w_down, cached = w_gate_up.to(x_ML.dtype), w_down.to(x_ML.dtype), (None, None)
+        z_P2H = fp8_grouped_mm_padded(x_PL, w_gate_up, offs_pad_E, cached[0])
         hidden_PH = situ_glu_packed(z_P2H, self.beta1, self.beta2)
-        out_PL = fp8_grouped_mm_padded(hidden_PH, w_down.to(hidden_PH.dtype), offs_pad_E)
+        out_PL = fp8_grouped_mm_padded(hidden_PH, w_down, offs_pad_E, cached[1])
         return out_PL if groups_aligned else unpad_groups(out_PL, dest_M, offs_E)
 
 
@@ -235,4 +295,12 @@ class TitanFloat8ExpertsConverter:
         logger.info("float8: %d routed-expert modules use the fp8 rowwise grouped GEMM", len(names))
 
     def post_optimizer_hook(self, model) -> None:
-        pass
+        """After every optimizer step: the fp8 weights for the next step's forwards."""
+        refresh_fp8_expert_weights(model)
+
+
+def refresh_fp8_expert_weights(model: nn.Module | list[nn.Module]) -> int:
+    """`Float8RoutedExperts.refresh_fp8_weights` on every such module of `model` (or of each
+    model part); returns how many made a cache."""
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    return sum(m.refresh_fp8_weights() for part in parts for m in part.modules() if isinstance(m, Float8RoutedExperts))

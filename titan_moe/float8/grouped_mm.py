@@ -38,14 +38,16 @@ byte per weight). Forward and backward are ``torch.library`` ops (``titan_moe::f
 / ``_bwd``, fake implementations, ``register_autograd``): ``torch.compile`` calls them as
 opaque nodes (tracing into the Triton launches failed under dynamo).
 
-Status (H200, torch 2.11, BENCHMARKS.md "fp8 expert GEMM with fused quantization"): the
-CUDA path matches the emulation (``test_cuda_matches_emulation``, both weight-gradient modes),
-the quantization kernels match their references bit for bit. At E = 64, M = 65,536, K =
-2048, N = 1408 forward+backward takes 2.05 ms against 1.91 for bf16 ``native`` (0.93x) and
-8.15 for the torchao path of ``experts.py`` in the same run; the forward alone is slower than
-bf16 (0.98 against 0.64 ms): the per-call weight quantization (about 0.27 ms of traffic) and
-x's cost about what fp8 saves on the GEMM (0.39 against 0.59 ms). ``Float8RoutedExperts``
-uses it by default (:mod:`titan_moe.float8.experts`, ``TITAN_MOE_FP8_EXPERTS_GEMM``).
+Status (H200, torch 2.11, BENCHMARKS.md "fp8 expert GEMM with fused quantization" and "fp8
+experts: 16-aligned dispatch, weights quantized once per optimizer step"): the CUDA path
+matches the emulation (``test_cuda_matches_emulation``, both weight-gradient modes), the
+quantization kernels match their references bit for bit. At E = 64, M = 65,536, K = 2048,
+N = 1408 with the weights quantized in the call, forward+backward is slower than bf16 (2.25
+against 1.96 ms in the fifty-first run): the per-call weight quantization costs about what fp8
+saves on the GEMMs. With ``w_fp8`` (the weight quantized beforehand, as the fp8 experts do
+once per optimizer step) the forward takes 0.49 ms against 0.64 (1.30x) and forward+backward
+1.66 against 1.96 (1.18x; the weight gradient stays bf16). ``Float8RoutedExperts`` uses it
+by default (:mod:`titan_moe.float8.experts`, ``TITAN_MOE_FP8_EXPERTS_GEMM``).
 """
 
 from __future__ import annotations
@@ -181,16 +183,24 @@ def _padded_rows(m):
 
 @torch.library.custom_op("titan_moe::fp8_grouped_mm_fwd", mutates_args=())
 def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool,
-            needs_dw: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            needs_dw: bool, wq_fwd_EKN: Tensor | None = None, sw_fwd_EN: Tensor | None = None,
+            wq_dgrad_EKN: Tensor | None = None,
+            sw_dgrad_EK: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of :func:`fp8_grouped_mm`. Returns ``(out [M, N], w_dgrad [E, K, N],
     sw_dgrad [E, K] fp32, xq_buffer [K, ld], sx [E*K] fp32)``: the output and what the
     backward needs (the weight's dx operand if ``needs_dx``; x quantized per group and
     column if ``needs_dw`` and ``wgrad == "fp8"``), empty ``[0]`` tensors where not needed.
+    With ``wq_*`` / ``sw_*`` (a weight quantized beforehand, :func:`fp8_grouped_mm`'s
+    ``w_fp8``, both layouts) the weight is not quantized here and no dx operand is returned:
+    the backward reads the given one (``wq_dgrad_EKN``, ``sw_dgrad_EK``, needed with ``needs_dx``).
     The fp8 codes cross the op boundary as uint8 (the same bytes): generic checks and
     tooling that touch outputs (opcheck, AOT autograd) have no fp8 kernels on the CPU."""
     _check_offsets(offs_E, x_MK.shape[0])
     xq_MK, sx_M = quantize_rows(x_MK)
-    wq: Fp8Weight = quantize_weight(w_EKN, dgrad=needs_dx)
+    if wq_fwd_EKN is None:
+        wq: Fp8Weight = quantize_weight(w_EKN, dgrad=needs_dx)
+    else:
+        wq = Fp8Weight(wq_fwd_EKN.view(FP8), sw_fwd_EN, None, None)
     out_MN = _scaled_grouped_gemm(xq_MK, wq.fwd_EKN, sx_M, wq.scale_fwd_EN, offs_E, x_MK.dtype)
     del xq_MK, sx_M
     xq_buffer = sx_EK = None
@@ -205,15 +215,17 @@ def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: b
 
 
 @_fwd_op.register_fake
-def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw):
+def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN=None, wq_dgrad_EKN=None,
+      sw_dgrad_EK=None):
     M, (E, K, N) = x_MK.shape[0], w_EKN.shape
     fp8, f32 = torch.uint8, torch.float32  # fp8 codes as uint8
     empty = functools.partial(x_MK.new_empty, 0)
     fp8_dw = needs_dw and wgrad == "fp8"
+    dgrad_out = needs_dx and wq_fwd_EKN is None
     return (
         x_MK.new_empty(M, N),
-        x_MK.new_empty(E, K, N, dtype=fp8) if needs_dx else empty(dtype=fp8),
-        x_MK.new_empty(E, K, dtype=f32) if needs_dx else empty(dtype=f32),
+        x_MK.new_empty(E, K, N, dtype=fp8) if dgrad_out else empty(dtype=fp8),
+        x_MK.new_empty(E, K, dtype=f32) if dgrad_out else empty(dtype=f32),
         x_MK.new_empty(K, _padded_rows(M), dtype=fp8) if fp8_dw else empty(dtype=fp8),
         x_MK.new_empty(E * K, dtype=f32) if fp8_dw else empty(dtype=f32),
     )
@@ -249,9 +261,11 @@ def _(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, wgrad, ne
 
 
 def _setup_context(ctx, inputs, output):
-    x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw = inputs
+    x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK = inputs
     _, w_dgrad_EKN, sw_dgrad_EK, xq_buffer, sx_EK = output
     ctx.mark_non_differentiable(*output[1:])
+    if wq_fwd_EKN is not None:  # a weight quantized by the caller: the backward reads its dx operand
+        w_dgrad_EKN, sw_dgrad_EK = wq_dgrad_EKN, sw_dgrad_given_EK
     keep_x = needs_dw and wgrad != "fp8"
     ctx.save_for_backward(w_dgrad_EKN, sw_dgrad_EK, x_MK if keep_x else None, xq_buffer, sx_EK, offs_E)
     ctx.wgrad, ctx.needs = wgrad, (needs_dx, needs_dw)
@@ -263,7 +277,7 @@ def _backward(ctx, dy_MN, *_unused_grads):
     needs_dx, needs_dw = ctx.needs
     dx_MK, dw_EKN = _bwd_op(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, ctx.wgrad,
                             needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype)
-    return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, None, None, None, None)
+    return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, *([None] * 8))
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -277,7 +291,21 @@ def _cuda_fp8_ok(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str) -> None:
+def _check_quantized_weight(w_EKN: Tensor, w_fp8: Fp8Weight) -> None:
+    E, K, N = w_EKN.shape
+    if w_fp8.fwd_EKN.shape != (E, K, N) or w_fp8.fwd_EKN.stride() != (K * N, 1, K) \
+            or w_fp8.scale_fwd_EN.shape != (E, N) or w_fp8.fwd_EKN.device != w_EKN.device:
+        raise ValueError(
+            f"fp8_grouped_mm: w_fp8 does not belong to w {tuple(w_EKN.shape)} on {w_EKN.device}: forward layout "
+            f"{tuple(w_fp8.fwd_EKN.shape)} strides {w_fp8.fwd_EKN.stride()} on {w_fp8.fwd_EKN.device}, "
+            f"scales {tuple(w_fp8.scale_fwd_EN.shape)}"
+        )
+    if w_fp8.dgrad_EKN is not None and (w_fp8.dgrad_EKN.shape != (E, K, N) or not w_fp8.dgrad_EKN.is_contiguous()
+                                        or w_fp8.scale_dgrad_EK.shape != (E, K)):
+        raise ValueError(f"fp8_grouped_mm: w_fp8's dx layout does not belong to w {tuple(w_EKN.shape)}")
+
+
+def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, w_fp8: Fp8Weight | None = None) -> None:
     """Shape, dtype and device checks; reads no data."""
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"fp8_grouped_mm: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
@@ -296,8 +324,11 @@ def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str) -> None
         raise ValueError(f"fp8_grouped_mm: K ({K}) and N ({N}) must be positive multiples of {ALIGNMENT}")
     if offs_E.dtype != torch.int32:
         raise ValueError(f"fp8_grouped_mm: offs must be int32, got {offs_E.dtype}")
-    if x_MK.dtype != w_EKN.dtype or x_MK.dtype not in _DTYPES:
-        raise ValueError(f"fp8_grouped_mm: x and w must share a dtype in {_DTYPES}, got {x_MK.dtype}, {w_EKN.dtype}")
+    if x_MK.dtype not in _DTYPES or w_EKN.dtype not in _DTYPES or (w_fp8 is None and x_MK.dtype != w_EKN.dtype):
+        raise ValueError(f"fp8_grouped_mm: x and w must share a dtype in {_DTYPES} (w may differ with w_fp8), "
+                         f"got {x_MK.dtype}, {w_EKN.dtype}")
+    if w_fp8 is not None:
+        _check_quantized_weight(w_EKN, w_fp8)
     if not (x_MK.device == w_EKN.device == offs_E.device):
         raise ValueError(
             f"fp8_grouped_mm: x, w, offs must be on one device, got {x_MK.device}, {w_EKN.device}, {offs_E.device}"
@@ -327,7 +358,8 @@ def _check_offsets(offs_E: Tensor, m: int) -> None:
         torch._assert_async((offs_E % ALIGNMENT == 0).all(), "fp8_grouped_mm: offs must be multiples of 16")
 
 
-def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = "bf16") -> Tensor:
+def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = "bf16",
+                   w_fp8: Fp8Weight | None = None) -> Tensor:
     """fp8 grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, differentiable in x and w.
 
     Args:
@@ -337,6 +369,12 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
             groups); empty groups allowed; rows at or past ``offs[-1]`` belong to no group.
         wgrad: "bf16": weight gradient in x's dtype from the saved x (fp32 accumulation);
             "fp8": from x and dy quantized per (group, column), with x saved in fp8.
+        w_fp8: ``w`` already quantized (:func:`titan_moe.float8.quantize.quantize_weight`,
+            with the dx layout when x needs a gradient), e.g. once per optimizer step: the
+            call then quantizes only the activations, ``w`` only receives the gradient (in
+            its own dtype, which may then differ from x's) and the backward reads
+            ``w_fp8``'s dx layout instead of a saved copy. The caller keeps ``w_fp8`` in step
+            with ``w`` (nothing checks it).
 
     Returns:
         [M, N] in x's dtype (through bf16: the fp8 GEMM's output); rows past ``offs[-1]``
@@ -346,8 +384,15 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
         ValueError: bad shapes, dtypes, devices or ``wgrad``; offsets that are not
             multiples of 16 (checked on the CPU only, see the module docstring).
     """
-    _check_args(x_MK, w_EKN, offs_E, wgrad)  # metadata only; the op checks offs' values
+    _check_args(x_MK, w_EKN, offs_E, wgrad, w_fp8)  # metadata only; the op checks offs' values
     grad = torch.is_grad_enabled()
-    out_MN, *_residuals = _fwd_op(x_MK, w_EKN, offs_E, wgrad, grad and x_MK.requires_grad,
-                                  grad and w_EKN.requires_grad)
+    needs_dx = grad and x_MK.requires_grad
+    quantized = ()
+    if w_fp8 is not None:
+        if needs_dx and w_fp8.dgrad_EKN is None:
+            raise ValueError("fp8_grouped_mm: x needs a gradient, so w_fp8 needs its dx layout (dgrad=True)")
+        codes = torch.uint8  # fp8 codes cross the op boundary as uint8
+        dgrad = (w_fp8.dgrad_EKN.view(codes), w_fp8.scale_dgrad_EK) if w_fp8.dgrad_EKN is not None else (None, None)
+        quantized = (w_fp8.fwd_EKN.view(codes), w_fp8.scale_fwd_EN, *dgrad)
+    out_MN, *_residuals = _fwd_op(x_MK, w_EKN, offs_E, wgrad, needs_dx, grad and w_EKN.requires_grad, *quantized)
     return out_MN
