@@ -20,7 +20,7 @@ Ops (each opaque to ``torch.compile``, in the forward and in the backward graph)
   ``out[n] = sum_j w[n,j] y[pos[n,j]]`` (no ``w``: plain sum), fp32 accumulation, output
   in fp32 with ``fp32_out``, else in y's dtype. (A flag, not a dtype argument: torch 2.11's
   AOTInductor decodes a ``ScalarType`` op argument wrongly, float32 arriving as float64.) Backward: ``moe_permute(grad)`` without ``w``, else
-* ``titan_moe::moe_unpermute_combine_backward(grad [N,L], y, pos, w) -> (dy [N*k,L], dw [N,k])``:
+* ``titan_moe::moe_unpermute_combine_backward(grad [N,L], y [R,L], pos, w) -> (dy [R,L], dw [N,k])``:
   ``dy[pos[n,j]] = w[n,j] grad[n]``, ``dw[n,j] = <grad[n], y[pos[n,j]]>``, in one pass
   (``dw`` is computed whenever ``w`` is given, also if only ``y`` needs a gradient); rows of
   ``dy`` that no copy owns are zero.
