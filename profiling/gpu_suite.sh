@@ -62,6 +62,11 @@
 #              GEMM), 12 steps each: the whole-step float8 ratio (not in the default list)
 #   wide_recipes  wide_1gpu compiled, fp8 linears only (tensorwise, then rowwise), then tensorwise
 #              linears with our fused fp8 experts, 12 steps each (not in the default list)
+#   fp8_experts  the fp8 experts against bf16: profiling/bench_moe.py's MoE layer (device kernels
+#              per provider, the per-step weight refresh timed apart) and grouped GEMM cases at
+#              E = 64, then wide_1gpu compiled, 12 steps each: bf16, tensorwise fp8 linears,
+#              tensorwise linears + fp8 experts, and the same with the expert weights quantized
+#              per call (TITAN_MOE_FP8_WEIGHT_CACHE=0) (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
 #              the forward's intermediates) beside the default, which keeps them (not in the default list)
 # Time limits per section: $SUITE_TIMEOUT seconds (default 540). The training runs' dump folders
@@ -183,6 +188,19 @@ for section in "${SECTIONS[@]}"; do
             run wide_fp8_tensorwise_fused env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun --standalone \
                 --nproc_per_node=1 "${WIDE[@]}" --model.converters titan_float8,titan_float8_experts \
                 --quantize.linear.float8.recipe_name tensorwise --job.dump_folder "$DUMP/wide_fp8_tf" ;;
+        fp8_experts)
+            run fp8_layer python profiling/bench_moe.py --skip-gemm --layer-kernels 8
+            run fp8_gemm python profiling/bench_moe.py --skip-layer --gemm-cases e64_balanced,e64_zipf1.1
+            FP8_TENSORWISE=(--quantize.linear.float8.recipe_name tensorwise)
+            run fp8_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_wide_bf16"
+            run fp8_wide_linears torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --model.converters titan_float8 \
+                "${FP8_TENSORWISE[@]}" --job.dump_folder "$DUMP/fp8_wide_linears"
+            run fp8_wide_experts env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun --standalone --nproc_per_node=1 \
+                "${WIDE[@]}" --model.converters titan_float8,titan_float8_experts "${FP8_TENSORWISE[@]}" \
+                --job.dump_folder "$DUMP/fp8_wide_experts"
+            run fp8_wide_experts_per_call env TITAN_MOE_FP8_EXPERTS_GEMM=fused TITAN_MOE_FP8_WEIGHT_CACHE=0 \
+                torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --model.converters titan_float8,titan_float8_experts \
+                "${FP8_TENSORWISE[@]}" --job.dump_folder "$DUMP/fp8_wide_experts_per_call" ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"
             run keep_off env TITAN_MOE_KDA_KEEP=0 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" \

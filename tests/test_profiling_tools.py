@@ -273,6 +273,26 @@ def test_gpu_suite_plans_every_section_for_two_gpus(tmp_path):
             assert (REPO / path).is_file(), path
 
 
+def test_gpu_suite_fp8_experts_section(tmp_path):
+    """fp8_experts: the two benchmarks, then four wide_1gpu runs that differ only in the fp8
+    switches (the experts with and without the per-step weight cache)."""
+    proc = _gpu_suite(tmp_path, "fp8_experts", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    commands = dict(line.split(": ", 1) for line in lines)
+    assert list(commands) == ["fp8_layer", "fp8_gemm", "fp8_wide_bf16", "fp8_wide_linears", "fp8_wide_experts",
+                              "fp8_wide_experts_per_call"]
+    assert "--layer-kernels" in commands["fp8_layer"] and "--skip-layer" in commands["fp8_gemm"]
+    wide = {name: c for name, c in commands.items() if name.startswith("fp8_wide")}
+    assert all("configs/wide_1gpu.toml" in c and "--training.steps 12" in c for c in wide.values())
+    assert "--model.converters" not in wide["fp8_wide_bf16"]
+    assert "--model.converters titan_float8 " in wide["fp8_wide_linears"]
+    assert "titan_float8,titan_float8_experts" in wide["fp8_wide_experts"]
+    assert "TITAN_MOE_FP8_WEIGHT_CACHE=0" in wide["fp8_wide_experts_per_call"]
+    assert "TITAN_MOE_FP8_WEIGHT_CACHE" not in wide["fp8_wide_experts"]
+    assert all("recipe_name tensorwise" in c for name, c in wide.items() if name != "fp8_wide_bf16")
+
+
 def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_switch(tmp_path):
     proc = _gpu_suite(tmp_path, "keep", gpus="1")
     assert proc.returncode == 0, proc.stderr
