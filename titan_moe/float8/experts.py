@@ -56,6 +56,7 @@ from torchtitan.tools.utils import has_cuda_capability
 
 from titan_moe.model.moe import RoutedExperts
 from titan_moe.model.situ import situ_glu_packed
+from titan_moe.ops.dispatch.reference import aligned_group_shift, padded_rows
 
 CONVERTER_NAME = "titan_float8_experts"
 GROUP_ALIGNMENT = 16
@@ -85,24 +86,21 @@ def pad_groups(x_MK: Tensor, offs_E: Tensor, alignment: int = GROUP_ALIGNMENT) -
         offs_E: [E] int32 cumulative group ends.
 
     Returns:
-        x_PK: [P, K] with `P = M + E * (alignment - 1)` rounded up to `alignment` (a static
-            bound); padding rows are zero.
+        x_PK: [P, K] with `P = M + 1 + E * (alignment - 1)` rounded up to `alignment` (a
+            static bound, `titan_moe.ops.dispatch.reference.padded_rows`); padding rows are zero.
         offs_pad_E: [E] int32 cumulative ends of the padded groups (multiples of `alignment`).
         dest_M: [M] int64 row of `x_PK` that holds row m of `x_MK` (rows without a group
             go to the last row of `x_PK`, which no padded group reaches).
     """
     M, K = x_MK.shape
     E = offs_E.shape[0]
-    P = -(-(M + E * (alignment - 1) + 1) // alignment) * alignment
+    P = padded_rows(M + 1, E, alignment)  # + 1: a last row that no padded group reaches
     offs = offs_E.long()
-    sizes_E = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded_sizes_E = (sizes_E + alignment - 1) // alignment * alignment
-    offs_pad = torch.cumsum(padded_sizes_E, 0)
+    shift_E, offs_pad = aligned_group_shift(torch.diff(offs, prepend=offs.new_zeros(1)), alignment)
     rows_M = torch.arange(M, device=x_MK.device)
     group_M = torch.searchsorted(offs, rows_M, right=True)  # E for rows past offs[-1]
     in_group_M = group_M < E
-    group_M = group_M.clamp(max=E - 1)
-    dest_M = rows_M - (offs - sizes_E)[group_M] + (offs_pad - padded_sizes_E)[group_M]
+    dest_M = rows_M + shift_E[group_M.clamp(max=E - 1)]
     dest_M = torch.where(in_group_M, dest_M, torch.full_like(dest_M, P - 1))
     x_PK = x_MK.new_zeros(P, K).index_copy(0, dest_M, x_MK * in_group_M.unsqueeze(1).to(x_MK.dtype))
     return x_PK, offs_pad.to(torch.int32), dest_M

@@ -67,12 +67,20 @@ def aligned_positions(pos_Nk: Tensor, expert_Nk: Tensor, counts_E: Tensor, align
         ends of the padded groups (multiples of ``alignment``), and the buffer's static row
         count ``R`` (:func:`padded_rows`; rows past ``offs_E[-1]`` belong to no group).
     """
-    counts = counts_E.long()
-    padded_E = (counts + alignment - 1) // alignment * alignment
-    shift_E = (torch.cumsum(padded_E, 0) - padded_E) - (torch.cumsum(counts, 0) - counts)
+    shift_E, offs_pad_E = aligned_group_shift(counts_E, alignment)
     pos_aligned_Nk = pos_Nk.long() + shift_E[expert_Nk.long()]
     rows = padded_rows(pos_Nk.numel(), counts_E.shape[0], alignment)
-    return pos_aligned_Nk, torch.cumsum(padded_E, 0).to(torch.int32), rows
+    return pos_aligned_Nk, offs_pad_E.to(torch.int32), rows
+
+
+def aligned_group_shift(counts_E: Tensor, alignment: int) -> tuple[Tensor, Tensor]:
+    """For groups of ``counts_E`` [E] rows laid out back to back, each padded to a multiple
+    of ``alignment``: ``shift_E`` [E] int64, how far each group's rows move (its padded start
+    minus its packed start), and ``offs_pad_E`` [E] int64, the padded groups' cumulative ends."""
+    counts = counts_E.long()
+    padded_E = (counts + alignment - 1) // alignment * alignment
+    offs_pad_E = torch.cumsum(padded_E, 0)
+    return (offs_pad_E - padded_E) - (torch.cumsum(counts, 0) - counts), offs_pad_E
 
 
 def _rows_buffer(like: Tensor, rows: int, n_copies: int) -> Tensor:

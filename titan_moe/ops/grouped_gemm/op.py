@@ -102,7 +102,7 @@ def auto_backend(product: str, x_MK: Tensor, offs_E: Tensor) -> str:
     "triton" for the forward and dx on sm90 with 16-bit operands and at least
     ``AUTO_MIN_GROUP_ROWS`` rows per group on average, else "native" (dw always: our dw
     kernel trailed ``torch._grouped_mm`` at every measured shape). Measured with the Triton
-    kernels' TMA loads on (``TITAN_MOE_GROUPED_MM_TMA=1``)."""
+    kernels' TMA loads on (their sm90 default)."""
     if (product == "dw" or x_MK.device.type != "cuda" or x_MK.dtype == torch.float32
             or x_MK.shape[0] < AUTO_MIN_GROUP_ROWS * offs_E.shape[0]):
         return "native"
