@@ -105,6 +105,34 @@ def test_zero_init_mix_is_uniform_over_available_sources():
     assert rel_err(mixer(f), (e + a + b) / 3) < 1e-6
 
 
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every aten op dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_mix_runs_no_matmul_forward_or_backward(mode):
+    """The mix is a product-and-sum over D and over sources, never a (batched) matmul: as a
+    matmul with batch B*T its backward kernels took 13% of a width-4096 step on the GPU."""
+    gen = torch.Generator().manual_seed(0)
+    srcs = [s.requires_grad_() for s in random_sources(3, 2, 4, 16, gen)]
+    mixer = random_mixer(16, gen)
+    stream = ResidualStream.start(srcs[0], mode, n_layers=4, block_size=1)
+    stream = stream.add(srcs[1]).close_block().add(srcs[2]) if mode == "block" else stream.add(srcs[1]).add(srcs[2])
+    with _OpNames() as ops:
+        mixer(stream).square().sum().backward()
+    assert ops.names & {"mm", "bmm", "mv", "addmm", "matmul", "dot"} == set()
+    assert {"mul", "sum"} <= ops.names  # the mode saw the mix's ops
+    assert all(s.grad is not None for s in srcs) and mixer.query.grad is not None
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole toy residual streams vs a list-based reference
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""Benchmark: two elementwise parts of the training step, compiled, against their old forms.
+
+    python profiling/bench_step_parts.py                  # H200: wide_1gpu's shapes, bf16
+    python profiling/bench_step_parts.py --device cpu --tiny   # plumbing check, no speed claim
+
+Each provider is compiled (Inductor, ``fullgraph=True``) and timed forward+backward in
+interleaved rounds (`bench_moe.measure_rounds`):
+
+* SiTU-GLU of the experts' packed gate|up projection ``z [M, 2H]`` -> ``[M, H]``:
+  ``packed`` is `titan_moe.model.situ.situ_glu_packed` (an autograd function whose backward
+  concatenates the two halves' gradients); ``halves`` is the earlier form, autograd through
+  ``z[:, :H]`` and ``z[:, H:]``. Shapes: M = 16,384 tokens x top-4 = 65,536 rows, H = 4096
+  (configs/wide_1gpu.toml's routed experts).
+* The AttnRes mix over ``S`` stacked sources ``[S, B, T, D]``: ``mixer`` is
+  `titan_moe.model.attn_res.AttnResMixer`; ``einsum`` is the earlier form, the logits as a
+  matmul with the query vector and the weighted sum as ``einsum("sbt,sbtd->btd")``.
+  Shapes: S = 3 (wide_1gpu: 8 layers in blocks of 4), B = 4, T = 4096, D = 4096.
+
+Printed: one row per provider (median ms over the rounds, spread), then a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe import measure_rounds  # noqa: E402
+
+from titan_moe.model.attn_res import AttnResMixer, ResidualStream  # noqa: E402
+from titan_moe.model.situ import situ_glu_packed  # noqa: E402
+from titan_moe.ops.situ import situ_glu_forward_torch  # noqa: E402
+
+
+def situ_halves(z_M2H: torch.Tensor) -> torch.Tensor:
+    """The earlier compiled form: autograd through the two slices of ``z``."""
+    hidden = z_M2H.shape[-1] // 2
+    return situ_glu_forward_torch(z_M2H[..., :hidden], z_M2H[..., hidden:], 4.0, 25.0)
+
+
+def mix_einsum(mixer: AttnResMixer, stream: ResidualStream) -> torch.Tensor:
+    """The earlier AttnRes mix: a matmul with the query for the logits, an einsum for the sum."""
+    wq_D = mixer.key_norm.weight.float() * mixer.query.float()
+
+    def logits(v_XD):
+        return (v_XD @ wq_D) * torch.rsqrt(v_XD.square().mean(-1) + mixer.eps)
+
+    v_SBTD = stream.sources_SBTD.float()
+    S = v_SBTD.shape[0]
+    valid_S = torch.arange(S, device=v_SBTD.device) < stream.n_sources
+    logit_SBT = logits(v_SBTD).masked_fill(~valid_S[:, None, None], float("-inf"))
+    cur_BTD = stream.partial_BTD.float()
+    logit_BT = logits(cur_BTD).masked_fill(~stream.partial_used, float("-inf"))
+    p_SBT = torch.softmax(torch.cat([logit_SBT, logit_BT[None]], dim=0), dim=0)
+    h_BTD = torch.einsum("sbt,sbtd->btd", p_SBT[:S], v_SBTD) + p_SBT[S, ..., None] * cur_BTD
+    return h_BTD.to(stream.sources_SBTD.dtype)
+
+
+def fwd_bwd(fn, inputs):
+    def run():
+        fn(*inputs).float().square().mean().backward()
+    return run
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (plumbing check)")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    timed = device.type == "cuda"
+    dtype = torch.bfloat16 if timed else torch.float32
+    M, H = (64, 32) if args.tiny else (65_536, 4096)
+    S, B, T, D = (3, 1, 8, 32) if args.tiny else (3, 4, 4096, 4096)
+    gen = torch.Generator(device).manual_seed(0)
+    results: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+
+    def compiled(fn):
+        return torch.compile(fn, fullgraph=True)
+
+    z = (3 * torch.randn(M, 2 * H, device=device, generator=gen)).to(dtype).requires_grad_()
+    situ = {
+        "situ_packed": fwd_bwd(compiled(situ_glu_packed), (z,)),
+        "situ_halves": fwd_bwd(compiled(situ_halves), (z,)),
+    }
+    outs = [compiled(f)(z) for f in (situ_glu_packed, situ_halves)]
+    results["situ_max_abs_diff"] = float((outs[0].detach().float() - outs[1].detach().float()).abs().max())
+
+    mixer = AttnResMixer(D).to(device)
+    with torch.no_grad():
+        mixer.query.normal_(generator=gen)
+    srcs = [torch.randn(B, T, D, device=device, generator=gen).to(dtype) for _ in range(S)]
+    stream = ResidualStream.start(srcs[0], "block", n_layers=2 * (S - 1), block_size=2)
+    for s in srcs[1:]:
+        stream = stream.add(s).add(s).close_block()
+    stream = stream.add(srcs[-1])
+    for t in (stream.sources_SBTD, stream.partial_BTD):
+        t.requires_grad_()
+    mix = {
+        "attn_res_mixer": fwd_bwd(compiled(mixer), (stream,)),
+        "attn_res_einsum": fwd_bwd(compiled(lambda st: mix_einsum(mixer, st)), (stream,)),
+    }
+    with torch.no_grad():
+        results["attn_res_max_abs_diff"] = float((mixer(stream).float() - mix_einsum(mixer, stream).float()).abs().max())
+
+    grads = [z, mixer.query, mixer.key_norm.weight, stream.sources_SBTD, stream.partial_BTD]
+    medians, spread = measure_rounds({**situ, **mix}, timed, grad_to_none=grads, rounds=args.rounds)
+    results["ms"] = medians
+    results["spread"] = spread
+    for name, ms in medians.items():
+        shown = "not timed" if ms is None else f"{ms:8.3f} ms (spread {spread[name]:.0%})"
+        print(f"{name:18s} fwd+bwd {shown}")
+    print(json.dumps(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
