@@ -15,6 +15,20 @@ interleaved rounds (`bench_moe.measure_rounds`):
   `titan_moe.model.attn_res.AttnResMixer`; ``einsum`` is the earlier form, the logits as a
   matmul with the query vector and the weighted sum as ``einsum("sbt,sbtd->btd")``.
   Shapes: S = 3 (wide_1gpu: 8 layers in blocks of 4), B = 4, T = 4096, D = 4096.
+* SiTU-GLU also as ``situ_op`` (the ``titan_moe::situ_glu`` op, one Triton kernel per
+  direction, opaque to Inductor) and ``situ_torch_fwd_op_bwd`` (Inductor's forward, the op's
+  Triton backward kernel).
+* The fp8 experts' weight refresh (`titan_moe.float8.quantize.quantize_weight_triton`, both
+  fp8 layouts of an fp32 ``[E, K, N]`` weight), wide_1gpu's two expert weights (E = 16:
+  gate|up 2048 x 8192, down 4096 x 2048), timed once per tile setting in
+  ``--weight-tiles`` (``BKxBNxAWxQW``: tile rows, tile columns, warps of the amax and the
+  quantization kernel; ``default`` is the launcher's).
+* The fp8 experts' bf16 weight gradient for fp32 weights, wide_1gpu's two expert GEMMs
+  (E = 16 balanced groups of 4096 rows; x [65,536, 2048], dy [65,536, 8192] and x [65,536,
+  4096], dy [65,536, 2048]): ``dw_native_to_fp32`` is ``torch._grouped_mm`` (bf16 out) and
+  a conversion to fp32, what the fp8 backward does now; ``dw_triton_fp32`` /
+  ``dw_triton_tma_fp32`` (also at the tile 64x256x128, 8 warps, 3 stages): our Triton dw
+  kernel storing its fp32 accumulator directly.
 
 Printed: one row per provider (median ms over the rounds, spread), then a JSON line.
 """
@@ -60,10 +74,65 @@ def mix_einsum(mixer: AttnResMixer, stream: ResidualStream) -> torch.Tensor:
     return h_BTD.to(stream.sources_SBTD.dtype)
 
 
-def fwd_bwd(fn, inputs):
+def fwd_bwd(fn, inputs, grad):
     def run():
-        fn(*inputs).float().square().mean().backward()
+        fn(*inputs).backward(grad)
     return run
+
+
+class _SiTUTorchForwardOpBackward(torch.autograd.Function):
+    """Inductor-fusable forward, the ``titan_moe::situ_glu_bwd`` op (Triton) as backward."""
+
+    @staticmethod
+    def forward(ctx, z_M2H):
+        ctx.save_for_backward(z_M2H)
+        return situ_halves(z_M2H)
+
+    @staticmethod
+    def backward(ctx, grad_MH):
+        (z_M2H,) = ctx.saved_tensors
+        return torch.ops.titan_moe.situ_glu_bwd(z_M2H, grad_MH, 4.0, 25.0)
+
+
+def weight_grads(device, dtype, tiny: bool) -> dict:
+    """{provider: fn} for the fp32 weight gradient of wide_1gpu's two expert GEMMs."""
+    from titan_moe.ops.grouped_gemm.triton_kernel import TileConfig, grouped_mm_dw_triton
+
+    E, rows = (2, 32) if tiny else (16, 4096)
+    shapes = {"gate_up": (64, 128), "down": (128, 64)} if tiny else {"gate_up": (2048, 8192), "down": (4096, 2048)}
+    offs_E = torch.arange(1, E + 1, device=device, dtype=torch.int32) * rows
+    fns = {}
+    for name, (K, N) in shapes.items():
+        x_MK = torch.randn(E * rows, K, device=device).to(dtype)
+        dy_MN = torch.randn(E * rows, N, device=device).to(dtype)
+        fns[f"dw_{name}_native_to_fp32"] = (
+            lambda x=x_MK, dy=dy_MN: torch.ops.titan_moe.grouped_mm_dw(x, dy, offs_E, "native").float())
+        fns[f"dw_{name}_triton_fp32"] = (
+            lambda x=x_MK, dy=dy_MN: grouped_mm_dw_triton(x, dy, offs_E, out_dtype=torch.float32))
+        if device.type == "cuda":
+            fns[f"dw_{name}_triton_tma_fp32"] = (
+                lambda x=x_MK, dy=dy_MN: grouped_mm_dw_triton(x, dy, offs_E, tma=True, out_dtype=torch.float32))
+            fns[f"dw_{name}_triton_tma_64x256x128_fp32"] = (  # the tile the E=64 sweep found for the TMA dw
+                lambda x=x_MK, dy=dy_MN: grouped_mm_dw_triton(
+                    x, dy, offs_E, config=TileConfig(64, 256, 128, 8, 3), tma=True, out_dtype=torch.float32))
+    return fns
+
+
+def weight_refresh(tiles: list[str], device, tiny: bool) -> dict:
+    """{"<tiles> <weight>": fn} timing quantize_weight_triton per tile setting and weight."""
+    from titan_moe.float8.quantize import quantize_weight_triton
+
+    shapes = {"gate_up": (2, 32, 64), "down": (2, 64, 32)} if tiny else {"gate_up": (16, 2048, 8192), "down": (16, 4096, 2048)}
+    fns = {}
+    for name, shape in shapes.items():
+        w = torch.randn(*shape, device=device)
+        for setting in tiles:
+            kwargs = {}
+            if setting != "default":
+                bk, bn, aw, qw = (int(v) for v in setting.split("x"))
+                kwargs = dict(block_k=bk, block_n=bn, amax_warps=aw, quant_warps=qw)
+            fns[f"refresh_{name}_{setting}"] = (lambda w=w, kw=kwargs: quantize_weight_triton(w, **kw))
+    return fns
 
 
 def main(argv=None) -> dict:
@@ -71,6 +140,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small shapes (plumbing check)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--weight-tiles", default="default",
+                        help="comma-separated BKxBNxAWxQW settings of the weight refresh ('default': the launcher's)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     timed = device.type == "cuda"
@@ -84,9 +155,12 @@ def main(argv=None) -> dict:
         return torch.compile(fn, fullgraph=True)
 
     z = (3 * torch.randn(M, 2 * H, device=device, generator=gen)).to(dtype).requires_grad_()
+    g_MH = torch.randn(M, H, device=device, generator=gen).to(dtype)
     situ = {
-        "situ_packed": fwd_bwd(compiled(situ_glu_packed), (z,)),
-        "situ_halves": fwd_bwd(compiled(situ_halves), (z,)),
+        "situ_packed": fwd_bwd(compiled(situ_glu_packed), (z,), g_MH),
+        "situ_halves": fwd_bwd(compiled(situ_halves), (z,), g_MH),
+        "situ_op": fwd_bwd(compiled(lambda t: torch.ops.titan_moe.situ_glu(t, 4.0, 25.0)), (z,), g_MH),
+        "situ_torch_fwd_op_bwd": fwd_bwd(compiled(_SiTUTorchForwardOpBackward.apply), (z,), g_MH),
     }
     outs = [compiled(f)(z) for f in (situ_glu_packed, situ_halves)]
     results["situ_max_abs_diff"] = float((outs[0].detach().float() - outs[1].detach().float()).abs().max())
@@ -101,20 +175,26 @@ def main(argv=None) -> dict:
     stream = stream.add(srcs[-1])
     for t in (stream.sources_SBTD, stream.partial_BTD):
         t.requires_grad_()
+    g_BTD = torch.randn(B, T, D, device=device, generator=gen).to(dtype)
     mix = {
-        "attn_res_mixer": fwd_bwd(compiled(mixer), (stream,)),
-        "attn_res_einsum": fwd_bwd(compiled(lambda st: mix_einsum(mixer, st)), (stream,)),
+        "attn_res_mixer": fwd_bwd(compiled(mixer), (stream,), g_BTD),
+        "attn_res_einsum": fwd_bwd(compiled(lambda st: mix_einsum(mixer, st)), (stream,), g_BTD),
     }
     with torch.no_grad():
         results["attn_res_max_abs_diff"] = float((mixer(stream).float() - mix_einsum(mixer, stream).float()).abs().max())
 
     grads = [z, mixer.query, mixer.key_norm.weight, stream.sources_SBTD, stream.partial_BTD]
     medians, spread = measure_rounds({**situ, **mix}, timed, grad_to_none=grads, rounds=args.rounds)
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        refresh = weight_refresh(args.weight_tiles.split(","), device, args.tiny) | weight_grads(device, dtype, args.tiny)
+        more, more_spread = measure_rounds(refresh, timed, rounds=max(1, args.rounds // 2))
+        medians.update(more)
+        spread.update(more_spread)
     results["ms"] = medians
     results["spread"] = spread
     for name, ms in medians.items():
         shown = "not timed" if ms is None else f"{ms:8.3f} ms (spread {spread[name]:.0%})"
-        print(f"{name:18s} fwd+bwd {shown}")
+        print(f"{name:32s} {'' if name.startswith(('refresh', 'dw_')) else 'fwd+bwd '}{shown}")
     print(json.dumps(results))
     return results
 

@@ -219,9 +219,12 @@ def test_graph_dumps_name_our_ops(run):
     backward = read("mla_moe", "aot_backward")
     assert "titan_moe.grouped_mm_dx" in backward and "titan_moe.grouped_mm_dw" in backward
     assert "titan_moe.kda_chunk_fwd" not in read("mla_moe", "dynamo_graph")
-    assert index["kda_dense"]["custom_ops"] == ["titan_moe.kda_chunk_bwd_kept", "titan_moe.kda_chunk_fwd_kept"]
+    # the SiTU-GLU backward of the FFNs (dense, shared and routed experts) is our op; its forward is Inductor's
+    assert index["kda_dense"]["custom_ops"] == ["titan_moe.kda_chunk_bwd_kept", "titan_moe.kda_chunk_fwd_kept",
+                                                "titan_moe.situ_glu_bwd"]
     assert index["mla_moe"]["custom_ops"] == ["titan_moe.grouped_mm", "titan_moe.grouped_mm_dw", "titan_moe.grouped_mm_dx",
-                                              "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine", "titan_moe.moe_unpermute_combine_backward"]
+                                              "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine", "titan_moe.moe_unpermute_combine_backward",
+                                              "titan_moe.situ_glu_bwd"]
 
 
 def test_programs_carry_no_constants_and_the_model_keeps_its_buffers(programs):

@@ -501,16 +501,19 @@ def quantize_rows_triton(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: i
 
 
 def quantize_weight_triton(w_EKN: Tensor, dgrad: bool = True, block_k: int | None = None,
-                           block_n: int | None = None) -> Fp8Weight:
+                           block_n: int | None = None, amax_warps: int | None = None,
+                           quant_warps: int | None = None) -> Fp8Weight:
     """:func:`quantize_weight` through ``_weight_amax_kernel`` + ``_weight_quant_kernel``
-    (tiles [block_k, block_n] for both; GPU default 64 x 128). ``w`` may have any strides."""
+    (tiles [block_k, block_n] for both; GPU default 32 x 256, 4 and 8 warps, the best of ten
+    settings timed on the H200 for wide_1gpu's expert weights, BENCHMARKS.md). ``w`` may
+    have any strides."""
     _check_weight_args(w_EKN)
     check_runs_on(_rows_kernel, w_EKN.device, "quantize_weight_triton", __name__)
     E, K, N = w_EKN.shape
     dev = w_EKN.device
     small = _small_tiles(dev)
-    block_k = block_k or (16 if small else 64)
-    block_n = block_n or (32 if small else 128)
+    block_k = block_k or (16 if small else 32)
+    block_n = block_n or (32 if small else 256)
     fwd_EKN = _weight_fwd_buffer(E, K, N, dev)
     scale_EN = torch.empty(E, N, dtype=torch.float32, device=dev)
     dgrad_EKN = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if dgrad else None
@@ -520,13 +523,14 @@ def quantize_weight_triton(w_EKN: Tensor, dgrad: bool = True, block_k: int | Non
     strides = (w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2))
     _weight_amax_kernel[(E, num_parts)](
         w_EKN, scale_EN, row_part, *strides,
-        K=K, N=N, EPS=EPS, DGRAD=dgrad, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4,
+        K=K, N=N, EPS=EPS, DGRAD=dgrad, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=amax_warps or 4,
     )
     _weight_quant_kernel[(E, triton.cdiv(K, block_k), num_parts)](
         w_EKN, scale_EN, row_part, fwd_EKN, dgrad_EKN if dgrad else fwd_EKN, scale_EK if dgrad else scale_EN,
         *strides,
         K=K, N=N, EPS=EPS, DGRAD=dgrad, NUM_PARTS=num_parts, BLOCK_PARTS=triton.next_power_of_2(num_parts),
-        BLOCK_K=block_k, BLOCK_N=block_n, INTERPRETED=interpreted(), num_warps=8 if not small else 4,
+        BLOCK_K=block_k, BLOCK_N=block_n, INTERPRETED=interpreted(),
+        num_warps=quant_warps or (8 if not small else 4),
     )
     return Fp8Weight(fwd_EKN, scale_EN, dgrad_EKN, scale_EK)
 

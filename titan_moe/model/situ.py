@@ -58,13 +58,44 @@ def situ_glu_packed(z: Tensor, beta1: float = DEFAULT_BETA1, beta2: float = DEFA
     """SiTU-GLU of a fused gate|up projection `z [..., 2 * hidden]` -> `[..., hidden]`.
 
     Eager: the `titan_moe::situ_glu` op (`titan_moe.ops.situ`: one Triton pass per direction
-    on CUDA when `$TITAN_MOE_SITU_BACKEND` selects it). Compiled: `situ_glu` on the two
-    halves, which Inductor fuses with its neighbours (an opaque op would stop that).
+    on CUDA when `$TITAN_MOE_SITU_BACKEND` selects it). Compiled: `_SiTUGLUCompiled`, whose
+    forward is plain PyTorch on the two halves, which Inductor fuses with its neighbours, and
+    whose backward is the op's backward (`titan_moe::situ_glu_bwd`).
     """
     if torch.compiler.is_compiling():
+        if beta1 <= 0 or beta2 <= 0:
+            raise ValueError(f"situ_glu_packed: beta1 and beta2 must be > 0, got {beta1}, {beta2}")
+        if torch.is_grad_enabled() and z.requires_grad:
+            return _SiTUGLUCompiled.apply(z, float(beta1), float(beta2))
         hidden = z.shape[-1] // 2
-        return situ_glu(z[..., :hidden], z[..., hidden:], beta1, beta2)
+        return situ_glu_forward_torch(z[..., :hidden], z[..., hidden:], beta1, beta2)
     return ops_situ_glu_packed(z, beta1, beta2)
+
+
+class _SiTUGLUCompiled(torch.autograd.Function):
+    """SiTU-GLU of packed `z [..., 2H]` for compiled regions: Inductor's forward, the op's backward.
+
+    Why not plain autograd through `z[..., :H]` and `z[..., H:]`: its backward,
+    `slice_backward(d z_g) + slice_backward(d z_u)`, fuses into one Inductor kernel over
+    `[..., 2H]` in which every element loads both halves and evaluates both branches' tanh
+    and sigmoid. The op's Triton backward reads each (z_g, z_u, grad) once and writes both
+    halves of `dz`. Measured on the H200 (M = 65,536, H = 4096, bf16, compiled forward and
+    backward, BENCHMARKS.md): 1.30 ms against 2.29 for the sliced form (a `cat` of the two
+    gradients instead: 2.78 ms; the op in both directions: 1.42 ms, its forward cannot fuse).
+    On the CPU the op's backward is the PyTorch reference.
+    """
+
+    @staticmethod
+    def forward(ctx, z: Tensor, beta1: float, beta2: float) -> Tensor:
+        hidden = z.shape[-1] // 2
+        ctx.save_for_backward(z)
+        ctx.betas = (beta1, beta2)
+        return situ_glu_forward_torch(z[..., :hidden], z[..., hidden:], beta1, beta2)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (z,) = ctx.saved_tensors
+        return torch.ops.titan_moe.situ_glu_bwd(z, grad_out.contiguous(), *ctx.betas), None, None
 
 
 class _SiTUGLU(torch.autograd.Function):

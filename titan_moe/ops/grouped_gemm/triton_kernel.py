@@ -530,7 +530,7 @@ def grouped_mm_triton(
 
 def grouped_mm_dw_triton(
     x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch.Tensor, config: TileConfig | None = None,
-    tma: bool = False,
+    tma: bool = False, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``dw[e] = x[rows of e]^T @ grad[rows of e]`` -> [E, K, N] (zero for empty groups).
 
@@ -545,9 +545,11 @@ def grouped_mm_dw_triton(
             H200 (forty-eighth run) it beat the pointer form at its own best tile,
             64x256x128, by 7%, which is not the pointer form's default tile, and still
             trailed torch._grouped_mm.
+        out_dtype: dtype of dw (default x's): fp32 stores the fp32 accumulator itself, for
+            fp32 weights, where a 16-bit dw would need a conversion pass.
 
     Returns:
-        [E, K, N] contiguous, dtype of ``x_MK``, fp32 accumulation.
+        [E, K, N] contiguous, ``out_dtype``, fp32 accumulation.
     """
     _check("grouped_mm_dw_triton", x_MK, grad_MN, offs_E)
     if x_MK.dim() != 2 or grad_MN.dim() != 2 or x_MK.shape[0] != grad_MN.shape[0] or offs_E.shape[0] == 0:
@@ -558,7 +560,7 @@ def grouped_mm_dw_triton(
     M, K = x_MK.shape
     N = grad_MN.shape[1]
     E = offs_E.shape[0]
-    dw_EKN = x_MK.new_empty(E, K, N)
+    dw_EKN = x_MK.new_empty(E, K, N, dtype=out_dtype or x_MK.dtype)
     if K == 0 or N == 0:
         return dw_EKN
     cfg = config or default_config(x_MK.dtype, x_MK.device, "k")
