@@ -30,7 +30,9 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
   with ``[compile] enable``); ``fp8_fused`` / ``fp8_fused_dw8``: our quantization kernels
   around ``torch._scaled_grouped_mm`` (weight gradient in bf16 / fp8), weights quantized per
   call; ``fp8_cached_w``: ``fp8_fused`` with the weight quantized once beforehand, as the fp8
-  experts do once per optimizer step (``Float8RoutedExperts.refresh_fp8_weights``).
+  experts do once per optimizer step (``Float8RoutedExperts.refresh_fp8_weights``);
+  ``fp8_cached_w_dw8rows``: the same with ``wgrad="fp8_rows"`` (the weight gradient in fp8
+  from the forward's and dx's row-quantized codes, re-expressed per group).
 
 Shapes: E=64, M=65536 (8192 tokens x top-8), K=2048, N=1408, group sizes balanced and
 Zipf(1.1) (sizes proportional to 1/rank^1.1, shuffled, rounded to multiples of 16), and
@@ -282,6 +284,9 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # the same with w quantized beforehand (once per optimizer step in training; the
         # first, untimed call of a case quantizes it): activations quantized in the call
         providers["fp8_cached_w"] = (_with_quantized_weight(fused_fp8_grouped_mm), {})
+        # and with the fp8 weight gradient from the row-quantized codes, re-expressed per group
+        providers["fp8_cached_w_dw8rows"] = (
+            _with_quantized_weight(functools.partial(fused_fp8_grouped_mm, wgrad="fp8_rows")), {})
     return providers
 
 

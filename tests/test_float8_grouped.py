@@ -234,7 +234,7 @@ def torch_quantization(monkeypatch):
 CASES = [([32, 0, 48, 16, 64, 0, 32, 16], 7, 64, 48), ([16, 0, 64, 32], 0, 32, 96)]
 
 
-@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8", "fp8_rows"])
 @pytest.mark.parametrize("sizes,tail,k,n", CASES)
 def test_fp8_grouped_mm_vs_float64(sizes, tail, k, n, wgrad, torch_quantization):
     x, w, dy, offs = make_case(sizes, tail, k, n, seed=k + n)
@@ -243,7 +243,7 @@ def test_fp8_grouped_mm_vs_float64(sizes, tail, k, n, wgrad, torch_quantization)
     assert out.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype
     assert FP8_FLOOR < rel_err(out, ref) < FP8_TOL
     assert FP8_FLOOR < rel_err(dx, dx_ref) < FP8_TOL
-    if wgrad == "fp8":
+    if wgrad != "bf16":
         assert FP8_FLOOR < rel_err(dw, dw_ref) < FP8_TOL
     else:
         assert rel_err(dw, dw_ref) < BF16_WGRAD_TOL
@@ -283,6 +283,24 @@ def test_forward_and_dx_equal_their_quantized_pieces(torch_quantization):
     assert torch.equal(dw, _scaled_grouped_gemm_emulated(xc.t(), dyc, sxc, sdyc, offs, w.dtype))
 
 
+def test_fp8_rows_weight_gradient_equals_its_quantized_pieces(torch_quantization):
+    """wgrad="fp8_rows", exactly: forward and dx from power-of-two row quantizations, dw =
+    GEMM(requantized rows(x)^T, requantized rows(dy)); x is not kept, only its codes."""
+    x, w, dy, offs = make_case([32, 0, 16], 3, 32, 48, seed=2)
+    out, dx, dw = run_fp8(x, w, dy, offs, "fp8_rows")
+    xq, sx = fq.quantize_rows_reference(x, pow2=True)
+    wq = fq.quantize_weight_reference(w)
+    dyq, sdy = fq.quantize_rows_reference(dy, pow2=True)
+    assert torch.equal(out, _scaled_grouped_gemm_emulated(xq, wq.fwd_EKN, sx, wq.scale_fwd_EN, offs, x.dtype))
+    dx_want = _scaled_grouped_gemm_emulated(dyq, wq.dgrad_EKN.transpose(1, 2), sdy, wq.scale_dgrad_EK, offs, x.dtype)
+    assert torch.equal(dx, dx_want)
+    xc, sxc = fq.requantize_group_columns_reference(xq, sx, offs)
+    dyc, sdyc = fq.requantize_group_columns_reference(dyq, sdy, offs)
+    assert torch.equal(dw, _scaled_grouped_gemm_emulated(xc.t(), dyc, sxc, sdyc, offs, w.dtype))
+    _, _, _, xq_buffer, _ = torch.ops.titan_moe.fp8_grouped_mm_fwd(x, w, offs, "fp8_rows", True, True)
+    assert xq_buffer.dtype == torch.uint8 and xq_buffer.shape == (32, 64)
+
+
 def test_no_grad_forward_skips_the_residuals(torch_quantization):
     """Under no_grad the output is the training forward's; the forward op told that no
     gradient is needed builds no dx operand and no fp8 copy of x (empty residuals)."""
@@ -294,7 +312,7 @@ def test_no_grad_forward_skips_the_residuals(torch_quantization):
     assert all(r.numel() == 0 for r in residuals)
 
 
-@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8", "fp8_rows"])
 def test_ops_pass_opcheck(wgrad, torch_quantization):
     """The forward and backward ops: schemas, fake implementations, autograd registration.
     (opcheck's AOT-dispatch check sums every output, which fp8 tensors cannot do on the CPU;
@@ -360,7 +378,7 @@ def test_prequantized_weight_argument_errors(torch_quantization):
         fp8_grouped_mm(x, w.float(), offs)
 
 
-@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8", "fp8_rows"])
 def test_compiles_fullgraph_like_eager(wgrad, torch_quantization):
     """`torch.compile(fullgraph=True)` over the fp8 GEMM (the ops are opaque to dynamo): no graph
     break, and output and gradients equal eager's exactly."""
@@ -531,12 +549,36 @@ def test_experts_weight_cache_under_compile(monkeypatch, torch_quantization):
     assert counter.frame_count == 2
 
 
+def test_experts_weight_gradient_switch(monkeypatch, torch_quantization):
+    """`TITAN_MOE_FP8_EXPERTS_WGRAD` reaches the fused GEMM: the fp8 weight gradients differ
+    from the bf16 one by fp8 rounding only (same forward), an unknown value is refused."""
+    from titan_moe.float8.experts import GEMM_ENV, WGRAD_ENV
+
+    monkeypatch.setenv(GEMM_ENV, "fused")
+    x = torch.randn(32, 32).bfloat16()
+    offs = torch.tensor([16, 16, 32], dtype=torch.int32)
+    grads, outs = {}, {}
+    for mode in ("bf16", "fp8", "fp8_rows"):
+        monkeypatch.setenv(WGRAD_ENV, mode)
+        experts = _fp8_experts(seed=1)
+        outs[mode] = experts(x, offs, groups_aligned=True)
+        outs[mode].float().square().sum().backward()
+        grads[mode] = experts.w_gate_up.grad
+    assert torch.equal(outs["bf16"], outs["fp8"])
+    for mode in ("fp8", "fp8_rows"):
+        assert not torch.equal(grads[mode], grads["bf16"])
+        assert rel_err(grads[mode], grads["bf16"]) < 2 * FP8_TOL
+    monkeypatch.setenv(WGRAD_ENV, "int8")
+    with pytest.raises(ValueError, match=WGRAD_ENV):
+        _fp8_experts(seed=1)(x, offs, groups_aligned=True)
+
+
 @needs_kernels
 def test_fp8_grouped_mm_through_the_kernels():
     """The autograd function with the Triton kernels doing every quantization (interpreted
     on the CPU): the same results, bit for bit, as with the references."""
     x, w, dy, offs = make_case([16, 0, 32], 5, 32, 32, seed=4, device=DEVICE)
-    for wgrad in ("bf16", "fp8"):
+    for wgrad in ("bf16", "fp8", "fp8_rows"):
         got = run_fp8(x, w, dy, offs, wgrad)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fq, "kernels_run_on", lambda device: False)
@@ -602,6 +644,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
         "group_cols": build(fq._group_cols_kernel,
                             dict(t_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", offs_ptr="*i32"),
                             dict(common, C=2048, ALIGNED=True, BLOCK_M=128, BLOCK_C=64)),
+        "rows_pow2": build(fq._rows_kernel, rows, dict(common, K=2048, HAS_DEST=False, BLOCK_M=4, BLOCK_K=2048,
+                                                       POW2=True)),
+        "group_requant": build(fq._group_requant_kernel,
+                               dict(q_ptr="*u8", s_ptr="*fp32", out_ptr="*fp8e4nv", group_scale_ptr="*fp32",
+                                    offs_ptr="*i32"),
+                               dict(common, C=2048, BLOCK_M=128, BLOCK_C=64)),
     }
     print("RESULT", repr(results))
     """
@@ -623,7 +671,7 @@ def test_compiles_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8", "fp8_rows"])
 def test_cuda_matches_emulation(wgrad):
     """On the GPU: every quantization kernel bit-identical to its reference (torch's CUDA fp8
     cast rounds to nearest even too), and fp8_grouped_mm (torch._scaled_grouped_mm) against
@@ -637,6 +685,12 @@ def test_cuda_matches_emulation(wgrad):
     for got, want in zip(fq.quantize_weight_triton(w), fq.quantize_weight_reference(w.cpu())):
         assert same_bits(got, want)
     for got, want in zip(fq.quantize_group_columns_triton(dy, offs), fq.quantize_group_columns_reference(dy.cpu(), offs.cpu())):
+        assert same_bits(got, want)
+    dyq, sdy = fq.quantize_rows_triton(dy, pow2=True)
+    for got, want in zip((dyq, sdy), fq.quantize_rows_reference(dy.cpu(), pow2=True)):
+        assert same_bits(got, want)
+    requantized = fq.requantize_group_columns_reference(dyq.cpu(), sdy.cpu(), offs.cpu())
+    for got, want in zip(fq.requantize_group_columns_triton(dyq, sdy, offs), requantized):
         assert same_bits(got, want)
 
     out, dx, dw = run_fp8(x, w, dy, offs, wgrad)
@@ -685,3 +739,72 @@ def test_a_process_that_imported_triton_first_takes_the_reference():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------- weight gradient from the rows
+@needs_kernels
+@pytest.mark.parametrize("m,k", [(37, 48), (21, 64)])
+def test_rows_kernel_power_of_two_scales(m, k):
+    """pow2: the kernel equals the reference bit for bit, every scale is a power of two and
+    the largest |code| of each row lies in [224, 448] (zero rows aside; amax / scale is in
+    (224, 448], and e4m3 rounds values just above 224 down to it)."""
+    gen = torch.Generator().manual_seed(m + k)
+    x = randn(m, k, gen=gen, scale=3.0)
+    x[2] = 0
+    x[3] *= 1e-6
+    q, scale = fq.quantize_rows_triton(x, pow2=True, block_k=32)
+    q_ref, scale_ref = fq.quantize_rows_reference(x, pow2=True)
+    assert same_bits(q, q_ref) and same_bits(scale, scale_ref)
+    mantissa, _ = torch.frexp(scale.cpu())
+    assert torch.all(mantissa == 0.5)
+    top = q.float().abs().amax(1).cpu()
+    nonzero = x.float().abs().amax(1).cpu() > 0
+    assert torch.all((top[nonzero] >= 224) & (top[nonzero] <= 448))
+    assert torch.equal(fq.pow2_ceil(torch.tensor([1.0, 1.5, 2.0, 3.0e-9])),
+                       torch.tensor([1.0, 2.0, 2.0, 2.0 ** -28]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("sizes,tail,c", [([0, 32, 0, 16, 48], 9, 40), ([16, 0], 13, 24), ([64], 0, 16)])
+def test_requantize_group_columns_matches_reference_and_bf16_columns(sizes, tail, c):
+    """The requantization kernel against its reference, bit for bit: empty groups, rows past
+    offs[-1] (zero codes), rows whose scales differ by 2^12 within a group (their small
+    entries land in e4m3's subnormals). And its dequantized values against the input: each
+    code within one e4m3 rounding of the group-scaled value (half an ulp, 2^-4 relative, in
+    the normal range; 2^-10 of the group scale absolute among the subnormals, plus the first
+    rounding by rows)."""
+    gen = torch.Generator().manual_seed(sum(sizes) + c)
+    offs = group_offsets(sizes).to(DEVICE)
+    m = int(offs[-1]) + tail
+    t = randn(m, c, gen=gen, scale=2.0)
+    t[1] *= 2.0 ** -12
+    t[5] = 0
+    q_rows, s_rows = fq.quantize_rows_reference(t, pow2=True)
+    q, scale = fq.requantize_group_columns_triton(q_rows, s_rows, offs)
+    q_ref, scale_ref = fq.requantize_group_columns_reference(q_rows, s_rows, offs)
+    assert same_bits(q, q_ref) and same_bits(scale, scale_ref)
+    assert q.stride(0) == 1 and q.stride(1) % 16 == 0
+    assert torch.all(q[int(offs[-1]):].view(torch.uint8) == 0)
+    scale_EC = scale.view(len(sizes), c).cpu()
+    assert torch.all(scale_EC == scale_EC[:, :1])  # one scale per group
+    bounds = torch.cat([offs.new_zeros(1), offs]).tolist()
+    for e in range(len(sizes)):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi == lo:
+            continue
+        g = scale_EC[e, 0]
+        assert g == s_rows[lo:hi].max().cpu()
+        got = q[lo:hi].float().cpu() * g
+        want = t[lo:hi].float().cpu()
+        assert torch.all((got - want).abs() <= want.abs() * 2.0 ** -3 + g * 2.0 ** -9)
+
+
+def test_requantize_argument_errors():
+    q = torch.zeros(8, 16, dtype=fq.FP8_DTYPE)
+    offs = torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="fp8"):
+        fq.requantize_group_columns(q.float(), torch.ones(8), offs)
+    with pytest.raises(ValueError, match="fp32"):
+        fq.requantize_group_columns(q, torch.ones(7), offs)
+    with pytest.raises(ValueError, match="int32"):
+        fq.requantize_group_columns(q, torch.ones(8), offs.long())

@@ -116,6 +116,20 @@ def unpad_groups(out_PN: Tensor, dest_M: Tensor, offs_E: Tensor) -> Tensor:
 GEMM_ENV = "TITAN_MOE_FP8_EXPERTS_GEMM"
 GEMMS = ("torchao", "fused")
 WEIGHT_CACHE_ENV = "TITAN_MOE_FP8_WEIGHT_CACHE"  # "0": quantize the expert weights per call
+WGRAD_ENV = "TITAN_MOE_FP8_EXPERTS_WGRAD"  # the fused GEMM's weight gradient, see selected_wgrad
+
+
+def selected_wgrad() -> str:
+    """`$TITAN_MOE_FP8_EXPERTS_WGRAD`, read per call, the fused GEMM's ``wgrad``
+    (`titan_moe.float8.grouped_mm.fp8_grouped_mm`): "bf16" (default, the measured one),
+    "fp8" or "fp8_rows" (fp8 weight gradient; "fp8_rows" re-expresses the row-quantized
+    codes per group, not yet timed on a GPU)."""
+    from titan_moe.float8.grouped_mm import WGRAD_MODES
+
+    name = os.environ.get(WGRAD_ENV) or "bf16"
+    if name not in WGRAD_MODES:
+        raise ValueError(f"{WGRAD_ENV} must be one of {WGRAD_MODES}, got {name!r}")
+    return name
 
 
 def selected_gemm() -> str:
@@ -136,7 +150,7 @@ def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor, w_fp8
     if selected_gemm() == "fused":
         from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
 
-        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E, w_fp8=w_fp8)
+        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E, wgrad=selected_wgrad(), w_fp8=w_fp8)
     if w_fp8 is not None:
         raise ValueError("fp8_grouped_mm_padded: a pre-quantized weight needs the fused GEMM")
     w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group

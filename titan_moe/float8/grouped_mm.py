@@ -19,13 +19,16 @@ Data flow (quantization kernels in :mod:`titan_moe.float8.quantize`, all fused, 
   [E, N] over K) and the dx operand (row-major, scales [E, K] over N);
   ``out = scaled_gemm(xq, w_fwd, sx, sw_fwd)``.
   Saved for the backward: the dx operand and its scales (fp8: 1 byte per weight), and for
-  the weight gradient either x itself (``wgrad="bf16"``) or x quantized per group and
-  column (``wgrad="fp8"``: 1 byte per element instead of 2). The row-quantized x is not kept.
+  the weight gradient either x itself (``wgrad="bf16"``), x quantized per group and
+  column (``wgrad="fp8"``: 1 byte per element instead of 2; the row-quantized x is not
+  kept), or (``wgrad="fp8_rows"``) the row-quantized x, whose scales are then powers of
+  two, re-expressed per group with one scale per group (a pass over its 1-byte codes).
 * backward: ``dyq, sdy = quantize_rows(dy)``; ``dx = scaled_gemm(dyq, w_dgrad^T, sdy, sw_dgrad)``.
   ``wgrad="bf16"``: ``dw[e] = x[rows of e]^T @ dy[rows of e]`` in x's dtype with fp32
   accumulation (``torch.ops.titan_moe.grouped_mm_dw``: ``torch._grouped_mm`` on CUDA, the
   reference loop on the CPU). ``wgrad="fp8"``: x and dy quantized per (group, column), then
   the 2d x 2d scaled grouped GEMM ``x^T [K, M] @ dy [M, N] -> [E, K, N]``.
+  ``wgrad="fp8_rows"``: the same GEMM on dyq and x's saved codes re-expressed per group.
 
 The GEMM itself is :func:`_scaled_grouped_gemm`: ``torch._scaled_grouped_mm`` on CUDA (bf16
 output, fast accumulation); on the CPU an EMULATION (dequantize to fp32, one fp32 matmul per
@@ -63,12 +66,14 @@ from titan_moe.float8.quantize import (
     quantize_group_columns,
     quantize_rows,
     quantize_weight,
+    requantize_group_columns,
 )
 from titan_moe.ops.grouped_gemm.reference import group_bounds
 
 ALIGNMENT = 16  # group sizes, K and N: multiples of this
 FP8 = torch.float8_e4m3fn
-WGRAD_MODES = ("bf16", "fp8")
+WGRAD_MODES = ("bf16", "fp8", "fp8_rows")
+_FP8_WGRAD = ("fp8", "fp8_rows")
 CHECK_OFFSETS_ENV = "TITAN_MOE_FP8_CHECK_OFFSETS"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -147,10 +152,11 @@ def _wgrad_high_precision(x_MK: Tensor, dy_MN: Tensor, offs_E: Tensor) -> Tensor
     return torch.ops.titan_moe.grouped_mm_dw(x_MK, dy_MN.to(x_MK.dtype), offs_E, backend)
 
 
-def _wgrad_fp8(xq_MK: Tensor, sx_EK: Tensor, dy_MN: Tensor, offs_E: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """fp8 weight gradient from x quantized per (group, column) (``xq_MK`` column-major,
-    ``sx_EK`` [E*K]) and dy, quantized here the same way: a 2d x 2d scaled grouped GEMM."""
-    dyq_MN, sdy_EN = quantize_group_columns(dy_MN, offs_E, offs_aligned=True)
+def _wgrad_fp8(xq_MK: Tensor, sx_EK: Tensor, dyq_MN: Tensor, sdy_EN: Tensor, offs_E: Tensor,
+               out_dtype: torch.dtype) -> Tensor:
+    """fp8 weight gradient from x and dy quantized per group (column-major ``[M, C]`` codes,
+    scales ``[E*C]``, as :func:`quantize_group_columns` and :func:`requantize_group_columns`
+    return them): a 2d x 2d scaled grouped GEMM."""
     return _scaled_grouped_gemm(_all_buffer_rows(xq_MK).t(), _all_buffer_rows(dyq_MN), sx_EK, sdy_EN, offs_E, out_dtype)
 
 
@@ -189,24 +195,28 @@ def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: b
     """Forward of :func:`fp8_grouped_mm`. Returns ``(out [M, N], w_dgrad [E, K, N],
     sw_dgrad [E, K] fp32, xq_buffer [K, ld], sx [E*K] fp32)``: the output and what the
     backward needs (the weight's dx operand if ``needs_dx``; x quantized per group and
-    column if ``needs_dw`` and ``wgrad == "fp8"``), empty ``[0]`` tensors where not needed.
+    column, or re-expressed per group from its rows, if ``needs_dw`` and ``wgrad`` is
+    "fp8" / "fp8_rows"), empty ``[0]`` tensors where not needed.
     With ``wq_*`` / ``sw_*`` (a weight quantized beforehand, :func:`fp8_grouped_mm`'s
     ``w_fp8``, both layouts) the weight is not quantized here and no dx operand is returned:
     the backward reads the given one (``wq_dgrad_EKN``, ``sw_dgrad_EK``, needed with ``needs_dx``).
     The fp8 codes cross the op boundary as uint8 (the same bytes): generic checks and
     tooling that touch outputs (opcheck, AOT autograd) have no fp8 kernels on the CPU."""
     _check_offsets(offs_E, x_MK.shape[0])
-    xq_MK, sx_M = quantize_rows(x_MK)
+    xq_MK, sx_M = quantize_rows(x_MK, pow2=wgrad == "fp8_rows")
     if wq_fwd_EKN is None:
         wq: Fp8Weight = quantize_weight(w_EKN, dgrad=needs_dx)
     else:
         wq = Fp8Weight(wq_fwd_EKN.view(FP8), sw_fwd_EN, None, None)
     out_MN = _scaled_grouped_gemm(xq_MK, wq.fwd_EKN, sx_M, wq.scale_fwd_EN, offs_E, x_MK.dtype)
-    del xq_MK, sx_M
     xq_buffer = sx_EK = None
     if needs_dw and wgrad == "fp8":
-        xq_MK, sx_EK = quantize_group_columns(x_MK, offs_E, offs_aligned=True)
-        xq_buffer = _column_buffer(xq_MK)
+        del xq_MK, sx_M
+        xq_col_MK, sx_EK = quantize_group_columns(x_MK, offs_E, offs_aligned=True)
+        xq_buffer = _column_buffer(xq_col_MK)
+    elif needs_dw and wgrad == "fp8_rows":
+        xq_col_MK, sx_EK = requantize_group_columns(xq_MK, sx_M, offs_E)
+        xq_buffer = _column_buffer(xq_col_MK)
     codes, f32 = torch.uint8, torch.float32
     w_dgrad = None if wq.dgrad_EKN is None else wq.dgrad_EKN.view(codes)
     xq_buffer = None if xq_buffer is None else xq_buffer.view(codes)
@@ -220,7 +230,7 @@ def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN
     M, (E, K, N) = x_MK.shape[0], w_EKN.shape
     fp8, f32 = torch.uint8, torch.float32  # fp8 codes as uint8
     empty = functools.partial(x_MK.new_empty, 0)
-    fp8_dw = needs_dw and wgrad == "fp8"
+    fp8_dw = needs_dw and wgrad in _FP8_WGRAD
     dgrad_out = needs_dx and wq_fwd_EKN is None
     return (
         x_MK.new_empty(M, N),
@@ -240,13 +250,19 @@ def _bwd_op(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Tenso
     w_dgrad_EKN, xq_buffer = w_dgrad_EKN.view(FP8), xq_buffer.view(FP8)
     dy_MN = dy_MN.to(x_dtype).contiguous()
     dx_MK = dw_EKN = None
+    from_rows = needs_dw and wgrad == "fp8_rows"
+    if needs_dx or from_rows:
+        dyq_MN, sdy_M = quantize_rows(dy_MN, pow2=wgrad == "fp8_rows")
     if needs_dx:
-        dyq_MN, sdy_M = quantize_rows(dy_MN)
         dx_MK = _scaled_grouped_gemm(dyq_MN, w_dgrad_EKN.transpose(1, 2), sdy_M, sw_dgrad_EK, offs_E, x_dtype)
     if needs_dw:
-        if wgrad == "fp8":
+        if wgrad in _FP8_WGRAD:
             xq_MK = xq_buffer[:, : dy_MN.shape[0]].t()
-            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dy_MN, offs_E, w_dtype)
+            if from_rows:
+                dyq_col_MN, sdy_EN = requantize_group_columns(dyq_MN, sdy_M, offs_E)
+            else:
+                dyq_col_MN, sdy_EN = quantize_group_columns(dy_MN, offs_E, offs_aligned=True)
+            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype)
         else:
             dw_EKN = _wgrad_high_precision(x_MK, dy_MN, offs_E).to(w_dtype)
     return _none_to_empty(dx_MK, dy_MN, x_dtype), _none_to_empty(dw_EKN, dy_MN, w_dtype)
@@ -266,7 +282,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     if wq_fwd_EKN is not None:  # a weight quantized by the caller: the backward reads its dx operand
         w_dgrad_EKN, sw_dgrad_EK = wq_dgrad_EKN, sw_dgrad_given_EK
-    keep_x = needs_dw and wgrad != "fp8"
+    keep_x = needs_dw and wgrad == "bf16"
     ctx.save_for_backward(w_dgrad_EKN, sw_dgrad_EK, x_MK if keep_x else None, xq_buffer, sx_EK, offs_E)
     ctx.wgrad, ctx.needs = wgrad, (needs_dx, needs_dw)
     ctx.K, ctx.x_dtype, ctx.w_dtype = w_EKN.shape[1], x_MK.dtype, w_EKN.dtype
@@ -368,7 +384,12 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
         offs_E: [E] int32 cumulative group ends, each a multiple of 16 (the caller pads the
             groups); empty groups allowed; rows at or past ``offs[-1]`` belong to no group.
         wgrad: "bf16": weight gradient in x's dtype from the saved x (fp32 accumulation);
-            "fp8": from x and dy quantized per (group, column), with x saved in fp8.
+            "fp8": from x and dy quantized per (group, column), with x saved in fp8;
+            "fp8_rows": from the codes the forward and dx GEMMs use, quantized by rows with
+            power-of-two scales and re-expressed per group (one scale per group,
+            :func:`titan_moe.float8.quantize.requantize_group_columns`: a pass over 1-byte
+            codes instead of two over x and dy), with x saved in fp8. Speed not yet
+            measured on a GPU.
         w_fp8: ``w`` already quantized (:func:`titan_moe.float8.quantize.quantize_weight`,
             with the dx layout when x needs a gradient), e.g. once per optimizer step: the
             call then quantizes only the activations, ``w`` only receives the gradient (in

@@ -111,6 +111,14 @@ def scale_from_amax(amax: Tensor) -> Tensor:
     return amax_f32 / torch.full_like(amax_f32, FP8_MAX)
 
 
+def pow2_ceil(scale: Tensor) -> Tensor:
+    """The smallest power of two >= each positive normal fp32 ``scale``, exactly (bitwise:
+    the exponent, plus one where any mantissa bit is set)."""
+    bits = scale.float().contiguous().view(torch.int32)
+    base = (bits & 0x7F800000).view(torch.float32)
+    return torch.where((bits & 0x007FFFFF) != 0, base * 2, base)
+
+
 def quantize_with_scale(x: Tensor, scale: Tensor) -> Tensor:
     """``e4m3(clamp(x * (1 / scale), -448, 448))``; ``scale`` broadcasts against ``x``."""
     inv = torch.reciprocal(scale)
@@ -129,10 +137,13 @@ def _weight_fwd_buffer(E: int, K: int, N: int, device) -> Tensor:
     return torch.empty_strided((E, K, N), (K * N, 1, K), dtype=FP8_DTYPE, device=device)
 
 
-def quantize_rows_reference(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | None = None):
+def quantize_rows_reference(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | None = None,
+                            pow2: bool = False):
     """Rowwise quantization in PyTorch; arguments and results as in :func:`quantize_rows`."""
     _check_rows_args(x_MK, dest_M, num_rows)
     scale_M = scale_from_amax(x_MK.float().abs().amax(dim=1))
+    if pow2:
+        scale_M = pow2_ceil(scale_M)
     q_MK = quantize_with_scale(x_MK, scale_M.unsqueeze(1))
     if dest_M is None:
         return q_MK, scale_M
@@ -176,6 +187,24 @@ def quantize_group_columns_reference(t_MC: Tensor, offs_E: Tensor) -> tuple[Tens
     return q_MC, scale_EC.reshape(E * C)
 
 
+def requantize_group_columns_reference(q_MC: Tensor, scale_M: Tensor, offs_E: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-quantized codes re-expressed per group in PyTorch (one host read of ``offs_E``);
+    as in :func:`requantize_group_columns`."""
+    _check_requant_args(q_MC, scale_M, offs_E)
+    M, C = q_MC.shape
+    E = offs_E.shape[0]
+    out_MC, _ = _column_major_buffer(M, C, q_MC.device)
+    out_MC.view(torch.uint8).zero_()
+    floor = pow2_ceil(scale_from_amax(torch.zeros(1, device=q_MC.device)))
+    group_scale_E = floor.expand(E).clone()
+    for e, (start, end) in enumerate(group_bounds(offs_E, M)):
+        if end > start:
+            group_scale_E[e] = torch.maximum(scale_M[start:end].max(), floor[0])
+            values_RC = q_MC[start:end].float() * scale_M[start:end, None]  # exact: powers of two
+            out_MC[start:end] = quantize_with_scale(values_RC, group_scale_E[e])
+    return out_MC, group_scale_E.repeat_interleave(C)
+
+
 # ----------------------------------------------------------------------------------------
 # argument checks (shapes and dtypes only: nothing is read on the host)
 # ----------------------------------------------------------------------------------------
@@ -217,6 +246,16 @@ def _check_group_columns_args(t_MC: Tensor, offs_E: Tensor) -> None:
         )
     if offs_E.device != t_MC.device:
         raise ValueError(f"quantize_group_columns: t on {t_MC.device}, offs on {offs_E.device}")
+
+
+def _check_requant_args(q_MC: Tensor, scale_M: Tensor, offs_E: Tensor) -> None:
+    if q_MC.dtype != FP8_DTYPE or q_MC.dim() != 2 or q_MC.shape[1] == 0:
+        raise ValueError(f"requantize_group_columns: expected fp8 e4m3 codes [M, C >= 1], got {q_MC.dtype} "
+                         f"{tuple(q_MC.shape)}")
+    if scale_M.dtype != torch.float32 or scale_M.shape != (q_MC.shape[0],) or scale_M.device != q_MC.device:
+        raise ValueError(f"requantize_group_columns: scales must be fp32 [M={q_MC.shape[0]}] on {q_MC.device}, "
+                         f"got {scale_M.dtype} {tuple(scale_M.shape)} on {scale_M.device}")
+    _check_group_columns_args(scale_M[:, None], offs_E)
 
 
 # ----------------------------------------------------------------------------------------
@@ -264,6 +303,14 @@ def _scale_of(amax, EPS: tl.constexpr):
 
 
 @triton.jit
+def _pow2_ceil(scale):
+    """The smallest power of two >= positive normal fp32 ``scale`` (as :func:`pow2_ceil`)."""
+    bits = scale.to(tl.uint32, bitcast=True)
+    base = (bits & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x007FFFFF) != 0, base * 2.0, base)
+
+
+@triton.jit
 def _inverse(scale):
     return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
 
@@ -273,9 +320,10 @@ def _rows_kernel(
     x_ptr, q_ptr, s_ptr, dest_ptr,
     M, P, stride_xm, stride_qm,
     K: tl.constexpr, EPS: tl.constexpr, HAS_DEST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, POW2: tl.constexpr = False,
 ):
-    """Program: BLOCK_M rows of x [M, K]; scale per row; writes q rows (dest rows with HAS_DEST)."""
+    """Program: BLOCK_M rows of x [M, K]; scale per row (POW2: rounded up to a power of two);
+    writes q rows (dest rows with HAS_DEST)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     if HAS_DEST:
@@ -291,6 +339,8 @@ def _rows_kernel(
         mask = row_ok[:, None] & (cols < K)[None, :]
         v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = _scale_of(tl.max(tl.abs(v), 1), EPS)
+        if POW2:
+            scale = _pow2_ceil(scale)
         inv = _inverse(scale)
         tl.store(q_rows + cols[None, :], _quantize(v, inv[:, None], INTERPRETED),
                  mask=out_ok[:, None] & (cols < K)[None, :])
@@ -301,6 +351,8 @@ def _rows_kernel(
             v = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), 1))
         scale = _scale_of(amax, EPS)
+        if POW2:
+            scale = _pow2_ceil(scale)
         inv = _inverse(scale)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + cols
@@ -451,6 +503,73 @@ def _group_cols_kernel(
                             stride_tm, ld_q, BLOCK_M, INTERPRETED)
 
 
+@triton.jit
+def _requant_step(q_ptr, s_ptr, out_ptr, inv_g, keep, m0, end, store_end, cols, col_ok, stride_qm, ld_out,
+                  BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr):
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    codes = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0)
+    scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    # fp8 -> fp32 exactly (the codes cross as uint8; NaN codes never occur), then a power of two
+    v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (scale * inv_g)[:, None]
+    v = tl.where(keep, v, 0.0)  # rows past offs[-1] become +0 codes
+    tl.store(out_ptr + cols.to(tl.int64)[None, :] * ld_out + rows[:, None],
+             _quantize(v, 1.0, INTERPRETED), mask=(rows < store_end)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _group_requant_kernel(
+    q_ptr, s_ptr, out_ptr, group_scale_ptr, offs_ptr,
+    M, E, stride_qm, ld_out,
+    C: tl.constexpr, EPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Program (c-block, g): group g's rows of the row-quantized codes q [M, C] (uint8 view)
+    with power-of-two row scales s [M], re-expressed with the group's scale (the largest of
+    its rows' scales) into column-major out [M, C] (leading dim ld_out); g == E: the rows past
+    offs[-1], stored as zeros. Offsets are multiples of 16 (16-byte vector stores, as in
+    ``_group_cols_kernel``)."""
+    cb = tl.program_id(0)
+    g = tl.program_id(1)
+    is_group = g < E
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    start = tl.multiple_of(tl.minimum(tl.maximum(start, 0), M), 16)
+    end = tl.load(offs_ptr + g, mask=is_group, other=0)
+    end = tl.maximum(tl.minimum(end, M), start)
+    store_end = tl.where(is_group, tl.multiple_of(end, 16), (M + 15) // 16 * 16)
+    end = tl.where(is_group, end, M)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+
+    group_scale = _pow2_ceil(_scale_of(tl.full((BLOCK_M,), 0.0, tl.float32), EPS))
+    if INTERPRETED:
+        m0 = start
+        while m0 < end:
+            rows = m0 + tl.arange(0, BLOCK_M)
+            group_scale = tl.maximum(group_scale, tl.load(s_ptr + rows, mask=rows < end, other=0.0))
+            m0 += BLOCK_M
+    else:
+        for m0 in tl.range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            group_scale = tl.maximum(group_scale, tl.load(s_ptr + rows, mask=rows < end, other=0.0))
+    g_scale = tl.max(group_scale, 0)
+    inv_g = _inverse(g_scale)
+    tl.store(group_scale_ptr + g.to(tl.int64) * C + cols, tl.full((BLOCK_C,), 0.0, tl.float32) + g_scale,
+             mask=col_ok & is_group)
+
+    if INTERPRETED:
+        m0 = start
+        while m0 < store_end:
+            _requant_step(q_ptr, s_ptr, out_ptr, inv_g, is_group, m0, end, store_end, cols, col_ok, stride_qm,
+                          ld_out, BLOCK_M, INTERPRETED)
+            m0 += BLOCK_M
+    else:
+        for i in tl.range(0, (store_end - start + BLOCK_M - 1) // BLOCK_M):
+            _requant_step(q_ptr, s_ptr, out_ptr, inv_g, is_group, start + i * BLOCK_M, end, store_end, cols,
+                          col_ok, stride_qm, ld_out, BLOCK_M, INTERPRETED)
+
+
 # ----------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------
@@ -469,7 +588,7 @@ def _small_tiles(device: torch.device) -> bool:
 
 
 def quantize_rows_triton(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | None = None,
-                         block_m: int | None = None, block_k: int | None = None):
+                         block_m: int | None = None, block_k: int | None = None, pow2: bool = False):
     """:func:`quantize_rows` through ``_rows_kernel``. ``block_m``/``block_k`` override the tiles
     (powers of two; GPU default: a tile of 8192 elements, BLOCK_K = next_pow2(K) up to 4096)."""
     _check_rows_args(x_MK, dest_M, num_rows)
@@ -495,7 +614,7 @@ def quantize_rows_triton(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: i
         x_MK, q_PK, scale_P, dest_M if dest_M is not None else scale_P,
         M, P, x_MK.stride(0), K,
         K=K, EPS=EPS, HAS_DEST=dest_M is not None, BLOCK_M=block_m, BLOCK_K=block_k,
-        INTERPRETED=interpreted(), num_warps=8 if block_m * block_k >= 8192 else 4,
+        INTERPRETED=interpreted(), POW2=pow2, num_warps=8 if block_m * block_k >= 8192 else 4,
     )
     return q_PK, scale_P
 
@@ -540,7 +659,31 @@ def quantize_group_columns_triton(t_MC: Tensor, offs_E: Tensor, offs_aligned: bo
     """:func:`quantize_group_columns` through ``_group_cols_kernel`` (grid: column blocks x
     (E + 1) groups; GPU default tile 128 rows x 64 columns)."""
     _check_group_columns_args(t_MC, offs_E)
-    check_runs_on(_rows_kernel, t_MC.device, "quantize_group_columns_triton", __name__)
+    t_MC, q_MC, scale_EC, launch = _group_columns_launch(t_MC, offs_E, block_m, block_c, "quantize_group_columns_triton")
+    _group_cols_kernel[launch.grid](
+        t_MC, q_MC, scale_EC, offs_E,
+        launch.M, launch.E, t_MC.stride(0), launch.ld,
+        C=launch.C, EPS=EPS, ALIGNED=offs_aligned, BLOCK_M=launch.block_m, BLOCK_C=launch.block_c,
+        INTERPRETED=interpreted(), num_warps=4,
+    )
+    return q_MC, scale_EC
+
+
+class _GroupColumnsLaunch(NamedTuple):
+    grid: tuple[int, int]
+    M: int
+    C: int
+    E: int
+    ld: int
+    block_m: int
+    block_c: int
+
+
+def _group_columns_launch(t_MC: Tensor, offs_E: Tensor, block_m: int | None, block_c: int | None, name: str):
+    """What the two per-group column kernels share: the row-major input, the column-major
+    fp8 output and its [E*C] scales, the grid (column blocks x (E + 1) groups) and the tiles
+    (GPU default 128 rows x 64 columns)."""
+    check_runs_on(_rows_kernel, t_MC.device, name, __name__)
     if t_MC.stride(1) != 1:
         t_MC = t_MC.contiguous()
     M, C = t_MC.shape
@@ -550,19 +693,30 @@ def quantize_group_columns_triton(t_MC: Tensor, offs_E: Tensor, offs_aligned: bo
     block_c = block_c or (16 if small else 64)
     q_MC, ld = _column_major_buffer(M, C, t_MC.device)
     scale_EC = torch.empty(E * C, dtype=torch.float32, device=t_MC.device)
-    _group_cols_kernel[(triton.cdiv(C, block_c), E + 1)](
-        t_MC, q_MC, scale_EC, offs_E,
-        M, E, t_MC.stride(0), ld,
-        C=C, EPS=EPS, ALIGNED=offs_aligned, BLOCK_M=block_m, BLOCK_C=block_c, INTERPRETED=interpreted(),
+    return t_MC, q_MC, scale_EC, _GroupColumnsLaunch((triton.cdiv(C, block_c), E + 1), M, C, E, ld, block_m, block_c)
+
+
+def requantize_group_columns_triton(q_MC: Tensor, scale_M: Tensor, offs_E: Tensor, block_m: int | None = None,
+                                    block_c: int | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`requantize_group_columns` through ``_group_requant_kernel`` (grid: column blocks
+    x (E + 1) groups; GPU default tile 128 rows x 64 columns, unmeasured)."""
+    _check_requant_args(q_MC, scale_M, offs_E)
+    q_MC, out_MC, scale_EC, launch = _group_columns_launch(q_MC, offs_E, block_m, block_c,
+                                                           "requantize_group_columns_triton")
+    _group_requant_kernel[launch.grid](
+        q_MC.view(torch.uint8), scale_M, out_MC, scale_EC, offs_E,
+        launch.M, launch.E, q_MC.stride(0), launch.ld,
+        C=launch.C, EPS=EPS, BLOCK_M=launch.block_m, BLOCK_C=launch.block_c, INTERPRETED=interpreted(),
         num_warps=4,
     )
-    return q_MC, scale_EC
+    return out_MC, scale_EC
 
 
 # ----------------------------------------------------------------------------------------
 # dispatch: kernels where they run (CUDA; CPU under the interpreter), else the references
 # ----------------------------------------------------------------------------------------
-def quantize_rows(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | None = None) -> tuple[Tensor, Tensor]:
+def quantize_rows(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | None = None,
+                  pow2: bool = False) -> tuple[Tensor, Tensor]:
     """Rowwise e4m3 quantization, optionally scattering rows into a padded output.
 
     Args:
@@ -571,14 +725,16 @@ def quantize_rows(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | No
             entries outside ``[0, num_rows)`` are skipped. Entries must be distinct (two
             rows sent to one destination race). Not read on the host.
         num_rows: P, the number of output rows (with ``dest_M`` only).
+        pow2: round each scale up to a power of two (``amax / scale`` in (224, 448]), as
+            :func:`requantize_group_columns` needs.
 
     Returns:
         (q, scale): fp8 [M, K] and fp32 [M] (``x[m] ~= q[m].float() * scale[m]``); with
         ``dest_M``, [P, K] and [P] whose rows nobody writes are zero (codes and scale).
     """
     if kernels_run_on(x_MK.device):
-        return quantize_rows_triton(x_MK, dest_M, num_rows)
-    return quantize_rows_reference(x_MK, dest_M, num_rows)
+        return quantize_rows_triton(x_MK, dest_M, num_rows, pow2=pow2)
+    return quantize_rows_reference(x_MK, dest_M, num_rows, pow2=pow2)
 
 
 def quantize_weight(w_EKN: Tensor, dgrad: bool = True) -> Fp8Weight:
@@ -608,3 +764,31 @@ def quantize_group_columns(t_MC: Tensor, offs_E: Tensor, offs_aligned: bool = Fa
     if kernels_run_on(t_MC.device):
         return quantize_group_columns_triton(t_MC, offs_E, offs_aligned)
     return quantize_group_columns_reference(t_MC, offs_E)
+
+
+def requantize_group_columns(q_MC: Tensor, scale_M: Tensor, offs_E: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-quantized codes re-expressed per group, in the layout of :func:`quantize_group_columns`.
+
+    For the fp8 weight gradient from the operands the forward and dx GEMMs already
+    quantized by rows: reads 1 byte per element instead of :func:`quantize_group_columns`'
+    2 + 2 (two passes over bf16), and needs no pass over the 16-bit tensor at all.
+
+    Args:
+        q_MC: fp8 e4m3 [M, C] row-major codes, rows sorted by group, from
+            ``quantize_rows(t, pow2=True)``.
+        scale_M: their fp32 [M] row scales, powers of two (not checked: other scales make
+            the re-expression a second rounding instead of an exact shift).
+        offs_E: [E] int32 cumulative group ends, multiples of 16 (``fp8_grouped_mm``'s rule;
+            not checked on the GPU, misaligned offsets give misaligned stores).
+
+    Returns:
+        (q, scale): fp8 [M, C] column-major (strides ``(1, ld)``, ``ld`` = M rounded up to
+        16), rows past ``offs[-1]`` zero; fp32 [E*C] where ``scale[e*C + c]`` is group e's
+        scale for every column c: the largest row scale of the group (at least the scale of
+        an all-zero row). Each code is ``q[m, c] * scale[m] / group scale``: a power-of-two
+        shift, exact unless the result falls below 2^-6 into e4m3's subnormals, where it
+        rounds to nearest even (small entries of rows whose scale is far below the group's).
+    """
+    if kernels_run_on(q_MC.device):
+        return requantize_group_columns_triton(q_MC, scale_M, offs_E)
+    return requantize_group_columns_reference(q_MC, scale_M, offs_E)
