@@ -293,6 +293,20 @@ def test_gpu_suite_fp8_experts_section(tmp_path):
     assert all("recipe_name tensorwise" in c for name, c in wide.items() if name != "fp8_wide_bf16")
 
 
+def test_gpu_suite_fp8_dw_rows_section(tmp_path):
+    """fp8_dw_rows: the CUDA tests, the GEMM cases, one wide_1gpu run with the switch; parts:
+    the step-parts benchmark."""
+    proc = _gpu_suite(tmp_path, "fp8_dw_rows", "parts", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    commands = dict(line.split(": ", 1) for line in lines)
+    assert list(commands) == ["fp8_dw_rows_tests", "fp8_dw_rows_gemm", "fp8_dw_rows_wide", "parts"]
+    assert "tests/test_float8_grouped.py" in commands["fp8_dw_rows_tests"]
+    assert "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows" in commands["fp8_dw_rows_wide"]
+    assert "configs/wide_1gpu.toml" in commands["fp8_dw_rows_wide"]
+    assert "profiling/bench_step_parts.py" in commands["parts"]
+
+
 def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_switch(tmp_path):
     proc = _gpu_suite(tmp_path, "keep", gpus="1")
     assert proc.returncode == 0, proc.stderr
