@@ -18,7 +18,8 @@ intermediates (each tanh, the sigmoid, the scaled branches and the gate), 84 KiB
     d hidden / d z_u = β1 t_g s · (1 - t_u^2)
 
 where ``t_g = tanh(z_g/β1)``, ``s = sigmoid(z_g)``, ``t_u = tanh(z_u/β2)``. Under
-``torch.compile`` Inductor fuses both directions into one elementwise kernel each.
+``torch.compile`` Inductor fuses the forward into one elementwise kernel (with its
+neighbours); the packed form's backward is the op's one-pass kernel (`situ_glu_packed`).
 """
 
 from __future__ import annotations
