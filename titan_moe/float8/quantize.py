@@ -69,6 +69,10 @@ Memory traffic (bytes per element of the input; GPU tile sizes are unmeasured st
   the GPU default of 64 columns), meant to be re-read from L2. Read 2 (+2 on L2 misses),
   write 1. With ``offs_aligned`` (16-multiple offsets, what fp8_grouped_mm guarantees) the
   column-major codes go out as 16-byte vectors; without it byte by byte.
+* group requantization (``_group_requant_kernel``, the ``fp8_rows`` weight gradient): one
+  program per (column block, group) reads its group's row scales, then its codes once:
+  read 1 (+4 / C for the scales), write 1. The row scales must be powers of two
+  (``quantize_rows(..., pow2=True)``), so a code changes only by an exact shift.
 
 No kernel uses atomics or reads anything on the host.
 """
