@@ -7,17 +7,16 @@ Each provider is compiled (Inductor, ``fullgraph=True``) and timed forward+backw
 interleaved rounds (`bench_moe.measure_rounds`):
 
 * SiTU-GLU of the experts' packed gate|up projection ``z [M, 2H]`` -> ``[M, H]``:
-  ``packed`` is `titan_moe.model.situ.situ_glu_packed` (an autograd function whose backward
-  concatenates the two halves' gradients); ``halves`` is the earlier form, autograd through
-  ``z[:, :H]`` and ``z[:, H:]``. Shapes: M = 16,384 tokens x top-4 = 65,536 rows, H = 4096
+  ``packed`` is `titan_moe.model.situ.situ_glu_packed`, the model's compiled path
+  (Inductor's forward, the ``titan_moe::situ_glu_bwd`` op's one-pass Triton backward);
+  ``halves`` is the earlier form, autograd through ``z[:, :H]`` and ``z[:, H:]``. Shapes: M = 16,384 tokens x top-4 = 65,536 rows, H = 4096
   (configs/wide_1gpu.toml's routed experts).
 * The AttnRes mix over ``S`` stacked sources ``[S, B, T, D]``: ``mixer`` is
   `titan_moe.model.attn_res.AttnResMixer`; ``einsum`` is the earlier form, the logits as a
   matmul with the query vector and the weighted sum as ``einsum("sbt,sbtd->btd")``.
   Shapes: S = 3 (wide_1gpu: 8 layers in blocks of 4), B = 4, T = 4096, D = 4096.
 * SiTU-GLU also as ``situ_op`` (the ``titan_moe::situ_glu`` op, one Triton kernel per
-  direction, opaque to Inductor) and ``situ_torch_fwd_op_bwd`` (Inductor's forward, the op's
-  Triton backward kernel).
+  direction, opaque to Inductor).
 * The fp8 experts' weight refresh (`titan_moe.float8.quantize.quantize_weight_triton`, both
   fp8 layouts of an fp32 ``[E, K, N]`` weight), wide_1gpu's two expert weights (E = 16:
   gate|up 2048 x 8192, down 4096 x 2048), timed once per tile setting in
@@ -78,20 +77,6 @@ def fwd_bwd(fn, inputs, grad):
     def run():
         fn(*inputs).backward(grad)
     return run
-
-
-class _SiTUTorchForwardOpBackward(torch.autograd.Function):
-    """Inductor-fusable forward, the ``titan_moe::situ_glu_bwd`` op (Triton) as backward."""
-
-    @staticmethod
-    def forward(ctx, z_M2H):
-        ctx.save_for_backward(z_M2H)
-        return situ_halves(z_M2H)
-
-    @staticmethod
-    def backward(ctx, grad_MH):
-        (z_M2H,) = ctx.saved_tensors
-        return torch.ops.titan_moe.situ_glu_bwd(z_M2H, grad_MH, 4.0, 25.0)
 
 
 def weight_grads(device, dtype, tiny: bool) -> dict:
@@ -160,7 +145,6 @@ def main(argv=None) -> dict:
         "situ_packed": fwd_bwd(compiled(situ_glu_packed), (z,), g_MH),
         "situ_halves": fwd_bwd(compiled(situ_halves), (z,), g_MH),
         "situ_op": fwd_bwd(compiled(lambda t: torch.ops.titan_moe.situ_glu(t, 4.0, 25.0)), (z,), g_MH),
-        "situ_torch_fwd_op_bwd": fwd_bwd(compiled(_SiTUTorchForwardOpBackward.apply), (z,), g_MH),
     }
     outs = [compiled(f)(z) for f in (situ_glu_packed, situ_halves)]
     results["situ_max_abs_diff"] = float((outs[0].detach().float() - outs[1].detach().float()).abs().max())

@@ -47,6 +47,7 @@ from titan_moe.ops.dispatch import (  # noqa: E402
     combine_copies,
     padded_rows,
     permute,
+    permute_torch,
     scatter_copies,
     sorted_positions,
     unpermute_combine,
@@ -409,6 +410,11 @@ def test_aligned_layout_rejects_too_few_rows():
         scatter_copies(rand(5, 8, seed=1), sorted_positions(order, 2), rows=9)
     with pytest.raises(ValueError, match="at least N\\*k"):
         combine_copies(rand(9, 8, seed=1), sorted_positions(order, 2), torch.ones(5, 2))
+    # the backends' own entry points refuse it too (one shared check)
+    with pytest.raises(ValueError, match="cannot hold N\\*k = 10"):
+        permute_torch(rand(5, 8, seed=1), sorted_positions(order, 2), rows=9)
+    with pytest.raises(ValueError, match="cannot hold N\\*k = 10"):
+        dispatch_op._sorted_rows(sorted_positions(order, 2), 9)
 
 
 # ---------------------------------------------------------------------------- Triton kernels

@@ -41,7 +41,8 @@ the SiTU-GLU between them run on the padded rows); and the weights are quantized
 optimizer step where they are plain tensors (`Float8RoutedExperts`). Measured that way
 (fifty-first to fifty-third GPU runs): the MoE layer's kernels take 0.98x of bf16's time
 (plus 0.75 ms once per step), and the compiled width-4096 training step with tensorwise fp8
-linears runs 1.14x bf16 against 1.08x with bf16 experts.
+linears runs 1.14x bf16 against 1.08x with bf16 experts (1.16x in the fifty-seventh run,
+after changes that sped up both paths: BENCHMARKS.md, "The width-4096 step").
 """
 
 from __future__ import annotations

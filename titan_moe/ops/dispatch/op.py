@@ -51,6 +51,7 @@ from torch import Tensor
 from titan_moe.ops.dispatch.reference import (
     permute_torch,
     sorted_positions,
+    sorted_rows,
     unpermute_combine_backward_torch,
     unpermute_combine_torch,
 )
@@ -98,10 +99,7 @@ def _check_weights(name: str, weights_Nk: Tensor | None, pos_Nk: Tensor) -> None
 
 # --------------------------------------------------------------------------- permute
 def _sorted_rows(pos_Nk: Tensor, rows: int) -> int:
-    n_copies = pos_Nk.shape[0] * pos_Nk.shape[1]
-    if rows and rows < n_copies:
-        raise ValueError(f"moe_permute: {rows} sorted rows cannot hold N*k = {n_copies} copies")
-    return rows or n_copies
+    return sorted_rows("moe_permute", rows, pos_Nk.shape[0] * pos_Nk.shape[1])
 
 
 @torch.library.custom_op("titan_moe::moe_permute", mutates_args=())

@@ -83,7 +83,15 @@ def aligned_group_shift(counts_E: Tensor, alignment: int) -> tuple[Tensor, Tenso
     return (offs_pad_E - padded_E) - (torch.cumsum(counts, 0) - counts), offs_pad_E
 
 
-def _rows_buffer(like: Tensor, rows: int, n_copies: int) -> Tensor:
+def sorted_rows(name: str, rows: int | None, n_copies: int) -> int:
+    """Rows of a sorted buffer: ``rows`` (None or 0: ``n_copies``, the packed layout); a
+    ValueError naming ``name`` if it cannot hold the ``n_copies`` copies."""
+    if rows and rows < n_copies:
+        raise ValueError(f"{name}: {rows} sorted rows cannot hold N*k = {n_copies} copies")
+    return rows or n_copies
+
+
+def sorted_rows_buffer(like: Tensor, rows: int, n_copies: int) -> Tensor:
     """[rows, L] output buffer: zero where copies leave padding rows (``rows > n_copies``)."""
     shape = (rows, like.shape[-1])
     return like.new_zeros(shape) if rows > n_copies else like.new_empty(shape)
@@ -93,7 +101,7 @@ def permute_torch(x_NL: Tensor, pos_Nk: Tensor, rows: int | None = None) -> Tens
     """``out[pos[n, j]] = x[n]`` -> [rows (default N*k), L] in ``x_NL.dtype``, padding rows
     zero (a broadcast index_put, no repeat)."""
     n, k = pos_Nk.shape
-    out_RL = _rows_buffer(x_NL, rows or n * k, n * k)
+    out_RL = sorted_rows_buffer(x_NL, sorted_rows("permute_torch", rows, n * k), n * k)
     return out_RL.index_put_((pos_Nk.long(),), x_NL.unsqueeze(1))
 
 
@@ -125,5 +133,5 @@ def unpermute_combine_backward_torch(
     y_NkL = y_ML[pos_Nk.reshape(-1)].view(n, k, y_ML.shape[1]).float()
     dw_Nk = (y_NkL * grad_N1L).sum(-1).to(weights_Nk.dtype)
     dy_NkL = (weights_Nk.float().unsqueeze(-1) * grad_N1L).to(y_ML.dtype)
-    dy_ML = _rows_buffer(y_ML, y_ML.shape[0], n * k).index_put_((pos_Nk.long(),), dy_NkL)
+    dy_ML = sorted_rows_buffer(y_ML, y_ML.shape[0], n * k).index_put_((pos_Nk.long(),), dy_NkL)
     return dy_ML, dw_Nk

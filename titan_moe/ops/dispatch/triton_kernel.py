@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_moe.ops.dispatch.reference import sorted_rows, sorted_rows_buffer
 from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -173,11 +174,6 @@ def _check(name: str, rows: torch.Tensor, pos_Nk: torch.Tensor, *others: torch.T
     check_runs_on(_permute_kernel, rows.device, name, "titan_moe.ops.dispatch.triton_kernel")
 
 
-def _check_sorted_rows(name: str, rows: int, n_copies: int) -> None:
-    if rows < n_copies:
-        raise ValueError(f"{name}: {rows} sorted rows cannot hold N*k = {n_copies} copies")
-
-
 def permute_triton(x_NL: torch.Tensor, pos_Nk: torch.Tensor, config: BlockConfig | None = None,
                    rows: int | None = None) -> torch.Tensor:
     """``out[pos[n, j]] = x[n]`` -> [rows (default N*k), L] contiguous, ``x_NL.dtype``; rows
@@ -187,9 +183,8 @@ def permute_triton(x_NL: torch.Tensor, pos_Nk: torch.Tensor, config: BlockConfig
     (n, k), latent = pos_Nk.shape, x_NL.shape[1]
     if x_NL.shape[0] != n:
         raise ValueError(f"permute_triton: x has {x_NL.shape[0]} rows, pos {n}")
-    rows = n * k if rows is None else rows
-    _check_sorted_rows("permute_triton", rows, n * k)
-    out_RL = x_NL.new_zeros(rows, latent) if rows > n * k else x_NL.new_empty(rows, latent)
+    rows = sorted_rows("permute_triton", rows, n * k)
+    out_RL = sorted_rows_buffer(x_NL, rows, n * k)
     if n == 0 or latent == 0:
         return out_RL
     cfg = config or default_config(latent, x_NL.device)
@@ -247,7 +242,7 @@ def combine_backward_triton(
     if y_ML.shape[0] < n * k or weights_Nk.shape != pos_Nk.shape or grad_NL.shape != (n, latent):
         raise ValueError(f"combine_backward_triton: grad {tuple(grad_NL.shape)}, y {tuple(y_ML.shape)}, pos "
                          f"{tuple(pos_Nk.shape)}, weights {tuple(weights_Nk.shape)} do not match")
-    dy_ML = torch.zeros_like(y_ML) if y_ML.shape[0] > n * k else torch.empty_like(y_ML)
+    dy_ML = sorted_rows_buffer(y_ML, y_ML.shape[0], n * k)
     dw_Nk = torch.empty_like(weights_Nk)
     if n == 0:
         return dy_ML, dw_Nk
