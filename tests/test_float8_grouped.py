@@ -285,7 +285,8 @@ def test_forward_and_dx_equal_their_quantized_pieces(torch_quantization):
 
 def test_fp8_rows_weight_gradient_equals_its_quantized_pieces(torch_quantization):
     """wgrad="fp8_rows", exactly: forward and dx from power-of-two row quantizations, dw =
-    GEMM(requantized rows(x)^T, requantized rows(dy)); x is not kept, only its codes."""
+    GEMM(requantized rows(x)^T, requantized rows(dy)); x is not kept, only the forward's
+    own row codes and scales (requantized in the backward)."""
     x, w, dy, offs = make_case([32, 0, 16], 3, 32, 48, seed=2)
     out, dx, dw = run_fp8(x, w, dy, offs, "fp8_rows")
     xq, sx = fq.quantize_rows_reference(x, pow2=True)
@@ -297,8 +298,8 @@ def test_fp8_rows_weight_gradient_equals_its_quantized_pieces(torch_quantization
     xc, sxc = fq.requantize_group_columns_reference(xq, sx, offs)
     dyc, sdyc = fq.requantize_group_columns_reference(dyq, sdy, offs)
     assert torch.equal(dw, _scaled_grouped_gemm_emulated(xc.t(), dyc, sxc, sdyc, offs, w.dtype))
-    _, _, _, xq_buffer, _ = torch.ops.titan_moe.fp8_grouped_mm_fwd(x, w, offs, "fp8_rows", True, True)
-    assert xq_buffer.dtype == torch.uint8 and xq_buffer.shape == (32, 64)
+    _, _, _, xq_saved, sx_saved = torch.ops.titan_moe.fp8_grouped_mm_fwd(x, w, offs, "fp8_rows", True, True)
+    assert torch.equal(xq_saved, xq.view(torch.uint8)) and torch.equal(sx_saved, sx)
 
 
 def test_no_grad_forward_skips_the_residuals(torch_quantization):
@@ -622,7 +623,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
     def build(fn, types, consts):
         sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
         sig.update({n: "i32" for n in fn.arg_names if n not in types and n not in consts})
-        aligned = [n for n in fn.arg_names if sig[n].startswith("*") or (sig[n] == "i32" and n.startswith(("stride", "ld")))]
+        aligned = [n for n in fn.arg_names
+                   if sig[n].startswith("*") or (sig[n] == "i32" and n.startswith(("stride", "ld", "M_STORE")))]
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
@@ -646,10 +648,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
                             dict(common, C=2048, ALIGNED=True, BLOCK_M=128, BLOCK_C=64)),
         "rows_pow2": build(fq._rows_kernel, rows, dict(common, K=2048, HAS_DEST=False, BLOCK_M=4, BLOCK_K=2048,
                                                        POW2=True)),
-        "group_requant": build(fq._group_requant_kernel,
-                               dict(q_ptr="*u8", s_ptr="*fp32", out_ptr="*fp8e4nv", group_scale_ptr="*fp32",
-                                    offs_ptr="*i32"),
-                               dict(common, C=2048, BLOCK_M=128, BLOCK_C=64)),
+        "row_factors": build(fq._group_row_factors_kernel,
+                             dict(s_ptr="*fp32", f_ptr="*fp32", group_scale_ptr="*fp32", offs_ptr="*i32"),
+                             dict(common, C=2048, BLOCK_M=1024, BLOCK_C=1024)),
+        "requant_tiles": build(fq._requant_tiles_kernel, dict(q_ptr="*u8", f_ptr="*fp32", out_ptr="*fp8e4nv"),
+                               dict(INTERPRETED=False, C=2048, BLOCK_M=128, BLOCK_C=128)),
     }
     print("RESULT", repr(results))
     """
@@ -664,9 +667,10 @@ def test_compiles_for_sm90():
     the group-column kernel needs its 16-row alignment hint for that)."""
     # name -> (e4m3 RNE cast, div.rn, 16-byte stores, byte stores)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    codes = {name: r for name, r in results.items() if name != "weight_amax"}  # the amax kernel writes none
+    codes = {name: r for name, r in results.items() if name not in ("weight_amax", "row_factors")}  # these write none
     assert all(cast and vec and not byte for cast, _, vec, byte in codes.values()), results
-    assert all(div for _, div, _, _ in results.values()), results
+    # every kernel that computes scales divides correctly rounded (the requant tiles only shift)
+    assert all(div for name, (_, div, _, _) in results.items() if name != "requant_tiles"), results
 
 
 @pytest.mark.gpu
@@ -765,14 +769,16 @@ def test_rows_kernel_power_of_two_scales(m, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("sizes,tail,c", [([0, 32, 0, 16, 48], 9, 40), ([16, 0], 13, 24), ([64], 0, 16)])
-def test_requantize_group_columns_matches_reference_and_bf16_columns(sizes, tail, c):
+@pytest.mark.parametrize("sizes,tail,c,tiles", [([0, 32, 0, 16, 48], 9, 40, None), ([16, 0], 13, 24, None),
+                                                 ([64], 0, 16, None), ([0, 32, 0, 16, 48], 9, 40, (64, 32))])
+def test_requantize_group_columns_matches_reference_and_bf16_columns(sizes, tail, c, tiles):
     """The requantization kernel against its reference, bit for bit: empty groups, rows past
     offs[-1] (zero codes), rows whose scales differ by 2^12 within a group (their small
-    entries land in e4m3's subnormals). And its dequantized values against the input: each
-    code within one e4m3 rounding of the group-scaled value (half an ulp, 2^-4 relative, in
-    the normal range; 2^-10 of the group scale absolute among the subnormals, plus the first
-    rounding by rows)."""
+    entries land in e4m3's subnormals); with 64-row tiles, tiles that hold rows of several
+    groups and of the tail (as the GPU's 128-row tiles do). And its dequantized values
+    against the input: each code within one e4m3 rounding of the group-scaled value (half an
+    ulp, 2^-4 relative, in the normal range; 2^-10 of the group scale absolute among the
+    subnormals, plus the first rounding by rows)."""
     gen = torch.Generator().manual_seed(sum(sizes) + c)
     offs = group_offsets(sizes).to(DEVICE)
     m = int(offs[-1]) + tail
@@ -780,7 +786,8 @@ def test_requantize_group_columns_matches_reference_and_bf16_columns(sizes, tail
     t[1] *= 2.0 ** -12
     t[5] = 0
     q_rows, s_rows = fq.quantize_rows_reference(t, pow2=True)
-    q, scale = fq.requantize_group_columns_triton(q_rows, s_rows, offs)
+    block_m, block_c = tiles or (None, None)
+    q, scale = fq.requantize_group_columns_triton(q_rows, s_rows, offs, block_m, block_c)
     q_ref, scale_ref = fq.requantize_group_columns_reference(q_rows, s_rows, offs)
     assert same_bits(q, q_ref) and same_bits(scale, scale_ref)
     assert q.stride(0) == 1 and q.stride(1) % 16 == 0

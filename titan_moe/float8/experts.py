@@ -122,9 +122,11 @@ WGRAD_ENV = "TITAN_MOE_FP8_EXPERTS_WGRAD"  # the fused GEMM's weight gradient, s
 
 def selected_wgrad() -> str:
     """`$TITAN_MOE_FP8_EXPERTS_WGRAD`, read per call, the fused GEMM's ``wgrad``
-    (`titan_moe.float8.grouped_mm.fp8_grouped_mm`): "bf16" (default, the measured one),
-    "fp8" or "fp8_rows" (fp8 weight gradient; "fp8_rows" re-expresses the row-quantized
-    codes per group, not yet timed on a GPU)."""
+    (`titan_moe.float8.grouped_mm.fp8_grouped_mm`): "bf16" (default: the recipe of the
+    300-step loss check), "fp8" or "fp8_rows" (fp8 weight gradient; "fp8_rows" re-expresses
+    the row-quantized codes per group: 10% faster per gate|up call at wide_1gpu's shapes,
+    the whole step within noise of "bf16" so far, its loss not yet checked over 300 steps;
+    BENCHMARKS.md)."""
     from titan_moe.float8.grouped_mm import WGRAD_MODES
 
     name = os.environ.get(WGRAD_ENV) or "bf16"
