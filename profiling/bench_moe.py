@@ -305,7 +305,13 @@ def _with_quantized_weight(fp8_gemm):
     return call
 
 
-def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bool) -> dict:
+ERR_PROVIDERS = ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8",
+                 "fp8_cached_w", "fp8_cached_w_dw8rows")
+"""The GEMM providers whose output, dx and dw are compared with ``torch._grouped_mm``'s."""
+
+
+def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bool,
+                    keep_providers: set[str] | None = None) -> dict:
     import torch
 
     E, M, K, N = case["E"], case["M"], case["K"], case["N"]
@@ -319,6 +325,8 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
     row = dict(case=case["case"], E=E, M=M, K=K, N=N, dist=case["dist"], group_min=min(sizes),
                group_max=max(sizes), flops_fwd=flops, flops_fwd_bwd=3 * flops, ms={}, tflops={}, rel_err={})
     providers = gemm_providers(tma_available(device), fp8_available(device, dtype))
+    if keep_providers:  # "torch" stays: the errors are measured against it
+        providers = {n: p for n, p in providers.items() if n in keep_providers or n == "torch"}
 
     def under(env, call):
         def run():
@@ -345,8 +353,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
         del out
     for key in list(row["ms"]):
         row["tflops"][key] = tflops(row["flops_fwd_bwd"] if key.endswith("fwd_bwd") else flops, row["ms"][key])
-    for name in ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8",
-                 "fp8_cached_w"):
+    for name in ERR_PROVIDERS:
         if name in results:
             for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
                 row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
@@ -731,9 +738,7 @@ def print_gemm_table(rows: list[dict]) -> None:
         for c in cols:
             line += f"{_fmt(r['ms'][c]) + ' (' + _fmt(r['tflops'][c], '.0f') + ')':>{width[c]}}"
         errs = [name + " " + "/".join(f"{r['rel_err'][f'{name}_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
-                for name in ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_fused", "fp8_fused_dw8",
-                             "fp8_cached_w")
-                if f"{name}_vs_torch_out" in r["rel_err"]]
+                for name in ERR_PROVIDERS if f"{name}_vs_torch_out" in r["rel_err"]]
         spread = max(r.get("ms_spread", {}).values(), default=None)
         print(line + "  " + "  ".join(errs) + ("" if spread is None else f"  rounds spread <= {spread:.1%}"))
         for product, sweep in r.get("tile_sweep", {}).items():
@@ -788,6 +793,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default bf16 on CUDA; fp32 on CPU (the Triton interpreter gets bf16 dots wrong)")
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--gemm-cases", default="", help="comma-separated GEMM case names to keep, e.g. e64_balanced")
+    parser.add_argument("--gemm-providers", default="",
+                        help="comma-separated GEMM providers to keep (default all; torch._grouped_mm always runs)")
     parser.add_argument("--skip-layer", action="store_true")
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time each Triton product (fwd, dx, dw) over a few tile shapes")
@@ -846,7 +853,8 @@ def main(argv=None) -> dict:
         if keep - {c["case"] for c in cases}:
             raise SystemExit(f"bench_moe: --gemm-cases: unknown {sorted(keep - {c['case'] for c in cases})}")
         for case in cases:
-            report["gemm"].append(bench_gemm_case(case, args.device, dtype, timed, args.sweep_tiles))
+            report["gemm"].append(bench_gemm_case(case, args.device, dtype, timed, args.sweep_tiles,
+                                                  {p for p in args.gemm_providers.split(",") if p}))
             if timed:
                 torch.cuda.empty_cache()
     if not args.skip_layer:

@@ -1,6 +1,7 @@
-"""Benchmark: two elementwise parts of the training step, compiled, against their old forms.
+"""Benchmark: parts of the width-4096 training step against their earlier forms or floors.
 
     python profiling/bench_step_parts.py                  # H200: wide_1gpu's shapes, bf16
+    python profiling/bench_step_parts.py --parts requant  # a subset (situ, mix, refresh, dw, requant)
     python profiling/bench_step_parts.py --device cpu --tiny   # plumbing check, no speed claim
 
 Each provider is compiled (Inductor, ``fullgraph=True``) and timed forward+backward in
@@ -28,6 +29,14 @@ interleaved rounds (`bench_moe.measure_rounds`):
   a conversion to fp32, what the fp8 backward does now; ``dw_triton_fp32`` /
   ``dw_triton_tma_fp32`` (also at the tile 64x256x128, 8 warps, 3 stages): our Triton dw
   kernel storing its fp32 accumulator directly.
+* The ``fp8_rows`` weight gradient's requantization
+  (`titan_moe.float8.quantize.requantize_group_columns_triton`: row codes with power-of-two
+  scales re-expressed per group, column-major out) at wide_1gpu's x and dy of the gate|up
+  GEMM (E = 16 balanced; [65,536, 2048] and [65,536, 8192]) and at the MoE-compute issue's
+  x (E = 64, [65,536, 2048], balanced and Zipf(1.1)), timed per tile setting in
+  ``--requant-tiles`` (``BMxBCxW``: rows, columns, warps); beside it the floor of the same
+  traffic, a plain transposed copy of the codes (``transpose``), and the bf16 path's
+  per-group column quantization (``group_cols``, ``wgrad="fp8"``).
 
 Printed: one row per provider (median ms over the rounds, spread), then a JSON line.
 """
@@ -42,7 +51,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe import measure_rounds  # noqa: E402
+from bench_moe import group_sizes, measure_rounds  # noqa: E402
 
 from titan_moe.model.attn_res import AttnResMixer, ResidualStream  # noqa: E402
 from titan_moe.model.situ import situ_glu_packed  # noqa: E402
@@ -120,25 +129,37 @@ def weight_refresh(tiles: list[str], device, tiny: bool) -> dict:
     return fns
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="small shapes (plumbing check)")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--weight-tiles", default="default",
-                        help="comma-separated BKxBNxAWxQW settings of the weight refresh ('default': the launcher's)")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    timed = device.type == "cuda"
-    dtype = torch.bfloat16 if timed else torch.float32
-    M, H = (64, 32) if args.tiny else (65_536, 4096)
-    S, B, T, D = (3, 1, 8, 32) if args.tiny else (3, 4, 4096, 4096)
-    gen = torch.Generator(device).manual_seed(0)
-    results: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+def requant_parts(tiles: list[str], device, tiny: bool) -> dict:
+    """{"<part> <case>": fn}: the group requantization per tile setting, a transposed copy
+    of the codes, and the per-group column quantization of the bf16 tensor."""
+    from titan_moe.float8.quantize import (quantize_group_columns_triton, quantize_rows_triton,
+                                           requantize_group_columns_triton)
 
-    def compiled(fn):
-        return torch.compile(fn, fullgraph=True)
+    cases = ({"tiny": (64, 32, 4, "zipf")} if tiny else
+             {"wide_x": (65_536, 2048, 16, "balanced"), "wide_dy": (65_536, 8192, 16, "balanced"),
+              "e64_x": (65_536, 2048, 64, "balanced"), "e64_zipf_x": (65_536, 2048, 64, "zipf")})
+    fns = {}
+    for name, (M, C, E, dist) in cases.items():
+        offs_E = torch.tensor(group_sizes(M, E, dist), device=device).cumsum(0).to(torch.int32)
+        t_MC = torch.randn(M, C, device=device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+        q_MC, s_M = quantize_rows_triton(t_MC, pow2=True)
+        for setting in tiles:
+            kwargs = {}
+            if setting != "default":
+                bm, bc, warps = (int(v) for v in setting.split("x"))
+                kwargs = dict(block_m=bm, block_c=bc, num_warps=warps)
+            fns[f"requant_{name}_{setting}"] = (
+                lambda q=q_MC, s=s_M, o=offs_E, kw=kwargs: requantize_group_columns_triton(q, s, o, **kw))
+        fns[f"transpose_{name}"] = lambda q=q_MC: q.view(torch.uint8).t().contiguous()
+        fns[f"group_cols_{name}"] = (
+            lambda t=t_MC, o=offs_E: quantize_group_columns_triton(t, o, offs_aligned=True))
+    return fns
 
+
+def situ_parts(device, dtype, tiny: bool, gen, results: dict) -> tuple[dict, list]:
+    """{provider: fwd+bwd fn} of the SiTU-GLU forms, and the tensors whose grads to reset;
+    records the adopted form's difference from the earlier one in ``results``."""
+    M, H = (64, 32) if tiny else (65_536, 4096)
     z = (3 * torch.randn(M, 2 * H, device=device, generator=gen)).to(dtype).requires_grad_()
     g_MH = torch.randn(M, H, device=device, generator=gen).to(dtype)
     situ = {
@@ -148,7 +169,12 @@ def main(argv=None) -> dict:
     }
     outs = [compiled(f)(z) for f in (situ_glu_packed, situ_halves)]
     results["situ_max_abs_diff"] = float((outs[0].detach().float() - outs[1].detach().float()).abs().max())
+    return situ, [z]
 
+
+def mix_parts(device, dtype, tiny: bool, gen, results: dict) -> tuple[dict, list]:
+    """As :func:`situ_parts`, for the AttnRes mix."""
+    S, B, T, D = (3, 1, 8, 32) if tiny else (3, 4, 4096, 4096)
     mixer = AttnResMixer(D).to(device)
     with torch.no_grad():
         mixer.query.normal_(generator=gen)
@@ -166,19 +192,60 @@ def main(argv=None) -> dict:
     }
     with torch.no_grad():
         results["attn_res_max_abs_diff"] = float((mixer(stream).float() - mix_einsum(mixer, stream).float()).abs().max())
+    return mix, [mixer.query, mixer.key_norm.weight, stream.sources_SBTD, stream.partial_BTD]
 
-    grads = [z, mixer.query, mixer.key_norm.weight, stream.sources_SBTD, stream.partial_BTD]
-    medians, spread = measure_rounds({**situ, **mix}, timed, grad_to_none=grads, rounds=args.rounds)
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        refresh = weight_refresh(args.weight_tiles.split(","), device, args.tiny) | weight_grads(device, dtype, args.tiny)
-        more, more_spread = measure_rounds(refresh, timed, rounds=max(1, args.rounds // 2))
+
+def compiled(fn):
+    return torch.compile(fn, fullgraph=True)
+
+
+PARTS = ("situ", "mix", "refresh", "dw", "requant")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (plumbing check)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--weight-tiles", default="default",
+                        help="comma-separated BKxBNxAWxQW settings of the weight refresh ('default': the launcher's)")
+    parser.add_argument("--requant-tiles", default="default,64x128x4,128x64x4,128x128x4,256x128x8,128x256x8",
+                        help="comma-separated BMxBCxW settings of the group requantization ('default': the launcher's)")
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    if not set(parts) <= set(PARTS):
+        parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
+    device = torch.device(args.device)
+    timed = device.type == "cuda"
+    dtype = torch.bfloat16 if timed else torch.float32
+    gen = torch.Generator(device).manual_seed(0)
+    results: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+
+    fwd_bwd_fns, grads = {}, []
+    for name, make in (("situ", situ_parts), ("mix", mix_parts)):
+        if name in parts:
+            fns, tensors = make(device, dtype, args.tiny, gen, results)
+            fwd_bwd_fns.update(fns)
+            grads += tensors
+    medians, spread = measure_rounds(fwd_bwd_fns, timed, grad_to_none=grads, rounds=args.rounds)
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # where the Triton kernels run
+        kernels = {}
+        if "refresh" in parts:
+            kernels |= weight_refresh(args.weight_tiles.split(","), device, args.tiny)
+        if "dw" in parts:
+            kernels |= weight_grads(device, dtype, args.tiny)
+        if "requant" in parts:
+            kernels |= requant_parts(args.requant_tiles.split(","), device, args.tiny)
+        more, more_spread = measure_rounds(kernels, timed, rounds=max(1, args.rounds // 2))
         medians.update(more)
         spread.update(more_spread)
     results["ms"] = medians
     results["spread"] = spread
     for name, ms in medians.items():
         shown = "not timed" if ms is None else f"{ms:8.3f} ms (spread {spread[name]:.0%})"
-        print(f"{name:32s} {'' if name.startswith(('refresh', 'dw_')) else 'fwd+bwd '}{shown}")
+        kernel_only = name.startswith(("refresh", "dw_", "requant", "transpose", "group_cols"))
+        print(f"{name:32s} {'' if kernel_only else 'fwd+bwd '}{shown}")
     print(json.dumps(results))
     return results
 

@@ -68,8 +68,9 @@
 #              tensorwise linears + fp8 experts, and the same with the expert weights quantized
 #              per call (TITAN_MOE_FP8_WEIGHT_CACHE=0) (not in the default list)
 #   fp8_dw_rows  the fp8 weight gradient from the row-quantized codes (wgrad="fp8_rows"): the
-#              fp8 GEMM tests on CUDA, the grouped GEMM cases at E = 64 (provider
-#              fp8_cached_w_dw8rows beside fp8_cached_w), then wide_1gpu compiled with
+#              fp8 GEMM tests on CUDA, the requantization kernel's tiles (bench_step_parts.py
+#              --parts requant), the grouped GEMM cases at E = 64 (provider
+#              fp8_cached_w_dw8rows beside fp8_cached_w and native), then wide_1gpu compiled with
 #              TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows, 12 steps (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
@@ -209,7 +210,9 @@ for section in "${SECTIONS[@]}"; do
                 "${FP8_TENSORWISE[@]}" --job.dump_folder "$DUMP/fp8_wide_experts_per_call" ;;
         fp8_dw_rows)
             run fp8_dw_rows_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_float8_grouped.py
-            run fp8_dw_rows_gemm python profiling/bench_moe.py --skip-layer --gemm-cases e64_balanced,e64_zipf1.1
+            run fp8_dw_rows_requant python profiling/bench_step_parts.py --parts requant
+            run fp8_dw_rows_gemm python profiling/bench_moe.py --skip-layer --gemm-cases e64_balanced,e64_zipf1.1 \
+                --gemm-providers native,fp8_cached_w,fp8_cached_w_dw8rows
             run fp8_dw_rows_wide env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows torchrun --standalone --nproc_per_node=1 \
                 "${WIDE[@]}" --model.converters titan_float8,titan_float8_experts \
                 --quantize.linear.float8.recipe_name tensorwise --job.dump_folder "$DUMP/fp8_dw_rows_wide" ;;

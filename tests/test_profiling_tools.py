@@ -294,14 +294,17 @@ def test_gpu_suite_fp8_experts_section(tmp_path):
 
 
 def test_gpu_suite_fp8_dw_rows_section(tmp_path):
-    """fp8_dw_rows: the CUDA tests, the GEMM cases, one wide_1gpu run with the switch; parts:
-    the step-parts benchmark."""
+    """fp8_dw_rows: the CUDA tests, the requantization tiles, the GEMM cases, one wide_1gpu
+    run with the switch; parts: the step-parts benchmark."""
     proc = _gpu_suite(tmp_path, "fp8_dw_rows", "parts", gpus="1")
     assert proc.returncode == 0, proc.stderr
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     commands = dict(line.split(": ", 1) for line in lines)
-    assert list(commands) == ["fp8_dw_rows_tests", "fp8_dw_rows_gemm", "fp8_dw_rows_wide", "parts"]
+    assert list(commands) == ["fp8_dw_rows_tests", "fp8_dw_rows_requant", "fp8_dw_rows_gemm", "fp8_dw_rows_wide",
+                              "parts"]
     assert "tests/test_float8_grouped.py" in commands["fp8_dw_rows_tests"]
+    assert "--parts requant" in commands["fp8_dw_rows_requant"]
+    assert "--gemm-providers native,fp8_cached_w,fp8_cached_w_dw8rows" in commands["fp8_dw_rows_gemm"]
     assert "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows" in commands["fp8_dw_rows_wide"]
     assert "configs/wide_1gpu.toml" in commands["fp8_dw_rows_wide"]
     assert "profiling/bench_step_parts.py" in commands["parts"]
@@ -477,14 +480,15 @@ def test_kernel_resources_refuses_the_interpreter_and_unknown_cases(tmp_path):
     assert proc.returncode == 2 and "unknown cases" in proc.stderr
 
 
-def test_scaled_grouped_mm_probe_refuses_without_an_fp8_gpu():
-    """The probe needs torch._scaled_grouped_mm's hardware: without it, one clear line and a
-    non-zero exit (its GPU numbers are in BENCHMARKS.md)."""
+@pytest.mark.parametrize("probe", ["probe_scaled_grouped_mm.py", "probe_fp8_wgrad.py"])
+def test_fp8_probes_refuse_without_an_fp8_gpu(probe):
+    """The fp8 probes need torch._scaled_grouped_mm's hardware: without it, one clear line and
+    a non-zero exit (their GPU numbers are in BENCHMARKS.md)."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the probe would run")
-    proc = subprocess.run([sys.executable, str(REPO / "profiling" / "probe_scaled_grouped_mm.py")],
+    proc = subprocess.run([sys.executable, str(REPO / "profiling" / probe)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "compute capability >= 8.9" in proc.stderr
 

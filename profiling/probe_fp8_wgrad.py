@@ -1,0 +1,78 @@
+"""One fp8 grouped GEMM call, forward+backward, with the bf16 weight gradient against
+``wgrad="fp8_rows"``: kernel time per call by kernel (torch.profiler) and wall time per call.
+
+    python profiling/probe_fp8_wgrad.py                                   # wide_1gpu's two expert GEMMs
+    python profiling/probe_fp8_wgrad.py --shapes 64,2048,1408 --weights bf16   # the MoE issue's shape
+
+Inputs as in training: x [M, K] bf16 with balanced 16-aligned groups, w [E, K, N] in
+``--weights`` (fp32: the parameters under autocast) quantized once beforehand
+(`quantize_weight`, as the weight cache does), a bf16 upstream gradient; grads reset before
+each call. Three warm-up calls, five profiled, ten timed with CUDA events. Needs a CUDA GPU of
+compute capability >= 8.9. A diagnostic: it prints, it does not compare against a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe import group_sizes  # noqa: E402
+
+from titan_moe.float8.grouped_mm import fp8_grouped_mm  # noqa: E402
+from titan_moe.float8.quantize import quantize_weight  # noqa: E402
+
+
+def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str) -> str:
+    offs = torch.tensor(group_sizes(M, E, "balanced"), device="cuda").cumsum(0).to(torch.int32)
+    x = (torch.randn(M, K, device="cuda") / K**0.5).bfloat16().requires_grad_()
+    w = (torch.randn(E, K, N, device="cuda") / K**0.5).to(w_dtype).requires_grad_()
+    dy = torch.randn(M, N, device="cuda").bfloat16()
+    wq = quantize_weight(w.detach())
+
+    def call():
+        x.grad = w.grad = None
+        fp8_grouped_mm(x, w, offs, wgrad=wgrad, w_fp8=wq).backward(dy)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / 5 / 1000
+    top = sorted(((e.self_device_time_total / 5 / 1000, e.key[:60]) for e in events if e.self_device_time_total > 0),
+                 reverse=True)[:7]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / 10
+    return (f"E{E} K{K} N{N} {wgrad}: kernels {total:.3f} ms/call, wall {wall:.3f} ms/call; "
+            + "; ".join(f"{name} {ms:.3f}" for ms, name in top))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="16,2048,8192;16,4096,2048", help="E,K,N;... (M = --tokens)")
+    parser.add_argument("--tokens", type=int, default=65_536)
+    parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16"])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise SystemExit("probe_fp8_wgrad: needs a CUDA GPU of compute capability >= 8.9")
+    w_dtype = torch.float32 if args.weights == "fp32" else torch.bfloat16
+    for shape in args.shapes.split(";"):
+        E, K, N = (int(v) for v in shape.split(","))
+        for wgrad in ("bf16", "fp8_rows"):
+            print(probe(E, args.tokens, K, N, w_dtype, wgrad), flush=True)
+
+
+if __name__ == "__main__":
+    main()
