@@ -1,7 +1,7 @@
 """Benchmark: parts of the width-4096 training step against their earlier forms or floors.
 
     python profiling/bench_step_parts.py                  # H200: wide_1gpu's shapes, bf16
-    python profiling/bench_step_parts.py --parts requant  # a subset (situ, mix, refresh, dw, requant)
+    python profiling/bench_step_parts.py --parts requant  # a subset (situ, mix, refresh, dw, requant, situ_quant)
     python profiling/bench_step_parts.py --device cpu --tiny   # plumbing check, no speed claim
 
 Each provider is compiled (Inductor, ``fullgraph=True``) and timed forward+backward in
@@ -37,6 +37,11 @@ interleaved rounds (`bench_moe.measure_rounds`):
   ``--requant-tiles`` (``BMxBCxW``: rows, columns, warps); beside it the floor of the same
   traffic, a plain transposed copy of the codes (``transpose``), and the bf16 path's
   per-group column quantization (``group_cols``, ``wgrad="fp8"``).
+* SiTU-GLU fused into the down GEMM's row quantization (``situ_quant``,
+  `titan_moe.float8.quantize.quantize_situ_rows_triton`, the activation never written)
+  against SiTU-GLU then the row quantization (``situ_then_rows``: the compiled
+  `situ_glu_packed` forward, then `quantize_rows_triton`), forward only, power-of-two scales,
+  at wide_1gpu's z [65,536, 8192] bf16.
 
 Printed: one row per provider (median ms over the rounds, spread), then a JSON line.
 """
@@ -199,7 +204,20 @@ def compiled(fn):
     return torch.compile(fn, fullgraph=True)
 
 
-PARTS = ("situ", "mix", "refresh", "dw", "requant")
+PARTS = ("situ", "mix", "refresh", "dw", "requant", "situ_quant")
+
+
+def situ_quant_parts(device, dtype, tiny: bool, gen) -> dict:
+    """{provider: fn}: the experts' activation quantized for the down GEMM, fused or not."""
+    from titan_moe.float8.quantize import quantize_rows_triton, quantize_situ_rows_triton
+
+    M, H = (64, 32) if tiny else (65_536, 4096)
+    z = (3 * torch.randn(M, 2 * H, device=device, generator=gen)).to(dtype)
+    situ = compiled(lambda t: situ_glu_packed(t, 4.0, 25.0))
+    return {
+        "situ_quant": lambda: quantize_situ_rows_triton(z, 4.0, 25.0, pow2=True),
+        "situ_then_rows": lambda: quantize_rows_triton(situ(z), pow2=True),
+    }
 
 
 def main(argv=None) -> dict:
@@ -237,6 +255,9 @@ def main(argv=None) -> dict:
             kernels |= weight_grads(device, dtype, args.tiny)
         if "requant" in parts:
             kernels |= requant_parts(args.requant_tiles.split(","), device, args.tiny)
+        if "situ_quant" in parts:
+            with torch.no_grad():
+                kernels |= situ_quant_parts(device, dtype, args.tiny, gen)
         more, more_spread = measure_rounds(kernels, timed, rounds=max(1, args.rounds // 2))
         medians.update(more)
         spread.update(more_spread)
@@ -244,7 +265,8 @@ def main(argv=None) -> dict:
     results["spread"] = spread
     for name, ms in medians.items():
         shown = "not timed" if ms is None else f"{ms:8.3f} ms (spread {spread[name]:.0%})"
-        kernel_only = name.startswith(("refresh", "dw_", "requant", "transpose", "group_cols"))
+        kernel_only = name.startswith(("refresh", "dw_", "requant", "transpose", "group_cols", "situ_quant",
+                                        "situ_then"))
         print(f"{name:32s} {'' if kernel_only else 'fwd+bwd '}{shown}")
     print(json.dumps(results))
     return results

@@ -72,6 +72,11 @@
 #              --parts requant), the grouped GEMM cases at E = 64 (provider
 #              fp8_cached_w_dw8rows beside fp8_cached_w and native), then wide_1gpu compiled with
 #              TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows, 12 steps (not in the default list)
+#   fp8_situ   SiTU-GLU fused into the fp8 down GEMM's row quantization (TITAN_MOE_FP8_SITU_QUANT=1):
+#              its CUDA tests, the kernel against SiTU-GLU then the row quantization
+#              (bench_step_parts.py --parts situ_quant), then wide_1gpu compiled, 12 steps each, in
+#              one run: bf16, fp8 with TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows, and the same with the
+#              fused SiTU-GLU (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
@@ -216,6 +221,15 @@ for section in "${SECTIONS[@]}"; do
             run fp8_dw_rows_wide env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows torchrun --standalone --nproc_per_node=1 \
                 "${WIDE[@]}" --model.converters titan_float8,titan_float8_experts \
                 --quantize.linear.float8.recipe_name tensorwise --job.dump_folder "$DUMP/fp8_dw_rows_wide" ;;
+        fp8_situ)
+            FP8_ROWS=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name tensorwise)
+            run fp8_situ_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_float8_grouped.py -k "situ or cuda"
+            run fp8_situ_parts python profiling/bench_step_parts.py --parts situ_quant
+            run fp8_situ_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_situ_bf16"
+            run fp8_situ_wide_rows env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows torchrun --standalone --nproc_per_node=1 \
+                "${WIDE[@]}" "${FP8_ROWS[@]}" --job.dump_folder "$DUMP/fp8_situ_rows"
+            run fp8_situ_wide_fused env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 torchrun \
+                --standalone --nproc_per_node=1 "${WIDE[@]}" "${FP8_ROWS[@]}" --job.dump_folder "$DUMP/fp8_situ_fused" ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

@@ -388,6 +388,12 @@ def test_compiles_fullgraph_like_eager(wgrad, torch_quantization):
     def step(x_MK, w_EKN):
         return fp8_grouped_mm(x_MK, w_EKN, offs, wgrad=wgrad) * 2.0
 
+    assert_compiled_equals_eager(step, x, w, dy)
+
+
+def assert_compiled_equals_eager(step, x, w, dy):
+    """``step(x, w)`` under ``torch.compile(fullgraph=True, backend="aot_eager")`` and eagerly:
+    the same output and gradients of x and w, bit for bit."""
     def run(fn):
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = fn(xl, wl)
@@ -395,19 +401,118 @@ def test_compiles_fullgraph_like_eager(wgrad, torch_quantization):
         return out.detach(), xl.grad, wl.grad
 
     torch._dynamo.reset()
-    compiled = run(torch.compile(step, backend="aot_eager", fullgraph=True))
-    for got, want in zip(compiled, run(step)):
+    for got, want in zip(run(torch.compile(step, backend="aot_eager", fullgraph=True)), run(step)):
         assert torch.equal(got, want)
 
 
-def test_fused_experts_compile_fullgraph(monkeypatch, torch_quantization):
+SITU = (4.0, 25.0)
+
+
+def run_fp8_situ(z, w, dy, offs, wgrad):
+    zl, wl = z.clone().requires_grad_(), w.clone().requires_grad_()
+    out = fp8_grouped_mm(zl, wl, offs, wgrad=wgrad, situ=SITU)
+    out.backward(dy)
+    return out.detach(), zl.grad, wl.grad
+
+
+def situ_case(seed):
+    """z [M, 2K] (pre-activations of spread 3), w, dy, offs at K = 32, N = 48, a 3-row tail."""
+    x, w, dy, offs = make_case([32, 0, 16], 3, 64, 48, seed=seed)
+    z = (x.float() * 3).to(x.dtype)
+    return z, w[:, :32].contiguous(), dy, offs
+
+
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8_rows"])
+def test_situ_fused_vs_float64(wgrad, torch_quantization):
+    """fp8_grouped_mm(z, w, offs, situ=...) = SiTU-GLU(z) @ w: output and both gradients
+    within the fp8 tolerance of float64 autograd through SiTU-GLU and the GEMM; z's gradient
+    zero on the rows past offs[-1]."""
+    from titan_moe.ops.situ import situ_glu_forward_torch
+
+    z, w, dy, offs = situ_case(seed=3)
+    out, dz, dw = run_fp8_situ(z, w, dy, offs, wgrad)
+    z64 = z.double().requires_grad_()
+    hidden64 = situ_glu_forward_torch(z64[:, :32], z64[:, 32:], *SITU)
+    ref, dhidden, dw_ref = float64_reference(hidden64, w, dy, offs)  # the GEMM's part
+    hidden64.backward(dhidden)  # and SiTU-GLU's: z64.grad
+    assert out.dtype == z.dtype and dz.shape == z.shape and dw.dtype == w.dtype
+    assert FP8_FLOOR < rel_err(out, ref) < FP8_TOL
+    assert FP8_FLOOR < rel_err(dz, z64.grad) < FP8_TOL
+    assert rel_err(dw, dw_ref) < (FP8_TOL if wgrad == "fp8_rows" else BF16_WGRAD_TOL)
+    assert torch.all(dz[int(offs[-1]):] == 0)
+
+
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8_rows"])
+def test_situ_fused_equals_its_pieces(wgrad, torch_quantization):
+    """Exactly: the output is the fp8 GEMM of quantize_situ_rows(z); z's gradient is SiTU-GLU's
+    backward of the dx GEMM; the bf16 weight gradient reads the activation recomputed in z's
+    dtype, the fp8_rows one the requantized codes of the forward."""
+    from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
+
+    z, w, dy, offs = situ_case(seed=4)
+    out, dz, dw = run_fp8_situ(z, w, dy, offs, wgrad)
+    pow2 = wgrad == "fp8_rows"
+    hq, sh = fq.quantize_situ_rows_reference(z, *SITU, pow2=pow2)
+    wq = fq.quantize_weight_reference(w)
+    dyq, sdy = fq.quantize_rows_reference(dy, pow2=pow2)
+    assert torch.equal(out, _scaled_grouped_gemm_emulated(hq, wq.fwd_EKN, sh, wq.scale_fwd_EN, offs, z.dtype))
+    dh = _scaled_grouped_gemm_emulated(dyq, wq.dgrad_EKN.transpose(1, 2), sdy, wq.scale_dgrad_EK, offs, z.dtype)
+    assert torch.equal(dz, situ_glu_bwd_op(z, dh, *SITU))
+    if wgrad == "bf16":
+        hidden = situ_glu_op(z, *SITU)
+        assert torch.equal(dw, torch.ops.titan_moe.grouped_mm_dw(hidden, dy, offs, "loop"))
+    else:
+        hc, shc = fq.requantize_group_columns_reference(hq, sh, offs)
+        dyc, sdyc = fq.requantize_group_columns_reference(dyq, sdy, offs)
+        assert torch.equal(dw, _scaled_grouped_gemm_emulated(hc.t(), dyc, shc, sdyc, offs, w.dtype))
+
+
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8_rows"])
+def test_situ_fused_ops_opcheck_and_compile(wgrad, torch_quantization):
+    """The op pair with SiTU-GLU fused: opcheck (schema, fake shapes: dx is [M, 2K]) and a
+    fullgraph compile equal to eager."""
+    z, w, dy, offs = situ_case(seed=5)
+    zl, wl = z.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.titan_moe.fp8_grouped_mm_fwd, (zl, wl, offs, wgrad, True, True),
+                          dict(situ_beta1=SITU[0], situ_beta2=SITU[1]),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    _, w_dgrad, sw_dgrad, xq, sx = torch.ops.titan_moe.fp8_grouped_mm_fwd(
+        z, w, offs, wgrad, True, True, situ_beta1=SITU[0], situ_beta2=SITU[1])
+    torch.library.opcheck(torch.ops.titan_moe.fp8_grouped_mm_bwd,
+                          (dy, w_dgrad, sw_dgrad, z, xq, sx, offs, wgrad, True, True, 32, z.dtype, w.dtype, *SITU))
+
+    def step(z_M2K, w_EKN):
+        return fp8_grouped_mm(z_M2K, w_EKN, offs, wgrad=wgrad, situ=SITU) * 2.0
+
+    assert_compiled_equals_eager(step, z, w, dy)
+
+
+def test_situ_fused_argument_errors(torch_quantization):
+    z, w, _, offs = situ_case(seed=6)
+    with pytest.raises(ValueError, match="fp8_rows"):
+        fp8_grouped_mm(z, w, offs, wgrad="fp8", situ=SITU)
+    with pytest.raises(ValueError, match=r"z \[M, 2K\]"):
+        fp8_grouped_mm(z[:, :32], w, offs, situ=SITU)
+    with pytest.raises(ValueError, match="beta1 > 0"):
+        fp8_grouped_mm(z, w, offs, situ=(0.0, 25.0))
+
+
+@pytest.mark.parametrize("situ_quant,wgrad", [("0", "bf16"), ("1", "bf16"), ("1", "fp8_rows")])
+def test_fused_experts_compile_fullgraph(situ_quant, wgrad, monkeypatch, torch_quantization):
     """`Float8RoutedExperts` on the fused GEMM (`TITAN_MOE_FP8_EXPERTS_GEMM=fused`: padding,
-    two fp8 GEMMs, SiTU-GLU) under `torch.compile(fullgraph=True)`: eager's output and
-    gradients exactly."""
-    from titan_moe.float8.experts import GEMM_ENV, Float8RoutedExperts
+    two fp8 GEMMs, SiTU-GLU between them or, with `TITAN_MOE_FP8_SITU_QUANT=1`, inside the
+    down GEMM's quantization) under `torch.compile(fullgraph=True)`: eager's output and
+    gradients exactly; with fp32 activations (as here) the fused SiTU-GLU gives the unfused
+    layer's results exactly too."""
+    from titan_moe.float8.experts import GEMM_ENV, SITU_QUANT_ENV, WGRAD_ENV, Float8RoutedExperts
     from titan_moe.model.moe import RoutedExperts
 
     monkeypatch.setenv(GEMM_ENV, "fused")
+    monkeypatch.setenv(WGRAD_ENV, wgrad)
+    monkeypatch.setenv(SITU_QUANT_ENV, situ_quant)
+    fused_calls = []
+    situ_rows = fq.quantize_situ_rows_reference
+    monkeypatch.setattr(fq, "quantize_situ_rows_reference", lambda *a, **k: fused_calls.append(1) or situ_rows(*a, **k))
     torch.manual_seed(0)
     experts = RoutedExperts(4, 32, 48, 1.0, 1.0)
     for p in experts.parameters():
@@ -426,8 +531,13 @@ def test_fused_experts_compile_fullgraph(monkeypatch, torch_quantization):
 
     torch._dynamo.reset()
     compiled = run(torch.compile(fp8_experts, backend="aot_eager", fullgraph=True))
-    for got, want in zip(compiled, run(fp8_experts)):
+    eager = run(fp8_experts)
+    for got, want in zip(compiled, eager):
         assert torch.equal(got, want)
+    assert bool(fused_calls) == (situ_quant == "1")
+    monkeypatch.setenv(SITU_QUANT_ENV, "0")  # fp32 here: the unfused activation is fp32 too
+    for fused, unfused in zip(eager, run(fp8_experts)):
+        assert torch.equal(fused, unfused)
 
 
 def test_fused_experts_in_latent_moe_aligned_dispatch(monkeypatch, torch_quantization):
@@ -632,10 +742,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
                 "st.global.b8" in ptx)
 
     common = dict(EPS=fq.EPS, INTERPRETED=False)
-    rows = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", dest_ptr="*i64")
+    rows = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", dest_ptr="*i64", beta1="fp32", beta2="fp32")
     results = {
-        "rows_one_pass": build(fq._rows_kernel, rows, dict(common, K=2048, HAS_DEST=True, BLOCK_M=4, BLOCK_K=2048)),
-        "rows_two_pass": build(fq._rows_kernel, rows, dict(common, K=7168, HAS_DEST=False, BLOCK_M=2, BLOCK_K=4096)),
+        "rows_one_pass": build(fq._rows_kernel, rows, dict(common, K=2048, HAS_DEST=True, BLOCK_M=4, BLOCK_K=2048,
+                                                                SITU=False)),
+        "rows_two_pass": build(fq._rows_kernel, rows, dict(common, K=7168, HAS_DEST=False, BLOCK_M=2, BLOCK_K=4096,
+                                                                SITU=False)),
         "weight_amax": build(fq._weight_amax_kernel, dict(w_ptr="*bf16", scale_col_ptr="*fp32", row_part_ptr="*fp32"),
                              dict(EPS=fq.EPS, K=2048, N=1408, DGRAD=True, BLOCK_K=64, BLOCK_N=128, stride_wn=1)),
         "weight_quant": build(fq._weight_quant_kernel,
@@ -647,7 +759,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
                             dict(t_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", offs_ptr="*i32"),
                             dict(common, C=2048, ALIGNED=True, BLOCK_M=128, BLOCK_C=64)),
         "rows_pow2": build(fq._rows_kernel, rows, dict(common, K=2048, HAS_DEST=False, BLOCK_M=4, BLOCK_K=2048,
-                                                       POW2=True)),
+                                                       POW2=True, SITU=False)),
+        "rows_situ": build(fq._rows_kernel, rows, dict(common, K=4096, HAS_DEST=False, BLOCK_M=2, BLOCK_K=4096,
+                                                       POW2=True, SITU=True)),
         "row_factors": build(fq._group_row_factors_kernel,
                              dict(s_ptr="*fp32", f_ptr="*fp32", group_scale_ptr="*fp32", offs_ptr="*i32"),
                              dict(common, C=2048, BLOCK_M=1024, BLOCK_C=1024)),
@@ -715,6 +829,24 @@ def test_cuda_matches_emulation(wgrad):
     assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8_rows"])
+def test_cuda_situ_fused_matches_emulation(wgrad):
+    """On the GPU, SiTU-GLU fused into the row quantization: the kernel against its reference
+    (scales equal with power-of-two rounding, codes within one step), and the whole op against
+    the CPU emulation."""
+    z, w, dy, offs = situ_case(seed=8)
+    q, s = fq.quantize_situ_rows_triton(z.cuda(), *SITU, pow2=True)
+    q_ref, s_ref = fq.quantize_situ_rows_reference(z, *SITU, pow2=True)
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.all((q.float().cpu() - q_ref.float()).abs() <= q_ref.float().abs() * 2.0 ** -2 + 2.0 ** -9)
+    got = run_fp8_situ(z.cuda(), w.cuda(), dy.cuda(), offs.cuda(), wgrad)
+    want = run_fp8_situ(z, w, dy, offs, wgrad)
+    for g, e in zip(got, want):
+        assert rel_err(g, e) < 1e-2
+
+
 def test_a_process_that_imported_triton_first_takes_the_reference():
     """Triton imported without the interpreter, then TRITON_INTERPRET=1 set, then this module
     imported (what a test session can do): its kernels are interpreted but Triton's tl.max is
@@ -743,6 +875,43 @@ def test_a_process_that_imported_triton_first_takes_the_reference():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------- SiTU-GLU fused into the row quantization
+@needs_kernels
+@pytest.mark.parametrize("m,k,block_k,pow2", [(37, 48, None, False), (21, 64, None, True), (9, 80, 32, True)])
+def test_situ_rows_kernel_matches_reference(m, k, block_k, pow2):
+    """quantize_situ_rows' kernel (SiTU-GLU computed in the quantization, the activation never
+    written) against quantize_rows of the fp32 activation: scales equal with power-of-two
+    rounding (a few ulp apart without), and codes equal except where the kernel's tanh (a few fp32 ulp from torch's) puts a value on the other
+    side of a rounding boundary: then one e4m3 step apart. Rows wider than a tile (two passes)
+    and pre-activations large enough to saturate both tanh branches."""
+    gen = torch.Generator().manual_seed(m + k)
+    z = randn(m, 2 * k, gen=gen, scale=6.0)
+    z[3, :k] = 200.0  # gate saturated: |hidden| near beta1 * beta2 * tanh(z_u / beta2)
+    z[4] = 0  # an all-zero row: the EPS scale
+    beta1, beta2 = 4.0, 25.0
+    q, scale = fq.quantize_situ_rows_triton(z, beta1, beta2, pow2=pow2, block_k=block_k)
+    q_ref, scale_ref = fq.quantize_situ_rows_reference(z.cpu(), beta1, beta2, pow2=pow2)
+    assert q.shape == (m, k) and scale.shape == (m,)
+    if pow2:
+        assert torch.equal(scale.cpu(), scale_ref) and torch.all(scale_ref == fq.pow2_ceil(scale_ref))
+    else:
+        torch.testing.assert_close(scale.cpu(), scale_ref, rtol=1e-5, atol=0)
+    got, want = q.float().cpu(), q_ref.float()
+    differ = got != want
+    assert differ.float().mean() < 0.01
+    assert torch.all((got - want).abs()[differ] <= want.abs()[differ] * 2.0 ** -2 + 2.0 ** -9)
+
+
+def test_situ_rows_argument_errors():
+    z = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match="packed gate"):
+        fq.quantize_situ_rows(torch.zeros(4, 5), 4.0, 25.0)
+    with pytest.raises(ValueError, match="beta1 and beta2"):
+        fq.quantize_situ_rows(z, 0.0, 25.0)
+    with pytest.raises(ValueError, match="input dtype"):
+        fq.quantize_situ_rows(z.int(), 4.0, 25.0)
 
 
 # ---------------------------------------------------------------------------- weight gradient from the rows

@@ -310,6 +310,21 @@ def test_gpu_suite_fp8_dw_rows_section(tmp_path):
     assert "profiling/bench_step_parts.py" in commands["parts"]
 
 
+def test_gpu_suite_fp8_situ_section(tmp_path):
+    """fp8_situ: the tests, the kernel parts, then bf16, fp8_rows and fp8_rows with the fused
+    SiTU-GLU on wide_1gpu, in that order."""
+    proc = _gpu_suite(tmp_path, "fp8_situ", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["fp8_situ_tests", "fp8_situ_parts", "fp8_situ_wide_bf16", "fp8_situ_wide_rows",
+                              "fp8_situ_wide_fused"]
+    assert "--parts situ_quant" in commands["fp8_situ_parts"]
+    assert "titan_float8_experts" not in commands["fp8_situ_wide_bf16"]
+    assert "TITAN_MOE_FP8_SITU_QUANT" not in commands["fp8_situ_wide_rows"]
+    assert "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1" in commands["fp8_situ_wide_fused"]
+    assert all("configs/wide_1gpu.toml" in commands[k] for k in list(commands)[2:])
+
+
 def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_switch(tmp_path):
     proc = _gpu_suite(tmp_path, "keep", gpus="1")
     assert proc.returncode == 0, proc.stderr

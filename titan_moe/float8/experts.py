@@ -118,6 +118,7 @@ GEMM_ENV = "TITAN_MOE_FP8_EXPERTS_GEMM"
 GEMMS = ("torchao", "fused")
 WEIGHT_CACHE_ENV = "TITAN_MOE_FP8_WEIGHT_CACHE"  # "0": quantize the expert weights per call
 WGRAD_ENV = "TITAN_MOE_FP8_EXPERTS_WGRAD"  # the fused GEMM's weight gradient, see selected_wgrad
+SITU_QUANT_ENV = "TITAN_MOE_FP8_SITU_QUANT"  # "1": SiTU-GLU fused into the down GEMM's quantization
 
 
 def selected_wgrad() -> str:
@@ -145,17 +146,30 @@ def selected_gemm() -> str:
     return name
 
 
-def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor, w_fp8=None) -> Tensor:
+def situ_quant_fused() -> bool:
+    """`$TITAN_MOE_FP8_SITU_QUANT`, read per call: "1" runs the experts' SiTU-GLU inside the
+    down GEMM's row quantization (`fp8_grouped_mm(situ=...)`: the activation is never written
+    in bf16; the fused GEMM with wgrad "bf16" or "fp8_rows" only); "0" (default) runs it
+    between the two GEMMs."""
+    value = os.environ.get(SITU_QUANT_ENV) or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{SITU_QUANT_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor, w_fp8=None, situ=None) -> Tensor:
     """The selected fp8 rowwise grouped GEMM (`selected_gemm`) on groups that are already
     16-aligned (`pad_groups`' layout): x_PK [P, K], w_EKN [E, K, N] in x's dtype, offs_pad_E
     [E] int32 multiples of 16 -> [P, N] in x's dtype. `w_fp8` (the fused GEMM only): `w`
-    quantized beforehand (`titan_moe.float8.grouped_mm.fp8_grouped_mm`), `w` then in any dtype."""
+    quantized beforehand (`titan_moe.float8.grouped_mm.fp8_grouped_mm`), `w` then in any dtype.
+    `situ` (the fused GEMM only): x_PK is SiTU-GLU's packed input [P, 2K] (`fp8_grouped_mm`'s
+    `situ`)."""
     if selected_gemm() == "fused":
         from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
 
-        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E, wgrad=selected_wgrad(), w_fp8=w_fp8)
-    if w_fp8 is not None:
-        raise ValueError("fp8_grouped_mm_padded: a pre-quantized weight needs the fused GEMM")
+        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E, wgrad=selected_wgrad(), w_fp8=w_fp8, situ=situ)
+    if w_fp8 is not None or situ is not None:
+        raise ValueError("fp8_grouped_mm_padded: a pre-quantized weight or a fused SiTU-GLU needs the fused GEMM")
     w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group
     return _fp8_rowwise_grouped_mm(x_PK, w_t_EKN, offs_pad_E, x_PK.dtype)
 
@@ -255,8 +269,11 @@ class Float8RoutedExperts(RoutedExperts):
         if cached is None:
             w_gate_up, w_down, cached = w_gate_up.to(x_ML.dtype), w_down.to(x_ML.dtype), (None, None)
         z_P2H = fp8_grouped_mm_padded(x_PL, w_gate_up, offs_pad_E, cached[0])
-        hidden_PH = situ_glu_packed(z_P2H, self.beta1, self.beta2)
-        out_PL = fp8_grouped_mm_padded(hidden_PH, w_down, offs_pad_E, cached[1])
+        if situ_quant_fused() and selected_gemm() == "fused":
+            out_PL = fp8_grouped_mm_padded(z_P2H, w_down, offs_pad_E, cached[1], situ=(self.beta1, self.beta2))
+        else:
+            hidden_PH = situ_glu_packed(z_P2H, self.beta1, self.beta2)
+            out_PL = fp8_grouped_mm_padded(hidden_PH, w_down, offs_pad_E, cached[1])
         return out_PL if groups_aligned else unpad_groups(out_PL, dest_M, offs_E)
 
 

@@ -29,6 +29,11 @@ Data flow (quantization kernels in :mod:`titan_moe.float8.quantize`, all fused, 
   reference loop on the CPU). ``wgrad="fp8"``: x and dy quantized per (group, column), then
   the 2d x 2d scaled grouped GEMM ``x^T [K, M] @ dy [M, N] -> [E, K, N]``.
   ``wgrad="fp8_rows"``: the same GEMM on dyq and x's saved codes re-expressed per group.
+* ``situ=(beta1, beta2)`` (the experts' down projection): x is SiTU-GLU's packed input
+  ``z [M, 2K]``; the forward quantizes the activation by rows straight from z
+  (``quantize_situ_rows``: the bf16 activation is neither written nor read), the backward
+  turns dx into z's gradient with SiTU-GLU's backward (z is saved) and, for
+  ``wgrad="bf16"``, recomputes the activation for dw.
 
 The GEMM itself is :func:`_scaled_grouped_gemm`: ``torch._scaled_grouped_mm`` on CUDA (bf16
 output, fast accumulation); on the CPU an EMULATION (dequantize to fp32, one fp32 matmul per
@@ -65,10 +70,12 @@ from titan_moe.float8.quantize import (
     Fp8Weight,
     quantize_group_columns,
     quantize_rows,
+    quantize_situ_rows,
     quantize_weight,
     requantize_group_columns,
 )
 from titan_moe.ops.grouped_gemm.reference import group_bounds
+from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
 
 ALIGNMENT = 16  # group sizes, K and N: multiples of this
 FP8 = torch.float8_e4m3fn
@@ -189,8 +196,8 @@ def _padded_rows(m):
 @torch.library.custom_op("titan_moe::fp8_grouped_mm_fwd", mutates_args=())
 def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool,
             needs_dw: bool, wq_fwd_EKN: Tensor | None = None, sw_fwd_EN: Tensor | None = None,
-            wq_dgrad_EKN: Tensor | None = None,
-            sw_dgrad_EK: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            wq_dgrad_EKN: Tensor | None = None, sw_dgrad_EK: Tensor | None = None, situ_beta1: float = 0.0,
+            situ_beta2: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of :func:`fp8_grouped_mm`. Returns ``(out [M, N], w_dgrad [E, K, N],
     sw_dgrad [E, K] fp32, xq, sx)``: the output and what the backward needs (the weight's dx
     operand if ``needs_dx``; if ``needs_dw``, x's fp8 codes for the weight gradient: with
@@ -202,9 +209,14 @@ def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: b
     ``w_fp8``, both layouts) the weight is not quantized here and no dx operand is returned:
     the backward reads the given one (``wq_dgrad_EKN``, ``sw_dgrad_EK``, needed with ``needs_dx``).
     The fp8 codes cross the op boundary as uint8 (the same bytes): generic checks and
-    tooling that touch outputs (opcheck, AOT autograd) have no fp8 kernels on the CPU."""
+    tooling that touch outputs (opcheck, AOT autograd) have no fp8 kernels on the CPU.
+    With ``situ_beta1 > 0`` x_MK is the packed SiTU-GLU pre-activation ``z [M, 2K]`` and the
+    GEMM's left operand is its activation, quantized by rows straight from z."""
     _check_offsets(offs_E, x_MK.shape[0])
-    xq_MK, sx_M = quantize_rows(x_MK, pow2=wgrad == "fp8_rows")
+    if situ_beta1 > 0:
+        xq_MK, sx_M = quantize_situ_rows(x_MK, situ_beta1, situ_beta2, pow2=wgrad == "fp8_rows")
+    else:
+        xq_MK, sx_M = quantize_rows(x_MK, pow2=wgrad == "fp8_rows")
     if wq_fwd_EKN is None:
         wq: Fp8Weight = quantize_weight(w_EKN, dgrad=needs_dx)
     else:
@@ -226,7 +238,7 @@ def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: b
 
 @_fwd_op.register_fake
 def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN=None, wq_dgrad_EKN=None,
-      sw_dgrad_EK=None):
+      sw_dgrad_EK=None, situ_beta1=0.0, situ_beta2=0.0):
     M, (E, K, N) = x_MK.shape[0], w_EKN.shape
     fp8, f32 = torch.uint8, torch.float32  # fp8 codes as uint8
     empty = functools.partial(x_MK.new_empty, 0)
@@ -249,17 +261,24 @@ def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN
 @torch.library.custom_op("titan_moe::fp8_grouped_mm_bwd", mutates_args=())
 def _bwd_op(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Tensor | None, xq_buffer: Tensor,
             sx_EK: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool, needs_dw: bool, K: int,
-            x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+            x_dtype: torch.dtype, w_dtype: torch.dtype, situ_beta1: float = 0.0,
+            situ_beta2: float = 0.0) -> tuple[Tensor, Tensor]:
     """Backward of :func:`fp8_grouped_mm` from ``_fwd_op``'s residuals (x itself for
-    ``wgrad == "bf16"``). Returns ``(dx [M, K], dw [E, K, N])``, empty ``[0]`` where not needed."""
+    ``wgrad == "bf16"`` or with SiTU-GLU). Returns ``(dx [M, K], dw [E, K, N])``, empty ``[0]``
+    where not needed; with ``situ_beta1 > 0`` dx is the gradient of z, ``[M, 2K]``: the
+    activation's gradient through SiTU-GLU's backward, and the bf16 weight gradient reads
+    the activation recomputed from z."""
     w_dgrad_EKN, xq_buffer = w_dgrad_EKN.view(FP8), xq_buffer.view(FP8)
     dy_MN = dy_MN.to(x_dtype).contiguous()
     dx_MK = dw_EKN = None
     from_rows = needs_dw and wgrad == "fp8_rows"
     if needs_dx or from_rows:
         dyq_MN, sdy_M = quantize_rows(dy_MN, pow2=wgrad == "fp8_rows")
+    situ = (situ_beta1, situ_beta2) if situ_beta1 > 0 else None
     if needs_dx:
         dx_MK = _scaled_grouped_gemm(dyq_MN, w_dgrad_EKN.transpose(1, 2), sdy_M, sw_dgrad_EK, offs_E, x_dtype)
+        if situ:
+            dx_MK = situ_glu_bwd_op(x_MK, dx_MK, *situ)
     if needs_dw:
         if from_rows:  # xq_buffer: x's row codes [M, K], sx_EK: their row scales [M]
             xq_MK, sx_EK = requantize_group_columns(xq_buffer, sx_EK, offs_E)
@@ -270,27 +289,30 @@ def _bwd_op(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Tenso
             dyq_col_MN, sdy_EN = quantize_group_columns(dy_MN, offs_E, offs_aligned=True)
             dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype)
         else:
-            dw_EKN = _wgrad_high_precision(x_MK, dy_MN, offs_E).to(w_dtype)
+            lhs_MK = situ_glu_op(x_MK, *situ) if situ else x_MK
+            dw_EKN = _wgrad_high_precision(lhs_MK, dy_MN, offs_E).to(w_dtype)
     return _none_to_empty(dx_MK, dy_MN, x_dtype), _none_to_empty(dw_EKN, dy_MN, w_dtype)
 
 
 @_bwd_op.register_fake
 def _(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, wgrad, needs_dx, needs_dw, K, x_dtype,
-      w_dtype):
+      w_dtype, situ_beta1=0.0, situ_beta2=0.0):
     (M, N), E = dy_MN.shape, offs_E.shape[0]
-    return (dy_MN.new_empty(M, K, dtype=x_dtype) if needs_dx else dy_MN.new_empty(0, dtype=x_dtype),
+    dx_cols = 2 * K if situ_beta1 > 0 else K
+    return (dy_MN.new_empty(M, dx_cols, dtype=x_dtype) if needs_dx else dy_MN.new_empty(0, dtype=x_dtype),
             dy_MN.new_empty(E, K, N, dtype=w_dtype) if needs_dw else dy_MN.new_empty(0, dtype=w_dtype))
 
 
 def _setup_context(ctx, inputs, output):
-    x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK = inputs
+    x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK, *betas = inputs
     _, w_dgrad_EKN, sw_dgrad_EK, xq_buffer, sx_EK = output
     ctx.mark_non_differentiable(*output[1:])
     if wq_fwd_EKN is not None:  # a weight quantized by the caller: the backward reads its dx operand
         w_dgrad_EKN, sw_dgrad_EK = wq_dgrad_EKN, sw_dgrad_given_EK
-    keep_x = needs_dw and wgrad == "bf16"
+    situ = bool(betas) and betas[0] > 0
+    keep_x = (needs_dw and wgrad == "bf16") or (situ and needs_dx)  # SiTU-GLU's backward reads z
     ctx.save_for_backward(w_dgrad_EKN, sw_dgrad_EK, x_MK if keep_x else None, xq_buffer, sx_EK, offs_E)
-    ctx.wgrad, ctx.needs = wgrad, (needs_dx, needs_dw)
+    ctx.wgrad, ctx.needs, ctx.betas = wgrad, (needs_dx, needs_dw), tuple(betas) if situ else (0.0, 0.0)
     ctx.K, ctx.x_dtype, ctx.w_dtype = w_EKN.shape[1], x_MK.dtype, w_EKN.dtype
 
 
@@ -298,8 +320,8 @@ def _backward(ctx, dy_MN, *_unused_grads):
     w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E = ctx.saved_tensors
     needs_dx, needs_dw = ctx.needs
     dx_MK, dw_EKN = _bwd_op(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, ctx.wgrad,
-                            needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype)
-    return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, *([None] * 8))
+                            needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype, *ctx.betas)
+    return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, *([None] * 10))
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -327,20 +349,28 @@ def _check_quantized_weight(w_EKN: Tensor, w_fp8: Fp8Weight) -> None:
         raise ValueError(f"fp8_grouped_mm: w_fp8's dx layout does not belong to w {tuple(w_EKN.shape)}")
 
 
-def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, w_fp8: Fp8Weight | None = None) -> None:
+def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, w_fp8: Fp8Weight | None = None,
+                situ: tuple[float, float] | None = None) -> None:
     """Shape, dtype and device checks; reads no data."""
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"fp8_grouped_mm: wgrad must be one of {WGRAD_MODES}, got {wgrad!r}")
+    if situ is not None:
+        if len(situ) != 2 or not (situ[0] > 0 and situ[1] > 0):
+            raise ValueError(f"fp8_grouped_mm: situ must be (beta1 > 0, beta2 > 0), got {situ}")
+        if wgrad == "fp8":
+            raise ValueError('fp8_grouped_mm: situ needs wgrad "bf16" or "fp8_rows" ("fp8" quantizes x by columns)')
     if x_MK.dim() != 2 or w_EKN.dim() != 3 or offs_E.dim() != 1:
         raise ValueError(
             "fp8_grouped_mm expects x [M, K], w [E, K, N], offs [E]; got "
             f"x {tuple(x_MK.shape)}, w {tuple(w_EKN.shape)}, offs {tuple(offs_E.shape)}"
         )
     E, K, N = w_EKN.shape
-    if x_MK.shape[1] != K or offs_E.shape[0] != E or E == 0:
+    x_cols = 2 * K if situ is not None else K
+    if x_MK.shape[1] != x_cols or offs_E.shape[0] != E or E == 0:
+        need = "z [M, 2K]" if situ is not None else "x [M, K]"
         raise ValueError(
             f"fp8_grouped_mm: shapes do not match: x {tuple(x_MK.shape)}, w {tuple(w_EKN.shape)}, "
-            f"offs {tuple(offs_E.shape)} (need x [M, K], w [E >= 1, K, N], offs [E])"
+            f"offs {tuple(offs_E.shape)} (need {need}, w [E >= 1, K, N], offs [E])"
         )
     if K % ALIGNMENT or N % ALIGNMENT or K == 0 or N == 0:
         raise ValueError(f"fp8_grouped_mm: K ({K}) and N ({N}) must be positive multiples of {ALIGNMENT}")
@@ -381,7 +411,7 @@ def _check_offsets(offs_E: Tensor, m: int) -> None:
 
 
 def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = "bf16",
-                   w_fp8: Fp8Weight | None = None) -> Tensor:
+                   w_fp8: Fp8Weight | None = None, situ: tuple[float, float] | None = None) -> Tensor:
     """fp8 grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, differentiable in x and w.
 
     Args:
@@ -405,6 +435,13 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
             its own dtype, which may then differ from x's) and the backward reads
             ``w_fp8``'s dx layout instead of a saved copy. The caller keeps ``w_fp8`` in step
             with ``w`` (nothing checks it).
+        situ: ``(beta1, beta2)``: x_MK is the packed gate|up pre-activation ``z [M, 2K]`` and
+            the product is ``SiTU-GLU(z) @ w`` (the experts' down projection): the activation
+            is quantized by rows straight from z (:func:`titan_moe.float8.quantize.quantize_situ_rows`,
+            computed in fp32, never written in x's dtype) and x's gradient is z's, through
+            SiTU-GLU's backward (z is kept for it). With wgrad "bf16" the backward recomputes
+            the activation for the weight gradient; "fp8" is not supported ("fp8_rows" keeps
+            the codes instead).
 
     Returns:
         [M, N] in x's dtype (through bf16: the fp8 GEMM's output); rows past ``offs[-1]``
@@ -414,7 +451,7 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
         ValueError: bad shapes, dtypes, devices or ``wgrad``; offsets that are not
             multiples of 16 (checked on the CPU only, see the module docstring).
     """
-    _check_args(x_MK, w_EKN, offs_E, wgrad, w_fp8)  # metadata only; the op checks offs' values
+    _check_args(x_MK, w_EKN, offs_E, wgrad, w_fp8, situ)  # metadata only; the op checks offs' values
     grad = torch.is_grad_enabled()
     needs_dx = grad and x_MK.requires_grad
     quantized = ()
@@ -424,5 +461,7 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
         codes = torch.uint8  # fp8 codes cross the op boundary as uint8
         dgrad = (w_fp8.dgrad_EKN.view(codes), w_fp8.scale_dgrad_EK) if w_fp8.dgrad_EKN is not None else (None, None)
         quantized = (w_fp8.fwd_EKN.view(codes), w_fp8.scale_fwd_EN, *dgrad)
-    out_MN, *_residuals = _fwd_op(x_MK, w_EKN, offs_E, wgrad, needs_dx, grad and w_EKN.requires_grad, *quantized)
+    betas = {} if situ is None else dict(situ_beta1=float(situ[0]), situ_beta2=float(situ[1]))
+    out_MN, *_residuals = _fwd_op(x_MK, w_EKN, offs_E, wgrad, needs_dx, grad and w_EKN.requires_grad, *quantized,
+                                  **betas)
     return out_MN

@@ -12,13 +12,17 @@ with amax the largest |x| over the reduced axis and ``EPS = 1e-12``: an all-zero
 column gets a finite scale (``EPS / 448``) and zero codes. Inputs are bf16, fp16 or fp32;
 infinities and NaNs are not handled (their rows or columns come out as NaN or garbage).
 
-Four quantizations (each: ``<name>`` dispatches, ``<name>_reference`` is plain PyTorch,
+Five quantizations (each: ``<name>`` dispatches, ``<name>_reference`` is plain PyTorch,
 ``<name>_triton`` launches the kernel):
 
 * :func:`quantize_rows` ``x [M, K] -> (q [M, K] row-major, scale [M])``, scale per row over K
   (the left operand of the forward and of dx). With ``dest_M`` it also pads: row m goes to
   row ``dest_M[m]`` of a zero-filled ``[P, K]`` output (scale ``[P]``, zero for rows nobody
   writes), so the 16-row group padding costs no extra pass over ``x``.
+* :func:`quantize_situ_rows` ``z [M, 2K] -> (q [M, K], scale [M])``: the same for the SiTU-GLU
+  activation of packed gate|up pre-activations, computed in fp32 inside the quantization
+  kernel (the rows kernel with ``SITU``) and never written out. Not bit-exact against its
+  reference: the kernel's tanh is a few fp32 ulp from torch's.
 * :func:`quantize_weight` ``w [E, K, N] -> Fp8Weight``: both fp8 layouts of the weights from
   two reads of ``w`` by two kernels (see "Memory traffic" below): the forward operand
   ``[E, K, N]`` column-major per expert (strides ``(K*N, 1, K)``) with scales ``[E, N]`` over
@@ -30,8 +34,11 @@ Four quantizations (each: ``<name>`` dispatches, ``<name>_reference`` is plain P
   weight gradient. Empty groups are allowed (their scales are ``EPS / 448``); rows past
   ``offs[-1]`` belong to no group and are stored as zero codes. The column-major buffer has
   a leading dimension of M rounded up to 16 (16-byte aligned columns for the GEMM).
+* :func:`requantize_group_columns` ``q [M, C] row codes, scale [M], offs -> (q [M, C]
+  column-major, scale [E*C])``: row codes with power-of-two scales re-expressed per group
+  (one scale per group), in ``quantize_group_columns``' layout, for ``wgrad="fp8_rows"``.
 
-The references are exact on both devices. (On CUDA, torch divides a tensor by a Python or
+The references are exact on both devices (``quantize_situ_rows`` aside, above). (On CUDA, torch divides a tensor by a Python or
 CPU scalar as a multiplication by the scalar's reciprocal, one ulp off the correctly rounded
 quotient the kernels compute in 771 of 1307 row scales on the H200; so ``scale_from_amax``
 divides by a tensor on the amax's own device, a true division there too.)
@@ -56,6 +63,8 @@ Memory traffic (bytes per element of the input; GPU tile sizes are unmeasured st
   is read once and quantized from registers; wider rows take two passes over the row block,
   the second from L2 (a block is ``BLOCK_M * K * 2`` bytes: 28 KiB at K = 7168). With
   ``dest_M`` add the zero fill of the ``[P, K]`` output: 1 byte per output element.
+* SiTU rows: read 4 (bf16 gate and up) + write 1 per output element, where SiTU-GLU then
+  rows cost 4 + 2 (the activation written) + 2 + 1 (read and quantized): 5 bytes against 9.
 * weight: two kernels. ``_weight_amax_kernel`` (one program per expert and column block,
   looping over K) reads w once and writes the exact column scales plus per-(column block,
   row) partial row maxima ``[E, N/BLOCK_N, K]`` fp32; ``_weight_quant_kernel`` (one program
@@ -90,6 +99,8 @@ import triton.language as tl
 from torch import Tensor
 
 from titan_moe.ops.grouped_gemm.reference import group_bounds
+from titan_moe.ops.situ.reference import situ_glu_forward_torch
+from titan_moe.ops.situ.triton_kernel import situ_hidden
 from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -160,6 +171,15 @@ def quantize_rows_reference(x_MK: Tensor, dest_M: Tensor | None = None, num_rows
     q_PK.view(torch.uint8)[dest_M[keep_M]] = q_MK.view(torch.uint8)[keep_M]
     scale_P[dest_M[keep_M]] = scale_M[keep_M]
     return q_PK, scale_P
+
+
+def quantize_situ_rows_reference(z_M2K: Tensor, beta1: float, beta2: float, pow2: bool = False):
+    """:func:`quantize_situ_rows` in PyTorch: the hidden activation in fp32, then
+    :func:`quantize_rows_reference`."""
+    _check_situ_rows_args(z_M2K, beta1, beta2)
+    K = z_M2K.shape[1] // 2
+    hidden_MK = situ_glu_forward_torch(z_M2K[:, :K].float(), z_M2K[:, K:].float(), beta1, beta2)
+    return quantize_rows_reference(hidden_MK, pow2=pow2)
 
 
 def quantize_weight_reference(w_EKN: Tensor, dgrad: bool = True) -> Fp8Weight:
@@ -234,6 +254,14 @@ def _check_rows_args(x_MK: Tensor, dest_M: Tensor | None, num_rows: int | None) 
             )
         if num_rows < 0:
             raise ValueError(f"quantize_rows: num_rows must be >= 0, got {num_rows}")
+
+
+def _check_situ_rows_args(z_M2K: Tensor, beta1: float, beta2: float) -> None:
+    _check_dtype("quantize_situ_rows", z_M2K)
+    if z_M2K.dim() != 2 or z_M2K.shape[1] == 0 or z_M2K.shape[1] % 2:
+        raise ValueError(f"quantize_situ_rows: expected packed gate|up z [M, 2K >= 2], got shape {tuple(z_M2K.shape)}")
+    if not (beta1 > 0 and beta2 > 0):
+        raise ValueError(f"quantize_situ_rows: beta1 and beta2 must be > 0, got {beta1}, {beta2}")
 
 
 def _check_weight_args(w_EKN: Tensor) -> None:
@@ -323,13 +351,28 @@ def _inverse(scale):
 
 
 @triton.jit
+def _row_values(x_rows, ks, mask, beta1, beta2, K: tl.constexpr, SITU: tl.constexpr):
+    """fp32 values of columns ``ks`` of a row block: x itself, or with SITU the SiTU-GLU hidden
+    activation of the packed pre-activations (gate at column k, up at column K + k; 0 where
+    masked)."""
+    if SITU:
+        z_g = tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        z_u = tl.load(x_rows + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        return situ_hidden(z_g, z_u, beta1, beta2)
+    else:
+        return tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rows_kernel(
     x_ptr, q_ptr, s_ptr, dest_ptr,
-    M, P, stride_xm, stride_qm,
+    M, P, stride_xm, stride_qm, beta1, beta2,
     K: tl.constexpr, EPS: tl.constexpr, HAS_DEST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, POW2: tl.constexpr = False,
+    SITU: tl.constexpr = False,
 ):
-    """Program: BLOCK_M rows of x [M, K]; scale per row (POW2: rounded up to a power of two);
+    """Program: BLOCK_M rows of x [M, K] (SITU: of SiTU-GLU(z), z [M, 2K] the packed gate|up
+    pre-activations, never written out); scale per row (POW2: rounded up to a power of two);
     writes q rows (dest rows with HAS_DEST)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -343,8 +386,7 @@ def _rows_kernel(
     q_rows = q_ptr + out_rows.to(tl.int64)[:, None] * stride_qm
     cols = tl.arange(0, BLOCK_K)
     if K <= BLOCK_K:  # whole rows in one tile: one read, quantized from registers
-        mask = row_ok[:, None] & (cols < K)[None, :]
-        v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = _row_values(x_rows, cols, row_ok[:, None] & (cols < K)[None, :], beta1, beta2, K, SITU)
         scale = _scale_of(tl.max(tl.abs(v), 1), EPS)
         if POW2:
             scale = _pow2_ceil(scale)
@@ -355,16 +397,16 @@ def _rows_kernel(
         amax = tl.full((BLOCK_M,), 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + cols
-            v = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), 1))
+            v = _row_values(x_rows, ks, row_ok[:, None] & (ks < K)[None, :], beta1, beta2, K, SITU)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), 1))
         scale = _scale_of(amax, EPS)
         if POW2:
             scale = _pow2_ceil(scale)
         inv = _inverse(scale)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + cols
-            v = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-            tl.store(q_rows + ks[None, :], _quantize(v.to(tl.float32), inv[:, None], INTERPRETED),
+            v = _row_values(x_rows, ks, row_ok[:, None] & (ks < K)[None, :], beta1, beta2, K, SITU)
+            tl.store(q_rows + ks[None, :], _quantize(v, inv[:, None], INTERPRETED),
                      mask=out_ok[:, None] & (ks < K)[None, :])
     tl.store(s_ptr + out_rows, scale, mask=out_ok)
 
@@ -624,19 +666,43 @@ def quantize_rows_triton(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: i
         P = num_rows
         q_PK = torch.zeros(P, K, dtype=FP8_DTYPE, device=x_MK.device)
         scale_P = torch.zeros(P, dtype=torch.float32, device=x_MK.device)
-    if M == 0:
-        return q_PK, scale_P
-    if block_k is None:
-        block_k = min(triton.next_power_of_2(K), 32 if _small_tiles(x_MK.device) else 4096)
-    if block_m is None:
-        block_m = 8 if _small_tiles(x_MK.device) else max(1, 8192 // block_k)
-    _rows_kernel[(triton.cdiv(M, block_m),)](
-        x_MK, q_PK, scale_P, dest_M if dest_M is not None else scale_P,
-        M, P, x_MK.stride(0), K,
-        K=K, EPS=EPS, HAS_DEST=dest_M is not None, BLOCK_M=block_m, BLOCK_K=block_k,
-        INTERPRETED=interpreted(), POW2=pow2, num_warps=8 if block_m * block_k >= 8192 else 4,
-    )
+    _rows_launch(x_MK, q_PK, scale_P, dest_M, P, K, block_m, block_k, pow2)
     return q_PK, scale_P
+
+
+def quantize_situ_rows_triton(z_M2K: Tensor, beta1: float, beta2: float, pow2: bool = False,
+                              block_m: int | None = None, block_k: int | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_situ_rows` through ``_rows_kernel`` with SITU (tiles as
+    :func:`quantize_rows_triton`'s for K = z's width / 2)."""
+    _check_situ_rows_args(z_M2K, beta1, beta2)
+    check_runs_on(_rows_kernel, z_M2K.device, "quantize_situ_rows_triton", __name__)
+    if z_M2K.stride(1) != 1:
+        z_M2K = z_M2K.contiguous()
+    M, K = z_M2K.shape[0], z_M2K.shape[1] // 2
+    q_MK = torch.empty(M, K, dtype=FP8_DTYPE, device=z_M2K.device)
+    scale_M = torch.empty(M, dtype=torch.float32, device=z_M2K.device)
+    _rows_launch(z_M2K, q_MK, scale_M, None, M, K, block_m, block_k, pow2, (beta1, beta2))
+    return q_MK, scale_M
+
+
+def _rows_launch(x, q, scale, dest_M, P, K, block_m, block_k, pow2, situ=None) -> None:
+    """``_rows_kernel`` over x's rows into ``q`` [P, K] / ``scale`` [P] (module docstring's
+    tiles: GPU default a tile of 8192 elements, BLOCK_K = next_pow2(K) up to 4096)."""
+    M = x.shape[0]
+    if M == 0:
+        return
+    if block_k is None:
+        block_k = min(triton.next_power_of_2(K), 32 if _small_tiles(x.device) else 4096)
+    if block_m is None:
+        block_m = 8 if _small_tiles(x.device) else max(1, 8192 // block_k)
+    beta1, beta2 = situ or (1.0, 1.0)
+    _rows_kernel[(triton.cdiv(M, block_m),)](
+        x, q, scale, dest_M if dest_M is not None else scale,
+        M, P, x.stride(0), K, float(beta1), float(beta2),
+        K=K, EPS=EPS, HAS_DEST=dest_M is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+        INTERPRETED=interpreted(), POW2=pow2, SITU=situ is not None,
+        num_warps=8 if block_m * block_k >= 8192 else 4,
+    )
 
 
 def quantize_weight_triton(w_EKN: Tensor, dgrad: bool = True, block_k: int | None = None,
@@ -754,6 +820,27 @@ def quantize_rows(x_MK: Tensor, dest_M: Tensor | None = None, num_rows: int | No
     if kernels_run_on(x_MK.device):
         return quantize_rows_triton(x_MK, dest_M, num_rows, pow2=pow2)
     return quantize_rows_reference(x_MK, dest_M, num_rows, pow2=pow2)
+
+
+def quantize_situ_rows(z_M2K: Tensor, beta1: float, beta2: float, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """Rowwise e4m3 quantization of the SiTU-GLU activation of packed pre-activations, without
+    writing the activation out (the fp8 down projection's input, `fp8_grouped_mm(situ=...)`).
+
+    Args:
+        z_M2K: [M, 2K] bf16/fp16/fp32, gate in columns [0, K), up in [K, 2K) (the layout of
+            `titan_moe.model.situ.situ_glu_packed`).
+        beta1, beta2: SiTU-GLU's clip scales (> 0).
+        pow2: as in :func:`quantize_rows`.
+
+    Returns:
+        (q, scale): fp8 [M, K] and fp32 [M], as ``quantize_rows(hidden)`` for the hidden
+        activation computed in fp32 (not rounded to z's dtype first). The kernel's tanh
+        differs from torch's by a few fp32 ulp, so a code can differ from the reference's by
+        one step where the value sits on a rounding boundary.
+    """
+    if kernels_run_on(z_M2K.device):
+        return quantize_situ_rows_triton(z_M2K, beta1, beta2, pow2)
+    return quantize_situ_rows_reference(z_M2K, beta1, beta2, pow2)
 
 
 def quantize_weight(w_EKN: Tensor, dgrad: bool = True) -> Fp8Weight:

@@ -41,12 +41,17 @@ def _load(z, offs, n, H: tl.constexpr):
 
 
 @triton.jit
+def situ_hidden(z_g, z_u, beta1, beta2):
+    """The hidden activation from fp32 gate and up pre-activations (0 at z_g = z_u = 0); also
+    called by the fp8 row quantization that fuses SiTU-GLU (`titan_moe.float8.quantize`)."""
+    return beta1 * _tanh(z_g / beta1) * tl.sigmoid(z_g) * (beta2 * _tanh(z_u / beta2))
+
+
+@triton.jit
 def _situ_fwd_kernel(z, out, n, beta1, beta2, H: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     z_g, z_u, _, mask = _load(z, offs, n, H)
-    s = tl.sigmoid(z_g)
-    hidden = beta1 * _tanh(z_g / beta1) * s * (beta2 * _tanh(z_u / beta2))
-    tl.store(out + offs, hidden.to(out.dtype.element_ty), mask=mask)
+    tl.store(out + offs, situ_hidden(z_g, z_u, beta1, beta2).to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
