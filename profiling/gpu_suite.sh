@@ -77,6 +77,10 @@
 #              (bench_step_parts.py --parts situ_quant), then wide_1gpu compiled, 12 steps each, in
 #              one run: bf16, fp8 with TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows, and the same with the
 #              fused SiTU-GLU (not in the default list)
+#   fp8_accum  wide_1gpu compiled with two microbatches per optimizer step (--training.global_batch_size 8:
+#              32K tokens per step, so the per-step optimizer and fp8 weight refresh count half as much
+#              per token), 12 steps each: bf16, then tensorwise fp8 linears + fp8 experts (not in the
+#              default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
@@ -230,6 +234,13 @@ for section in "${SECTIONS[@]}"; do
                 "${WIDE[@]}" "${FP8_ROWS[@]}" --job.dump_folder "$DUMP/fp8_situ_rows"
             run fp8_situ_wide_fused env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 torchrun \
                 --standalone --nproc_per_node=1 "${WIDE[@]}" "${FP8_ROWS[@]}" --job.dump_folder "$DUMP/fp8_situ_fused" ;;
+        fp8_accum)
+            ACCUM=(--training.global_batch_size 8)
+            run fp8_accum_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \
+                --job.dump_folder "$DUMP/fp8_accum_bf16"
+            run fp8_accum_fp8 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \
+                --model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name tensorwise \
+                --job.dump_folder "$DUMP/fp8_accum_fp8" ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

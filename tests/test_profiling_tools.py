@@ -325,6 +325,16 @@ def test_gpu_suite_fp8_situ_section(tmp_path):
     assert all("configs/wide_1gpu.toml" in commands[k] for k in list(commands)[2:])
 
 
+def test_gpu_suite_fp8_accum_section_runs_two_microbatches(tmp_path):
+    proc = _gpu_suite(tmp_path, "fp8_accum", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["fp8_accum_bf16", "fp8_accum_fp8"]
+    assert all("configs/wide_1gpu.toml" in c and "--training.global_batch_size 8" in c for c in commands.values())
+    assert "titan_float8,titan_float8_experts" in commands["fp8_accum_fp8"]
+    assert "titan_float8" not in commands["fp8_accum_bf16"]
+
+
 def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_switch(tmp_path):
     proc = _gpu_suite(tmp_path, "keep", gpus="1")
     assert proc.returncode == 0, proc.stderr
