@@ -213,6 +213,8 @@ def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: b
     With ``situ_beta1 > 0`` x_MK is the packed SiTU-GLU pre-activation ``z [M, 2K]`` and the
     GEMM's left operand is its activation, quantized by rows straight from z."""
     _check_offsets(offs_E, x_MK.shape[0])
+    if situ_beta1 > 0 and wgrad == "fp8":
+        raise ValueError('fp8_grouped_mm_fwd: SiTU-GLU fused needs wgrad "bf16" or "fp8_rows"')
     if situ_beta1 > 0:
         xq_MK, sx_M = quantize_situ_rows(x_MK, situ_beta1, situ_beta2, pow2=wgrad == "fp8_rows")
     else:
