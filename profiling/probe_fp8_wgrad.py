@@ -3,6 +3,12 @@
 
     python profiling/probe_fp8_wgrad.py                                   # wide_1gpu's two expert GEMMs
     python profiling/probe_fp8_wgrad.py --shapes 64,2048,1408 --weights bf16   # the MoE issue's shape
+    python profiling/probe_fp8_wgrad.py --situ --shapes 16,4096,2048      # the down GEMM with SiTU-GLU
+
+With ``--situ`` each shape is the experts' down projection fed by SiTU-GLU: x is the packed
+pre-activation z [M, 2K], and the modes are SiTU-GLU (``situ_glu_packed``, its op in both
+directions) then the GEMM against the GEMM with SiTU-GLU fused into its row quantization
+(``fp8_grouped_mm(situ=...)``), both with ``wgrad="fp8_rows"``.
 
 Inputs as in training: x [M, K] bf16 with balanced 16-aligned groups, w [E, K, N] in
 ``--weights`` (fp32: the parameters under autocast) quantized once beforehand
@@ -24,18 +30,31 @@ from bench_moe import group_sizes  # noqa: E402
 
 from titan_moe.float8.grouped_mm import fp8_grouped_mm  # noqa: E402
 from titan_moe.float8.quantize import quantize_weight  # noqa: E402
+from titan_moe.model.situ import situ_glu_packed  # noqa: E402
 
 
-def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str) -> str:
+SITU = (4.0, 25.0)
+
+
+def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str, situ_mode: str | None = None) -> str:
+    """One line: ``wgrad``'s (or, with ``situ_mode`` "unfused" / "fused", that SiTU-GLU
+    arrangement's) kernel and wall time per forward+backward call."""
     offs = torch.tensor(group_sizes(M, E, "balanced"), device="cuda").cumsum(0).to(torch.int32)
-    x = (torch.randn(M, K, device="cuda") / K**0.5).bfloat16().requires_grad_()
+    x_cols = 2 * K if situ_mode else K
+    x = (torch.randn(M, x_cols, device="cuda") * (3.0 if situ_mode else K**-0.5)).bfloat16().requires_grad_()
     w = (torch.randn(E, K, N, device="cuda") / K**0.5).to(w_dtype).requires_grad_()
     dy = torch.randn(M, N, device="cuda").bfloat16()
     wq = quantize_weight(w.detach())
 
+    def forward():
+        if situ_mode == "fused":
+            return fp8_grouped_mm(x, w, offs, wgrad=wgrad, w_fp8=wq, situ=SITU)
+        lhs = situ_glu_packed(x, *SITU) if situ_mode == "unfused" else x
+        return fp8_grouped_mm(lhs, w, offs, wgrad=wgrad, w_fp8=wq)
+
     def call():
         x.grad = w.grad = None
-        fp8_grouped_mm(x, w, offs, wgrad=wgrad, w_fp8=wq).backward(dy)
+        forward().backward(dy)
 
     for _ in range(3):
         call()
@@ -55,7 +74,8 @@ def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str) -> s
     end.record()
     torch.cuda.synchronize()
     wall = start.elapsed_time(end) / 10
-    return (f"E{E} K{K} N{N} {wgrad}: kernels {total:.3f} ms/call, wall {wall:.3f} ms/call; "
+    label = wgrad if situ_mode is None else f"{wgrad} situ {situ_mode}"
+    return (f"E{E} K{K} N{N} {label}: kernels {total:.3f} ms/call, wall {wall:.3f} ms/call; "
             + "; ".join(f"{name} {ms:.3f}" for ms, name in top))
 
 
@@ -64,14 +84,19 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default="16,2048,8192;16,4096,2048", help="E,K,N;... (M = --tokens)")
     parser.add_argument("--tokens", type=int, default=65_536)
     parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--situ", action="store_true", help="the down GEMM fed by SiTU-GLU, unfused against fused")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("probe_fp8_wgrad: needs a CUDA GPU of compute capability >= 8.9")
     w_dtype = torch.float32 if args.weights == "fp32" else torch.bfloat16
     for shape in args.shapes.split(";"):
         E, K, N = (int(v) for v in shape.split(","))
-        for wgrad in ("bf16", "fp8_rows"):
-            print(probe(E, args.tokens, K, N, w_dtype, wgrad), flush=True)
+        if args.situ:
+            for mode in ("unfused", "fused"):
+                print(probe(E, args.tokens, K, N, w_dtype, "fp8_rows", mode), flush=True)
+        else:
+            for wgrad in ("bf16", "fp8_rows"):
+                print(probe(E, args.tokens, K, N, w_dtype, wgrad), flush=True)
 
 
 if __name__ == "__main__":

@@ -316,13 +316,14 @@ def test_gpu_suite_fp8_situ_section(tmp_path):
     proc = _gpu_suite(tmp_path, "fp8_situ", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_situ_tests", "fp8_situ_parts", "fp8_situ_wide_bf16", "fp8_situ_wide_rows",
-                              "fp8_situ_wide_fused"]
+    assert list(commands) == ["fp8_situ_tests", "fp8_situ_parts", "fp8_situ_probe", "fp8_situ_wide_bf16",
+                              "fp8_situ_wide_rows", "fp8_situ_wide_fused"]
     assert "--parts situ_quant" in commands["fp8_situ_parts"]
+    assert "probe_fp8_wgrad.py --situ" in commands["fp8_situ_probe"]
     assert "titan_float8_experts" not in commands["fp8_situ_wide_bf16"]
     assert "TITAN_MOE_FP8_SITU_QUANT" not in commands["fp8_situ_wide_rows"]
     assert "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1" in commands["fp8_situ_wide_fused"]
-    assert all("configs/wide_1gpu.toml" in commands[k] for k in list(commands)[2:])
+    assert all("configs/wide_1gpu.toml" in commands[k] for k in list(commands)[3:])
 
 
 def test_gpu_suite_fp8_accum_section_runs_two_microbatches(tmp_path):
