@@ -540,6 +540,20 @@ def test_fused_experts_compile_fullgraph(situ_quant, wgrad, monkeypatch, torch_q
         assert torch.equal(fused, unfused)
 
 
+def test_situ_quant_switch_errors(monkeypatch):
+    from titan_moe.float8.experts import SITU_QUANT_ENV, WGRAD_ENV, situ_quant_fused
+
+    monkeypatch.setenv(SITU_QUANT_ENV, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        situ_quant_fused()
+    monkeypatch.setenv(SITU_QUANT_ENV, "1")
+    monkeypatch.setenv(WGRAD_ENV, "fp8")
+    with pytest.raises(ValueError, match="fp8_rows"):
+        situ_quant_fused()
+    monkeypatch.setenv(WGRAD_ENV, "fp8_rows")
+    assert situ_quant_fused()
+
+
 def test_fused_experts_in_latent_moe_aligned_dispatch(monkeypatch, torch_quantization):
     """A LatentMoE with fp8 experts lays its groups out 16-aligned, so the experts pad
     nothing (`groups_aligned=True`); output and every gradient equal those of the same layer

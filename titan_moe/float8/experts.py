@@ -154,6 +154,9 @@ def situ_quant_fused() -> bool:
     value = os.environ.get(SITU_QUANT_ENV) or "0"
     if value not in ("0", "1"):
         raise ValueError(f"{SITU_QUANT_ENV} must be 0 or 1, got {value!r}")
+    if value == "1" and selected_wgrad() == "fp8":
+        raise ValueError(f'{SITU_QUANT_ENV}=1 needs {WGRAD_ENV} "bf16" or "fp8_rows", not "fp8" '
+                         "(which quantizes the activation by group columns from its bf16 copy)")
     return value == "1"
 
 
