@@ -26,7 +26,8 @@ interleaved rounds (`bench_moe.measure_rounds`):
 * The fp8 experts' bf16 weight gradient for fp32 weights, wide_1gpu's two expert GEMMs
   (E = 16 balanced groups of 4096 rows; x [65,536, 2048], dy [65,536, 8192] and x [65,536,
   4096], dy [65,536, 2048]): ``dw_native_to_fp32`` is ``torch._grouped_mm`` (bf16 out) and
-  a conversion to fp32, what the fp8 backward does now; ``dw_triton_fp32`` /
+  ATen's conversion to fp32, what the fp8 backward did until ``dw_native_widen_fp32`` (the
+  same with `titan_moe.float8.widen.widen_to_fp32`, what it does now); ``dw_triton_fp32`` /
   ``dw_triton_tma_fp32`` (also at the tile 64x256x128, 8 warps, 3 stages): our Triton dw
   kernel storing its fp32 accumulator directly.
 * The ``fp8_rows`` weight gradient's requantization
@@ -95,6 +96,7 @@ def fwd_bwd(fn, inputs, grad):
 
 def weight_grads(device, dtype, tiny: bool) -> dict:
     """{provider: fn} for the fp32 weight gradient of wide_1gpu's two expert GEMMs."""
+    from titan_moe.float8.widen import widen_to_fp32
     from titan_moe.ops.grouped_gemm.triton_kernel import TileConfig, grouped_mm_dw_triton
 
     E, rows = (2, 32) if tiny else (16, 4096)
@@ -106,6 +108,9 @@ def weight_grads(device, dtype, tiny: bool) -> dict:
         dy_MN = torch.randn(E * rows, N, device=device).to(dtype)
         fns[f"dw_{name}_native_to_fp32"] = (
             lambda x=x_MK, dy=dy_MN: torch.ops.titan_moe.grouped_mm_dw(x, dy, offs_E, "native").float())
+        if dtype == torch.bfloat16:
+            fns[f"dw_{name}_native_widen_fp32"] = (  # the fp8 backward's conversion now (float8.widen)
+                lambda x=x_MK, dy=dy_MN: widen_to_fp32(torch.ops.titan_moe.grouped_mm_dw(x, dy, offs_E, "native")))
         fns[f"dw_{name}_triton_fp32"] = (
             lambda x=x_MK, dy=dy_MN: grouped_mm_dw_triton(x, dy, offs_E, out_dtype=torch.float32))
         if device.type == "cuda":

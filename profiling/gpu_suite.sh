@@ -74,7 +74,8 @@
 #              TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows, 12 steps (not in the default list)
 #   fp8_situ   SiTU-GLU fused into the fp8 down GEMM's row quantization (TITAN_MOE_FP8_SITU_QUANT=1):
 #              its CUDA tests, the kernel against SiTU-GLU then the row quantization
-#              (bench_step_parts.py --parts situ_quant), the down GEMM's call with and without it
+#              (bench_step_parts.py --parts situ_quant,dw, with the dw's fp32 widening against ATen's
+#              cast), the down GEMM's call with and without it
 #              (probe_fp8_wgrad.py --situ), then wide_1gpu compiled, 12 steps each, in
 #              one run: bf16, fp8 with TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows, and the same with the
 #              fused SiTU-GLU (not in the default list)
@@ -229,7 +230,7 @@ for section in "${SECTIONS[@]}"; do
         fp8_situ)
             FP8_ROWS=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name tensorwise)
             run fp8_situ_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_float8_grouped.py -k "situ or cuda"
-            run fp8_situ_parts python profiling/bench_step_parts.py --parts situ_quant
+            run fp8_situ_parts python profiling/bench_step_parts.py --parts situ_quant,dw
             run fp8_situ_probe python profiling/probe_fp8_wgrad.py --situ --shapes 16,4096,2048
             run fp8_situ_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_situ_bf16"
             run fp8_situ_wide_rows env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows torchrun --standalone --nproc_per_node=1 \

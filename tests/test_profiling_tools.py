@@ -318,7 +318,7 @@ def test_gpu_suite_fp8_situ_section(tmp_path):
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
     assert list(commands) == ["fp8_situ_tests", "fp8_situ_parts", "fp8_situ_probe", "fp8_situ_wide_bf16",
                               "fp8_situ_wide_rows", "fp8_situ_wide_fused"]
-    assert "--parts situ_quant" in commands["fp8_situ_parts"]
+    assert "--parts situ_quant,dw" in commands["fp8_situ_parts"]
     assert "probe_fp8_wgrad.py --situ" in commands["fp8_situ_probe"]
     assert "titan_float8_experts" not in commands["fp8_situ_wide_bf16"]
     assert "TITAN_MOE_FP8_SITU_QUANT" not in commands["fp8_situ_wide_rows"]

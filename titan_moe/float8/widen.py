@@ -1,0 +1,56 @@
+"""bf16 -> fp32 widening of the fp8 experts' weight gradients, one vectorized pass.
+
+The fp8 grouped GEMM's weight gradient comes out of ``torch._grouped_mm`` /
+``torch._scaled_grouped_mm`` in bf16 (neither writes fp32), while the expert weights it
+belongs to are fp32 parameters. ATen converts with its dynamic-casting copy
+(``unrolled_elementwise_kernel<direct_copy_kernel_cuda>``), which the H200 ran at about
+2.1 TB/s: 0.77 ms for a gate|up gradient of wide_1gpu ([16, 2048, 8192], BENCHMARKS.md,
+"fp8 training: the 300-step loss check rerun"). A bf16 value widened to fp32 is its 16 bits
+followed by 16 zero bits, so the kernel here moves the bits with an integer shift and
+stores whole vectors: exact, bit for bit ``t.float()`` (NaN payloads included).
+
+:func:`widen_to_fp32` dispatches: the kernel on CUDA (and on the CPU under the
+interpreter: the tests), ``t.float()`` otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
+
+BLOCK = 4096
+
+
+@triton.jit
+def _widen_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """Program: BLOCK consecutive elements; bf16 bits (as int16) -> the fp32 with those high bits."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    bits = tl.load(src_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+    tl.store(dst_ptr + offs, (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True), mask=mask)
+
+
+def widen_to_fp32_triton(t: Tensor) -> Tensor:
+    """:func:`widen_to_fp32` through ``_widen_kernel`` (``t`` bf16; copied if not contiguous)."""
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"widen_to_fp32_triton: expected bf16, got {t.dtype}")
+    check_runs_on(_widen_kernel, t.device, "widen_to_fp32_triton", __name__)
+    t = t.contiguous()
+    out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+    n = t.numel()
+    if n:
+        _widen_kernel[(triton.cdiv(n, BLOCK),)](t.view(torch.int16), out, n, BLOCK=BLOCK,
+                                                 num_warps=4 if is_interpreted(_widen_kernel) else 8)
+    return out
+
+
+def widen_to_fp32(t: Tensor) -> Tensor:
+    """``t.float()`` for a bf16 ``t`` (contiguous fp32 result, same values bit for bit), in
+    one vectorized pass where the kernel runs; other dtypes go to ``t.float()``."""
+    if t.dtype == torch.bfloat16 and kernel_runs_on(_widen_kernel, t.device):
+        return widen_to_fp32_triton(t)
+    return t.float()
