@@ -78,7 +78,8 @@
 #              cast), the down GEMM's call with and without it
 #              (probe_fp8_wgrad.py --situ), then wide_1gpu compiled, 12 steps each, in
 #              one run: bf16, fp8 with TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows, and the same with the
-#              fused SiTU-GLU (not in the default list)
+#              fused SiTU-GLU and the Triton dw widening (TITAN_MOE_FP8_WIDEN=triton; the parts
+#              above time each alone) (not in the default list)
 #   fp8_accum  wide_1gpu compiled with two microbatches per optimizer step (--training.global_batch_size 8:
 #              32K tokens per step, so the per-step optimizer and fp8 weight refresh count half as much
 #              per token), 12 steps each: bf16, then tensorwise fp8 linears + fp8 experts (not in the
@@ -235,7 +236,8 @@ for section in "${SECTIONS[@]}"; do
             run fp8_situ_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_situ_bf16"
             run fp8_situ_wide_rows env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows torchrun --standalone --nproc_per_node=1 \
                 "${WIDE[@]}" "${FP8_ROWS[@]}" --job.dump_folder "$DUMP/fp8_situ_rows"
-            run fp8_situ_wide_fused env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 torchrun \
+            run fp8_situ_wide_fused env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 \
+                TITAN_MOE_FP8_WIDEN=triton torchrun \
                 --standalone --nproc_per_node=1 "${WIDE[@]}" "${FP8_ROWS[@]}" --job.dump_folder "$DUMP/fp8_situ_fused" ;;
         fp8_accum)
             ACCUM=(--training.global_batch_size 8)

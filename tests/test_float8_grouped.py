@@ -354,10 +354,15 @@ def test_prequantized_weight_same_as_per_call(wgrad, torch_quantization):
         assert torch.equal(fp8_grouped_mm(x, w, offs, w_fp8=fq.quantize_weight(w, dgrad=False)), want[0])
 
 
-def test_prequantized_fp32_weight_with_bf16_activations(torch_quantization):
+@pytest.mark.parametrize("widen_backend", ["torch", "triton"])
+def test_prequantized_fp32_weight_with_bf16_activations(widen_backend, monkeypatch, torch_quantization):
     """With `w_fp8` the weight may keep its own dtype (fp32 master weights under autocast):
-    its gradient comes back in fp32, equal to the bf16 weight gradient cast up, and the
-    output matches the all-bf16 call up to the quantization of the unrounded weight."""
+    its gradient comes back in fp32, equal to the bf16 weight gradient cast up (by torch or
+    by the widening kernel, `TITAN_MOE_FP8_WIDEN`), and the output matches the all-bf16 call
+    up to the quantization of the unrounded weight."""
+    from titan_moe.float8.widen import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, widen_backend)
     x, w, dy, offs = make_case([32, 16], 0, 32, 16, seed=8)
     w32 = w.float() + 1e-3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(9))
     xl, wl = x.clone().requires_grad_(), w32.clone().requires_grad_()

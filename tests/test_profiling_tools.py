@@ -322,7 +322,8 @@ def test_gpu_suite_fp8_situ_section(tmp_path):
     assert "probe_fp8_wgrad.py --situ" in commands["fp8_situ_probe"]
     assert "titan_float8_experts" not in commands["fp8_situ_wide_bf16"]
     assert "TITAN_MOE_FP8_SITU_QUANT" not in commands["fp8_situ_wide_rows"]
-    assert "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1" in commands["fp8_situ_wide_fused"]
+    assert "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 TITAN_MOE_FP8_WIDEN=triton" in \
+        commands["fp8_situ_wide_fused"]
     assert all("configs/wide_1gpu.toml" in commands[k] for k in list(commands)[3:])
 
 

@@ -116,8 +116,9 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
 
 def to_dtype(t_bf16: Tensor, dtype: torch.dtype) -> Tensor:
     """A GEMM's bf16 result in ``dtype``: bf16 -> fp32 (the fp32 expert weights' gradients)
-    through :func:`titan_moe.float8.widen.widen_to_fp32`, one vectorized pass where ATen's
-    casting copy ran at about 2.1 TB/s on the H200; other casts through ``.to``."""
+    through :func:`titan_moe.float8.widen.widen_to_fp32` (``TITAN_MOE_FP8_WIDEN=triton``: one
+    vectorized pass, where ATen's casting copy ran at about 2.1 TB/s on the H200; not yet
+    timed, so off by default); other casts through ``.to``."""
     if t_bf16.dtype == dtype:
         return t_bf16
     if t_bf16.dtype == torch.bfloat16 and dtype == torch.float32:

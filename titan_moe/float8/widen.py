@@ -9,11 +9,14 @@ belongs to are fp32 parameters. ATen converts with its dynamic-casting copy
 followed by 16 zero bits, so the kernel here moves the bits with an integer shift and
 stores whole vectors: exact, bit for bit ``t.float()`` (NaN payloads included).
 
-:func:`widen_to_fp32` dispatches: the kernel on CUDA (and on the CPU under the
-interpreter: the tests), ``t.float()`` otherwise.
+:func:`widen_to_fp32` dispatches on ``$TITAN_MOE_FP8_WIDEN`` (read per call): "torch"
+(default, ``t.float()``) until the kernel's GPU benchmark is recorded, "triton" for the kernel
+where it runs (CUDA; the CPU under the interpreter), ``t.float()`` elsewhere.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -23,6 +26,7 @@ from torch import Tensor
 from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
 
 BLOCK = 4096
+BACKEND_ENV = "TITAN_MOE_FP8_WIDEN"
 
 
 @triton.jit
@@ -49,8 +53,12 @@ def widen_to_fp32_triton(t: Tensor) -> Tensor:
 
 
 def widen_to_fp32(t: Tensor) -> Tensor:
-    """``t.float()`` for a bf16 ``t`` (contiguous fp32 result, same values bit for bit), in
-    one vectorized pass where the kernel runs; other dtypes go to ``t.float()``."""
-    if t.dtype == torch.bfloat16 and kernel_runs_on(_widen_kernel, t.device):
+    """``t.float()`` for a bf16 ``t`` (same values bit for bit), through the kernel when
+    ``$TITAN_MOE_FP8_WIDEN`` is "triton" and it runs on t's device; other dtypes, and the
+    default "torch", go to ``t.float()``."""
+    choice = os.environ.get(BACKEND_ENV) or "torch"
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"{BACKEND_ENV} must be torch or triton, got {choice!r}")
+    if choice == "triton" and t.dtype == torch.bfloat16 and kernel_runs_on(_widen_kernel, t.device):
         return widen_to_fp32_triton(t)
     return t.float()
