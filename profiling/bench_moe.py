@@ -56,7 +56,9 @@ CPU their fp32 emulation; on CUDA only with compute capability >= 8.9 and bf16; 
 quantized per call), and as ``ours_fp8_cached``, another such copy whose expert weights
 were quantized beforehand (``refresh_fp8_weights``, what training does once per optimizer
 step; that refresh is timed on its own, ``fp8_weight_refresh_ms``, as it is paid once per
-step however many forwards the step has), plus the
+step however many forwards the step has), and as ``ours_fp8_rows_situ``, a third copy, cached
+too, with the fp8 weight gradient from the row codes, SiTU-GLU fused into the down GEMM's
+quantization and the Triton dw widening (``FP8_ROWS_SITU_ENV``), plus the
 relative error of y and dx of every run against the native one) vs torchtitan 0.2.2's
 ``torchtitan.models.moe.MoE`` (full-width SwiGLU experts, grouped_mm with its padding kernel
 on CUDA), both with the same token count, width, expert count, top-k, expert hidden size and
@@ -502,6 +504,11 @@ def build_layers(cfg: dict, device: str, dtype):
     return ours, theirs
 
 
+FP8_ROWS_SITU_ENV = {"TITAN_MOE_FP8_EXPERTS_WGRAD": "fp8_rows", "TITAN_MOE_FP8_SITU_QUANT": "1",
+                     "TITAN_MOE_FP8_WIDEN": "triton"}
+"""The switches of the ``ours_fp8_rows_situ`` layer (`titan_moe.float8.experts`, `.widen`)."""
+
+
 def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool, kernels: int = 0) -> dict:
     import torch
 
@@ -510,18 +517,19 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     from titan_moe.ops.situ.op import BACKEND_ENV as SITU_ENV
 
     ours, theirs = build_layers(cfg, device, dtype)
-    ours_fp8 = ours_fp8_cached = None
+    ours_fp8 = ours_fp8_cached = ours_fp8_rows_situ = None
     if device == "cpu" or fp8_available(device, dtype):
         from titan_moe.float8.experts import refresh_fp8_expert_weights
 
-        ours_fp8, ours_fp8_cached = fp8_experts_copy(ours), fp8_experts_copy(ours)
+        ours_fp8, ours_fp8_cached, ours_fp8_rows_situ = (fp8_experts_copy(ours) for _ in range(3))
         refresh = functools.partial(refresh_fp8_expert_weights, ours_fp8_cached)
-        if not refresh():
+        if not (refresh() and refresh_fp8_expert_weights(ours_fp8_rows_situ)):
             raise RuntimeError("bench_moe: the fp8 experts made no weight cache (TITAN_MOE_FP8_WEIGHT_CACHE=0?)")
     if compile_layers:
         ours, theirs = torch.compile(ours), torch.compile(theirs)
-        if ours_fp8 is not None:
-            ours_fp8, ours_fp8_cached = torch.compile(ours_fp8), torch.compile(ours_fp8_cached)
+        if ours_fp8 is not None:  # one compiled copy per fp8 arrangement: the experts read theirs at trace time
+            ours_fp8, ours_fp8_cached, ours_fp8_rows_situ = (
+                torch.compile(layer) for layer in (ours_fp8, ours_fp8_cached, ours_fp8_rows_situ))
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, cfg["tokens"], cfg["dim"], generator=gen, device=device).to(dtype).requires_grad_()
     grad = torch.randn(1, cfg["tokens"], cfg["dim"], generator=gen, device=device).to(dtype)
@@ -543,6 +551,9 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     if ours_fp8 is not None:
         runs["ours_fp8_experts"] = (ours_fp8, {BACKEND_ENV: "native"})
         runs["ours_fp8_cached"] = (ours_fp8_cached, {BACKEND_ENV: "native"})
+        # the same with the fp8 weight gradient from the row codes, SiTU-GLU fused into the down
+        # GEMM's quantization and the Triton widening of the weight gradients
+        runs["ours_fp8_rows_situ"] = (ours_fp8_rows_situ, {BACKEND_ENV: "native", **FP8_ROWS_SITU_ENV})
     runs["torchtitan"] = (theirs, {})
     out = dict(config=cfg, compiled=compile_layers, providers={})
     timers = {}
@@ -564,7 +575,8 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
 
         timers[f"{name}_fwd"], timers[f"{name}_fwd_bwd"] = fwd, fwd_bwd
     params = [x, *ours.parameters(), *theirs.parameters(),
-              *(p for layer in (ours_fp8, ours_fp8_cached) if layer is not None for p in layer.parameters())]
+              *(p for layer in (ours_fp8, ours_fp8_cached, ours_fp8_rows_situ) if layer is not None
+                for p in layer.parameters())]
     ms, out["ms_spread"] = measure_rounds(timers, timed, grad_to_none=params)
     if ours_fp8 is not None:  # the once-per-step cost of the cached layer (the gradients leave the weights be)
         out["fp8_weight_refresh_ms"] = measure_rounds({"refresh": refresh}, timed)[0]["refresh"]

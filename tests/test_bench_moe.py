@@ -48,7 +48,7 @@ def test_tiny_cpu_run_reports_every_row_without_times():
 
     layer = report["moe_layer"]
     assert set(layer["providers"]) == {"ours_native", "ours_native_situ_triton", "ours_triton", "ours_auto",
-                                       "ours_fp8_experts", "ours_fp8_cached", "torchtitan"}
+                                       "ours_fp8_experts", "ours_fp8_cached", "ours_fp8_rows_situ", "torchtitan"}
     assert "fp8_weight_refresh_ms" in layer and layer["fp8_weight_refresh_ms"] is None  # measured, not timed
     for name, p in layer["providers"].items():
         assert p["flops_fwd"] > 0 and p["flops_fwd_bwd"] == 3 * p["flops_fwd"]
@@ -56,10 +56,11 @@ def test_tiny_cpu_run_reports_every_row_without_times():
     # fp32: the Triton and native backends (GEMM, SiTU-GLU) differ by fp32 rounding only; the
     # fp8 experts (emulated e4m3 operands) by a few percent: they did quantize, and stay close
     errors = layer["rel_err_ours_vs_native"]
-    assert set(errors) == {"ours_native_situ_triton", "ours_triton", "ours_auto", "ours_fp8_experts", "ours_fp8_cached"}
+    assert set(errors) == {"ours_native_situ_triton", "ours_triton", "ours_auto", "ours_fp8_experts", "ours_fp8_cached",
+                           "ours_fp8_rows_situ"}
     for name in ("ours_native_situ_triton", "ours_triton", "ours_auto"):
         assert all(0 <= e < 1e-5 for e in errors[name].values()), errors
-    for name in ("ours_fp8_experts", "ours_fp8_cached"):
+    for name in ("ours_fp8_experts", "ours_fp8_cached", "ours_fp8_rows_situ"):
         assert all(1e-3 < e < 0.1 for e in errors[name].values()), errors
 
 
