@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -463,3 +464,22 @@ def test_100_steps_float8_emulated_matches_fp32(tmp_path):
     # on two Python installs).
     assert tail32 < 0.9 * head32, (tail32, head32)
     assert abs(tail8 - tail32) <= 0.02 * tail32, (tail8, tail32)
+
+
+def test_cached_weight_casts_train_bit_equal(tmp_path):
+    """`cache_weights = true` through the trainer: the post-optimizer hook fills the cache
+    (the log says so), and every step's loss equals the per-call run's bit for bit (the first
+    step runs before any refresh, the next four read the cache)."""
+    short = ["--training.steps", "5", "--model.converters", LINEAR_CONVERTER_NAME,
+             "--quantize.linear.float8.min_features", "16"]
+    runs = {"per_call": _launch(tmp_path / "per_call", *short),
+            "cached": _launch(tmp_path / "cached", *short, "--quantize.linear.float8.cache_weights")}
+    logs = {name: proc.communicate(timeout=600)[0] for name, proc in runs.items()}
+    for name, proc in runs.items():
+        assert proc.returncode == 0, logs[name][-4000:]
+    assert "weights cast once per step True" in logs["cached"]
+    refreshed = re.search(r"float8: (\d+) linear weights cast to fp8 once per optimizer step", logs["cached"])
+    assert refreshed and int(refreshed.group(1)) > 10, logs["cached"][-4000:]
+    assert "weights cast once per step False" in logs["per_call"]
+    per_call, cached = _losses(tmp_path / "per_call"), _losses(tmp_path / "cached")
+    assert sorted(per_call) == list(range(1, 6)) and cached == per_call

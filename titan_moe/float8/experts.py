@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import has_cuda_capability
 
+from titan_moe.float8.weight_cache import WeightCacheMixin
 from titan_moe.model.moe import RoutedExperts
 from titan_moe.model.situ import situ_glu_packed
 from titan_moe.ops.dispatch.reference import aligned_group_shift, padded_rows
@@ -186,7 +187,7 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
     return unpad_groups(fp8_grouped_mm_padded(x_PK, w_EKN, offs_pad_E), dest_M, offs_E)
 
 
-class Float8RoutedExperts(RoutedExperts):
+class Float8RoutedExperts(WeightCacheMixin, RoutedExperts):
     """`RoutedExperts` whose two grouped GEMMs run in fp8 (CUDA, compute capability >= 8.9).
 
     Its groups must start at multiples of 16: `LatentMoE` lays its sorted copies out so
@@ -201,47 +202,31 @@ class Float8RoutedExperts(RoutedExperts):
     and the backward reads their dx layout instead of a per-call saved copy. Made only for
     plain-tensor weights on the fused GEMM (under FSDP or EP the forward sees gathered or
     exchanged tensors, not the parameters; `TITAN_MOE_FP8_WEIGHT_CACHE=0` turns it off).
-    In eager mode a forward checks the parameters' version counters and drops a cache the
-    weights have changed since; compiled forwards rely on the hook (and on `load_state_dict`
-    and `to()`, which drop the cache)."""
+    The cache's validity rules are `titan_moe.float8.weight_cache`'s."""
 
     group_alignment = GROUP_ALIGNMENT
-    _fp8_weights: tuple | None = None  # (gate_up, down) Fp8Weight, from refresh_fp8_weights
-    _fp8_versions: tuple[int, int] | None = None
+
+    def _cache_sources(self) -> tuple[Tensor, Tensor]:
+        return self.w_gate_up, self.w_down
 
     def refresh_fp8_weights(self) -> bool:
         """Quantize both weights now for the forwards until the weights change (class
         docstring). Returns whether a cache was made (False, with no cache kept, for the
         torchao GEMM, DTensor or meta weights, or `TITAN_MOE_FP8_WEIGHT_CACHE=0`)."""
-        self._fp8_weights = self._fp8_versions = None
-        weights = (self.w_gate_up, self.w_down)
+        self._store_weight_cache(None)
+        weights = self._cache_sources()
         if (selected_gemm() != "fused" or os.environ.get(WEIGHT_CACHE_ENV, "1") == "0"
                 or any(isinstance(w, DTensor) or w.device.type == "meta" for w in weights)):
             return False
         from titan_moe.float8.quantize import quantize_weight
 
         with torch.no_grad():
-            self._fp8_weights = tuple(quantize_weight(w.detach()) for w in weights)
-        self._fp8_versions = tuple(w._version for w in weights)
+            self._store_weight_cache(tuple(quantize_weight(w.detach()) for w in weights))
         return True
 
     def current_fp8_weights(self) -> tuple | None:
         """The cached (gate_up, down) `Fp8Weight`s if they still match the weights, else None."""
-        cached = self._fp8_weights
-        if cached is None:
-            return None
-        if not torch.compiler.is_compiling() and (self.w_gate_up._version, self.w_down._version) != self._fp8_versions:
-            self._fp8_weights = self._fp8_versions = None  # changed since the refresh: per call until the next
-            return None
-        return cached
-
-    def _apply(self, fn, recurse=True):
-        self._fp8_weights = self._fp8_versions = None  # new parameter tensors (to(), cuda(), ...)
-        return super()._apply(fn, recurse)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._fp8_weights = self._fp8_versions = None
-        return super()._load_from_state_dict(*args, **kwargs)
+        return self._valid_weight_cache()
 
     @classmethod
     def from_experts(cls, experts: RoutedExperts) -> Float8RoutedExperts:

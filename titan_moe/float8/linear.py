@@ -6,6 +6,7 @@
     recipe_name = "tensorwise"          # torchao recipe: tensorwise | rowwise | rowwise_with_gw_hp
     emulate = false                     # forced on when torch sees no CUDA device
     min_features = 64
+    cache_weights = false               # true: weights cast to fp8 once per optimizer step
     filter_fqns = []                    # substrings of module names to keep in high precision
     enable_fsdp_float8_all_gather = true            # used with tensorwise + FSDP, else off
     precompute_float8_dynamic_scale_for_fsdp = true # with the all-gather
@@ -35,11 +36,12 @@ To keep them in high precision anyway: `filter_fqns = ["attention.w_gate", "atte
 The routed experts are not nn.Linear; their fp8 path is the "titan_float8_experts"
 converter (`titan_moe.float8.experts`).
 
-The converter subclasses torchtitan's `Float8LinearConverter` and keeps its `convert`
-(torchao's `convert_to_float8_training`) and `post_optimizer_hook` (torchao's
-`precompute_float8_dynamic_scale_for_fsdp`, on when the fp8 all-gather is). It replaces
-the constructor because torchtitan's ignores `emulate` and refuses the FSDP fp8
-all-gather whenever `recipe_name` is set, even to "tensorwise".
+The converter subclasses torchtitan's `Float8LinearConverter` and keeps its
+`post_optimizer_hook` (torchao's `precompute_float8_dynamic_scale_for_fsdp`, on when the fp8
+all-gather is), adding the refresh of the once-per-step weight casts (`cache_weights`,
+`titan_moe.float8.cached_linear`). It converts with torchao's `convert_to_float8_training`
+and replaces the constructor because torchtitan's ignores `emulate` and refuses the FSDP
+fp8 all-gather whenever `recipe_name` is set, even to "tensorwise".
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from torchtitan.components.quantization.float8 import AUTO_FILTER_SMALL_KN_FLAG,
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import has_cuda_capability
 
+from titan_moe.float8.cached_linear import refresh_fp8_linear_weights, use_cached_weights
 from titan_moe.model.attn_res import AttnResMixer
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.kda import KimiDeltaAttention
@@ -180,6 +183,16 @@ class TitanFloat8LinearConverter(Float8LinearConverter):
         self.min_features = getattr(cfg, "min_features", 64)
         if self.min_features < 0:
             raise ValueError(f"quantize.linear.float8.min_features must be >= 0, got {self.min_features}")
+        self.cache_weights = bool(getattr(cfg, "cache_weights", False))
+        self._cache_reported = False
+        if self.cache_weights and self.recipe != "tensorwise":
+            raise ValueError(
+                f"quantize.linear.float8.cache_weights needs recipe_name = 'tensorwise' (got {self.recipe!r}: "
+                "its weight casts differ between the GEMMs); set cache_weights = false"
+            )
+        if self.cache_weights and all_gather:
+            logger.warning("quantize.linear.float8.cache_weights: weights are FSDP-sharded and gathered in fp8; "
+                           "the precomputed scales of the fp8 all-gather stand in for the cache")
         self.filter_fqns = [f for f in cfg.filter_fqns if f != AUTO_FILTER_SMALL_KN_FLAG]
         # torchtitan's filter (dims % 16, filter_fqns, optional torchao auto filter); it edits
         # the list it is given, so hand it a copy.
@@ -191,8 +204,9 @@ class TitanFloat8LinearConverter(Float8LinearConverter):
             torch._inductor.config.emulate_precision_casts = True
         self.enabled = True
         logger.info(
-            "float8 linears: recipe %s, emulate %s, FSDP fp8 all-gather %s, precomputed scales %s",
-            self.recipe, self.emulate, all_gather, self.precompute_scale,
+            "float8 linears: recipe %s, emulate %s, FSDP fp8 all-gather %s, precomputed scales %s, "
+            "weights cast once per step %s",
+            self.recipe, self.emulate, all_gather, self.precompute_scale, self.cache_weights,
         )
 
     def plan(self, model: nn.Module) -> dict[str, str | None]:
@@ -207,8 +221,19 @@ class TitanFloat8LinearConverter(Float8LinearConverter):
         convert_to_float8_training(
             model, config=self.config, module_filter_fn=lambda module, fqn: plan.get(fqn, "") is None
         )
+        if self.cache_weights:
+            use_cached_weights(model)
         kept = {fqn: why for fqn, why in plan.items() if why is not None}
         logger.info(
             "float8: %d nn.Linear converted, %d kept in high precision (%s)",
             len(plan) - len(kept), len(kept), ", ".join(sorted(set(kept.values()))) or "none",
         )
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        """After every optimizer step: torchtitan's (FSDP fp8 scales), then the weight casts."""
+        super().post_optimizer_hook(model)
+        if self.cache_weights:
+            cached = refresh_fp8_linear_weights(model)
+            if not self._cache_reported:
+                logger.info("float8: %d linear weights cast to fp8 once per optimizer step", cached)
+                self._cache_reported = True
