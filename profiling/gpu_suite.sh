@@ -84,6 +84,15 @@
 #              32K tokens per step, so the per-step optimizer and fp8 weight refresh count half as much
 #              per token), 12 steps each: bf16, then tensorwise fp8 linears + fp8 experts (not in the
 #              default list)
+#   fp8_all    every fp8 step option at once, the candidate recipe for the whole-step goal: the
+#              GPU tests of the newest fp8 pieces (cached linear weights, fused SiTU quantization,
+#              Triton widening), then wide_1gpu compiled, 12 steps each: bf16, then tensorwise fp8
+#              linears with cache_weights + fp8 experts with TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows,
+#              TITAN_MOE_FP8_SITU_QUANT=1, TITAN_MOE_FP8_WIDEN=triton (not in the default list)
+#   fp8_all_accum  the same two wide_1gpu runs with two microbatches per step (as fp8_accum)
+#              (not in the default list)
+#   fp8_ablate wide_1gpu compiled, 12 steps each: the fp8_all recipe without cache_weights, then
+#              without the fused SiTU quantization and Triton widening (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
@@ -113,6 +122,10 @@ SMALL=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.s
        --metrics.log_freq 5 --validation.freq 1000)
 WIDE=(-m titan_moe.train --job.config_file configs/wide_1gpu.toml --training.steps 12 --metrics.log_freq 4)
 FP8=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name rowwise)
+# fp8_all's recipe: every fp8 option on (the linears' arguments, then the experts' switches)
+FP8_ALL=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name tensorwise
+         --quantize.linear.float8.cache_weights)
+FP8_ALL_ENV=(TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 TITAN_MOE_FP8_WIDEN=triton)
 
 run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
     local name=$1 start=$SECONDS rc
@@ -246,6 +259,23 @@ for section in "${SECTIONS[@]}"; do
             run fp8_accum_fp8 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \
                 --model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name tensorwise \
                 --job.dump_folder "$DUMP/fp8_accum_fp8" ;;
+        fp8_all)
+            run fp8_all_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_float8_cached_linear.py \
+                tests/test_widen.py tests/test_float8_grouped.py -k "cached or cuda or sm90 or widen or situ"
+            run fp8_all_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_all_bf16"
+            run fp8_all_wide_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
+                "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_fp8" ;;
+        fp8_all_accum)
+            ACCUM=(--training.global_batch_size 8)
+            run fp8_all_accum_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \
+                --job.dump_folder "$DUMP/fp8_all_accum_bf16"
+            run fp8_all_accum_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
+                "${ACCUM[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_accum_fp8" ;;
+        fp8_ablate)
+            run fp8_ablate_no_cache env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
+                "${FP8_ALL[@]:0:4}" --job.dump_folder "$DUMP/fp8_ablate_no_cache"
+            run fp8_ablate_no_situ env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows torchrun --standalone --nproc_per_node=1 \
+                "${WIDE[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_situ" ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

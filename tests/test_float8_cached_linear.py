@@ -7,11 +7,13 @@ outputs and gradients.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 import torchao.float8.float8_linear as torchao_linear
+from numerics import rel_err
 from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from torchao.float8.float8_linear import Float8Linear
@@ -152,3 +154,27 @@ def test_converter_switch():
     with pytest.raises(ValueError, match="cache_weights needs recipe_name = 'tensorwise'"):
         TitanFloat8LinearConverter(job_config("--quantize.linear.float8.cache_weights",
                                               "--quantize.linear.float8.recipe_name", "rowwise"), single_process())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with fp8 (compute capability >= 8.9)")
+def test_cuda_real_fp8_cached_equals_per_call_eager_and_compiled():
+    """Real fp8 GEMMs (cuBLAS `_scaled_mm`), fp32 weights and bf16 activations as under the
+    trainer's autocast: the cached path equals torchao's per-call path, eagerly and under
+    Inductor (fullgraph; there the per-call cast is Inductor's and the cached one eager's, so
+equal up to the rounding of the scale)."""
+    torch.manual_seed(3)
+    ref = nn.Sequential(nn.Linear(256, 512, bias=False), nn.GELU(), nn.Linear(512, 128, bias=False)).cuda()
+    convert_to_float8_training(ref, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    model = copy.deepcopy(ref)
+    use_cached_weights(model)
+    assert refresh_fp8_linear_weights(model) == 2
+    x = torch.randn(1024, 256, device="cuda").bfloat16()
+    want = _fwd_bwd(ref, x)
+    assert all(torch.equal(a, b) for a, b in zip(_fwd_bwd(model, x), want))
+    got = _fwd_bwd(torch.compile(model, fullgraph=True), x)
+    want_compiled = _fwd_bwd(torch.compile(ref, fullgraph=True), x)
+    for a, b in zip(got, want_compiled):
+        # Inductor may round the per-call scale's division differently from eager by an ulp
+        assert rel_err(a.float(), b.float()) < 1e-3
