@@ -91,6 +91,9 @@
 #              TITAN_MOE_FP8_SITU_QUANT=1, TITAN_MOE_FP8_WIDEN=triton (not in the default list)
 #   fp8_all_accum  the same two wide_1gpu runs with two microbatches per step (as fp8_accum)
 #              (not in the default list)
+#   fp8_all_b8 the same two wide_1gpu runs at local batch 8 (32K tokens per step in one
+#              microbatch: ~56 GiB of fp32 weights, gradients and AdamW state plus activations under
+#              full checkpointing) (not in the default list)
 #   fp8_ablate wide_1gpu compiled, 12 steps each: the fp8_all recipe without cache_weights, then
 #              without the fused SiTU quantization and Triton widening (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
@@ -271,6 +274,12 @@ for section in "${SECTIONS[@]}"; do
                 --job.dump_folder "$DUMP/fp8_all_accum_bf16"
             run fp8_all_accum_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
                 "${ACCUM[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_accum_fp8" ;;
+        fp8_all_b8)
+            B8=(--training.local_batch_size 8)
+            run fp8_all_b8_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${B8[@]}" \
+                --job.dump_folder "$DUMP/fp8_all_b8_bf16"
+            run fp8_all_b8_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
+                "${B8[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_b8_fp8" ;;
         fp8_ablate)
             run fp8_ablate_no_cache env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
                 "${FP8_ALL[@]:0:4}" --job.dump_folder "$DUMP/fp8_ablate_no_cache"

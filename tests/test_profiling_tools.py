@@ -339,21 +339,23 @@ def test_gpu_suite_fp8_accum_section_runs_two_microbatches(tmp_path):
 
 def test_gpu_suite_fp8_all_sections(tmp_path):
     """fp8_all: the new pieces' tests, then bf16 and the all-options fp8 recipe on wide_1gpu;
-    fp8_all_accum: the same pair with two microbatches; fp8_ablate: the recipe without the
+    fp8_all_accum: the same pair with two microbatches; fp8_all_b8: at local batch 8; fp8_ablate: the recipe without the
     linear weight cache, then without the fused SiTU quantization and widening."""
-    proc = _gpu_suite(tmp_path, "fp8_all", "fp8_all_accum", "fp8_ablate", gpus="1")
+    proc = _gpu_suite(tmp_path, "fp8_all", "fp8_all_accum", "fp8_all_b8", "fp8_ablate", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
     assert list(commands) == ["fp8_all_tests", "fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_accum_bf16",
-                              "fp8_all_accum_fp8", "fp8_ablate_no_cache", "fp8_ablate_no_situ"]
+                              "fp8_all_accum_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_ablate_no_cache",
+                              "fp8_ablate_no_situ"]
     assert "tests/test_float8_cached_linear.py" in commands["fp8_all_tests"]
     every = "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 TITAN_MOE_FP8_WIDEN=triton"
     cache = "--quantize.linear.float8.cache_weights"
-    for name in ("fp8_all_wide_fp8", "fp8_all_accum_fp8"):
+    for name in ("fp8_all_wide_fp8", "fp8_all_accum_fp8", "fp8_all_b8_fp8"):
         assert every in commands[name] and cache in commands[name] and "recipe_name tensorwise" in commands[name]
-    for name in ("fp8_all_wide_bf16", "fp8_all_accum_bf16"):
+    for name in ("fp8_all_wide_bf16", "fp8_all_accum_bf16", "fp8_all_b8_bf16"):
         assert "titan_float8" not in commands[name] and "TITAN_MOE" not in commands[name]
     assert all("--training.global_batch_size 8" in commands[k] for k in ("fp8_all_accum_bf16", "fp8_all_accum_fp8"))
+    assert all("--training.local_batch_size 8" in commands[k] for k in ("fp8_all_b8_bf16", "fp8_all_b8_fp8"))
     assert every in commands["fp8_ablate_no_cache"] and cache not in commands["fp8_ablate_no_cache"]
     assert "titan_float8_experts" in commands["fp8_ablate_no_cache"]
     assert "SITU_QUANT" not in commands["fp8_ablate_no_situ"] and cache in commands["fp8_ablate_no_situ"]
