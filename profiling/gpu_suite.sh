@@ -94,6 +94,9 @@
 #   fp8_all_b8 the same two wide_1gpu runs at local batch 8 (32K tokens per step in one
 #              microbatch: ~56 GiB of fp32 weights, gradients and AdamW state plus activations under
 #              full checkpointing) (not in the default list)
+#   fp8_all_loss  the loss check with the fp8_all recipe: small_1gpu compiled, 300 steps, bf16
+#              and fp8_all started together (they share the GPU: their tokens/s are not speeds)
+#              (not in the default list)
 #   fp8_ablate wide_1gpu compiled, 12 steps each: the fp8_all recipe without cache_weights, then
 #              without the fused SiTU quantization and Triton widening (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
@@ -280,6 +283,13 @@ for section in "${SECTIONS[@]}"; do
                 --job.dump_folder "$DUMP/fp8_all_b8_bf16"
             run fp8_all_b8_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
                 "${B8[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_b8_fp8" ;;
+        fp8_all_loss)
+            LOSS=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --metrics.log_freq 10 --compile.enable)
+            run fp8_all_loss_bf16 torchrun --standalone --nproc_per_node=1 "${LOSS[@]}" \
+                --job.dump_folder "$DUMP/fp8_all_loss_bf16" &
+            run fp8_all_loss_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 \
+                "${LOSS[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_loss_fp8" &
+            wait ;;
         fp8_ablate)
             run fp8_ablate_no_cache env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
                 "${FP8_ALL[@]:0:4}" --job.dump_folder "$DUMP/fp8_ablate_no_cache"

@@ -362,6 +362,18 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
     assert all("configs/wide_1gpu.toml" in c for k, c in commands.items() if k != "fp8_all_tests")
 
 
+def test_gpu_suite_fp8_all_loss_runs_both_300_step_runs(tmp_path):
+    proc = _gpu_suite(tmp_path, "fp8_all_loss", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert sorted(commands) == ["fp8_all_loss_bf16", "fp8_all_loss_fp8"]
+    assert all("configs/small_1gpu.toml" in c and "--compile.enable" in c and "--training.steps" not in c
+               for c in commands.values())
+    assert "titan_float8" not in commands["fp8_all_loss_bf16"]
+    assert "TITAN_MOE_FP8_SITU_QUANT=1" in commands["fp8_all_loss_fp8"]
+    assert "--quantize.linear.float8.cache_weights" in commands["fp8_all_loss_fp8"]
+
+
 def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_switch(tmp_path):
     proc = _gpu_suite(tmp_path, "keep", gpus="1")
     assert proc.returncode == 0, proc.stderr
