@@ -87,8 +87,8 @@
 #   fp8_all    every fp8 step option at once, the candidate recipe for the whole-step goal: the
 #              GPU tests of the newest fp8 pieces (cached linear weights, fused SiTU quantization,
 #              Triton widening), then wide_1gpu compiled, 12 steps each: bf16, then tensorwise fp8
-#              linears with cache_weights + fp8 experts with TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows,
-#              TITAN_MOE_FP8_SITU_QUANT=1, TITAN_MOE_FP8_WIDEN=triton (not in the default list)
+#              linears with cache_weights + fp8 experts with wgrad "fp8_rows", situ_quant and
+#              TITAN_MOE_FP8_WIDEN=triton (not in the default list)
 #   fp8_all_accum  the same two wide_1gpu runs with two microbatches per step (as fp8_accum)
 #              (not in the default list)
 #   fp8_all_b8 the same two wide_1gpu runs at local batch 8 (32K tokens per step in one
@@ -128,10 +128,13 @@ SMALL=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.s
        --metrics.log_freq 5 --validation.freq 1000)
 WIDE=(-m titan_moe.train --job.config_file configs/wide_1gpu.toml --training.steps 12 --metrics.log_freq 4)
 FP8=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name rowwise)
-# fp8_all's recipe: every fp8 option on (the linears' arguments, then the experts' switches)
-FP8_ALL=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name tensorwise
-         --quantize.linear.float8.cache_weights)
-FP8_ALL_ENV=(TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 TITAN_MOE_FP8_WIDEN=triton)
+# fp8_all's recipe: every fp8 option on (the Triton widening is a kernel choice, set by environment)
+FP8_TW=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name tensorwise)
+LINEAR_CACHE=(--quantize.linear.float8.cache_weights)
+EXPERTS_ROWS=(--quantize.grouped_mm.float8.wgrad fp8_rows)
+EXPERTS_SITU=(--quantize.grouped_mm.float8.situ_quant)
+FP8_ALL=("${FP8_TW[@]}" "${LINEAR_CACHE[@]}" "${EXPERTS_ROWS[@]}" "${EXPERTS_SITU[@]}")
+FP8_ALL_ENV=(TITAN_MOE_FP8_WIDEN=triton)
 
 run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
     local name=$1 start=$SECONDS rc
@@ -292,9 +295,9 @@ for section in "${SECTIONS[@]}"; do
             wait ;;
         fp8_ablate)
             run fp8_ablate_no_cache env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${FP8_ALL[@]:0:4}" --job.dump_folder "$DUMP/fp8_ablate_no_cache"
-            run fp8_ablate_no_situ env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows torchrun --standalone --nproc_per_node=1 \
-                "${WIDE[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_situ" ;;
+                "${FP8_TW[@]}" "${EXPERTS_ROWS[@]}" "${EXPERTS_SITU[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_cache"
+            run fp8_ablate_no_situ torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
+                "${FP8_TW[@]}" "${LINEAR_CACHE[@]}" "${EXPERTS_ROWS[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_situ" ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

@@ -25,6 +25,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.utils import has_cuda_capability
 
 import titan_moe.float8.experts as f8_experts
+import titan_moe.float8.experts_recipe as f8_recipe
 from titan_moe.config import load_config
 from titan_moe.float8 import (
     EXPERTS_CONVERTER_NAME,
@@ -286,7 +287,7 @@ def test_float8_experts_wiring_with_a_stand_in_gemm(monkeypatch):
     """On CPU, swap torchao's fp8 grouped GEMM (TITAN_MOE_FP8_EXPERTS_GEMM=torchao) for a
     checked fp32 stand-in: the expert module must hand it 16-aligned groups and column-major
     weights and give RoutedExperts' result."""
-    monkeypatch.setenv(f8_experts.GEMM_ENV, "torchao")
+    monkeypatch.setenv(f8_recipe.GEMM_ENV, "torchao")
     calls = []
 
     def stand_in(x_MK, w_t_EKN, offs_E, out_dtype):
@@ -329,11 +330,11 @@ def test_float8_experts_fused_gemm_on_cpu(monkeypatch):
     (its CPU path emulates the fp8 GEMM on the quantized operands) on the padded groups, with
     gradients for the tokens and both weights. Tolerances as the GPU test below: about 5% per fp8 GEMM,
     two GEMMs with SiTU between; above 1% (it did quantize)."""
-    monkeypatch.setenv(f8_experts.GEMM_ENV, "bogus")
-    with pytest.raises(ValueError, match=f8_experts.GEMM_ENV):
-        f8_experts.selected_gemm()
-    monkeypatch.delenv(f8_experts.GEMM_ENV)
-    assert f8_experts.selected_gemm() == "fused"  # the default
+    monkeypatch.setenv(f8_recipe.GEMM_ENV, "bogus")
+    with pytest.raises(ValueError, match=f8_recipe.GEMM_ENV):
+        f8_recipe.ExpertsFp8Recipe().with_env_overrides()
+    monkeypatch.delenv(f8_recipe.GEMM_ENV)
+    assert f8_recipe.ExpertsFp8Recipe().with_env_overrides().gemm == "fused"  # the default
     torch.manual_seed(0)
     experts = RoutedExperts(8, 32, 48, 4.0, 25.0)
     experts.init_weights(0.05)
@@ -388,7 +389,7 @@ def test_float8_experts_on_gpu_close_to_bf16(gemm, monkeypatch):
     """fp8 rowwise experts vs the bf16 grouped GEMM on random routing. Tolerances: e4m3 on
     both operands is about 5% per GEMM on random data; two GEMMs with SiTU between: 10% for
     the output, 15% for the input gradient (three fp8 GEMMs deep)."""
-    monkeypatch.setenv(f8_experts.GEMM_ENV, gemm)
+    monkeypatch.setenv(f8_recipe.GEMM_ENV, gemm)
     torch.manual_seed(0)
     experts = RoutedExperts(8, 128, 256, 4.0, 25.0).cuda()
     experts.init_weights(0.02)

@@ -509,7 +509,8 @@ def test_fused_experts_compile_fullgraph(situ_quant, wgrad, monkeypatch, torch_q
     down GEMM's quantization) under `torch.compile(fullgraph=True)`: eager's output and
     gradients exactly; with fp32 activations (as here) the fused SiTU-GLU gives the unfused
     layer's results exactly too."""
-    from titan_moe.float8.experts import GEMM_ENV, SITU_QUANT_ENV, WGRAD_ENV, Float8RoutedExperts
+    from titan_moe.float8.experts import Float8RoutedExperts
+    from titan_moe.float8.experts_recipe import GEMM_ENV, SITU_QUANT_ENV, WGRAD_ENV
     from titan_moe.model.moe import RoutedExperts
 
     monkeypatch.setenv(GEMM_ENV, "fused")
@@ -546,7 +547,10 @@ def test_fused_experts_compile_fullgraph(situ_quant, wgrad, monkeypatch, torch_q
 
 
 def test_situ_quant_switch_errors(monkeypatch):
-    from titan_moe.float8.experts import SITU_QUANT_ENV, WGRAD_ENV, situ_quant_fused
+    from titan_moe.float8.experts_recipe import SITU_QUANT_ENV, WGRAD_ENV, ExpertsFp8Recipe
+
+    def situ_quant_fused():
+        return ExpertsFp8Recipe().with_env_overrides().situ_quant
 
     monkeypatch.setenv(SITU_QUANT_ENV, "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
@@ -564,7 +568,8 @@ def test_fused_experts_in_latent_moe_aligned_dispatch(monkeypatch, torch_quantiz
     nothing (`groups_aligned=True`); output and every gradient equal those of the same layer
     with packed groups that the experts pad themselves (the same rows of each group go
     through the same fp8 arithmetic)."""
-    from titan_moe.float8.experts import GEMM_ENV, Float8RoutedExperts, convert_routed_experts
+    from titan_moe.float8.experts import Float8RoutedExperts, convert_routed_experts
+    from titan_moe.float8.experts_recipe import GEMM_ENV
     from titan_moe.model.args import ModelArgs
     from titan_moe.model.moe import LatentMoE
 
@@ -613,7 +618,8 @@ def test_experts_weight_cache_refresh_use_and_invalidation(monkeypatch, torch_qu
     weight (an optimizer step without the hook) drops the cache, as do `to()` and
     `load_state_dict`; `TITAN_MOE_FP8_WEIGHT_CACHE=0` and the torchao GEMM make none;
     `refresh_fp8_expert_weights` (the converter's post-optimizer hook) finds the modules."""
-    from titan_moe.float8.experts import GEMM_ENV, WEIGHT_CACHE_ENV, refresh_fp8_expert_weights
+    from titan_moe.float8.experts import refresh_fp8_expert_weights
+    from titan_moe.float8.experts_recipe import GEMM_ENV, WEIGHT_CACHE_ENV
 
     monkeypatch.setenv(GEMM_ENV, "fused")
     experts = _fp8_experts(dtype=torch.bfloat16)
@@ -659,7 +665,7 @@ def test_experts_weight_cache_under_compile(monkeypatch, torch_quantization):
     cache appears, none when a refresh replaces it) and gives eager's results. fp32 weights
     with bf16 activations (autocast's case) tell the two paths apart: per call the weight is
     quantized from its bf16 copy, from the cache it is quantized from fp32."""
-    from titan_moe.float8.experts import GEMM_ENV
+    from titan_moe.float8.experts_recipe import GEMM_ENV
 
     monkeypatch.setenv(GEMM_ENV, "fused")
     experts = _fp8_experts(seed=1)
@@ -682,7 +688,7 @@ def test_experts_weight_cache_under_compile(monkeypatch, torch_quantization):
 def test_experts_weight_gradient_switch(monkeypatch, torch_quantization):
     """`TITAN_MOE_FP8_EXPERTS_WGRAD` reaches the fused GEMM: the fp8 weight gradients differ
     from the bf16 one by fp8 rounding only (same forward), an unknown value is refused."""
-    from titan_moe.float8.experts import GEMM_ENV, WGRAD_ENV
+    from titan_moe.float8.experts_recipe import GEMM_ENV, WGRAD_ENV
 
     monkeypatch.setenv(GEMM_ENV, "fused")
     x = torch.randn(32, 32).bfloat16()

@@ -348,17 +348,18 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
                               "fp8_all_accum_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_ablate_no_cache",
                               "fp8_ablate_no_situ"]
     assert "tests/test_float8_cached_linear.py" in commands["fp8_all_tests"]
-    every = "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 TITAN_MOE_FP8_WIDEN=triton"
-    cache = "--quantize.linear.float8.cache_weights"
+    widen, cache = "TITAN_MOE_FP8_WIDEN=triton", "--quantize.linear.float8.cache_weights"
+    rows, situ = "--quantize.grouped_mm.float8.wgrad fp8_rows", "--quantize.grouped_mm.float8.situ_quant"
     for name in ("fp8_all_wide_fp8", "fp8_all_accum_fp8", "fp8_all_b8_fp8"):
-        assert every in commands[name] and cache in commands[name] and "recipe_name tensorwise" in commands[name]
+        assert all(part in commands[name] for part in (widen, cache, rows, situ, "recipe_name tensorwise"))
     for name in ("fp8_all_wide_bf16", "fp8_all_accum_bf16", "fp8_all_b8_bf16"):
         assert "titan_float8" not in commands[name] and "TITAN_MOE" not in commands[name]
     assert all("--training.global_batch_size 8" in commands[k] for k in ("fp8_all_accum_bf16", "fp8_all_accum_fp8"))
     assert all("--training.local_batch_size 8" in commands[k] for k in ("fp8_all_b8_bf16", "fp8_all_b8_fp8"))
-    assert every in commands["fp8_ablate_no_cache"] and cache not in commands["fp8_ablate_no_cache"]
-    assert "titan_float8_experts" in commands["fp8_ablate_no_cache"]
-    assert "SITU_QUANT" not in commands["fp8_ablate_no_situ"] and cache in commands["fp8_ablate_no_situ"]
+    assert all(part in commands["fp8_ablate_no_cache"] for part in (widen, rows, situ, "titan_float8_experts"))
+    assert cache not in commands["fp8_ablate_no_cache"]
+    assert all(part not in commands["fp8_ablate_no_situ"] for part in (situ, widen))
+    assert cache in commands["fp8_ablate_no_situ"] and rows in commands["fp8_ablate_no_situ"]
     assert all("configs/wide_1gpu.toml" in c for k, c in commands.items() if k != "fp8_all_tests")
 
 
@@ -370,7 +371,7 @@ def test_gpu_suite_fp8_all_loss_runs_both_300_step_runs(tmp_path):
     assert all("configs/small_1gpu.toml" in c and "--compile.enable" in c and "--training.steps" not in c
                for c in commands.values())
     assert "titan_float8" not in commands["fp8_all_loss_bf16"]
-    assert "TITAN_MOE_FP8_SITU_QUANT=1" in commands["fp8_all_loss_fp8"]
+    assert "--quantize.grouped_mm.float8.situ_quant" in commands["fp8_all_loss_fp8"]
     assert "--quantize.linear.float8.cache_weights" in commands["fp8_all_loss_fp8"]
 
 

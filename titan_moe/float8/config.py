@@ -3,8 +3,8 @@
 torchtitan 0.2.2 already defines `[quantize.linear.float8]` (`recipe_name`, `emulate`,
 `filter_fqns`, `enable_fsdp_float8_all_gather`, `precompute_float8_dynamic_scale_for_fsdp`)
 and `[quantize.grouped_mm.float8]` (`fqns`); our converters read those keys. The one key
-torchtitan lacks are the width floor below which a Linear stays in high precision and the
-once-per-step weight cast. These
+torchtitan lacks are the width floor below which a Linear stays in high precision, the
+once-per-step weight cast, and the fp8 experts' recipe. These
 dataclasses mirror torchtitan's nesting so that its config merge (`_merge_configs`, which
 merges dataclass fields recursively) adds the key to the same table:
 
@@ -12,6 +12,9 @@ merges dataclass fields recursively) adds the key to the same table:
     recipe_name = "tensorwise"
     min_features = 64
     cache_weights = true
+
+    [quantize.grouped_mm.float8]
+    wgrad = "fp8_rows"
 """
 
 # No `from __future__ import annotations`: torchtitan's merge reads field types as objects.
@@ -36,5 +39,26 @@ class QuantizedLinearExtras:
 
 
 @dataclass
+class Float8GroupedMMExtras:
+    """The fp8 routed experts' recipe (converter "titan_float8_experts"); what each key does,
+    the allowed combinations and the environment overrides: `titan_moe.float8.experts_recipe`."""
+
+    gemm: str = "fused"
+    """"fused" (our quantization kernels around torch._scaled_grouped_mm) or "torchao"."""
+    wgrad: str = "bf16"
+    """The fused GEMM's weight gradient: "bf16", "fp8" or "fp8_rows"."""
+    situ_quant: bool = False
+    """SiTU-GLU computed inside the down GEMM's row quantization (fused GEMM, wgrad bf16/fp8_rows)."""
+    cache_weights: bool = True
+    """Expert weights quantized once per optimizer step (fused GEMM, unsharded weights)."""
+
+
+@dataclass
+class QuantizedGroupedMMExtras:
+    float8: Float8GroupedMMExtras = field(default_factory=Float8GroupedMMExtras)
+
+
+@dataclass
 class QuantizeExtras:
     linear: QuantizedLinearExtras = field(default_factory=QuantizedLinearExtras)
+    grouped_mm: QuantizedGroupedMMExtras = field(default_factory=QuantizedGroupedMMExtras)

@@ -4,13 +4,14 @@
     converters = ["titan_float8", "titan_float8_experts"]
     [quantize.grouped_mm.float8]     # torchtitan's table
     fqns = ["experts"]               # substrings of RoutedExperts module names; empty: all of them
+    wgrad = "bf16"                   # and the rest of the recipe: `titan_moe.float8.experts_recipe`
 
 The converter swaps each matching `RoutedExperts` for a `Float8RoutedExperts` holding the
 same Parameters (state dict and checkpoints unchanged). Its two expert GEMMs go through an
 fp8 rowwise grouped GEMM (dynamic rowwise e4m3 scaling of tokens and weights, fp32
 accumulation in `torch._scaled_grouped_mm`) instead of `titan_moe.ops.grouped_gemm.grouped_mm`:
 ours (`titan_moe.float8.grouped_mm`, the default) or torchao's
-`_to_fp8_rowwise_then_scaled_grouped_mm` (`TITAN_MOE_FP8_EXPERTS_GEMM=torchao`).
+`_to_fp8_rowwise_then_scaled_grouped_mm` (`gemm = "torchao"`).
 
 Constraints and what this module does about them:
 * `torch._scaled_grouped_mm` needs a CUDA GPU of compute capability >= 8.9. The converter
@@ -47,14 +48,13 @@ after changes that sped up both paths: BENCHMARKS.md, "The width-4096 step").
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import has_cuda_capability
 
+from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
 from titan_moe.float8.weight_cache import WeightCacheMixin
 from titan_moe.model.moe import RoutedExperts
 from titan_moe.model.situ import situ_glu_packed
@@ -115,63 +115,19 @@ def unpad_groups(out_PN: Tensor, dest_M: Tensor, offs_E: Tensor) -> Tensor:
     return out_MN * owned_M1.to(out_MN.dtype)
 
 
-GEMM_ENV = "TITAN_MOE_FP8_EXPERTS_GEMM"
-GEMMS = ("torchao", "fused")
-WEIGHT_CACHE_ENV = "TITAN_MOE_FP8_WEIGHT_CACHE"  # "0": quantize the expert weights per call
-WGRAD_ENV = "TITAN_MOE_FP8_EXPERTS_WGRAD"  # the fused GEMM's weight gradient, see selected_wgrad
-SITU_QUANT_ENV = "TITAN_MOE_FP8_SITU_QUANT"  # "1": SiTU-GLU fused into the down GEMM's quantization
-
-
-def selected_wgrad() -> str:
-    """`$TITAN_MOE_FP8_EXPERTS_WGRAD`, read per call, the fused GEMM's ``wgrad``
-    (`titan_moe.float8.grouped_mm.fp8_grouped_mm`): "bf16" (default: the recipe of the
-    300-step loss check), "fp8" or "fp8_rows" (fp8 weight gradient; "fp8_rows" re-expresses
-    the row-quantized codes per group: 10% faster per gate|up call at wide_1gpu's shapes,
-    the whole step within noise of "bf16" so far, its loss not yet checked over 300 steps;
-    BENCHMARKS.md)."""
-    from titan_moe.float8.grouped_mm import WGRAD_MODES
-
-    name = os.environ.get(WGRAD_ENV) or "bf16"
-    if name not in WGRAD_MODES:
-        raise ValueError(f"{WGRAD_ENV} must be one of {WGRAD_MODES}, got {name!r}")
-    return name
-
-
-def selected_gemm() -> str:
-    """`$TITAN_MOE_FP8_EXPERTS_GEMM`, read per call: "fused" (default: our quantization
-    kernels around `torch._scaled_grouped_mm`, `titan_moe.float8.grouped_mm`; why, in the
-    module docstring) or "torchao" (torchao's `_to_fp8_rowwise_then_scaled_grouped_mm`)."""
-    name = os.environ.get(GEMM_ENV) or "fused"
-    if name not in GEMMS:
-        raise ValueError(f"{GEMM_ENV} must be one of {GEMMS}, got {name!r}")
-    return name
-
-
-def situ_quant_fused() -> bool:
-    """`$TITAN_MOE_FP8_SITU_QUANT`, read per call: "1" runs the experts' SiTU-GLU inside the
-    down GEMM's row quantization (`fp8_grouped_mm(situ=...)`: the activation is never written
-    in bf16; the fused GEMM with wgrad "bf16" or "fp8_rows" only); "0" (default) runs it
-    between the two GEMMs."""
-    value = os.environ.get(SITU_QUANT_ENV) or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{SITU_QUANT_ENV} must be 0 or 1, got {value!r}")
-    if value == "1" and selected_wgrad() == "fp8":
-        raise ValueError(f'{SITU_QUANT_ENV}=1 needs {WGRAD_ENV} "bf16" or "fp8_rows", not "fp8" '
-                         "(which quantizes the activation by group columns from its bf16 copy)")
-    return value == "1"
-
-
-def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor, w_fp8=None, situ=None) -> Tensor:
-    """The selected fp8 rowwise grouped GEMM (`selected_gemm`) on groups that are already
-    16-aligned (`pad_groups`' layout): x_PK [P, K], w_EKN [E, K, N] in x's dtype, offs_pad_E
-    [E] int32 multiples of 16 -> [P, N] in x's dtype. `w_fp8` (the fused GEMM only): `w`
-    quantized beforehand (`titan_moe.float8.grouped_mm.fp8_grouped_mm`), `w` then in any dtype.
-    `situ` (the fused GEMM only): x_PK is SiTU-GLU's packed input [P, 2K] (`fp8_grouped_mm`'s
-    `situ`)."""
-    if selected_gemm() == "fused":
+def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor, w_fp8=None, situ=None,
+                          recipe: ExpertsFp8Recipe | None = None) -> Tensor:
+    """The recipe's fp8 rowwise grouped GEMM on groups that are already 16-aligned
+    (`pad_groups`' layout): x_PK [P, K], w_EKN [E, K, N] in x's dtype, offs_pad_E [E] int32
+    multiples of 16 -> [P, N] in x's dtype. `recipe` None: the default recipe under the
+    environment's overrides. `w_fp8` (the fused GEMM only): `w` quantized beforehand
+    (`titan_moe.float8.grouped_mm.fp8_grouped_mm`), `w` then in any dtype. `situ` (the fused
+    GEMM only): x_PK is SiTU-GLU's packed input [P, 2K] (`fp8_grouped_mm`'s `situ`)."""
+    recipe = recipe or ExpertsFp8Recipe().with_env_overrides()
+    if recipe.gemm == "fused":
         from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
 
-        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E, wgrad=selected_wgrad(), w_fp8=w_fp8, situ=situ)
+        return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E, wgrad=recipe.wgrad, w_fp8=w_fp8, situ=situ)
     if w_fp8 is not None or situ is not None:
         raise ValueError("fp8_grouped_mm_padded: a pre-quantized weight or a fused SiTU-GLU needs the fused GEMM")
     w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group
@@ -201,10 +157,11 @@ class Float8RoutedExperts(WeightCacheMixin, RoutedExperts):
     gradient-accumulation microbatches included) read those and quantize only activations,
     and the backward reads their dx layout instead of a per-call saved copy. Made only for
     plain-tensor weights on the fused GEMM (under FSDP or EP the forward sees gathered or
-    exchanged tensors, not the parameters; `TITAN_MOE_FP8_WEIGHT_CACHE=0` turns it off).
+    exchanged tensors, not the parameters; the recipe's `cache_weights = false` turns it off).
     The cache's validity rules are `titan_moe.float8.weight_cache`'s."""
 
     group_alignment = GROUP_ALIGNMENT
+    recipe = ExpertsFp8Recipe()  # the converter sets the TOML's; the environment overrides per call
 
     def _cache_sources(self) -> tuple[Tensor, Tensor]:
         return self.w_gate_up, self.w_down
@@ -212,10 +169,11 @@ class Float8RoutedExperts(WeightCacheMixin, RoutedExperts):
     def refresh_fp8_weights(self) -> bool:
         """Quantize both weights now for the forwards until the weights change (class
         docstring). Returns whether a cache was made (False, with no cache kept, for the
-        torchao GEMM, DTensor or meta weights, or `TITAN_MOE_FP8_WEIGHT_CACHE=0`)."""
+        torchao GEMM, DTensor or meta weights, or a recipe with `cache_weights` off)."""
         self._store_weight_cache(None)
         weights = self._cache_sources()
-        if (selected_gemm() != "fused" or os.environ.get(WEIGHT_CACHE_ENV, "1") == "0"
+        recipe = self.recipe.with_env_overrides()
+        if (recipe.gemm != "fused" or not recipe.cache_weights
                 or any(isinstance(w, DTensor) or w.device.type == "meta" for w in weights)):
             return False
         from titan_moe.float8.quantize import quantize_weight
@@ -253,21 +211,25 @@ class Float8RoutedExperts(WeightCacheMixin, RoutedExperts):
             x_PL, offs_pad_E = x_ML, offs_E
         else:
             x_PL, offs_pad_E, dest_M = pad_groups(x_ML, offs_E)
+        recipe = self.recipe.with_env_overrides()
         cached = self.current_fp8_weights()
         if cached is None:
             w_gate_up, w_down, cached = w_gate_up.to(x_ML.dtype), w_down.to(x_ML.dtype), (None, None)
-        z_P2H = fp8_grouped_mm_padded(x_PL, w_gate_up, offs_pad_E, cached[0])
-        if situ_quant_fused() and selected_gemm() == "fused":
-            out_PL = fp8_grouped_mm_padded(z_P2H, w_down, offs_pad_E, cached[1], situ=(self.beta1, self.beta2))
+        z_P2H = fp8_grouped_mm_padded(x_PL, w_gate_up, offs_pad_E, cached[0], recipe=recipe)
+        if recipe.situ_quant:
+            out_PL = fp8_grouped_mm_padded(z_P2H, w_down, offs_pad_E, cached[1], situ=(self.beta1, self.beta2),
+                                           recipe=recipe)
         else:
             hidden_PH = situ_glu_packed(z_P2H, self.beta1, self.beta2)
-            out_PL = fp8_grouped_mm_padded(hidden_PH, w_down, offs_pad_E, cached[1])
+            out_PL = fp8_grouped_mm_padded(hidden_PH, w_down, offs_pad_E, cached[1], recipe=recipe)
         return out_PL if groups_aligned else unpad_groups(out_PL, dest_M, offs_E)
 
 
-def convert_routed_experts(model: nn.Module, fqns: list[str] | tuple[str, ...] = ()) -> list[str]:
+def convert_routed_experts(model: nn.Module, fqns: list[str] | tuple[str, ...] = (),
+                           recipe: ExpertsFp8Recipe | None = None) -> list[str]:
     """Swap the `RoutedExperts` of `model` whose name contains one of `fqns` (all when empty)
-    for `Float8RoutedExperts`, in place. Returns the swapped names. No device check here.
+    for `Float8RoutedExperts` computing by `recipe` (None: the defaults), in place. Returns
+    the swapped names. No device check here.
 
     Raises ValueError when a swapped module's widths are not multiples of 16.
     """
@@ -285,14 +247,21 @@ def convert_routed_experts(model: nn.Module, fqns: list[str] | tuple[str, ...] =
             )
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, Float8RoutedExperts.from_experts(module))
+        fp8_experts = Float8RoutedExperts.from_experts(module)
+        if recipe is not None:
+            fp8_experts.recipe = recipe
+        setattr(parent, child, fp8_experts)
     return [name for name, _ in targets]
 
 
 class TitanFloat8ExpertsConverter:
-    """torchtitan model converter "titan_float8_experts" (reads `quantize.grouped_mm.float8.fqns`)."""
+    """torchtitan model converter "titan_float8_experts" (reads `[quantize.grouped_mm.float8]`: `fqns`
+    and the recipe, `titan_moe.float8.experts_recipe`)."""
 
     def __init__(self, job_config, parallel_dims):
+        table = job_config.quantize.grouped_mm.float8
+        self.fqns = [table.fqns] if isinstance(table.fqns, str) else list(table.fqns)
+        self.recipe = ExpertsFp8Recipe.from_config(table)  # a config error first, on any machine
         if not has_cuda_capability(8, 9):
             found = (
                 f"compute capability {torch.cuda.get_device_capability()}"
@@ -303,16 +272,16 @@ class TitanFloat8ExpertsConverter:
                 f"model.converters: {CONVERTER_NAME!r}: fp8 grouped GEMM for the routed experts needs a CUDA GPU "
                 f"with compute capability >= 8.9 ({found}); remove it to keep the experts in high precision"
             )
-        fqns = job_config.quantize.grouped_mm.float8.fqns
-        self.fqns = [fqns] if isinstance(fqns, str) else list(fqns)
 
     def convert(self, model: nn.Module) -> None:
-        names = convert_routed_experts(model, self.fqns)
+        names = convert_routed_experts(model, self.fqns, self.recipe)
         if not names:
             raise ValueError(
                 f"quantize.grouped_mm.float8.fqns = {self.fqns} matches no routed experts of the model"
             )
-        logger.info("float8: %d routed-expert modules use the fp8 rowwise grouped GEMM", len(names))
+        effective = self.recipe.with_env_overrides()
+        logger.info("float8: %d routed-expert modules use the fp8 rowwise grouped GEMM (%s%s)", len(names),
+                    effective.describe(), "" if effective == self.recipe else "; environment overrides the config")
 
     def post_optimizer_hook(self, model) -> None:
         """After every optimizer step: the fp8 weights for the next step's forwards."""

@@ -66,6 +66,7 @@ import os
 import torch
 from torch import Tensor
 
+from titan_moe.float8.experts_recipe import WGRAD_MODES
 from titan_moe.float8.quantize import (
     Fp8Weight,
     quantize_group_columns,
@@ -80,7 +81,6 @@ from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
 
 ALIGNMENT = 16  # group sizes, K and N: multiples of this
 FP8 = torch.float8_e4m3fn
-WGRAD_MODES = ("bf16", "fp8", "fp8_rows")
 CHECK_OFFSETS_ENV = "TITAN_MOE_FP8_CHECK_OFFSETS"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -1,0 +1,101 @@
+"""How the fp8 routed experts compute: TOML keys, with environment overrides for experiments.
+
+    [quantize.grouped_mm.float8]   # torchtitan's table (fqns) plus these keys of ours
+    gemm = "fused"           # "fused": our quantization kernels around torch._scaled_grouped_mm;
+                             # "torchao": torchao's _to_fp8_rowwise_then_scaled_grouped_mm
+    wgrad = "bf16"           # the fused GEMM's weight gradient: "bf16", "fp8" or "fp8_rows"
+    situ_quant = false       # SiTU-GLU computed inside the down GEMM's row quantization
+    cache_weights = true     # expert weights quantized once per optimizer step
+
+Each key has an environment variable that, when set, overrides it (read per call, so at
+trace time under torch.compile): `TITAN_MOE_FP8_EXPERTS_GEMM`, `TITAN_MOE_FP8_EXPERTS_WGRAD`,
+`TITAN_MOE_FP8_SITU_QUANT` (0/1), `TITAN_MOE_FP8_WEIGHT_CACHE` (0/1). The benchmarks use them
+to compare recipes without editing configs.
+
+Why these defaults (BENCHMARKS.md): "fused" ran the MoE benchmark's fp8 GEMM 4x faster than
+torchao's and compiles fullgraph; "bf16" is the weight gradient of the 300-step loss check;
+"fp8_rows" re-expresses the forward's row codes per group (10% faster per gate|up call at
+wide_1gpu's shapes, not yet visible in the whole step); `situ_quant` is not yet timed on a
+GPU; the weight cache is what made the fp8 experts faster than bf16 in the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+GEMMS = ("torchao", "fused")
+WGRAD_MODES = ("bf16", "fp8", "fp8_rows")  # fp8_grouped_mm's `wgrad` (titan_moe.float8.grouped_mm imports it)
+
+GEMM_ENV = "TITAN_MOE_FP8_EXPERTS_GEMM"
+WGRAD_ENV = "TITAN_MOE_FP8_EXPERTS_WGRAD"
+SITU_QUANT_ENV = "TITAN_MOE_FP8_SITU_QUANT"
+WEIGHT_CACHE_ENV = "TITAN_MOE_FP8_WEIGHT_CACHE"
+TABLE = "quantize.grouped_mm.float8"
+
+
+def _flag(env: str) -> bool | None:
+    value = os.environ.get(env)
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{env} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsFp8Recipe:
+    """The fp8 experts' choices (module docstring). Raises ValueError, naming the TOML keys,
+    for an unknown value or a combination that does not exist."""
+
+    gemm: str = "fused"
+    wgrad: str = "bf16"
+    situ_quant: bool = False
+    cache_weights: bool = True
+
+    def __post_init__(self):
+        if self.gemm not in GEMMS:
+            raise ValueError(f"{TABLE}.gemm must be one of {GEMMS}, got {self.gemm!r}")
+        if self.wgrad not in WGRAD_MODES:
+            raise ValueError(f"{TABLE}.wgrad must be one of {WGRAD_MODES}, got {self.wgrad!r}")
+        if self.situ_quant and self.wgrad == "fp8":
+            raise ValueError(f'{TABLE}.situ_quant needs wgrad "bf16" or "fp8_rows", not "fp8" '
+                             "(which quantizes the activation by group columns from its bf16 copy)")
+        if self.gemm == "torchao" and (self.situ_quant or self.wgrad != "bf16"):
+            raise ValueError(f'{TABLE}: wgrad and situ_quant apply to gemm = "fused" only (got gemm "torchao", '
+                             f"wgrad {self.wgrad!r}, situ_quant {self.situ_quant})")
+
+    @classmethod
+    def from_config(cls, table) -> ExpertsFp8Recipe:
+        """From the `[quantize.grouped_mm.float8]` config table (missing keys: the defaults)."""
+        defaults = cls()
+        return cls(**{f.name: getattr(table, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)})
+
+    def with_env_overrides(self) -> ExpertsFp8Recipe:
+        """This recipe with each field whose environment variable is set replaced by it.
+
+        Raises ValueError naming the variable for a value it cannot take; a combination the
+        override makes impossible names the variables that made it."""
+        changes = {}
+        for field, env in (("gemm", GEMM_ENV), ("wgrad", WGRAD_ENV)):
+            value = os.environ.get(env)
+            if value:
+                allowed = GEMMS if field == "gemm" else WGRAD_MODES
+                if value not in allowed:
+                    raise ValueError(f"{env} must be one of {allowed}, got {value!r}")
+                changes[field] = value
+        for field, env in (("situ_quant", SITU_QUANT_ENV), ("cache_weights", WEIGHT_CACHE_ENV)):
+            value = _flag(env)
+            if value is not None:
+                changes[field] = value
+        if not changes:
+            return self
+        try:
+            return dataclasses.replace(self, **changes)
+        except ValueError as err:
+            envs = {"gemm": GEMM_ENV, "wgrad": WGRAD_ENV, "situ_quant": SITU_QUANT_ENV, "cache_weights": WEIGHT_CACHE_ENV}
+            raise ValueError(f"{err} (set by {', '.join(envs[k] + '=' + str(v) for k, v in changes.items())})") from None
+
+    def describe(self) -> str:
+        return (f"gemm {self.gemm}, wgrad {self.wgrad}, SiTU-GLU in the quantization {self.situ_quant}, "
+                f"weights quantized once per step {self.cache_weights}")
