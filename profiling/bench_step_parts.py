@@ -1,7 +1,8 @@
 """Benchmark: parts of the width-4096 training step against their earlier forms or floors.
 
     python profiling/bench_step_parts.py                  # H200: wide_1gpu's shapes, bf16
-    python profiling/bench_step_parts.py --parts requant  # a subset (situ, mix, refresh, dw, requant, situ_quant)
+    python profiling/bench_step_parts.py --parts requant  # a subset (situ, mix, refresh, dw, requant, situ_quant,
+                                                          # linear_cache)
     python profiling/bench_step_parts.py --device cpu --tiny   # plumbing check, no speed claim
 
 Each provider is compiled (Inductor, ``fullgraph=True``) and timed forward+backward in
@@ -38,6 +39,11 @@ interleaved rounds (`bench_moe.measure_rounds`):
   ``--requant-tiles`` (``BMxBCxW``: rows, columns, warps); beside it the floor of the same
   traffic, a plain transposed copy of the codes (``transpose``), and the bf16 path's
   per-group column quantization (``group_cols``, ``wgrad="fp8"``).
+* The fp8 linears' weight cast once per optimizer step (``linear_cache``): four 4096 x 4096
+  linears on 16,384 tokens under bf16 autocast with fp32 weights (the trainer's setting at
+  wide_1gpu's width), compiled: ``linears_bf16``, ``linears_fp8_per_call`` (torchao's
+  tensorwise `Float8Linear`) and ``linears_fp8_cached`` (`CachedFloat8Linear`, weights cast
+  beforehand; the JSON line says whether its output equals the per-call one).
 * SiTU-GLU fused into the down GEMM's row quantization (``situ_quant``,
   `titan_moe.float8.quantize.quantize_situ_rows_triton`, the activation never written)
   against SiTU-GLU then the row quantization (``situ_then_rows``: the compiled
@@ -209,7 +215,48 @@ def compiled(fn):
     return torch.compile(fn, fullgraph=True)
 
 
-PARTS = ("situ", "mix", "refresh", "dw", "requant", "situ_quant")
+PARTS = ("situ", "mix", "refresh", "dw", "requant", "situ_quant", "linear_cache")
+
+
+def linear_cache_parts(device, dtype, tiny: bool, gen, results: dict) -> tuple[dict, list]:
+    """{provider: fwd+bwd fn} of four square linears under autocast (fp32 weights, as the
+    trainer's), and the tensors whose grads to reset: bf16, tensorwise fp8 casting the weights
+    per call (torchao's `Float8Linear`), and fp8 with the weights cast once beforehand
+    (`CachedFloat8Linear`, what `cache_weights` does once per optimizer step). Records whether
+    the two fp8 forms gave the same output (they must: the same codes)."""
+    import copy
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from titan_moe.float8.cached_linear import refresh_fp8_linear_weights, use_cached_weights
+
+    T, D = (64, 64) if tiny else (16_384, 4096)
+    bf16 = torch.nn.Sequential(*[torch.nn.Linear(D, D, bias=False) for _ in range(4)]).to(device)
+    per_call = copy.deepcopy(bf16)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=device.type != "cuda")
+    convert_to_float8_training(per_call, config=config)
+    cached = copy.deepcopy(per_call)
+    use_cached_weights(cached)
+    refresh_fp8_linear_weights(cached)
+    x_TD = torch.randn(T, D, device=device, generator=gen).to(dtype).requires_grad_()
+    g_TD = torch.randn(T, D, device=device, generator=gen).to(dtype)
+
+    def under_autocast(module):
+        step = compiled(module)
+
+        def run(x):
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                return step(x)
+        return run
+
+    fns = {f"linears_{name}": fwd_bwd(under_autocast(m), (x_TD,), g_TD)
+           for name, m in (("bf16", bf16), ("fp8_per_call", per_call), ("fp8_cached", cached))}
+    with torch.no_grad():
+        results["linear_cache_same_output"] = bool(torch.equal(under_autocast(per_call)(x_TD),
+                                                               under_autocast(cached)(x_TD)))
+    tensors = [x_TD] + [p for m in (bf16, per_call, cached) for p in m.parameters()]
+    return fns, tensors
 
 
 def situ_quant_parts(device, dtype, tiny: bool, gen) -> dict:
@@ -246,7 +293,7 @@ def main(argv=None) -> dict:
     results: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
 
     fwd_bwd_fns, grads = {}, []
-    for name, make in (("situ", situ_parts), ("mix", mix_parts)):
+    for name, make in (("situ", situ_parts), ("mix", mix_parts), ("linear_cache", linear_cache_parts)):
         if name in parts:
             fns, tensors = make(device, dtype, args.tiny, gen, results)
             fwd_bwd_fns.update(fns)

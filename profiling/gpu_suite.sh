@@ -89,6 +89,9 @@
 #              Triton widening), then wide_1gpu compiled, 12 steps each: bf16, then tensorwise fp8
 #              linears with cache_weights + fp8 experts with wgrad "fp8_rows", situ_quant and
 #              TITAN_MOE_FP8_WIDEN=triton (not in the default list)
+#   fp8_all_parts  bench_step_parts.py --parts linear_cache,situ_quant,dw: the cached linear weight
+#              casts, the fused SiTU quantization and the Triton widening, each against its
+#              earlier form (not in the default list)
 #   fp8_all_accum  the same two wide_1gpu runs with two microbatches per step (as fp8_accum)
 #              (not in the default list)
 #   fp8_all_b8 the same two wide_1gpu runs at local batch 8 (32K tokens per step in one
@@ -274,6 +277,7 @@ for section in "${SECTIONS[@]}"; do
             run fp8_all_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_all_bf16"
             run fp8_all_wide_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
                 "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_fp8" ;;
+        fp8_all_parts) run fp8_all_parts python profiling/bench_step_parts.py --parts linear_cache,situ_quant,dw ;;
         fp8_all_accum)
             ACCUM=(--training.global_batch_size 8)
             run fp8_all_accum_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \

@@ -184,14 +184,16 @@ def test_best_tiles_sums_each_kind_over_cases_and_drops_failed_candidates(tmp_pa
 
 def test_step_parts_tiny_cpu_run_compares_each_part_with_its_earlier_form():
     """profiling/bench_step_parts.py on CPU, tiny shapes (plumbing, no times): every provider
-    runs compiled, and each new form equals its earlier one (the SiTU forms bit for bit, the
-    AttnRes mix to fp32 rounding of a different summation order)."""
+    runs compiled, and each new form equals its earlier one (the SiTU forms and the cached fp8
+    linears bit for bit, the AttnRes mix to fp32 rounding of a different summation order)."""
     script = REPO / "profiling" / "bench_step_parts.py"
     proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tiny"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # (the weight refresh and dw rows join where the Triton kernels run: under the interpreter here)
-    assert set(report["ms"]) >= {"situ_packed", "situ_halves", "situ_op", "attn_res_mixer", "attn_res_einsum"}
+    assert set(report["ms"]) >= {"situ_packed", "situ_halves", "situ_op", "attn_res_mixer", "attn_res_einsum",
+                                 "linears_bf16", "linears_fp8_per_call", "linears_fp8_cached"}
     assert all(v is None for v in report["ms"].values())
     assert report["situ_max_abs_diff"] == 0.0 and report["attn_res_max_abs_diff"] < 1e-5
+    assert report["linear_cache_same_output"] is True

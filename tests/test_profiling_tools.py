@@ -341,13 +341,15 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
     """fp8_all: the new pieces' tests, then bf16 and the all-options fp8 recipe on wide_1gpu;
     fp8_all_accum: the same pair with two microbatches; fp8_all_b8: at local batch 8; fp8_ablate: the recipe without the
     linear weight cache, then without the fused SiTU quantization and widening."""
-    proc = _gpu_suite(tmp_path, "fp8_all", "fp8_all_accum", "fp8_all_b8", "fp8_ablate", gpus="1")
+    proc = _gpu_suite(tmp_path, "fp8_all", "fp8_all_parts", "fp8_all_accum", "fp8_all_b8", "fp8_ablate", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_all_tests", "fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_accum_bf16",
+    assert list(commands) == ["fp8_all_tests", "fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_parts",
+                              "fp8_all_accum_bf16",
                               "fp8_all_accum_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_ablate_no_cache",
                               "fp8_ablate_no_situ"]
     assert "tests/test_float8_cached_linear.py" in commands["fp8_all_tests"]
+    assert "--parts linear_cache,situ_quant,dw" in commands["fp8_all_parts"]
     widen, cache = "TITAN_MOE_FP8_WIDEN=triton", "--quantize.linear.float8.cache_weights"
     rows, situ = "--quantize.grouped_mm.float8.wgrad fp8_rows", "--quantize.grouped_mm.float8.situ_quant"
     for name in ("fp8_all_wide_fp8", "fp8_all_accum_fp8", "fp8_all_b8_fp8"):
@@ -360,7 +362,7 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
     assert cache not in commands["fp8_ablate_no_cache"]
     assert all(part not in commands["fp8_ablate_no_situ"] for part in (situ, widen))
     assert cache in commands["fp8_ablate_no_situ"] and rows in commands["fp8_ablate_no_situ"]
-    assert all("configs/wide_1gpu.toml" in c for k, c in commands.items() if k != "fp8_all_tests")
+    assert all("configs/wide_1gpu.toml" in c for k, c in commands.items() if k not in ("fp8_all_tests", "fp8_all_parts"))
 
 
 def test_gpu_suite_fp8_all_loss_runs_both_300_step_runs(tmp_path):
