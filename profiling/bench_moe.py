@@ -58,7 +58,7 @@ were quantized beforehand (``refresh_fp8_weights``, what training does once per 
 step; that refresh is timed on its own, ``fp8_weight_refresh_ms``, as it is paid once per
 step however many forwards the step has), and as ``ours_fp8_rows_situ``, a third copy, cached
 too, with the fp8 weight gradient from the row codes, SiTU-GLU fused into the down GEMM's
-quantization and the Triton dw widening (``FP8_ROWS_SITU_ENV``), plus the
+quantization (``FP8_ROWS_SITU_RECIPE``) and the Triton dw widening, plus the
 relative error of y and dx of every run against the native one) vs torchtitan 0.2.2's
 ``torchtitan.models.moe.MoE`` (full-width SwiGLU experts, grouped_mm with its padding kernel
 on CUDA), both with the same token count, width, expert count, top-k, expert hidden size and
@@ -504,9 +504,10 @@ def build_layers(cfg: dict, device: str, dtype):
     return ours, theirs
 
 
-FP8_ROWS_SITU_ENV = {"TITAN_MOE_FP8_EXPERTS_WGRAD": "fp8_rows", "TITAN_MOE_FP8_SITU_QUANT": "1",
-                     "TITAN_MOE_FP8_WIDEN": "triton"}
-"""The switches of the ``ours_fp8_rows_situ`` layer (`titan_moe.float8.experts`, `.widen`)."""
+FP8_ROWS_SITU_RECIPE = dict(wgrad="fp8_rows", situ_quant=True)
+"""The ``ours_fp8_rows_situ`` layer's experts recipe (`titan_moe.float8.experts_recipe`); it
+also widens the weight gradients with the Triton kernel (``FP8_ROWS_SITU_ENV``)."""
+FP8_ROWS_SITU_ENV = {"TITAN_MOE_FP8_WIDEN": "triton"}
 
 
 def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool, kernels: int = 0) -> dict:
@@ -521,10 +522,11 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     if device == "cpu" or fp8_available(device, dtype):
         from titan_moe.float8.experts import refresh_fp8_expert_weights
 
-        ours_fp8, ours_fp8_cached, ours_fp8_rows_situ = (fp8_experts_copy(ours) for _ in range(3))
+        ours_fp8, ours_fp8_cached = (fp8_experts_copy(ours) for _ in range(2))
+        ours_fp8_rows_situ = fp8_experts_copy(ours, **FP8_ROWS_SITU_RECIPE)
         refresh = functools.partial(refresh_fp8_expert_weights, ours_fp8_cached)
         if not (refresh() and refresh_fp8_expert_weights(ours_fp8_rows_situ)):
-            raise RuntimeError("bench_moe: the fp8 experts made no weight cache (TITAN_MOE_FP8_WEIGHT_CACHE=0?)")
+            raise RuntimeError("bench_moe: the fp8 experts made no weight cache (TITAN_MOE_FP8_WEIGHT_CACHE=0 set?)")
     if compile_layers:
         ours, theirs = torch.compile(ours), torch.compile(theirs)
         if ours_fp8 is not None:  # one compiled copy per fp8 arrangement: the experts read theirs at trace time
@@ -602,14 +604,16 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     return out
 
 
-def fp8_experts_copy(ours):
-    """A copy of our layer (same parameter values) whose routed experts run in fp8."""
+def fp8_experts_copy(ours, **recipe):
+    """A copy of our layer (same parameter values) whose routed experts run in fp8, by the
+    default recipe with ``recipe``'s fields (`ExpertsFp8Recipe`) replaced."""
     import copy
 
     from titan_moe.float8.experts import convert_routed_experts
+    from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
 
     layer = copy.deepcopy(ours)
-    convert_routed_experts(layer)
+    convert_routed_experts(layer, recipe=ExpertsFp8Recipe(**recipe))
     return layer
 
 

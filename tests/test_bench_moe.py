@@ -197,3 +197,18 @@ def test_step_parts_tiny_cpu_run_compares_each_part_with_its_earlier_form():
     assert all(v is None for v in report["ms"].values())
     assert report["situ_max_abs_diff"] == 0.0 and report["attn_res_max_abs_diff"] < 1e-5
     assert report["linear_cache_same_output"] is True
+
+
+def test_fp8_rows_situ_layer_copy_carries_its_recipe():
+    """The ``ours_fp8_rows_situ`` provider's experts compute by its recipe, whatever the
+    environment's defaults."""
+    from titan_moe.float8.experts import Float8RoutedExperts
+    from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
+    from titan_moe.model.moe import RoutedExperts
+
+    bench = _load_bench()
+    layer = bench.fp8_experts_copy(torch.nn.Sequential(RoutedExperts(2, 16, 32, 1.0, 1.0)),
+                                   **bench.FP8_ROWS_SITU_RECIPE)
+    assert isinstance(layer[0], Float8RoutedExperts)
+    assert layer[0].recipe == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True)
+    assert bench.fp8_experts_copy(torch.nn.Sequential(RoutedExperts(2, 16, 32, 1.0, 1.0)))[0].recipe == ExpertsFp8Recipe()
