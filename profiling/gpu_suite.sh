@@ -84,6 +84,8 @@
 #              32K tokens per step, so the per-step optimizer and fp8 weight refresh count half as much
 #              per token), 12 steps each: bf16, then tensorwise fp8 linears + fp8 experts (not in the
 #              default list)
+#   fp8_all*   sections end with profiling/step_table.py over their runs: tokens/s, fp8 / bf16,
+#              losses and memory in one table
 #   fp8_all    every fp8 step option at once, the candidate recipe for the whole-step goal: the
 #              GPU tests of the newest fp8 pieces (cached linear weights, fused SiTU quantization,
 #              Triton widening), then wide_1gpu compiled, 12 steps each: bf16, then tensorwise fp8
@@ -276,32 +278,39 @@ for section in "${SECTIONS[@]}"; do
                 tests/test_widen.py tests/test_float8_grouped.py -k "cached or cuda or sm90 or widen or situ"
             run fp8_all_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_all_bf16"
             run fp8_all_wide_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_fp8" ;;
+                "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_fp8"
+            run fp8_all_table python profiling/step_table.py "$DUMP/fp8_all_bf16" "$DUMP/fp8_all_fp8" ;;
         fp8_all_parts) run fp8_all_parts python profiling/bench_step_parts.py --parts linear_cache,situ_quant,dw ;;
         fp8_all_accum)
             ACCUM=(--training.global_batch_size 8)
             run fp8_all_accum_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \
                 --job.dump_folder "$DUMP/fp8_all_accum_bf16"
             run fp8_all_accum_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${ACCUM[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_accum_fp8" ;;
+                "${ACCUM[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_accum_fp8"
+            run fp8_all_accum_table python profiling/step_table.py "$DUMP/fp8_all_accum_bf16" "$DUMP/fp8_all_accum_fp8" ;;
         fp8_all_b8)
             B8=(--training.local_batch_size 8)
             run fp8_all_b8_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${B8[@]}" \
                 --job.dump_folder "$DUMP/fp8_all_b8_bf16"
             run fp8_all_b8_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${B8[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_b8_fp8" ;;
+                "${B8[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_b8_fp8"
+            run fp8_all_b8_table python profiling/step_table.py "$DUMP/fp8_all_b8_bf16" "$DUMP/fp8_all_b8_fp8" ;;
         fp8_all_loss)
             LOSS=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --metrics.log_freq 10 --compile.enable)
             run fp8_all_loss_bf16 torchrun --standalone --nproc_per_node=1 "${LOSS[@]}" \
                 --job.dump_folder "$DUMP/fp8_all_loss_bf16" &
             run fp8_all_loss_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 \
                 "${LOSS[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_loss_fp8" &
-            wait ;;
+            wait
+            run fp8_all_loss_table python profiling/step_table.py "$DUMP/fp8_all_loss_bf16" "$DUMP/fp8_all_loss_fp8" \
+                --steps 100,200,300 ;;
         fp8_ablate)
             run fp8_ablate_no_cache env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
                 "${FP8_TW[@]}" "${EXPERTS_ROWS[@]}" "${EXPERTS_SITU[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_cache"
             run fp8_ablate_no_situ torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${FP8_TW[@]}" "${LINEAR_CACHE[@]}" "${EXPERTS_ROWS[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_situ" ;;
+                "${FP8_TW[@]}" "${LINEAR_CACHE[@]}" "${EXPERTS_ROWS[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_situ"
+            run fp8_ablate_table python profiling/step_table.py "$DUMP/fp8_ablate_no_cache" "$DUMP/fp8_ablate_no_situ" \
+                "$DUMP/fp8_all_fp8" "$DUMP/fp8_all_bf16" --baseline fp8_all_bf16 ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

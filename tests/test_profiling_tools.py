@@ -344,10 +344,14 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
     proc = _gpu_suite(tmp_path, "fp8_all", "fp8_all_parts", "fp8_all_accum", "fp8_all_b8", "fp8_ablate", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_all_tests", "fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_parts",
-                              "fp8_all_accum_bf16",
-                              "fp8_all_accum_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_ablate_no_cache",
-                              "fp8_ablate_no_situ"]
+    assert list(commands) == ["fp8_all_tests", "fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_table",
+                              "fp8_all_parts", "fp8_all_accum_bf16", "fp8_all_accum_fp8", "fp8_all_accum_table",
+                              "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_all_b8_table", "fp8_ablate_no_cache",
+                              "fp8_ablate_no_situ", "fp8_ablate_table"]
+    tables = {k: commands.pop(k) for k in list(commands) if k.endswith("_table")}
+    assert tables["fp8_all_table"].endswith("step_table.py OUT/fp8_all_bf16 OUT/fp8_all_fp8".replace(
+        "OUT", str(tmp_path / "out")))
+    assert tables["fp8_ablate_table"].endswith("--baseline fp8_all_bf16")
     assert "tests/test_float8_cached_linear.py" in commands["fp8_all_tests"]
     assert "--parts linear_cache,situ_quant,dw" in commands["fp8_all_parts"]
     widen, cache = "TITAN_MOE_FP8_WIDEN=triton", "--quantize.linear.float8.cache_weights"
@@ -369,6 +373,7 @@ def test_gpu_suite_fp8_all_loss_runs_both_300_step_runs(tmp_path):
     proc = _gpu_suite(tmp_path, "fp8_all_loss", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert commands.pop("fp8_all_loss_table").endswith("--steps 100,200,300")
     assert sorted(commands) == ["fp8_all_loss_bf16", "fp8_all_loss_fp8"]
     assert all("configs/small_1gpu.toml" in c and "--compile.enable" in c and "--training.steps" not in c
                for c in commands.values())
@@ -714,3 +719,38 @@ def test_kda_host_cost_rejects_a_bad_shape():
     proc = subprocess.run([sys.executable, str(REPO / "profiling" / "kda_host_cost.py"), "--shape", "1,2"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "B,T,H,dk" in proc.stderr
+
+
+def _metrics(folder: Path, records: list[dict]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def test_step_table_ratios_losses_memory_and_a_missing_run(tmp_path, capsys):
+    """profiling/step_table.py: tokens/s at the last two common steps, each run's ratio to the
+    baseline at the same step, the last loss and validation loss, the peak memory; a run that
+    left no metrics is listed as missing."""
+    step_table = _load("step_table")
+    bf16 = _metrics(tmp_path / "bf16", [
+        {"step": 4, "loss": 9.0, "tokens_per_s": 1000.0, "max_reserved_gib": 60.0},
+        {"step": 8, "loss": 8.0, "tokens_per_s": 2000.0, "max_reserved_gib": 66.0},
+        {"step": 12, "loss": 7.5, "tokens_per_s": 2500.0, "max_reserved_gib": 65.0},
+        {"step": 12, "eval_loss": 7.75}])
+    fp8 = _metrics(tmp_path / "fp8", [
+        {"step": 4, "loss": 9.1, "tokens_per_s": 1100.0, "max_reserved_gib": 70.0},
+        {"step": 8, "loss": 8.1, "tokens_per_s": 2400.0, "max_reserved_gib": 71.0},
+        {"step": 12, "loss": 7.6, "tokens_per_s": 3000.0, "max_reserved_gib": 71.5}])
+    summary = step_table.main([str(bf16), str(fp8), str(tmp_path / "crashed")])
+    assert summary["steps"] == [8, 12] and summary["baseline"] == "bf16"
+    assert summary["runs"]["fp8"]["ratio"] == {8: pytest.approx(1.2), 12: pytest.approx(1.2)}
+    assert summary["runs"]["bf16"]["validation_loss"] == 7.75 and summary["runs"]["fp8"]["validation_loss"] is None
+    assert summary["runs"]["fp8"]["loss"] == 7.6 and summary["runs"]["fp8"]["peak_reserved_gib"] == 71.5
+    assert summary["runs"]["crashed"] is None
+    out = capsys.readouterr().out
+    assert "| fp8 | 2,400 | 3,000 | 1.200x | 1.200x | 7.60000 | - | 71.50 |" in out
+    assert "| crashed | missing" in out
+    assert step_table.main([str(bf16), str(fp8), "--baseline", "fp8", "--steps", "4"])["runs"]["bf16"]["ratio"] == {
+        4: pytest.approx(1000 / 1100)}
+    with pytest.raises(SystemExit):
+        step_table.main([str(tmp_path / "crashed"), str(bf16)])  # the baseline has no metrics
