@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch._dynamo.testing
 import torchao.float8.float8_linear as torchao_linear
 from numerics import rel_err
 from torch import nn

@@ -629,3 +629,32 @@ def test_eager_routed_experts_keep_what_the_fused_count_says():
     fused = sum(e.bytes for e in moe_layer.entries if e.name in ("moe.expert_gate_up", "moe.expert_hidden"))
     assert fused == 3 * args.top_k * args.moe_expert_hidden * 2  # gate/up and hidden, bf16
     assert per_token == fused
+
+
+def test_cached_expert_casts_move_the_experts_copies_into_the_whole_step():
+    """`training.cache_compute_weights` (on by default): one device under autocast keeps the
+    routed experts' bf16 copies for the whole step (2 bytes per expert parameter, every phase)
+    and the per-layer autocast copies lose the experts' share; FSDP, EP or bf16 parameters
+    keep nothing."""
+    from titan_moe.config import load_config
+    from titan_moe.plan import autocast_weight_copies
+
+    args = _tiny()
+    inv = inventory(_meta_model(args), args)
+    one, cached = Layout(1, 1, 1, 1), replace(FP32_MASTER, cached_expert_casts=True)
+    assert param_memory(inv, one, cached).compute_weight_cache == inv.routed_experts * 2
+    assert param_memory(inv, one, FP32_MASTER).compute_weight_cache == 0
+    per_call, _ = autocast_weight_copies(inv, one, FP32_MASTER)
+    kept, _ = autocast_weight_copies(inv, one, cached)
+    assert sum(per_call) - sum(kept) == inv.routed_experts * 2
+    for layout, prec in ((Layout(1, 2, 1, 1), cached), (Layout(1, 2, 1, 2), cached),
+                         (one, replace(BF16, cached_expert_casts=True))):
+        assert param_memory(inv, layout, prec).compute_weight_cache == 0
+    plans = {c: plan_layout(args, inv, replace(FP32_MASTER, cached_expert_casts=c), one, 1, 64) for c in (False, True)}
+    opt = [(n, t) for n, t in plans[True].phase_totals("full") if n == "optimizer step"][0][1]
+    opt_before = [(n, t) for n, t in plans[False].phase_totals("full") if n == "optimizer step"][0][1]
+    assert opt - opt_before == inv.routed_experts * 2  # the copies stay through the optimizer step
+    config = load_config(["--job.config_file", DEBUG_TOML])
+    assert Precision.from_config(config).cached_expert_casts
+    assert not Precision.from_config(load_config(["--job.config_file", DEBUG_TOML,
+                                                  "--training.no-cache-compute-weights"])).cached_expert_casts

@@ -69,6 +69,13 @@ class Training:
     """Stop after this step (saving a full checkpoint when checkpointing is on), as a job whose
     time slot ends would; the LR schedule still follows training.steps. -1: run to the end."""
 
+    cache_compute_weights: bool = True
+    """Under autocast (one device or DDP: fp32 parameters, mixed_precision_param compute), cast
+    the routed experts' weights to the compute dtype once per optimizer step instead of in every
+    forward and activation-checkpoint recompute (the same values, so the same results;
+    `RoutedExperts.refresh_compute_weights`). Costs a copy of those weights in the compute
+    dtype. Nothing to do under FSDP (its all-gather casts) or without mixed precision."""
+
 
 @dataclass
 class Checkpoint:

@@ -33,6 +33,7 @@ from torchtitan.train import Trainer  # noqa: E402
 
 from titan_moe import train_spec  # noqa: E402
 from titan_moe.config import ConfigError, load_config  # noqa: E402
+from titan_moe.model.moe import refresh_compute_weights  # noqa: E402
 from titan_moe.ops import nvtx  # noqa: E402
 
 # Test hook: SIGKILL this process while it writes the checkpoint of this step, after the
@@ -105,9 +106,25 @@ class TitanTrainer(Trainer):
             self.maybe_enable_amp = contextlib.nullcontext()
         if job_config.debug.seed is not None:
             _init_independent_of_layout(self.model_parts, self.model_args, job_config.debug.seed)
+        if job_config.training.cache_compute_weights and isinstance(self.maybe_enable_amp, torch.autocast):
+            self._cache_compute_weights(self.maybe_enable_amp.fast_dtype)
         kill_step = os.environ.get(KILL_DURING_SAVE_ENV)
         if kill_step:
             _install_kill_during_save(self, int(kill_step))
+
+    def _cache_compute_weights(self, dtype: torch.dtype) -> None:
+        """After every optimizer step, the routed experts' weights cast to autocast's dtype
+        (`[training] cache_compute_weights`); the first step casts per call."""
+        reported = []
+
+        def refresh(*_args, **_kwargs):
+            cached = refresh_compute_weights(self.model_parts, dtype)
+            if not reported:
+                logger.info(f"training.cache_compute_weights: {cached} routed-expert modules cast to {dtype} "
+                            "once per optimizer step")
+                reported.append(True)
+
+        self.optimizers.register_step_post_hook(refresh)
 
     def train_step(self, data_iterator):
         self._cuda_profiler_window(before_step=True)

@@ -28,7 +28,7 @@ from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
 
-from titan_moe.float8.weight_cache import WeightCacheMixin
+from titan_moe.model.weight_cache import WeightCacheMixin
 
 
 def cacheable(config) -> bool:

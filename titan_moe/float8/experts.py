@@ -55,7 +55,6 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import has_cuda_capability
 
 from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
-from titan_moe.float8.weight_cache import WeightCacheMixin
 from titan_moe.model.moe import RoutedExperts
 from titan_moe.model.situ import situ_glu_packed
 from titan_moe.ops.dispatch.reference import aligned_group_shift, padded_rows
@@ -143,7 +142,7 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
     return unpad_groups(fp8_grouped_mm_padded(x_PK, w_EKN, offs_pad_E), dest_M, offs_E)
 
 
-class Float8RoutedExperts(WeightCacheMixin, RoutedExperts):
+class Float8RoutedExperts(RoutedExperts):
     """`RoutedExperts` whose two grouped GEMMs run in fp8 (CUDA, compute capability >= 8.9).
 
     Its groups must start at multiples of 16: `LatentMoE` lays its sorted copies out so
@@ -162,9 +161,6 @@ class Float8RoutedExperts(WeightCacheMixin, RoutedExperts):
 
     group_alignment = GROUP_ALIGNMENT
     recipe = ExpertsFp8Recipe()  # the converter sets the TOML's; the environment overrides per call
-
-    def _cache_sources(self) -> tuple[Tensor, Tensor]:
-        return self.w_gate_up, self.w_down
 
     def refresh_fp8_weights(self) -> bool:
         """Quantize both weights now for the forwards until the weights change (class
@@ -185,6 +181,10 @@ class Float8RoutedExperts(WeightCacheMixin, RoutedExperts):
     def current_fp8_weights(self) -> tuple | None:
         """The cached (gate_up, down) `Fp8Weight`s if they still match the weights, else None."""
         return self._valid_weight_cache()
+
+    def refresh_compute_weights(self, dtype: torch.dtype) -> bool:
+        """No high-precision copies here: the weights' cache holds fp8 codes (`refresh_fp8_weights`)."""
+        return False
 
     @classmethod
     def from_experts(cls, experts: RoutedExperts) -> Float8RoutedExperts:

@@ -56,7 +56,6 @@ from torchtitan.components.quantization.float8 import AUTO_FILTER_SMALL_KN_FLAG,
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import has_cuda_capability
 
-from titan_moe.float8.cached_linear import refresh_fp8_linear_weights, use_cached_weights
 from titan_moe.model.attn_res import AttnResMixer
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.kda import KimiDeltaAttention
@@ -222,6 +221,8 @@ class TitanFloat8LinearConverter(Float8LinearConverter):
             model, config=self.config, module_filter_fn=lambda module, fqn: plan.get(fqn, "") is None
         )
         if self.cache_weights:
+            from titan_moe.float8.cached_linear import use_cached_weights
+
             use_cached_weights(model)
         kept = {fqn: why for fqn, why in plan.items() if why is not None}
         logger.info(
@@ -233,6 +234,8 @@ class TitanFloat8LinearConverter(Float8LinearConverter):
         """After every optimizer step: torchtitan's (FSDP fp8 scales), then the weight casts."""
         super().post_optimizer_hook(model)
         if self.cache_weights:
+            from titan_moe.float8.cached_linear import refresh_fp8_linear_weights  # torchao: imported on use
+
             cached = refresh_fp8_linear_weights(model)
             if not self._cache_reported:
                 logger.info("float8: %d linear weights cast to fp8 once per optimizer step", cached)

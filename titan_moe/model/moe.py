@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.ffn import SiTUGLUFeedForward
 from titan_moe.model.situ import situ_glu_packed
+from titan_moe.model.weight_cache import CachedCast, WeightCacheMixin
 from titan_moe.ops.dispatch import aligned_positions, combine_copies, scatter_copies, sorted_positions
 from titan_moe.ops.grouped_gemm import grouped_mm
 from titan_moe.ops.nvtx import nvtx_range
@@ -228,7 +229,22 @@ def load_metrics(load_n: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # =========================================================================== LatentMoE
-class RoutedExperts(nn.Module):
+def _in_dtype(weight: Tensor, cached: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``weight.to(dtype)``, from ``cached`` (that cast, made beforehand) when it matches."""
+    if cached is not None and cached.dtype == dtype and weight.dtype != dtype:
+        return CachedCast.apply(weight, cached)
+    return weight.to(dtype)
+
+
+def refresh_compute_weights(model: nn.Module | list[nn.Module], dtype: torch.dtype) -> int:
+    """`RoutedExperts.refresh_compute_weights` on every such module of ``model`` (or of each
+    model part); returns how many made a cache."""
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    return sum(m.refresh_compute_weights(dtype) for part in parts for m in part.modules()
+               if isinstance(m, RoutedExperts))
+
+
+class RoutedExperts(WeightCacheMixin, nn.Module):
     """``n`` SiTU-GLU experts ``latent -> hidden -> latent`` as stacked weights (expert dim 0).
 
     ``w_gate_up`` [E, latent, 2*hidden] (gate columns first, then up) and ``w_down``
@@ -243,6 +259,11 @@ class RoutedExperts(nn.Module):
     (1: anywhere). :class:`LatentMoE` lays its sorted copies out that way and passes
     ``groups_aligned=True``, except under expert parallelism (``expert_parallel``, set by
     the parallel style), whose exchange regroups the rows.
+
+    Under autocast the fp32 weights are cast to the compute dtype in every forward (and
+    activation-checkpoint recompute); :meth:`refresh_compute_weights` (the trainer calls it
+    after every optimizer step, ``[training] cache_compute_weights``) makes those casts once
+    per step instead: the same values, so the same results (`titan_moe.model.weight_cache`).
     """
 
     group_alignment = 1
@@ -262,10 +283,27 @@ class RoutedExperts(nn.Module):
         nothing here: any group sizes work."""
         w_gate_up, w_down = self.local_weights()
         # Under autocast the activations arrive in bf16 while the weights stay fp32; a custom
-        # op is not autocast-aware, so cast the weights the way autocast would for a matmul.
-        z_M2H = grouped_mm(x_ML, w_gate_up.to(x_ML.dtype), offs_E)
+        # op is not autocast-aware, so cast the weights the way autocast would for a matmul
+        # (or take the casts made once per step).
+        cached = self._valid_weight_cache() or (None, None)
+        z_M2H = grouped_mm(x_ML, _in_dtype(w_gate_up, cached[0], x_ML.dtype), offs_E)
         hidden_MH = situ_glu_packed(z_M2H, self.beta1, self.beta2)
-        return grouped_mm(hidden_MH, w_down.to(hidden_MH.dtype), offs_E)
+        return grouped_mm(hidden_MH, _in_dtype(w_down, cached[1], hidden_MH.dtype), offs_E)
+
+    def _cache_sources(self) -> tuple[Tensor, Tensor]:
+        return self.w_gate_up, self.w_down
+
+    def refresh_compute_weights(self, dtype: torch.dtype) -> bool:
+        """Cast both weights to ``dtype`` now, for the forwards until they change. Returns
+        whether a cache was made (False, with none kept, for DTensor or meta weights or
+        weights already in ``dtype``)."""
+        self._store_weight_cache(None)
+        weights = self._cache_sources()
+        if any(isinstance(w, DTensor) or w.device.type == "meta" or w.dtype == dtype for w in weights):
+            return False
+        with torch.no_grad():
+            self._store_weight_cache(tuple(w.detach().to(dtype) for w in weights))
+        return True
 
     def local_weights(self) -> tuple[Tensor, Tensor]:
         """(w_gate_up, w_down) of the experts held by this rank, as plain tensors.

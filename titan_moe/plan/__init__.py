@@ -40,8 +40,10 @@ Modules, in the order the plan is built:
 
 * :mod:`.layout`: layouts (`Layout`, `enumerate_layouts`), byte sizes (`Precision`) and the
   step's phases (`Phase`);
-* :mod:`.params`: the parameter inventory and its per-GPU shards, gradients, optimizer states
-  and FSDP working memory (`ParamMemory`);
+* :mod:`.params`: the parameter inventory and its per-GPU shards, gradients, optimizer states,
+  FSDP working memory and, on one device under autocast, the routed experts' compute-dtype
+  copies kept through the step (`ParamMemory`; `training.cache_compute_weights`, newer than
+  the checks above);
 * :mod:`.activations`: the compiled model's kept bytes per token (`layer_activations`,
   `model_activations`);
 * :mod:`.eager`: eager activations measured on the CPU (`measure_eager_layer`, `eager_profiles`);

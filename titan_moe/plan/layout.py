@@ -100,11 +100,14 @@ def _powers_of_two(limit: int) -> list[int]:
 @dataclass(frozen=True)
 class Precision:
     """Byte widths: `param` (training.dtype: params, grads, optimizer states), `compute`
-    (mixed_precision_param), `reduce` (FSDP reduce-scatter, fp32)."""
+    (mixed_precision_param), `reduce` (FSDP reduce-scatter, fp32); `cached_expert_casts`
+    (training.cache_compute_weights): under autocast the routed experts' compute-dtype copies
+    are kept for the whole step (`caches_expert_casts`)."""
 
     param: int
     compute: int
     reduce: int = 4
+    cached_expert_casts: bool = False
 
     @classmethod
     def from_config(cls, config) -> Precision:
@@ -112,6 +115,7 @@ class Precision:
             param=_DTYPE_BYTES[config.training.dtype],
             compute=_DTYPE_BYTES[config.training.mixed_precision_param],
             reduce=_DTYPE_BYTES[config.training.mixed_precision_reduce],
+            cached_expert_casts=bool(getattr(config.training, "cache_compute_weights", False)),
         )
 
     def stream(self, fsdp_enabled: bool) -> int:
@@ -133,3 +137,10 @@ class Phase:
     activations: float
     grad_units: int
     optimizer_step: bool = False
+
+
+def caches_expert_casts(layout: Layout, prec: Precision) -> bool:
+    """Whether the trainer keeps the routed experts' weights cast once per step: asked for,
+    under autocast (compute dtype below the parameters', no FSDP) and with the experts'
+    weights plain tensors (no expert parallelism)."""
+    return prec.cached_expert_casts and not layout.fsdp_enabled and layout.ep == 1 and prec.compute != prec.param

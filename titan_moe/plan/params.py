@@ -46,7 +46,7 @@ import torch
 
 from titan_moe.model.args import ModelArgs
 
-from titan_moe.plan.layout import Layout, Phase, Precision
+from titan_moe.plan.layout import Layout, Phase, Precision, caches_expert_casts
 
 # =========================================================================== parameters
 ShapeCount = Counter  # Counter[(shape, is_expert)] -> number of parameters of that shape
@@ -144,6 +144,8 @@ class ParamMemory:
     `layer_grads` (per decoder layer) and `head_grads` (`[norm, output]`) split `grads` by the
     order backward creates them; the rest (embedding, final AttnRes mixer) comes last.
     `optimizer_temp`: the optimizer step's temporaries (AdamW, by `optimizer.implementation`).
+    `compute_weight_cache`: the routed experts' weights in the compute dtype, kept from one
+    optimizer step to the next (`caches_expert_casts`), alive in every phase.
     """
 
     sharded_expert_numel: int  # padded
@@ -157,6 +159,7 @@ class ParamMemory:
     layer_grads: list[float] = field(default_factory=list)
     head_grads: float = 0.0
     optimizer_temp: float = 0.0
+    compute_weight_cache: float = 0.0
 
     @cached_property
     def grads_by_units(self) -> list[float]:
@@ -172,7 +175,8 @@ class ParamMemory:
     def at(self, phase: Phase) -> float:
         """Bytes of parameters, optimizer states, buffers, the gradients that exist and the FSDP
         working memory (not in the optimizer step: units are resharded) during `phase`."""
-        states = self.params + self.optimizer + self.buffers + self.grads_by_units[phase.grad_units]
+        states = (self.params + self.optimizer + self.buffers + self.compute_weight_cache
+                  + self.grads_by_units[phase.grad_units])
         if phase.optimizer_step:
             return states + self.optimizer_temp
         return states + self.fsdp_gathered
@@ -222,6 +226,7 @@ def param_memory(inv: ParamInventory, layout: Layout, prec: Precision, optimizer
         layer_grads=layer_grads,
         head_grads=float(sum(sharded_numel(inv.head_shapes, layout, inv.n_experts)) * P),
         optimizer_temp=temp,
+        compute_weight_cache=float(inv.routed_experts * a) if caches_expert_casts(layout, prec) else 0.0,
     )
 
 

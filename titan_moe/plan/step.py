@@ -49,7 +49,7 @@ from titan_moe.model.attn_res import max_sources
 
 from titan_moe.plan.activations import LayerActivations, _prologue, model_activations
 from titan_moe.plan.layout import (
-    AC_MODES, GIB, MAX_SEARCH_GPUS, Layout, Phase, Precision, _powers_of_two, enumerate_layouts,
+    AC_MODES, GIB, MAX_SEARCH_GPUS, Layout, Phase, Precision, _powers_of_two, caches_expert_casts, enumerate_layouts,
 )
 from titan_moe.plan.params import ParamInventory, ParamMemory, param_memory
 
@@ -122,12 +122,16 @@ def autocast_weight_copies(inv: ParamInventory, layout: Layout, prec: Precision)
     Each matmul saves its cast weight for the input gradient, so a layer's copies live from
     its forward to its backward, like its activations: all layers without AC, only the layer
     being recomputed under full AC (measured on the H200, small_1gpu, 8K: counting every
-    layer's copies under full AC over-estimated the peak by 2.5 GiB).
+    layer's copies under full AC over-estimated the peak by 2.5 GiB). With the routed experts'
+    casts kept for the whole step (`caches_expert_casts`) their copies are not here but in
+    `ParamMemory.compute_weight_cache`.
     """
     a = prec.compute
     if layout.fsdp_enabled or a == prec.param:
         return [0.0] * len(inv.layer_shapes), 0.0
-    numel = lambda shapes: sum(math.prod(shape) * n for (shape, _), n in shapes.items())  # noqa: E731
+    skip_experts = caches_expert_casts(layout, prec)
+    numel = lambda shapes: sum(math.prod(shape) * n for (shape, expert), n in shapes.items()  # noqa: E731
+                               if not (expert and skip_experts))
     return [float(numel(sh) * a) for sh in inv.layer_shapes], float(numel(inv.head_shapes) * a)
 
 
@@ -234,6 +238,7 @@ class LayoutPlan:
                 "buffers": p.buffers / GIB,
                 "fsdp_gathered": p.fsdp_gathered / GIB,
                 "optimizer_temp": p.optimizer_temp / GIB,
+                "compute_weight_cache": p.compute_weight_cache / GIB,
                 **{f"activations_{ac}": self.activations[ac].peak / GIB for ac in AC_MODES},
                 **{f"total_{ac}": self.total(ac) / GIB for ac in AC_MODES},
             },

@@ -1,10 +1,12 @@
-"""fp8 copies of weights kept from one optimizer step to the next.
+"""Low-precision copies of weights kept from one optimizer step to the next.
 
-A weight changes only at the optimizer step, yet an fp8 layer would quantize it in every
-forward (twice with activation checkpointing, once per gradient-accumulation microbatch)
-and again in the backward. `WeightCacheMixin` gives an nn.Module a cache of what it derives
-from some of its Parameters, made by the module's own refresh method (the converters'
-post-optimizer hooks call it after every step) and valid until those Parameters change:
+A weight changes only at the optimizer step, yet a layer computing in a lower precision than
+its fp32 parameters would cast it in every forward (twice with activation checkpointing, once
+per gradient-accumulation microbatch), and fp8 layers again in the backward. `WeightCacheMixin`
+gives an nn.Module a cache of what it derives from some of its Parameters (bf16 copies of the
+routed experts' weights, `titan_moe.model.moe.RoutedExperts`; fp8 codes, `titan_moe.float8`),
+made by the module's own refresh method (post-optimizer hooks call it after every step) and
+valid until those Parameters change:
 
 * eager forwards compare the Parameters' version counters (every in-place write, the
   optimizer's included, bumps them) with those seen at the refresh and drop a stale cache;
@@ -55,3 +57,18 @@ class WeightCacheMixin:
     def _load_from_state_dict(self, *args, **kwargs):
         self._store_weight_cache(None)
         return super()._load_from_state_dict(*args, **kwargs)
+
+
+class CachedCast(torch.autograd.Function):
+    """``CachedCast.apply(weight, cached)`` stands for ``weight.to(cached.dtype)`` where
+    ``cached`` is that cast made beforehand (detached): forward returns it, backward casts the
+    gradient to ``weight``'s dtype, as ``.to()``'s backward does. Same values both ways."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, cached: Tensor) -> Tensor:
+        ctx.weight_dtype = weight.dtype
+        return cached.view_as(cached)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.to(ctx.weight_dtype), None
