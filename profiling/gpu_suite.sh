@@ -87,8 +87,8 @@
 #   fp8_all*   sections end with profiling/step_table.py over their runs: tokens/s, fp8 / bf16,
 #              losses and memory in one table
 #   fp8_all    every fp8 step option at once, the candidate recipe for the whole-step goal: the
-#              GPU tests of the newest fp8 pieces (cached linear weights, fused SiTU quantization,
-#              Triton widening), then wide_1gpu compiled, 12 steps each: bf16, then tensorwise fp8
+#              GPU tests of the newest pieces (cached fp8 linear weights and bf16 expert casts, fused
+#              SiTU quantization, Triton widening), then wide_1gpu compiled, 12 steps each: bf16, then tensorwise fp8
 #              linears with cache_weights + fp8 experts with wgrad "fp8_rows", situ_quant and
 #              TITAN_MOE_FP8_WIDEN=triton (not in the default list)
 #   fp8_all_parts  bench_step_parts.py --parts linear_cache,situ_quant,dw: the cached linear weight
@@ -275,7 +275,8 @@ for section in "${SECTIONS[@]}"; do
                 --job.dump_folder "$DUMP/fp8_accum_fp8" ;;
         fp8_all)
             run fp8_all_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_float8_cached_linear.py \
-                tests/test_widen.py tests/test_float8_grouped.py -k "cached or cuda or sm90 or widen or situ"
+                tests/test_compute_weight_cache.py tests/test_widen.py tests/test_float8_grouped.py \
+                -k "cached or cuda or sm90 or widen or situ"
             run fp8_all_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_all_bf16"
             run fp8_all_wide_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
                 "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_fp8"
