@@ -55,7 +55,7 @@ against 1.96 ms in the fifty-first run): the per-call weight quantization costs 
 saves on the GEMMs. With ``w_fp8`` (the weight quantized beforehand, as the fp8 experts do
 once per optimizer step) the forward takes 0.49 ms against 0.64 (1.30x) and forward+backward
 1.66 against 1.96 (1.18x; the weight gradient stays bf16). ``Float8RoutedExperts`` uses it
-by default (:mod:`titan_moe.float8.experts`, ``TITAN_MOE_FP8_EXPERTS_GEMM``).
+by default (:mod:`titan_moe.float8.experts`; ``gemm = "fused"`` in :mod:`titan_moe.float8.experts_recipe`).
 """
 
 from __future__ import annotations
