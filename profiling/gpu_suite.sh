@@ -80,10 +80,6 @@
 #              one run: bf16, fp8 with TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows, and the same with the
 #              fused SiTU-GLU and the Triton dw widening (TITAN_MOE_FP8_WIDEN=triton; the parts
 #              above time each alone) (not in the default list)
-#   fp8_accum  wide_1gpu compiled with two microbatches per optimizer step (--training.global_batch_size 8:
-#              32K tokens per step, so the per-step optimizer and fp8 weight refresh count half as much
-#              per token), 12 steps each: bf16, then tensorwise fp8 linears + fp8 experts (not in the
-#              default list)
 #   fp8_all*   sections end with profiling/step_table.py over their runs: tokens/s, fp8 / bf16,
 #              losses and memory in one table
 #   fp8_all    every fp8 step option at once, the candidate recipe for the whole-step goal: the
@@ -94,8 +90,9 @@
 #   fp8_all_parts  bench_step_parts.py --parts linear_cache,situ_quant,dw: the cached linear weight
 #              casts, the fused SiTU quantization and the Triton widening, each against its
 #              earlier form (not in the default list)
-#   fp8_all_accum  the same two wide_1gpu runs with two microbatches per step (as fp8_accum)
-#              (not in the default list)
+#   fp8_all_accum  the same two wide_1gpu runs with two microbatches per optimizer step
+#              (--training.global_batch_size 8: 32K tokens per step, so the per-step optimizer
+#              and weight refreshes count half as much per token) (not in the default list)
 #   fp8_all_b8 the same two wide_1gpu runs at local batch 8 (32K tokens per step in one
 #              microbatch: ~56 GiB of fp32 weights, gradients and AdamW state plus activations under
 #              full checkpointing) (not in the default list)
@@ -152,6 +149,15 @@ run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
     timeout "$LIMIT" "$@" > "$OUT/$name.txt" 2>&1
     rc=$?
     echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt" >&2
+}
+
+fp8_all_pair() {  # fp8_all_pair NAME [TRAINER ARGS...]: wide_1gpu bf16, then the fp8_all recipe, then their table
+    local name=$1
+    shift
+    run "${name}_bf16" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "$@" --job.dump_folder "$DUMP/${name}_bf16"
+    run "${name}_fp8" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "$@" \
+        "${FP8_ALL[@]}" --job.dump_folder "$DUMP/${name}_fp8"
+    run "${name}_table" python profiling/step_table.py "$DUMP/${name}_bf16" "$DUMP/${name}_fp8"
 }
 
 for section in "${SECTIONS[@]}"; do
@@ -266,36 +272,14 @@ for section in "${SECTIONS[@]}"; do
             run fp8_situ_wide_fused env TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 \
                 TITAN_MOE_FP8_WIDEN=triton torchrun \
                 --standalone --nproc_per_node=1 "${WIDE[@]}" "${FP8_ROWS[@]}" --job.dump_folder "$DUMP/fp8_situ_fused" ;;
-        fp8_accum)
-            ACCUM=(--training.global_batch_size 8)
-            run fp8_accum_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \
-                --job.dump_folder "$DUMP/fp8_accum_bf16"
-            run fp8_accum_fp8 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \
-                --model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name tensorwise \
-                --job.dump_folder "$DUMP/fp8_accum_fp8" ;;
         fp8_all)
             run fp8_all_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_float8_cached_linear.py \
                 tests/test_compute_weight_cache.py tests/test_widen.py tests/test_float8_grouped.py \
                 -k "cached or cuda or sm90 or widen or situ"
-            run fp8_all_wide_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" --job.dump_folder "$DUMP/fp8_all_bf16"
-            run fp8_all_wide_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_fp8"
-            run fp8_all_table python profiling/step_table.py "$DUMP/fp8_all_bf16" "$DUMP/fp8_all_fp8" ;;
+            fp8_all_pair fp8_all_wide ;;
         fp8_all_parts) run fp8_all_parts python profiling/bench_step_parts.py --parts linear_cache,situ_quant,dw ;;
-        fp8_all_accum)
-            ACCUM=(--training.global_batch_size 8)
-            run fp8_all_accum_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${ACCUM[@]}" \
-                --job.dump_folder "$DUMP/fp8_all_accum_bf16"
-            run fp8_all_accum_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${ACCUM[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_accum_fp8"
-            run fp8_all_accum_table python profiling/step_table.py "$DUMP/fp8_all_accum_bf16" "$DUMP/fp8_all_accum_fp8" ;;
-        fp8_all_b8)
-            B8=(--training.local_batch_size 8)
-            run fp8_all_b8_bf16 torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "${B8[@]}" \
-                --job.dump_folder "$DUMP/fp8_all_b8_bf16"
-            run fp8_all_b8_fp8 env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${B8[@]}" "${FP8_ALL[@]}" --job.dump_folder "$DUMP/fp8_all_b8_fp8"
-            run fp8_all_b8_table python profiling/step_table.py "$DUMP/fp8_all_b8_bf16" "$DUMP/fp8_all_b8_fp8" ;;
+        fp8_all_accum) fp8_all_pair fp8_all_accum --training.global_batch_size 8 ;;
+        fp8_all_b8) fp8_all_pair fp8_all_b8 --training.local_batch_size 8 ;;
         fp8_all_loss)
             LOSS=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --metrics.log_freq 10 --compile.enable)
             run fp8_all_loss_bf16 torchrun --standalone --nproc_per_node=1 "${LOSS[@]}" \
@@ -311,7 +295,7 @@ for section in "${SECTIONS[@]}"; do
             run fp8_ablate_no_situ torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
                 "${FP8_TW[@]}" "${LINEAR_CACHE[@]}" "${EXPERTS_ROWS[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_situ"
             run fp8_ablate_table python profiling/step_table.py "$DUMP/fp8_ablate_no_cache" "$DUMP/fp8_ablate_no_situ" \
-                "$DUMP/fp8_all_fp8" "$DUMP/fp8_all_bf16" --baseline fp8_all_bf16 ;;
+                "$DUMP/fp8_all_wide_fp8" "$DUMP/fp8_all_wide_bf16" --baseline fp8_all_wide_bf16 ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

@@ -1,4 +1,4 @@
-"""The routed experts' weights cast to autocast's dtype once per optimizer step (CPU).
+"""The routed experts' weights cast to autocast's dtype once per optimizer step.
 
 `RoutedExperts.refresh_compute_weights` keeps bf16 copies of the fp32 weights; forwards
 read them instead of casting. The copies are the casts the forward would make, so outputs
@@ -14,7 +14,6 @@ import torch._dynamo.testing
 from titan_moe.model.moe import RoutedExperts, refresh_compute_weights
 
 
-
 def _experts(seed: int = 0) -> RoutedExperts:
     torch.manual_seed(seed)
     experts = RoutedExperts(3, 32, 48, 1.0, 1.0)
@@ -27,18 +26,14 @@ X_MK = torch.randn(40, 32, generator=torch.Generator().manual_seed(1)).bfloat16(
 OFFS_E = torch.tensor([10, 10, 37], dtype=torch.int32)  # an empty group, rows past the end
 
 
-def _fwd_bwd(module) -> list[torch.Tensor]:
-    x = X_MK.clone().requires_grad_()
-    out = module(x, OFFS_E)
+def _fwd_bwd(module, x_MK: torch.Tensor = X_MK, offs_E: torch.Tensor = OFFS_E) -> list[torch.Tensor]:
+    """[output, dx, d(each weight)] of ``module`` (the experts or their compiled wrapper)."""
+    x = x_MK.clone().requires_grad_()
+    out = module(x, offs_E)
     out.float().square().sum().backward()
-    result = [out.detach(), x.grad] + [p.grad.clone() for p in _experts_params(module)]
-    for p in _experts_params(module):
-        p.grad = None
+    result = [out.detach(), x.grad] + [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
     return result
-
-
-def _experts_params(module):
-    return [p for p in module.parameters()]
 
 
 def test_cached_casts_are_read_and_give_bit_equal_results():
@@ -121,20 +116,10 @@ def test_cuda_cached_casts_under_inductor_equal_per_call():
     """On the GPU (the native grouped GEMM, Inductor): the cached casts give the per-call
     path's output and gradients exactly, eager and compiled."""
     experts = _experts(seed=4).cuda()
-    x = X_MK.cuda()
-    offs = OFFS_E.cuda()
-
-    def run(module):
-        xl = x.clone().requires_grad_()
-        out = module(xl, offs)
-        out.float().square().sum().backward()
-        result = [out.detach(), xl.grad] + [p.grad.clone() for p in experts.parameters()]
-        experts.zero_grad(set_to_none=True)
-        return result
-
-    per_call = run(experts)
+    x, offs = X_MK.cuda(), OFFS_E.cuda()
+    per_call = _fwd_bwd(experts, x, offs)
     compiled = torch.compile(experts, fullgraph=True)
-    assert all(torch.equal(a, b) for a, b in zip(run(compiled), per_call))
+    assert all(torch.equal(a, b) for a, b in zip(_fwd_bwd(compiled, x, offs), per_call))
     assert experts.refresh_compute_weights(torch.bfloat16)
-    for got in (run(experts), run(compiled)):
+    for got in (_fwd_bwd(experts, x, offs), _fwd_bwd(compiled, x, offs)):
         assert all(torch.equal(a, b) for a, b in zip(got, per_call))
