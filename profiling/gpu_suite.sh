@@ -87,6 +87,7 @@
 #              SiTU quantization, Triton widening), then wide_1gpu compiled, 12 steps each: bf16, then tensorwise fp8
 #              linears with cache_weights + fp8 experts with wgrad "fp8_rows", situ_quant and
 #              TITAN_MOE_FP8_WIDEN=triton (not in the default list)
+#   fp8_all_wide  fp8_all's two training runs and table without its tests
 #   fp8_all_parts  bench_step_parts.py --parts linear_cache,situ_quant,dw: the cached linear weight
 #              casts, the fused SiTU quantization and the Triton widening, each against its
 #              earlier form (not in the default list)
@@ -277,6 +278,7 @@ for section in "${SECTIONS[@]}"; do
                 tests/test_compute_weight_cache.py tests/test_widen.py tests/test_float8_grouped.py \
                 -k "cached or cuda or sm90 or widen or situ"
             fp8_all_pair fp8_all_wide ;;
+        fp8_all_wide) fp8_all_pair fp8_all_wide ;;
         fp8_all_parts) run fp8_all_parts python profiling/bench_step_parts.py --parts linear_cache,situ_quant,dw ;;
         fp8_all_accum) fp8_all_pair fp8_all_accum --training.global_batch_size 8 ;;
         fp8_all_b8) fp8_all_pair fp8_all_b8 --training.local_batch_size 8 ;;

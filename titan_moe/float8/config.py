@@ -30,7 +30,8 @@ class Float8LinearExtras:
     cache_weights: bool = False
     """Cast each converted weight to fp8 once per optimizer step instead of in every GEMM
     (`titan_moe.float8.cached_linear`; bit-identical results). Recipe "tensorwise" with
-    unsharded weights only; off by default until its whole-step speed is measured."""
+    unsharded weights only; off by default: no whole-step gain measured at width 4096
+    (BENCHMARKS.md, "every fp8 option at once")."""
 
 
 @dataclass

@@ -10,7 +10,8 @@ followed by 16 zero bits, so the kernel here moves the bits with an integer shif
 stores whole vectors: exact, bit for bit ``t.float()`` (NaN payloads included).
 
 :func:`widen_to_fp32` dispatches on ``$TITAN_MOE_FP8_WIDEN`` (read per call): "torch"
-(default, ``t.float()``) until the kernel's GPU benchmark is recorded, "triton" for the kernel
+(default, ``t.float()``: the kernel's own timing is not yet recorded, and in the whole step,
+with the other fp8 options, it showed no gain), "triton" for the kernel
 where it runs (CUDA; the CPU under the interpreter), ``t.float()`` elsewhere.
 """
 
