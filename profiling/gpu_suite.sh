@@ -84,7 +84,8 @@
 #              losses and memory in one table
 #   fp8_all    every fp8 step option at once, the candidate recipe for the whole-step goal: the
 #              GPU tests of the newest pieces (cached fp8 linear weights and bf16 expert casts, fused
-#              SiTU quantization, Triton widening), then wide_1gpu compiled, 12 steps each: bf16, then tensorwise fp8
+#              SiTU quantization, Triton widening), then wide_1gpu compiled, 24 steps each (the table's
+#              mean after step 4 is the ratio to read): bf16, then tensorwise fp8
 #              linears with cache_weights + fp8 experts with wgrad "fp8_rows", situ_quant and
 #              TITAN_MOE_FP8_WIDEN=triton (not in the default list)
 #   fp8_all_wide  fp8_all's two training runs and table without its tests
@@ -152,13 +153,18 @@ run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
     echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt" >&2
 }
 
-fp8_all_pair() {  # fp8_all_pair NAME [TRAINER ARGS...]: wide_1gpu bf16, then the fp8_all recipe, then their table
+# fp8_all_pair NAME [TRAINER ARGS...]: wide_1gpu bf16, then the fp8_all recipe, then their table.
+# 24 steps (compiling takes about 2 minutes, a step under a second), so that the ratio is the
+# mean over five logged windows after the warm-up instead of two.
+WIDE_PAIR=(-m titan_moe.train --job.config_file configs/wide_1gpu.toml --training.steps 24 --metrics.log_freq 4)
+fp8_all_pair() {
     local name=$1
     shift
-    run "${name}_bf16" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "$@" --job.dump_folder "$DUMP/${name}_bf16"
-    run "${name}_fp8" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" "$@" \
+    run "${name}_bf16" torchrun --standalone --nproc_per_node=1 "${WIDE_PAIR[@]}" "$@" \
+        --job.dump_folder "$DUMP/${name}_bf16"
+    run "${name}_fp8" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE_PAIR[@]}" "$@" \
         "${FP8_ALL[@]}" --job.dump_folder "$DUMP/${name}_fp8"
-    run "${name}_table" python profiling/step_table.py "$DUMP/${name}_bf16" "$DUMP/${name}_fp8"
+    run "${name}_table" python profiling/step_table.py "$DUMP/${name}_bf16" "$DUMP/${name}_fp8" --mean-after 4
 }
 
 for section in "${SECTIONS[@]}"; do

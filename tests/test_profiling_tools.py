@@ -339,8 +339,8 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
                               "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_all_b8_table", "fp8_ablate_no_cache",
                               "fp8_ablate_no_situ", "fp8_ablate_table"]
     tables = {k: commands.pop(k) for k in list(commands) if k.endswith("_table")}
-    assert tables["fp8_all_wide_table"].endswith("step_table.py OUT/fp8_all_wide_bf16 OUT/fp8_all_wide_fp8".replace(
-        "OUT", str(tmp_path / "out")))
+    assert tables["fp8_all_wide_table"].endswith(
+        "step_table.py OUT/fp8_all_wide_bf16 OUT/fp8_all_wide_fp8 --mean-after 4".replace("OUT", str(tmp_path / "out")))
     assert tables["fp8_ablate_table"].endswith("--baseline fp8_all_wide_bf16")
     assert "tests/test_float8_cached_linear.py" in commands["fp8_all_tests"]
     assert "--parts linear_cache,situ_quant,dw" in commands["fp8_all_parts"]
@@ -348,6 +348,8 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
     rows, situ = "--quantize.grouped_mm.float8.wgrad fp8_rows", "--quantize.grouped_mm.float8.situ_quant"
     for name in ("fp8_all_wide_fp8", "fp8_all_accum_fp8", "fp8_all_b8_fp8"):
         assert all(part in commands[name] for part in (widen, cache, rows, situ, "recipe_name tensorwise"))
+    for name in ("fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8"):
+        assert "--training.steps 24" in commands[name]
     for name in ("fp8_all_wide_bf16", "fp8_all_accum_bf16", "fp8_all_b8_bf16"):
         assert "titan_float8" not in commands[name] and "TITAN_MOE" not in commands[name]
     assert all("--training.global_batch_size 8" in commands[k] for k in ("fp8_all_accum_bf16", "fp8_all_accum_fp8"))
@@ -744,3 +746,21 @@ def test_step_table_ratios_losses_memory_and_a_missing_run(tmp_path, capsys):
         4: pytest.approx(1000 / 1100)}
     with pytest.raises(SystemExit):
         step_table.main([str(tmp_path / "crashed"), str(bf16)])  # the baseline has no metrics
+
+
+def test_step_table_mean_after_a_warmup_step(tmp_path, capsys):
+    """--mean-after N: the harmonic mean of the rates logged after step N (tokens over time for
+    windows of equal steps) and its ratio to the baseline's; a run that logged nothing after N
+    shows no mean instead of failing."""
+    step_table = _load("step_table")
+    bf16 = _metrics(tmp_path / "bf16", [{"step": s, "loss": 1.0, "tokens_per_s": t}
+                                        for s, t in ((4, 100.0), (8, 1000.0), (12, 3000.0))])
+    fp8 = _metrics(tmp_path / "fp8", [{"step": s, "loss": 1.0, "tokens_per_s": t}
+                                      for s, t in ((4, 100.0), (8, 1200.0), (12, 3600.0))])
+    short = _metrics(tmp_path / "short", [{"step": 4, "loss": 1.0, "tokens_per_s": 100.0}])
+    summary = step_table.main([str(bf16), str(fp8), str(short), "--mean-after", "4", "--steps", "4"])
+    assert summary["runs"]["bf16"]["mean_tokens_per_s"] == pytest.approx(1500.0)  # 2 / (1/1000 + 1/3000)
+    assert summary["runs"]["fp8"]["mean_ratio"] == pytest.approx(1.2)
+    assert summary["runs"]["short"]["mean_tokens_per_s"] is None and summary["runs"]["short"]["mean_ratio"] is None
+    out = capsys.readouterr().out
+    assert "mean tokens/s after step 4" in out and "| 1,800 (steps 8-12) | 1.200x |" in out
