@@ -98,6 +98,9 @@
 #   fp8_all_b8 the same two wide_1gpu runs at local batch 8 (32K tokens per step in one
 #              microbatch: ~56 GiB of fp32 weights, gradients and AdamW state plus activations under
 #              full checkpointing) (not in the default list)
+#   fp8_all_small  the same pair on small_1gpu compiled (width 2048, 8K tokens per step), 40
+#              steps, one after the other: the small config's fp8 / bf16 speed ratio, which the
+#              loss check cannot give (not in the default list)
 #   fp8_all_loss  the loss check with the fp8_all recipe: small_1gpu compiled, 300 steps, bf16
 #              and fp8_all started together (they share the GPU: their tokens/s are not speeds)
 #              (not in the default list)
@@ -156,13 +159,17 @@ run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
 # fp8_all_pair NAME [TRAINER ARGS...]: wide_1gpu bf16, then the fp8_all recipe, then their table.
 # 24 steps (compiling takes about 2 minutes, a step under a second), so that the ratio is the
 # mean over five logged windows after the warm-up instead of two.
+# PAIR is the trainer invocation both runs share (fp8_all_small sets the small_1gpu one).
 WIDE_PAIR=(-m titan_moe.train --job.config_file configs/wide_1gpu.toml --training.steps 24 --metrics.log_freq 4)
+SMALL_PAIR=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --compile.enable --training.steps 40
+            --metrics.log_freq 4 --validation.freq 1000)
+PAIR=("${WIDE_PAIR[@]}")
 fp8_all_pair() {
     local name=$1
     shift
-    run "${name}_bf16" torchrun --standalone --nproc_per_node=1 "${WIDE_PAIR[@]}" "$@" \
+    run "${name}_bf16" torchrun --standalone --nproc_per_node=1 "${PAIR[@]}" "$@" \
         --job.dump_folder "$DUMP/${name}_bf16"
-    run "${name}_fp8" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE_PAIR[@]}" "$@" \
+    run "${name}_fp8" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${PAIR[@]}" "$@" \
         "${FP8_ALL[@]}" --job.dump_folder "$DUMP/${name}_fp8"
     run "${name}_table" python profiling/step_table.py "$DUMP/${name}_bf16" "$DUMP/${name}_fp8" --mean-after 4
 }
@@ -288,6 +295,7 @@ for section in "${SECTIONS[@]}"; do
         fp8_all_parts) run fp8_all_parts python profiling/bench_step_parts.py --parts linear_cache,situ_quant,dw ;;
         fp8_all_accum) fp8_all_pair fp8_all_accum --training.global_batch_size 8 ;;
         fp8_all_b8) fp8_all_pair fp8_all_b8 --training.local_batch_size 8 ;;
+        fp8_all_small) PAIR=("${SMALL_PAIR[@]}"); fp8_all_pair fp8_all_small; PAIR=("${WIDE_PAIR[@]}") ;;
         fp8_all_loss)
             LOSS=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --metrics.log_freq 10 --compile.enable)
             run fp8_all_loss_bf16 torchrun --standalone --nproc_per_node=1 "${LOSS[@]}" \

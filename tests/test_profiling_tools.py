@@ -349,7 +349,7 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
     for name in ("fp8_all_wide_fp8", "fp8_all_accum_fp8", "fp8_all_b8_fp8"):
         assert all(part in commands[name] for part in (widen, cache, rows, situ, "recipe_name tensorwise"))
     for name in ("fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8"):
-        assert "--training.steps 24" in commands[name]
+        assert "--training.steps 24" in commands[name] and "configs/wide_1gpu.toml" in commands[name]
     for name in ("fp8_all_wide_bf16", "fp8_all_accum_bf16", "fp8_all_b8_bf16"):
         assert "titan_float8" not in commands[name] and "TITAN_MOE" not in commands[name]
     assert all("--training.global_batch_size 8" in commands[k] for k in ("fp8_all_accum_bf16", "fp8_all_accum_fp8"))
@@ -359,6 +359,20 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
     assert all(part not in commands["fp8_ablate_no_situ"] for part in (situ, widen))
     assert cache in commands["fp8_ablate_no_situ"] and rows in commands["fp8_ablate_no_situ"]
     assert all("configs/wide_1gpu.toml" in c for k, c in commands.items() if k not in ("fp8_all_tests", "fp8_all_parts"))
+
+
+def test_gpu_suite_fp8_all_small_then_wide(tmp_path):
+    """fp8_all_small: the bf16 / fp8_all pair on small_1gpu compiled; a wide pair after it is
+    back on wide_1gpu."""
+    proc = _gpu_suite(tmp_path, "fp8_all_small", "fp8_all_b8", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands)[:3] == ["fp8_all_small_bf16", "fp8_all_small_fp8", "fp8_all_small_table"]
+    for name in ("fp8_all_small_bf16", "fp8_all_small_fp8"):
+        assert "configs/small_1gpu.toml --compile.enable --training.steps 40" in commands[name]
+    assert "--quantize.grouped_mm.float8.situ_quant" in commands["fp8_all_small_fp8"]
+    assert "--quantize.grouped_mm.float8.situ_quant" not in commands["fp8_all_small_bf16"]
+    assert "configs/wide_1gpu.toml" in commands["fp8_all_b8_bf16"]
 
 
 def test_gpu_suite_fp8_all_loss_runs_both_300_step_runs(tmp_path):
