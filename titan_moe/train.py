@@ -25,8 +25,10 @@ import sys
 import torch
 
 from titan_moe.runtime.device import accelerator_type, configure_torchtitan_device
+from titan_moe.runtime.optional_packages import provide_datasets_placeholder
 
 configure_torchtitan_device()
+_DATASETS_PLACEHOLDER = provide_datasets_placeholder()  # torchtitan.train imports `datasets` at module level
 
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
@@ -266,6 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"titan_moe.train: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if _DATASETS_PLACEHOLDER:
+        logger.info("the `datasets` package is not installed: the built-in and text corpora work, "
+                    "Hugging Face datasets do not")
     if accelerator_type() == "cpu" and config.training.mixed_precision_param == "bfloat16":
         # FSDP's bf16 compute is very slow on CPUs and gains nothing there.
         config.training.mixed_precision_param = "float32"

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import copy
 
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from titan_moe.runtime.optional_packages import provide_datasets_placeholder
 
-from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config
-from titan_moe.flavors import FLAVORS
-from titan_moe.metrics import build_titan_metrics_processor
-from titan_moe.model.decoder import Decoder
-from titan_moe.model.moe import update_expert_biases
-from titan_moe.parallelize import parallelize_decoder
-from titan_moe.validate import build_titan_validator
+provide_datasets_placeholder()  # torchtitan imports `datasets` at module level
+
+from torchtitan.components.loss import build_cross_entropy_loss  # noqa: E402
+from torchtitan.components.lr_scheduler import build_lr_schedulers  # noqa: E402
+from torchtitan.components.optimizer import build_optimizers  # noqa: E402
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec  # noqa: E402
+
+from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config  # noqa: E402
+from titan_moe.flavors import FLAVORS  # noqa: E402
+from titan_moe.metrics import build_titan_metrics_processor  # noqa: E402
+from titan_moe.model.decoder import Decoder  # noqa: E402
+from titan_moe.model.moe import update_expert_biases  # noqa: E402
+from titan_moe.parallelize import parallelize_decoder  # noqa: E402
+from titan_moe.validate import build_titan_validator  # noqa: E402
 
 TRAIN_SPEC_NAME = "titan_moe"
 

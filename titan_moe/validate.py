@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from torchtitan.components.validate import Validator
+from titan_moe.runtime.optional_packages import provide_datasets_placeholder
 
-from titan_moe.data.from_config import dataloader_from_config
+provide_datasets_placeholder()  # torchtitan imports `datasets` at module level
+
+from torchtitan.components.validate import Validator  # noqa: E402
+
+from titan_moe.data.from_config import dataloader_from_config  # noqa: E402
 
 
 class TitanValidator(Validator):

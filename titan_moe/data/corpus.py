@@ -39,6 +39,8 @@ import random
 import sysconfig
 from typing import Any, Iterator, Sequence
 
+from titan_moe.runtime.optional_packages import is_placeholder
+
 SOURCES = ("builtin", "text", "hf_disk")
 SPLITS = ("train", "val")
 
@@ -242,6 +244,8 @@ def hf_disk_source(path: str, split: str = "train", val_fraction: float = 0.02,
         import datasets
     except ImportError as e:
         raise ValueError(f"{description}: the `datasets` package is not installed") from e
+    if is_placeholder(datasets):
+        raise ValueError(f"{description}: the `datasets` package is not installed")
     try:
         loaded = datasets.load_from_disk(path)
     except FileNotFoundError as e:
