@@ -104,8 +104,9 @@
 #   fp8_all_loss  the loss check with the fp8_all recipe: small_1gpu compiled, 300 steps, bf16
 #              and fp8_all started together (they share the GPU: their tokens/s are not speeds)
 #              (not in the default list)
-#   fp8_ablate wide_1gpu compiled, 12 steps each: the fp8_all recipe without cache_weights, then
-#              without the fused SiTU quantization and Triton widening (not in the default list)
+#   fp8_ablate wide_1gpu compiled, 24 steps each: the fp8_all recipe without the fused SiTU
+#              quantization and Triton widening, then without cache_weights (table against
+#              fp8_all_wide's runs in the same OUT) (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
@@ -305,13 +306,13 @@ for section in "${SECTIONS[@]}"; do
             wait
             run fp8_all_loss_table python profiling/step_table.py "$DUMP/fp8_all_loss_bf16" "$DUMP/fp8_all_loss_fp8" \
                 --steps 100,200,300 ;;
-        fp8_ablate)
-            run fp8_ablate_no_cache env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
-                "${FP8_TW[@]}" "${EXPERTS_ROWS[@]}" "${EXPERTS_SITU[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_cache"
-            run fp8_ablate_no_situ torchrun --standalone --nproc_per_node=1 "${WIDE[@]}" \
+        fp8_ablate)  # no_situ first: the no_cache run was the one measured so far (64th run)
+            run fp8_ablate_no_situ torchrun --standalone --nproc_per_node=1 "${WIDE_PAIR[@]}" \
                 "${FP8_TW[@]}" "${LINEAR_CACHE[@]}" "${EXPERTS_ROWS[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_situ"
+            run fp8_ablate_no_cache env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 "${WIDE_PAIR[@]}" \
+                "${FP8_TW[@]}" "${EXPERTS_ROWS[@]}" "${EXPERTS_SITU[@]}" --job.dump_folder "$DUMP/fp8_ablate_no_cache"
             run fp8_ablate_table python profiling/step_table.py "$DUMP/fp8_ablate_no_cache" "$DUMP/fp8_ablate_no_situ" \
-                "$DUMP/fp8_all_wide_fp8" "$DUMP/fp8_all_wide_bf16" --baseline fp8_all_wide_bf16 ;;
+                "$DUMP/fp8_all_wide_fp8" "$DUMP/fp8_all_wide_bf16" --baseline fp8_all_wide_bf16 --mean-after 4 ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

@@ -336,19 +336,20 @@ def test_gpu_suite_fp8_all_sections(tmp_path):
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
     assert list(commands) == ["fp8_all_tests", "fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_wide_table",
                               "fp8_all_parts", "fp8_all_accum_bf16", "fp8_all_accum_fp8", "fp8_all_accum_table",
-                              "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_all_b8_table", "fp8_ablate_no_cache",
-                              "fp8_ablate_no_situ", "fp8_ablate_table"]
+                              "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_all_b8_table", "fp8_ablate_no_situ",
+                              "fp8_ablate_no_cache", "fp8_ablate_table"]
     tables = {k: commands.pop(k) for k in list(commands) if k.endswith("_table")}
     assert tables["fp8_all_wide_table"].endswith(
         "step_table.py OUT/fp8_all_wide_bf16 OUT/fp8_all_wide_fp8 --mean-after 4".replace("OUT", str(tmp_path / "out")))
-    assert tables["fp8_ablate_table"].endswith("--baseline fp8_all_wide_bf16")
+    assert tables["fp8_ablate_table"].endswith("--baseline fp8_all_wide_bf16 --mean-after 4")
     assert "tests/test_float8_cached_linear.py" in commands["fp8_all_tests"]
     assert "--parts linear_cache,situ_quant,dw" in commands["fp8_all_parts"]
     widen, cache = "TITAN_MOE_FP8_WIDEN=triton", "--quantize.linear.float8.cache_weights"
     rows, situ = "--quantize.grouped_mm.float8.wgrad fp8_rows", "--quantize.grouped_mm.float8.situ_quant"
     for name in ("fp8_all_wide_fp8", "fp8_all_accum_fp8", "fp8_all_b8_fp8"):
         assert all(part in commands[name] for part in (widen, cache, rows, situ, "recipe_name tensorwise"))
-    for name in ("fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8"):
+    for name in ("fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8",
+                 "fp8_ablate_no_situ", "fp8_ablate_no_cache"):
         assert "--training.steps 24" in commands[name] and "configs/wide_1gpu.toml" in commands[name]
     for name in ("fp8_all_wide_bf16", "fp8_all_accum_bf16", "fp8_all_b8_bf16"):
         assert "titan_float8" not in commands[name] and "TITAN_MOE" not in commands[name]
