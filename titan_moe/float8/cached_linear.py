@@ -13,7 +13,7 @@ Made only where the per-call cast would be tensorwise from a plain tensor: the "
 recipe (the rowwise recipes scale the weight along a different axis for each GEMM), weights
 that are not DTensors (under FSDP, torchao's fp8 all-gather with precomputed scales does the
 equivalent job). Otherwise, and before the first refresh, it is a plain `Float8Linear`.
-Cache validity: `titan_moe.float8.weight_cache`.
+Cache validity: `titan_moe.model.weight_cache`.
 
 Switch: `[quantize.linear.float8] cache_weights = true` (`titan_moe.float8.config`).
 """

@@ -157,7 +157,7 @@ class Float8RoutedExperts(RoutedExperts):
     and the backward reads their dx layout instead of a per-call saved copy. Made only for
     plain-tensor weights on the fused GEMM (under FSDP or EP the forward sees gathered or
     exchanged tensors, not the parameters; the recipe's `cache_weights = false` turns it off).
-    The cache's validity rules are `titan_moe.float8.weight_cache`'s."""
+    The cache's validity rules are `titan_moe.model.weight_cache`'s."""
 
     group_alignment = GROUP_ALIGNMENT
     recipe = ExpertsFp8Recipe()  # the converter sets the TOML's; the environment overrides per call

@@ -15,8 +15,10 @@ to compare recipes without editing configs.
 Why these defaults (BENCHMARKS.md): "fused" ran the MoE benchmark's fp8 GEMM 4x faster than
 torchao's and compiles fullgraph; "bf16" is the weight gradient of the 300-step loss check;
 "fp8_rows" re-expresses the forward's row codes per group (10% faster per gate|up call at
-wide_1gpu's shapes, not yet visible in the whole step); `situ_quant` is not yet timed on a
-GPU; the weight cache is what made the fp8 experts faster than bf16 in the step.
+wide_1gpu's shapes, not visible in the whole step; its 300-step loss within 0.4% of bf16);
+`situ_quant` has been timed in the whole step only together with the other options, which
+together were no faster than without them; the weight cache is what made the fp8 experts
+faster than bf16 in the step.
 """
 
 from __future__ import annotations
