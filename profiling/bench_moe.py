@@ -6,6 +6,7 @@
     python profiling/bench_moe.py --skip-gemm --layer-kernels 8   # MoE layer: device kernels per provider
     python profiling/bench_moe.py --device cpu --tiny   # plumbing check only, no speed claim
     python profiling/bench_moe.py --skip-gemm --skip-layer --dispatch   # token dispatch only
+    python profiling/bench_moe.py --skip-layer --cuda-graph   # GEMMs timed as CUDA-graph replays
 
 Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forward+backward
 (dx and dw), three providers on the same inputs:
@@ -185,6 +186,27 @@ def measure(fn, timed: bool, grad_to_none=None) -> float | None:
 ROUNDS = 7  # interleaved rounds of `measure_rounds`
 
 
+GRAPH_TIMING = False
+"""``--cuda-graph``: `measure_rounds` replays each fn from a CUDA graph (``do_bench_cudagraph``)
+instead of launching it from the host (``do_bench``), so the times are the GPU's alone."""
+
+
+def _bench_once(fn, grad_to_none) -> float:
+    """One median time of ``fn`` in ms: host launches with an L2 flush before each call
+    (``do_bench``), or with :data:`GRAPH_TIMING` replays of a graph of back-to-back calls."""
+    import triton.testing
+
+    if GRAPH_TIMING:
+        try:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=40, grad_to_none=grad_to_none,
+                                                           return_mode="median"))
+        except RuntimeError as err:  # a call that cannot be captured (a host sync): no time
+            print(f"bench_moe: not capturable in a CUDA graph: {str(err).splitlines()[0]}", file=sys.stderr)
+            return math.nan
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none,
+                                         return_mode="median"))
+
+
 def measure_rounds(fns: dict, timed: bool, grad_to_none=None, rounds: int = ROUNDS) -> tuple[dict, dict]:
     """Median milliseconds of each of ``fns`` ({name: fn}) over ``rounds`` interleaved rounds:
     every round times each fn once (do_bench median) in a fresh seeded random order, so that a
@@ -201,15 +223,12 @@ def measure_rounds(fns: dict, timed: bool, grad_to_none=None, rounds: int = ROUN
     import random
     import statistics
 
-    import triton.testing
-
     names = list(fns)
     per_round: dict[str, list[float]] = {name: [] for name in names}
     order = random.Random(0)
     for _ in range(rounds):
         for name in order.sample(names, len(names)):
-            per_round[name].append(float(triton.testing.do_bench(
-                fns[name], warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median")))
+            per_round[name].append(_bench_once(fns[name], grad_to_none))
     medians = {name: statistics.median(v) for name, v in per_round.items()}
     spread = {name: (max(v) - min(v)) / medians[name] for name, v in per_round.items()}
     return medians, spread
@@ -779,7 +798,8 @@ def print_dispatch_table(rows: list[dict]) -> None:
 def print_tables(report: dict) -> None:
     timed = report["timed"]
     print(f"# bench_moe  {report['date']}  device={report['device_name']}  dtype={report['dtype']}  "
-          f"torch={report['torch']}  triton={report['triton']}" + ("" if timed else "  (CPU smoke run: NOT timed)"))
+          f"torch={report['torch']}  triton={report['triton']}  timing={report.get('timing')}"
+          + ("" if timed else "  (CPU smoke run: NOT timed)"))
     if report["gemm"]:
         print_gemm_table(report["gemm"])
     layer = report["moe_layer"]
@@ -812,6 +832,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gemm-providers", default="",
                         help="comma-separated GEMM providers to keep (default all; torch._grouped_mm always runs)")
     parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time the interleaved rounds as CUDA-graph replays (GPU time without host "
+                             "launch gaps) instead of host launches with an L2 flush per call")
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time each Triton product (fwd, dx, dw) over a few tile shapes")
     parser.add_argument("--best-tiles", metavar="FILE", default=None,
@@ -861,6 +884,9 @@ def main(argv=None) -> dict:
     )
     from titan_moe.ops.grouped_gemm.triton_kernel import default_config
 
+    global GRAPH_TIMING
+    GRAPH_TIMING = args.cuda_graph
+    report["timing"] = "cuda_graph_replay" if args.cuda_graph else "do_bench_host_launch"
     report["triton_tiles"] = {kind: dataclasses.asdict(default_config(dtype, torch.device(args.device), kind))
                               for kind in ("mk", "k")}
     if not args.skip_gemm:

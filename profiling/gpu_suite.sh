@@ -111,7 +111,11 @@
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
 #              the forward's intermediates) beside the default, which keeps them (not in the default list)
-# Time limits per section: $SUITE_TIMEOUT seconds (default 540). The training runs' dump folders
+# Time limits per command: $SUITE_TIMEOUT seconds (default 540), and with $SUITE_DEADLINE set
+# (seconds from the suite's start) no command runs past that point: each gets what is left, one
+# with less than 20 seconds left is skipped (rc=124, "skipped" in summary.txt). A command over
+# its limit gets SIGTERM, then SIGKILL 10 seconds later (a trainer that outlived SIGTERM once
+# kept the GPU busy under the next section's benchmark). The training runs' dump folders
 # go under $SUITE_DUMP (default OUT). SUITE_DRY_RUN=1 writes each
 # command to summary.txt instead of running it; SUITE_GPUS overrides the GPU count (both for
 # checking the script without a GPU).
@@ -151,8 +155,17 @@ run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
         echo "$name: $*" >> "$OUT/summary.txt"
         return
     fi
-    echo "gpu_suite: $name ..." >&2
-    timeout "$LIMIT" "$@" > "$OUT/$name.txt" 2>&1
+    local limit=$LIMIT
+    if [ -n "${SUITE_DEADLINE:-}" ]; then
+        local left=$((SUITE_DEADLINE - SECONDS))
+        if [ "$left" -lt 20 ]; then
+            echo "$name rc=124 seconds=0 skipped: ${left}s left before SUITE_DEADLINE" | tee -a "$OUT/summary.txt" >&2
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    echo "gpu_suite: $name (limit ${limit}s) ..." >&2
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
     rc=$?
     echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt" >&2
 }

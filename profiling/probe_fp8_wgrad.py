@@ -1,9 +1,12 @@
 """One fp8 grouped GEMM call, forward+backward, with the bf16 weight gradient against
-``wgrad="fp8_rows"``: kernel time per call by kernel (torch.profiler) and wall time per call.
+``wgrad="fp8_rows"``, and the bf16 grouped GEMM op (``backend="native"``, mode
+``bf16_native``) beside them: kernel time per call by kernel (torch.profiler) and wall time
+per call.
 
     python profiling/probe_fp8_wgrad.py                                   # wide_1gpu's two expert GEMMs
     python profiling/probe_fp8_wgrad.py --shapes 64,2048,1408 --weights bf16   # the MoE issue's shape
     python profiling/probe_fp8_wgrad.py --situ --shapes 16,4096,2048      # the down GEMM with SiTU-GLU
+    python profiling/probe_fp8_wgrad.py --shapes 64,2048,1408 --weights bf16 --host-profile 15   # and the host
 
 With ``--situ`` each shape is the experts' down projection fed by SiTU-GLU: x is the packed
 pre-activation z [M, 2K], and the modes are SiTU-GLU (``situ_glu_packed``, its op in both
@@ -31,14 +34,18 @@ from bench_moe import group_sizes  # noqa: E402
 from titan_moe.float8.grouped_mm import fp8_grouped_mm  # noqa: E402
 from titan_moe.float8.quantize import quantize_weight  # noqa: E402
 from titan_moe.model.situ import situ_glu_packed  # noqa: E402
+from titan_moe.ops.grouped_gemm import grouped_mm  # noqa: E402
 
 
 SITU = (4.0, 25.0)
 
 
-def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str, situ_mode: str | None = None) -> str:
+def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str, situ_mode: str | None = None,
+          host_profile: int = 0) -> str:
     """One line: ``wgrad``'s (or, with ``situ_mode`` "unfused" / "fused", that SiTU-GLU
-    arrangement's) kernel and wall time per forward+backward call."""
+    arrangement's) kernel and wall time per forward+backward call; with ``host_profile`` N,
+    also the host's time per call and its N most expensive Python functions (cProfile over
+    ten calls, by own time), for where a wall time above the kernel time goes."""
     offs = torch.tensor(group_sizes(M, E, "balanced"), device="cuda").cumsum(0).to(torch.int32)
     x_cols = 2 * K if situ_mode else K
     x = (torch.randn(M, x_cols, device="cuda") * (3.0 if situ_mode else K**-0.5)).bfloat16().requires_grad_()
@@ -47,6 +54,8 @@ def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str, situ
     wq = quantize_weight(w.detach())
 
     def forward():
+        if wgrad == "bf16_native":  # the bf16 grouped GEMM op the fp8 path replaces
+            return grouped_mm(x, w.to(x.dtype), offs, backend="native")
         if situ_mode == "fused":
             return fp8_grouped_mm(x, w, offs, wgrad=wgrad, w_fp8=wq, situ=SITU)
         lhs = situ_glu_packed(x, *SITU) if situ_mode == "unfused" else x
@@ -66,7 +75,7 @@ def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str, situ
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events) / 5 / 1000
     top = sorted(((e.self_device_time_total / 5 / 1000, e.key[:60]) for e in events if e.self_device_time_total > 0),
-                 reverse=True)[:7]
+                 reverse=True)[:12]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
@@ -75,8 +84,31 @@ def probe(E: int, M: int, K: int, N: int, w_dtype: torch.dtype, wgrad: str, situ
     torch.cuda.synchronize()
     wall = start.elapsed_time(end) / 10
     label = wgrad if situ_mode is None else f"{wgrad} situ {situ_mode}"
+    host = _host_profile(call, host_profile) if host_profile else ""
     return (f"E{E} K{K} N{N} {label}: kernels {total:.3f} ms/call, wall {wall:.3f} ms/call; "
-            + "; ".join(f"{name} {ms:.3f}" for ms, name in top))
+            + "; ".join(f"{name} {ms:.3f}" for ms, name in top) + host)
+
+
+def _host_profile(call, top: int, calls: int = 10) -> str:
+    """cProfile over ``calls`` calls (then one synchronize): the host's time per call and the
+    ``top`` functions by own time, as extra lines."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own, cumulative, callers)
+    total = sum(own for _, _, own, _, _ in stats.values())
+    rows = sorted(((own, n, f"{os.path.basename(file)}:{line}({name})") for (file, line, name), (n, _, own, _, _)
+                   in stats.items()), reverse=True)[:top]
+    lines = [f"\n  host {total / calls * 1e3:.3f} ms/call (cProfile's own times; the profiler inflates them)"]
+    lines += [f"\n    {own / calls * 1e3:7.3f} ms/call  {n // calls:4d} calls  {where}" for own, n, where in rows]
+    return "".join(lines)
 
 
 def main(argv=None) -> None:
@@ -85,6 +117,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=65_536)
     parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--situ", action="store_true", help="the down GEMM fed by SiTU-GLU, unfused against fused")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also cProfile the host side of each mode: its N most expensive Python functions")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("probe_fp8_wgrad: needs a CUDA GPU of compute capability >= 8.9")
@@ -93,10 +127,10 @@ def main(argv=None) -> None:
         E, K, N = (int(v) for v in shape.split(","))
         if args.situ:
             for mode in ("unfused", "fused"):
-                print(probe(E, args.tokens, K, N, w_dtype, "fp8_rows", mode), flush=True)
+                print(probe(E, args.tokens, K, N, w_dtype, "fp8_rows", mode, args.host_profile), flush=True)
         else:
-            for wgrad in ("bf16", "fp8_rows"):
-                print(probe(E, args.tokens, K, N, w_dtype, wgrad), flush=True)
+            for wgrad in ("bf16_native", "bf16", "fp8_rows"):
+                print(probe(E, args.tokens, K, N, w_dtype, wgrad, host_profile=args.host_profile), flush=True)
 
 
 if __name__ == "__main__":

@@ -248,8 +248,8 @@ def test_memory_check_runs_the_trainer_and_the_planner(tmp_path, capsys):
     assert not bad["ok"] and "activation_checkpoint.mode" in bad["error"]
 
 
-def _gpu_suite(tmp_path, *sections, gpus: str | None = None, dry: bool = True):
-    env = {**os.environ, "SUITE_DRY_RUN": "1" if dry else "0"}
+def _gpu_suite(tmp_path, *sections, gpus: str | None = None, dry: bool = True, **env_extra: str):
+    env = {**os.environ, "SUITE_DRY_RUN": "1" if dry else "0", **env_extra}
     if gpus is not None:
         env["SUITE_GPUS"] = gpus
     return subprocess.run(["bash", "profiling/gpu_suite.sh", str(tmp_path / "out"), *sections],
@@ -271,6 +271,18 @@ def test_gpu_suite_plans_every_section_for_two_gpus(tmp_path):
     for command in commands.values():  # every config file it names exists
         for path in (word for word in command.split() if word.endswith(".toml")):
             assert (REPO / path).is_file(), path
+
+
+def test_gpu_suite_deadline_skips_commands_that_would_overrun_it(tmp_path):
+    """With SUITE_DEADLINE reached, every command of a section is skipped (rc 124, nothing
+    started, no output file) instead of starting a run the outer time limit would cut."""
+    proc = _gpu_suite(tmp_path, "fp8_all_b8", gpus="1", dry=False, SUITE_DEADLINE="5")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out"
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(" ", 1)[0] for line in lines] == ["fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_all_b8_table"]
+    assert all("rc=124 seconds=0 skipped" in line for line in lines), lines
+    assert sorted(p.name for p in out.iterdir()) == ["summary.txt"]
 
 
 def test_gpu_suite_fp8_experts_section(tmp_path):
