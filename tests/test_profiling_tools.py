@@ -285,6 +285,20 @@ def test_gpu_suite_deadline_skips_commands_that_would_overrun_it(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["summary.txt"]
 
 
+def test_gpu_suite_fp8_gemm_section(tmp_path):
+    """fp8_gemm: the host-profiled probe, then the GEMM providers as graph replays and with
+    host launches."""
+    proc = _gpu_suite(tmp_path, "fp8_gemm", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["fp8_gemm_probe", "fp8_gemm_graph", "fp8_gemm_host"]
+    assert "--host-profile 20" in commands["fp8_gemm_probe"]
+    assert "--cuda-graph" in commands["fp8_gemm_graph"] and "--cuda-graph" not in commands["fp8_gemm_host"]
+    assert "k3_down_balanced" in commands["fp8_gemm_graph"]
+    for name in ("fp8_gemm_graph", "fp8_gemm_host"):
+        assert "fp8_cached_w_dw8rows" in commands[name] and "--skip-layer" in commands[name]
+
+
 def test_gpu_suite_fp8_experts_section(tmp_path):
     """fp8_experts: the two benchmarks, then four wide_1gpu runs that differ only in the fp8
     switches (the experts with and without the per-step weight cache)."""

@@ -321,6 +321,9 @@ def _setup_context(ctx, inputs, output):
     x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK, *betas = inputs
     _, w_dgrad_EKN, sw_dgrad_EK, xq_buffer, sx_EK = output
     ctx.mark_non_differentiable(*output[1:])
+    # no zero-filled gradients for the residual outputs: with "fp8_rows" x's codes alone are
+    # [M, K] (a 134 MB fill, 0.04 ms per call on the H200 at M = 65,536, K = 2048)
+    ctx.set_materialize_grads(False)
     if wq_fwd_EKN is not None:  # a weight quantized by the caller: the backward reads its dx operand
         w_dgrad_EKN, sw_dgrad_EK = wq_dgrad_EKN, sw_dgrad_given_EK
     situ = bool(betas) and betas[0] > 0
@@ -331,6 +334,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy_MN, *_unused_grads):
+    if dy_MN is None:  # the output took no part in the loss (gradients are not materialized)
+        return (None,) * 12
     w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E = ctx.saved_tensors
     needs_dx, needs_dw = ctx.needs
     dx_MK, dw_EKN = _bwd_op(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, ctx.wgrad,
