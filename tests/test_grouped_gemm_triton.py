@@ -202,7 +202,8 @@ def test_bad_offsets_stay_in_bounds():
 
 
 @needs_kernels
-@pytest.mark.parametrize("m,n,e,frac", [(100, 16, 4, 1.0), (77, 200, 5, 0.8), (150, 130, 6, 0.3), (9, 8, 3, 0.0)])
+@pytest.mark.parametrize("m,n,e,frac", [(100, 16, 4, 1.0), (77, 200, 5, 0.8), (150, 130, 6, 0.3), (9, 8, 3, 0.0),
+                                         (300, 24, 3, 0.0)])
 def test_zero_fill_kernels_touch_only_what_the_native_gemm_leaves_unwritten(m, n, e, frac):
     """The native backend's clean-up kernels against masked_fill: rows past offs[-1] and the
     weight gradients of empty groups become zero, every other element keeps its value
@@ -213,6 +214,7 @@ def test_zero_fill_kernels_touch_only_what_the_native_gemm_leaves_unwritten(m, n
     offs = random_offsets(e, m, gen, frac).to(DEVICE)
     out = torch.randn(m, n, generator=gen).to(DEVICE)
     want = out.masked_fill((torch.arange(m, device=DEVICE) >= offs[-1]).unsqueeze(1), 0)
+    assert torch.equal(zero_rows_past_(out.clone(), offs, programs=1), want)  # one program loops over the tail
     assert torch.equal(zero_rows_past_(out, offs), want)
     dw = torch.randn(e, 24, n, generator=gen).to(DEVICE)
     empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
@@ -425,7 +427,7 @@ _ZERO_FILL_COMPILE_SCRIPT = textwrap.dedent(
         return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
 
     rows = build(zf._zero_rows_past_kernel, {"out": "*bf16", "offs": "*i32", "M": "i32", "N": "i32", "stride_m": "i32"},
-                 {"E": 64, "ROWS": zf._ROWS, "COLS": zf._COLS})
+                 {"E": 64, "ROWS": zf._ROWS, "COLS": zf._COLS, "PROGRAMS": zf._ROW_PROGRAMS, "INTERPRETED": False})
     groups = build(zf._zero_empty_groups_kernel, {"dw": "*bf16", "offs": "*i32", "numel_per_group": "i64"},
                    {"SPLITS": zf._SPLITS, "BLOCK": zf._BLOCK, "INTERPRETED": False})
     print("RESULT", all("st.global" in k.asm["ptx"] for k in (rows, groups)))
