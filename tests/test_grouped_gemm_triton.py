@@ -216,6 +216,11 @@ def test_zero_fill_kernels_touch_only_what_the_native_gemm_leaves_unwritten(m, n
     want = out.masked_fill((torch.arange(m, device=DEVICE) >= offs[-1]).unsqueeze(1), 0)
     assert torch.equal(zero_rows_past_(out.clone(), offs, programs=1), want)  # one program loops over the tail
     assert torch.equal(zero_rows_past_(out, offs), want)
+    for bad_end, rows_kept in ((-5, 0), (m + 40, m)):  # offs[-1] past either end: clamped into [0, M]
+        bad = offs.clone()
+        bad[-1] = bad_end
+        assert torch.equal(zero_rows_past_(out.clone(), bad), out.masked_fill(
+            (torch.arange(m, device=DEVICE) >= rows_kept).unsqueeze(1), 0))
     dw = torch.randn(e, 24, n, generator=gen).to(DEVICE)
     empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
     assert empty.any()  # random_offsets always empties group 1
@@ -426,8 +431,9 @@ _ZERO_FILL_COMPILE_SCRIPT = textwrap.dedent(
         sig = dict(signature, **{n: "constexpr" for n in constexprs})
         return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
 
-    rows = build(zf._zero_rows_past_kernel, {"out": "*bf16", "offs": "*i32", "M": "i32", "N": "i32", "stride_m": "i32"},
-                 {"E": 64, "ROWS": zf._ROWS, "COLS": zf._COLS, "PROGRAMS": zf._ROW_PROGRAMS, "INTERPRETED": False})
+    rows = build(zf._zero_rows_past_kernel, {"out": "*bf16", "offs": "*i32", "M": "i32", "N": "i32", "stride_m": "i32",
+                                             "programs": "i32"},
+                 {"E": 64, "ROWS": zf._ROWS, "COLS": zf._COLS, "INTERPRETED": False})
     groups = build(zf._zero_empty_groups_kernel, {"dw": "*bf16", "offs": "*i32", "numel_per_group": "i64"},
                    {"SPLITS": zf._SPLITS, "BLOCK": zf._BLOCK, "INTERPRETED": False})
     print("RESULT", all("st.global" in k.asm["ptx"] for k in (rows, groups)))

@@ -34,13 +34,14 @@ _BLOCK = 1024  # elements per store of the empty-group kernel
 # Builtins only (tl.full, integer division), no triton.language.standard jit functions, and a
 # while loop under the interpreter: the conventions of `.triton_kernel`, for the same reasons.
 @triton.jit
-def _zero_rows_past_kernel(out, offs, M, N, stride_m, E: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                           PROGRAMS: tl.constexpr, INTERPRETED: tl.constexpr):
-    """PROGRAMS programs per column block stride over the row blocks from the one holding
+def _zero_rows_past_kernel(out, offs, M, N, stride_m, programs, E: tl.constexpr, ROWS: tl.constexpr,
+                           COLS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``programs`` programs per column block stride over the row blocks from the one holding
     offs[-1] to M: with no rows past offs[-1] (training's usual case) each program loads one
     scalar and ends, so the kernel costs the same at any M (a program per row block of the
-    whole output took 0.019 ms on the H200 at M = 65,536, N = 1408, zeroing nothing)."""
-    owned = tl.load(offs + E - 1).to(tl.int64)
+    whole output took 0.019 ms on the H200 at M = 65,536, N = 1408, zeroing nothing).
+    offs[-1] is clamped into [0, M]: offsets that break the contract write nothing outside."""
+    owned = tl.minimum(tl.maximum(tl.load(offs + E - 1).to(tl.int64), 0), M)
     first = (owned // ROWS) * ROWS + tl.program_id(0).to(tl.int64) * ROWS
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     zeros = tl.full((ROWS, COLS), 0, out.dtype.element_ty)
@@ -48,9 +49,9 @@ def _zero_rows_past_kernel(out, offs, M, N, stride_m, E: tl.constexpr, ROWS: tl.
         row0 = first
         while row0 < M:
             _zero_rows(out, row0, owned, M, N, stride_m, cols, zeros, ROWS)
-            row0 += PROGRAMS * ROWS
+            row0 += programs * ROWS
     else:
-        for row0 in tl.range(first, M, PROGRAMS * ROWS):
+        for row0 in tl.range(first, M, programs * ROWS):
             _zero_rows(out, row0, owned, M, N, stride_m, cols, zeros, ROWS)
 
 
@@ -94,8 +95,8 @@ def zero_rows_past_(out_MN: Tensor, offs_E: Tensor, programs: int = _ROW_PROGRAM
     assert out_MN.stride(1) == 1, "zero_rows_past_ takes a row-major output"
     programs = max(1, min(programs, triton.cdiv(M, _ROWS)))
     grid = (programs, triton.cdiv(N, _COLS))
-    _zero_rows_past_kernel[grid](out_MN, offs_E, M, N, out_MN.stride(0), E=offs_E.shape[0], ROWS=_ROWS, COLS=_COLS,
-                                 PROGRAMS=programs, INTERPRETED=is_interpreted(_zero_rows_past_kernel))
+    _zero_rows_past_kernel[grid](out_MN, offs_E, M, N, out_MN.stride(0), programs, E=offs_E.shape[0], ROWS=_ROWS,
+                                 COLS=_COLS, INTERPRETED=is_interpreted(_zero_rows_past_kernel))
     return out_MN
 
 
