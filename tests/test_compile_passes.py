@@ -33,7 +33,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from numerics import rel_err
 from triton_mode import interpret_without_gpu, kernel_test_setup, rerun_under_interpreter  # noqa: E402
 

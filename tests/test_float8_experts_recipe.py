@@ -14,13 +14,14 @@ from titan_moe.float8.experts_recipe import (
     SITU_QUANT_ENV,
     WEIGHT_CACHE_ENV,
     WGRAD_ENV,
+    WIDEN_ENV,
     ExpertsFp8Recipe,
 )
 from titan_moe.model.moe import RoutedExperts
 
 from test_float8 import CONFIG, single_process
 
-ENVS = (GEMM_ENV, WGRAD_ENV, SITU_QUANT_ENV, WEIGHT_CACHE_ENV)
+ENVS = (GEMM_ENV, WGRAD_ENV, SITU_QUANT_ENV, WEIGHT_CACHE_ENV, WIDEN_ENV)
 
 
 @pytest.fixture(autouse=True)
@@ -36,11 +37,12 @@ def table(*args: str):
 
 def test_toml_keys_reach_the_recipe():
     assert ExpertsFp8Recipe.from_config(table()) == ExpertsFp8Recipe()
-    assert ExpertsFp8Recipe() == ExpertsFp8Recipe("fused", "bf16", False, True)  # the documented defaults
+    assert ExpertsFp8Recipe() == ExpertsFp8Recipe("fused", "bf16", False, True, "torch")  # the documented defaults
     got = ExpertsFp8Recipe.from_config(table("--quantize.grouped_mm.float8.wgrad", "fp8_rows",
                                              "--quantize.grouped_mm.float8.situ_quant",
-                                             "--quantize.grouped_mm.float8.no-cache-weights"))
-    assert got == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True, cache_weights=False)
+                                             "--quantize.grouped_mm.float8.no-cache-weights",
+                                             "--quantize.grouped_mm.float8.widen", "triton"))
+    assert got == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True, cache_weights=False, widen="triton")
 
 
 @pytest.mark.parametrize("args, match", [
@@ -48,6 +50,8 @@ def test_toml_keys_reach_the_recipe():
     ({"wgrad": "int8"}, r"quantize.grouped_mm.float8.wgrad must be one of"),
     ({"wgrad": "fp8", "situ_quant": True}, r"situ_quant needs wgrad"),
     ({"gemm": "torchao", "wgrad": "fp8_rows"}, r'apply to gemm = "fused" only'),
+    ({"widen": "cuda"}, r"quantize.grouped_mm.float8.widen must be one of"),
+    ({"gemm": "torchao", "widen": "triton"}, r'apply to gemm = "fused" only'),
 ])
 def test_impossible_recipes_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
@@ -77,6 +81,14 @@ def test_environment_overrides_the_config(monkeypatch):
         toml.with_env_overrides()
     monkeypatch.setenv(GEMM_ENV, "bogus")
     with pytest.raises(ValueError, match=f"{GEMM_ENV} must be one of"):
+        toml.with_env_overrides()
+    for env in (GEMM_ENV, WGRAD_ENV, SITU_QUANT_ENV):
+        monkeypatch.delenv(env)
+    monkeypatch.setenv(WIDEN_ENV, "triton")
+    assert toml.with_env_overrides() == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True, cache_weights=False,
+                                                         widen="triton")
+    monkeypatch.setenv(WIDEN_ENV, "numpy")
+    with pytest.raises(ValueError, match=f"{WIDEN_ENV} must be one of"):
         toml.with_env_overrides()
 
 
@@ -119,3 +131,22 @@ def test_converted_experts_follow_their_recipe(monkeypatch):
     monkeypatch.setenv(WEIGHT_CACHE_ENV, "1")
     assert step(experts) == {"situ": 0, "requant": 0}
     assert experts.refresh_fp8_weights()
+
+
+def test_converted_experts_pass_the_widening_to_both_gemms(monkeypatch):
+    """The recipe's `widen` reaches both fused GEMM calls of a converted module."""
+    import titan_moe.float8.grouped_mm as fgm
+
+    monkeypatch.setattr(fq, "kernels_run_on", lambda device: device.type == "cuda" and not fq.interpreted())
+    original, widens = fgm.fp8_grouped_mm, []
+
+    def recording(*args, **kwargs):
+        widens.append(kwargs.get("widen"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fgm, "fp8_grouped_mm", recording)
+    model = torch.nn.Sequential(RoutedExperts(2, 32, 48, 1.0, 1.0))
+    convert_routed_experts(model, recipe=ExpertsFp8Recipe(widen="triton"))
+    offs = torch.tensor([16, 32], dtype=torch.int32)
+    model[0](torch.randn(32, 32), offs, groups_aligned=True)
+    assert widens == ["triton", "triton"]

@@ -406,6 +406,31 @@ def test_prequantized_fp32_weight_with_bf16_activations(widen_backend, monkeypat
     assert rel_err(out.detach(), ref_out) < 0.02 and rel_err(xl.grad, ref_dx) < 0.02
 
 
+def test_widen_argument_chooses_the_fp32_widening(monkeypatch, torch_quantization):
+    """`widen` picks the bf16 -> fp32 backend of the fp32 weight's gradient over the
+    environment's; None leaves it to the environment; an unknown name is refused."""
+    import titan_moe.float8.grouped_mm as fgm
+    from titan_moe.float8.widen import BACKEND_ENV
+
+    seen = []
+
+    def recording_widen(t, backend=None):
+        seen.append(backend)
+        return t.float()
+
+    monkeypatch.setattr(fgm, "widen_to_fp32", recording_widen)
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    x, w, dy, offs = make_case([32, 16], 0, 32, 16, seed=8)
+    w32 = w.float()
+    for widen, want in (("triton", "triton"), ("torch", "torch"), (None, None)):
+        seen.clear()
+        wl = w32.clone().requires_grad_()
+        fp8_grouped_mm(x, wl, offs, w_fp8=fq.quantize_weight(w32), widen=widen).backward(dy)
+        assert seen == [want] and wl.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="widen must be None or one of"):
+        fp8_grouped_mm(x, w, offs, widen="cuda")
+
+
 def test_prequantized_weight_argument_errors(torch_quantization):
     x, w, _, offs = make_case([16, 16], 0, 32, 16)
     with pytest.raises(ValueError, match="does not belong"):

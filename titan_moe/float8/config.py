@@ -52,6 +52,8 @@ class Float8GroupedMMExtras:
     """SiTU-GLU computed inside the down GEMM's row quantization (fused GEMM, wgrad bf16/fp8_rows)."""
     cache_weights: bool = True
     """Expert weights quantized once per optimizer step (fused GEMM, unsharded weights)."""
+    widen: str = "torch"
+    """bf16 -> fp32 of the fused GEMM's results for fp32 weights: "torch" (.float()) or "triton"."""
 
 
 @dataclass

@@ -6,25 +6,31 @@
     wgrad = "bf16"           # the fused GEMM's weight gradient: "bf16", "fp8" or "fp8_rows"
     situ_quant = false       # SiTU-GLU computed inside the down GEMM's row quantization
     cache_weights = true     # expert weights quantized once per optimizer step
+    widen = "torch"          # bf16 -> fp32 of the weight gradients: "torch" (.float()) or "triton"
 
 Each key has an environment variable that, when set, overrides it (read per call, so at
 trace time under torch.compile): `TITAN_MOE_FP8_EXPERTS_GEMM`, `TITAN_MOE_FP8_EXPERTS_WGRAD`,
-`TITAN_MOE_FP8_SITU_QUANT` (0/1), `TITAN_MOE_FP8_WEIGHT_CACHE` (0/1). The benchmarks use them
-to compare recipes without editing configs.
+`TITAN_MOE_FP8_SITU_QUANT` (0/1), `TITAN_MOE_FP8_WEIGHT_CACHE` (0/1), `TITAN_MOE_FP8_WIDEN`.
+The benchmarks use them to compare recipes without editing configs.
 
 Why these defaults (BENCHMARKS.md): "fused" ran the MoE benchmark's fp8 GEMM 4x faster than
 torchao's and compiles fullgraph; "bf16" is the weight gradient of the 300-step loss check;
 "fp8_rows" re-expresses the forward's row codes per group (10% faster per gate|up call at
 wide_1gpu's shapes, not visible in the whole step; its 300-step loss within 0.4% of bf16);
 `situ_quant` has been timed in the whole step only together with the other options, which
-together were no faster than without them; the weight cache is what made the fp8 experts
-faster than bf16 in the step.
+together were no faster than without them at 16K tokens per step; the weight cache is what
+made the fp8 experts faster than bf16 in the step. `wgrad = "fp8_rows"`, `situ_quant = true`
+and `widen = "triton"` together (with tensorwise fp8 linears) are the recipe measured at 1.22x
+bf16 at 32K tokens per step; none of the three was timed alone there, so none is a default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+
+from titan_moe.float8.widen import BACKEND_ENV as WIDEN_ENV
+from titan_moe.float8.widen import BACKENDS as WIDENS
 
 GEMMS = ("torchao", "fused")
 WGRAD_MODES = ("bf16", "fp8", "fp8_rows")  # fp8_grouped_mm's `wgrad` (titan_moe.float8.grouped_mm imports it)
@@ -54,18 +60,21 @@ class ExpertsFp8Recipe:
     wgrad: str = "bf16"
     situ_quant: bool = False
     cache_weights: bool = True
+    widen: str = "torch"
 
     def __post_init__(self):
         if self.gemm not in GEMMS:
             raise ValueError(f"{TABLE}.gemm must be one of {GEMMS}, got {self.gemm!r}")
         if self.wgrad not in WGRAD_MODES:
             raise ValueError(f"{TABLE}.wgrad must be one of {WGRAD_MODES}, got {self.wgrad!r}")
+        if self.widen not in WIDENS:
+            raise ValueError(f"{TABLE}.widen must be one of {WIDENS}, got {self.widen!r}")
         if self.situ_quant and self.wgrad == "fp8":
             raise ValueError(f'{TABLE}.situ_quant needs wgrad "bf16" or "fp8_rows", not "fp8" '
                              "(which quantizes the activation by group columns from its bf16 copy)")
-        if self.gemm == "torchao" and (self.situ_quant or self.wgrad != "bf16"):
-            raise ValueError(f'{TABLE}: wgrad and situ_quant apply to gemm = "fused" only (got gemm "torchao", '
-                             f"wgrad {self.wgrad!r}, situ_quant {self.situ_quant})")
+        if self.gemm == "torchao" and (self.situ_quant or self.wgrad != "bf16" or self.widen != "torch"):
+            raise ValueError(f'{TABLE}: wgrad, situ_quant and widen apply to gemm = "fused" only (got gemm '
+                             f'"torchao", wgrad {self.wgrad!r}, situ_quant {self.situ_quant}, widen {self.widen!r})')
 
     @classmethod
     def from_config(cls, table) -> ExpertsFp8Recipe:
@@ -79,10 +88,11 @@ class ExpertsFp8Recipe:
         Raises ValueError naming the variable for a value it cannot take; a combination the
         override makes impossible names the variables that made it."""
         changes = {}
-        for field, env in (("gemm", GEMM_ENV), ("wgrad", WGRAD_ENV)):
+        choices = {"gemm": GEMMS, "wgrad": WGRAD_MODES, "widen": WIDENS}
+        for field, env in (("gemm", GEMM_ENV), ("wgrad", WGRAD_ENV), ("widen", WIDEN_ENV)):
             value = os.environ.get(env)
             if value:
-                allowed = GEMMS if field == "gemm" else WGRAD_MODES
+                allowed = choices[field]
                 if value not in allowed:
                     raise ValueError(f"{env} must be one of {allowed}, got {value!r}")
                 changes[field] = value
@@ -95,9 +105,10 @@ class ExpertsFp8Recipe:
         try:
             return dataclasses.replace(self, **changes)
         except ValueError as err:
-            envs = {"gemm": GEMM_ENV, "wgrad": WGRAD_ENV, "situ_quant": SITU_QUANT_ENV, "cache_weights": WEIGHT_CACHE_ENV}
+            envs = {"gemm": GEMM_ENV, "wgrad": WGRAD_ENV, "situ_quant": SITU_QUANT_ENV, "cache_weights": WEIGHT_CACHE_ENV,
+                    "widen": WIDEN_ENV}
             raise ValueError(f"{err} (set by {', '.join(envs[k] + '=' + str(v) for k, v in changes.items())})") from None
 
     def describe(self) -> str:
         return (f"gemm {self.gemm}, wgrad {self.wgrad}, SiTU-GLU in the quantization {self.situ_quant}, "
-                f"weights quantized once per step {self.cache_weights}")
+                f"weights quantized once per step {self.cache_weights}, fp32 widening {self.widen}")

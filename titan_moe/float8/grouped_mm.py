@@ -75,6 +75,7 @@ from titan_moe.float8.quantize import (
     quantize_weight,
     requantize_group_columns,
 )
+from titan_moe.float8.widen import BACKENDS as WIDEN_BACKENDS
 from titan_moe.float8.widen import widen_to_fp32
 from titan_moe.ops.grouped_gemm.reference import group_bounds
 from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
@@ -89,7 +90,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the scaled grouped GEMM: one place for the torch._scaled_grouped_mm contract
 # ----------------------------------------------------------------------------------------
 def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs_E: Tensor,
-                         out_dtype: torch.dtype) -> Tensor:
+                         out_dtype: torch.dtype, widen: str = "") -> Tensor:
     """Grouped GEMM of fp8 operands with dequantization scales, fp32 accumulation.
 
     Two cases (``out`` in ``out_dtype``, computed in bf16 and cast):
@@ -105,24 +106,25 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
       contracted M must be a multiple of 16 there (callers pass the buffers' padded rows).
 
     CUDA: ``torch._scaled_grouped_mm(..., out_dtype=torch.bfloat16, use_fast_accum=True)``
-    plus zeroing of what it leaves unwritten. CPU: :func:`_scaled_grouped_gemm_emulated`.
+    plus zeroing of what it leaves unwritten, then :func:`to_dtype` (``widen``: its fp32
+    widening backend). CPU: :func:`_scaled_grouped_gemm_emulated`.
     """
     if a.device.type != "cuda":
         return _scaled_grouped_gemm_emulated(a, b, scale_a, scale_b, offs_E, out_dtype)
     out = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs_E, out_dtype=torch.bfloat16,
                                    use_fast_accum=True)
-    return to_dtype(_zero_unwritten(out, offs_E), out_dtype)
+    return to_dtype(_zero_unwritten(out, offs_E), out_dtype, widen)
 
 
-def to_dtype(t_bf16: Tensor, dtype: torch.dtype) -> Tensor:
+def to_dtype(t_bf16: Tensor, dtype: torch.dtype, widen: str = "") -> Tensor:
     """A GEMM's bf16 result in ``dtype``: bf16 -> fp32 (the fp32 expert weights' gradients)
-    through :func:`titan_moe.float8.widen.widen_to_fp32` (``TITAN_MOE_FP8_WIDEN=triton``: one
-    vectorized pass, where ATen's casting copy ran at about 2.1 TB/s on the H200; not yet
-    timed, so off by default); other casts through ``.to``."""
+    through :func:`titan_moe.float8.widen.widen_to_fp32` with backend ``widen`` ("" : its
+    environment default; "triton": one vectorized pass, where ATen's casting copy ran at
+    about 2.1 TB/s on the H200; not timed alone, so off by default); other casts through ``.to``."""
     if t_bf16.dtype == dtype:
         return t_bf16
     if t_bf16.dtype == torch.bfloat16 and dtype == torch.float32:
-        return widen_to_fp32(t_bf16)
+        return widen_to_fp32(t_bf16, widen or None)
     return t_bf16.to(dtype)
 
 
@@ -171,11 +173,12 @@ def _wgrad_high_precision(x_MK: Tensor, dy_MN: Tensor, offs_E: Tensor) -> Tensor
 
 
 def _wgrad_fp8(xq_MK: Tensor, sx_EK: Tensor, dyq_MN: Tensor, sdy_EN: Tensor, offs_E: Tensor,
-               out_dtype: torch.dtype) -> Tensor:
+               out_dtype: torch.dtype, widen: str = "") -> Tensor:
     """fp8 weight gradient from x and dy quantized per group (column-major ``[M, C]`` codes,
     scales ``[E*C]``, as :func:`quantize_group_columns` and :func:`requantize_group_columns`
     return them): a 2d x 2d scaled grouped GEMM."""
-    return _scaled_grouped_gemm(_all_buffer_rows(xq_MK).t(), _all_buffer_rows(dyq_MN), sx_EK, sdy_EN, offs_E, out_dtype)
+    return _scaled_grouped_gemm(_all_buffer_rows(xq_MK).t(), _all_buffer_rows(dyq_MN), sx_EK, sdy_EN, offs_E, out_dtype,
+                                widen)
 
 
 def _all_buffer_rows(q_MC: Tensor) -> Tensor:
@@ -209,7 +212,7 @@ def _padded_rows(m):
 def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool,
             needs_dw: bool, wq_fwd_EKN: Tensor | None = None, sw_fwd_EN: Tensor | None = None,
             wq_dgrad_EKN: Tensor | None = None, sw_dgrad_EK: Tensor | None = None, situ_beta1: float = 0.0,
-            situ_beta2: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            situ_beta2: float = 0.0, widen: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of :func:`fp8_grouped_mm`. Returns ``(out [M, N], w_dgrad [E, K, N],
     sw_dgrad [E, K] fp32, xq, sx)``: the output and what the backward needs (the weight's dx
     operand if ``needs_dx``; if ``needs_dw``, x's fp8 codes for the weight gradient: with
@@ -223,7 +226,8 @@ def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: b
     The fp8 codes cross the op boundary as uint8 (the same bytes): generic checks and
     tooling that touch outputs (opcheck, AOT autograd) have no fp8 kernels on the CPU.
     With ``situ_beta1 > 0`` x_MK is the packed SiTU-GLU pre-activation ``z [M, 2K]`` and the
-    GEMM's left operand is its activation, quantized by rows straight from z."""
+    GEMM's left operand is its activation, quantized by rows straight from z. ``widen``:
+    the bf16 -> fp32 widening backend (:func:`to_dtype`; "" the environment's default)."""
     _check_offsets(offs_E, x_MK.shape[0])
     if situ_beta1 > 0 and wgrad == "fp8":
         raise ValueError('fp8_grouped_mm_fwd: SiTU-GLU fused needs wgrad "bf16" or "fp8_rows"')
@@ -235,7 +239,7 @@ def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: b
         wq: Fp8Weight = quantize_weight(w_EKN, dgrad=needs_dx)
     else:
         wq = Fp8Weight(wq_fwd_EKN.view(FP8), sw_fwd_EN, None, None)
-    out_MN = _scaled_grouped_gemm(xq_MK, wq.fwd_EKN, sx_M, wq.scale_fwd_EN, offs_E, x_MK.dtype)
+    out_MN = _scaled_grouped_gemm(xq_MK, wq.fwd_EKN, sx_M, wq.scale_fwd_EN, offs_E, x_MK.dtype, widen)
     xq_buffer = sx_EK = None
     if needs_dw and wgrad == "fp8":
         del xq_MK, sx_M
@@ -252,7 +256,7 @@ def _fwd_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: b
 
 @_fwd_op.register_fake
 def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN=None, wq_dgrad_EKN=None,
-      sw_dgrad_EK=None, situ_beta1=0.0, situ_beta2=0.0):
+      sw_dgrad_EK=None, situ_beta1=0.0, situ_beta2=0.0, widen=""):
     M, (E, K, N) = x_MK.shape[0], w_EKN.shape
     fp8, f32 = torch.uint8, torch.float32  # fp8 codes as uint8
     empty = functools.partial(x_MK.new_empty, 0)
@@ -276,7 +280,7 @@ def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN
 def _bwd_op(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Tensor | None, xq_buffer: Tensor,
             sx_EK: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool, needs_dw: bool, K: int,
             x_dtype: torch.dtype, w_dtype: torch.dtype, situ_beta1: float = 0.0,
-            situ_beta2: float = 0.0) -> tuple[Tensor, Tensor]:
+            situ_beta2: float = 0.0, widen: str = "") -> tuple[Tensor, Tensor]:
     """Backward of :func:`fp8_grouped_mm` from ``_fwd_op``'s residuals (x itself for
     ``wgrad == "bf16"`` or with SiTU-GLU). Returns ``(dx [M, K], dw [E, K, N])``, empty ``[0]``
     where not needed; with ``situ_beta1 > 0`` dx is the gradient of z, ``[M, 2K]``: the
@@ -290,27 +294,27 @@ def _bwd_op(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Tenso
         dyq_MN, sdy_M = quantize_rows(dy_MN, pow2=wgrad == "fp8_rows")
     situ = (situ_beta1, situ_beta2) if situ_beta1 > 0 else None
     if needs_dx:
-        dx_MK = _scaled_grouped_gemm(dyq_MN, w_dgrad_EKN.transpose(1, 2), sdy_M, sw_dgrad_EK, offs_E, x_dtype)
+        dx_MK = _scaled_grouped_gemm(dyq_MN, w_dgrad_EKN.transpose(1, 2), sdy_M, sw_dgrad_EK, offs_E, x_dtype, widen)
         if situ:
             dx_MK = situ_glu_bwd_op(x_MK, dx_MK, *situ)
     if needs_dw:
         if from_rows:  # xq_buffer: x's row codes [M, K], sx_EK: their row scales [M]
             xq_MK, sx_EK = requantize_group_columns(xq_buffer, sx_EK, offs_E)
             dyq_col_MN, sdy_EN = requantize_group_columns(dyq_MN, sdy_M, offs_E)
-            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype)
+            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype, widen)
         elif wgrad == "fp8":
             xq_MK = xq_buffer[:, : dy_MN.shape[0]].t()
             dyq_col_MN, sdy_EN = quantize_group_columns(dy_MN, offs_E, offs_aligned=True)
-            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype)
+            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype, widen)
         else:
             lhs_MK = situ_glu_op(x_MK, *situ) if situ else x_MK
-            dw_EKN = to_dtype(_wgrad_high_precision(lhs_MK, dy_MN, offs_E), w_dtype)
+            dw_EKN = to_dtype(_wgrad_high_precision(lhs_MK, dy_MN, offs_E), w_dtype, widen)
     return _none_to_empty(dx_MK, dy_MN, x_dtype), _none_to_empty(dw_EKN, dy_MN, w_dtype)
 
 
 @_bwd_op.register_fake
 def _(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, wgrad, needs_dx, needs_dw, K, x_dtype,
-      w_dtype, situ_beta1=0.0, situ_beta2=0.0):
+      w_dtype, situ_beta1=0.0, situ_beta2=0.0, widen=""):
     (M, N), E = dy_MN.shape, offs_E.shape[0]
     dx_cols = 2 * K if situ_beta1 > 0 else K
     return (dy_MN.new_empty(M, dx_cols, dtype=x_dtype) if needs_dx else dy_MN.new_empty(0, dtype=x_dtype),
@@ -318,7 +322,8 @@ def _(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, wgrad, ne
 
 
 def _setup_context(ctx, inputs, output):
-    x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK, *betas = inputs
+    x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK, *rest = inputs
+    betas, widen = tuple(rest[:2]), (rest[2] if len(rest) > 2 else "")
     _, w_dgrad_EKN, sw_dgrad_EK, xq_buffer, sx_EK = output
     ctx.mark_non_differentiable(*output[1:])
     # no zero-filled gradients for the residual outputs: with "fp8_rows" x's codes alone are
@@ -329,18 +334,19 @@ def _setup_context(ctx, inputs, output):
     situ = bool(betas) and betas[0] > 0
     keep_x = (needs_dw and wgrad == "bf16") or (situ and needs_dx)  # SiTU-GLU's backward reads z
     ctx.save_for_backward(w_dgrad_EKN, sw_dgrad_EK, x_MK if keep_x else None, xq_buffer, sx_EK, offs_E)
-    ctx.wgrad, ctx.needs, ctx.betas = wgrad, (needs_dx, needs_dw), tuple(betas) if situ else (0.0, 0.0)
+    ctx.wgrad, ctx.needs, ctx.betas = wgrad, (needs_dx, needs_dw), betas if situ else (0.0, 0.0)
+    ctx.widen = widen
     ctx.K, ctx.x_dtype, ctx.w_dtype = w_EKN.shape[1], x_MK.dtype, w_EKN.dtype
 
 
 def _backward(ctx, dy_MN, *_unused_grads):
     if dy_MN is None:  # the output took no part in the loss (gradients are not materialized)
-        return (None,) * 12
+        return (None,) * 13
     w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E = ctx.saved_tensors
     needs_dx, needs_dw = ctx.needs
     dx_MK, dw_EKN = _bwd_op(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, ctx.wgrad,
-                            needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype, *ctx.betas)
-    return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, *([None] * 10))
+                            needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype, *ctx.betas, ctx.widen)
+    return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, *([None] * 11))
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -430,7 +436,8 @@ def _check_offsets(offs_E: Tensor, m: int) -> None:
 
 
 def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = "bf16",
-                   w_fp8: Fp8Weight | None = None, situ: tuple[float, float] | None = None) -> Tensor:
+                   w_fp8: Fp8Weight | None = None, situ: tuple[float, float] | None = None,
+                   widen: str | None = None) -> Tensor:
     """fp8 grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, differentiable in x and w.
 
     Args:
@@ -461,16 +468,21 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
             SiTU-GLU's backward (z is kept for it). With wgrad "bf16" the backward recomputes
             the activation for the weight gradient; "fp8" is not supported ("fp8_rows" keeps
             the codes instead).
+        widen: how a bf16 GEMM result becomes fp32 (the weight gradient of fp32 weights):
+            "torch" (``.float()``) or "triton" (:mod:`titan_moe.float8.widen`'s kernel); None:
+            ``$TITAN_MOE_FP8_WIDEN``, else "torch".
 
     Returns:
         [M, N] in x's dtype (through bf16: the fp8 GEMM's output); rows past ``offs[-1]``
         zero. Forward and dx use rowwise e4m3 scaling of both operands (module docstring).
 
     Raises:
-        ValueError: bad shapes, dtypes, devices or ``wgrad``; offsets that are not
+        ValueError: bad shapes, dtypes, devices, ``wgrad`` or ``widen``; offsets that are not
             multiples of 16 (checked on the CPU only, see the module docstring).
     """
     _check_args(x_MK, w_EKN, offs_E, wgrad, w_fp8, situ)  # metadata only; the op checks offs' values
+    if widen not in (None, *WIDEN_BACKENDS):
+        raise ValueError(f"fp8_grouped_mm: widen must be None or one of {WIDEN_BACKENDS}, got {widen!r}")
     grad = torch.is_grad_enabled()
     needs_dx = grad and x_MK.requires_grad
     quantized = ()
@@ -482,5 +494,5 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
         quantized = (w_fp8.fwd_EKN.view(codes), w_fp8.scale_fwd_EN, *dgrad)
     betas = {} if situ is None else dict(situ_beta1=float(situ[0]), situ_beta2=float(situ[1]))
     out_MN, *_residuals = _fwd_op(x_MK, w_EKN, offs_E, wgrad, needs_dx, grad and w_EKN.requires_grad, *quantized,
-                                  **betas)
+                                  **betas, widen=widen or "")
     return out_MN

@@ -9,10 +9,12 @@ belongs to are fp32 parameters. ATen converts with its dynamic-casting copy
 followed by 16 zero bits, so the kernel here moves the bits with an integer shift and
 stores whole vectors: exact, bit for bit ``t.float()`` (NaN payloads included).
 
-:func:`widen_to_fp32` dispatches on ``$TITAN_MOE_FP8_WIDEN`` (read per call): "torch"
-(default, ``t.float()``: the kernel's own timing is not yet recorded, and in the whole step,
-with the other fp8 options, it showed no gain), "triton" for the kernel
-where it runs (CUDA; the CPU under the interpreter), ``t.float()`` elsewhere.
+:func:`widen_to_fp32` takes its backend from its caller (the fp8 experts' recipe key
+``[quantize.grouped_mm.float8] widen``) or, when given none, from ``$TITAN_MOE_FP8_WIDEN``
+(read per call): "torch" (default, ``t.float()``: the kernel's own timing is not yet
+recorded; it is part of the fp8 recipe measured at 1.22x bf16 in the whole step, not timed
+alone), "triton" for the kernel where it runs (CUDA; the CPU under the interpreter),
+``t.float()`` elsewhere.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_r
 
 BLOCK = 4096
 BACKEND_ENV = "TITAN_MOE_FP8_WIDEN"
+BACKENDS = ("torch", "triton")
 
 
 @triton.jit
@@ -53,13 +56,14 @@ def widen_to_fp32_triton(t: Tensor) -> Tensor:
     return out
 
 
-def widen_to_fp32(t: Tensor) -> Tensor:
-    """``t.float()`` for a bf16 ``t`` (same values bit for bit), through the kernel when
-    ``$TITAN_MOE_FP8_WIDEN`` is "triton" and it runs on t's device; other dtypes, and the
-    default "torch", go to ``t.float()``."""
-    choice = os.environ.get(BACKEND_ENV) or "torch"
-    if choice not in ("torch", "triton"):
-        raise ValueError(f"{BACKEND_ENV} must be torch or triton, got {choice!r}")
+def widen_to_fp32(t: Tensor, backend: str | None = None) -> Tensor:
+    """``t.float()`` for a bf16 ``t`` (same values bit for bit), through the kernel when the
+    backend is "triton" and it runs on t's device; other dtypes, and the default "torch", go
+    to ``t.float()``. ``backend`` None (or ""): ``$TITAN_MOE_FP8_WIDEN``, else "torch"."""
+    choice = backend or os.environ.get(BACKEND_ENV) or "torch"
+    if choice not in BACKENDS:
+        source = "widen_to_fp32: backend" if backend else BACKEND_ENV
+        raise ValueError(f"{source} must be torch or triton, got {choice!r}")
     if choice == "triton" and t.dtype == torch.bfloat16 and kernel_runs_on(_widen_kernel, t.device):
         return widen_to_fp32_triton(t)
     return t.float()
