@@ -107,11 +107,13 @@
 #   fp8_ablate wide_1gpu compiled, 24 steps each: the fp8_all recipe without the fused SiTU
 #              quantization and Triton widening, then without cache_weights (table against
 #              fp8_all_wide's runs in the same OUT) (not in the default list)
-#   fp8_gemm   the fp8 expert GEMM against bf16 at the MoE issue's shapes (E = 64 balanced and
-#              Zipf 1.1, the K3 latent experts balanced), providers native, auto, fp8_cached_w,
-#              fp8_cached_w_dw8rows: timed as CUDA-graph replays (--cuda-graph), then with host
-#              launches; before them probe_fp8_wgrad.py at E = 64 with --host-profile 20 (kernel
-#              sums, wall time and the host's Python per call) (not in the default list)
+#   fp8_gemm   the fp8 expert GEMM against bf16 at the MoE issue's shapes: first the grouped-GEMM
+#              and fp8 GEMM tests on the GPU (test_grouped_gemm_triton.py, test_float8_grouped.py,
+#              test_float8_experts_recipe.py), then probe_fp8_wgrad.py at E = 64 with
+#              --host-profile 20 (kernel sums, wall time and the host's Python per call), then
+#              providers native, auto, fp8_cached_w, fp8_cached_w_dw8rows at E = 64 (balanced,
+#              Zipf 1.1) and the K3 latent experts (balanced) as CUDA-graph replays
+#              (--cuda-graph), then at E = 64 with host launches (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
@@ -333,6 +335,8 @@ for section in "${SECTIONS[@]}"; do
                 "$DUMP/fp8_all_wide_fp8" "$DUMP/fp8_all_wide_bf16" --baseline fp8_all_wide_bf16 --mean-after 4 ;;
         fp8_gemm)
             GEMM_ARGS=(--skip-layer --gemm-providers native,auto,fp8_cached_w,fp8_cached_w_dw8rows)
+            run fp8_gemm_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
+                tests/test_float8_grouped.py tests/test_float8_experts_recipe.py
             run fp8_gemm_probe python profiling/probe_fp8_wgrad.py --shapes 64,2048,1408 --weights bf16 \
                 --host-profile 20
             run fp8_gemm_graph python profiling/bench_moe.py "${GEMM_ARGS[@]}" --cuda-graph \

@@ -286,12 +286,13 @@ def test_gpu_suite_deadline_skips_commands_that_would_overrun_it(tmp_path):
 
 
 def test_gpu_suite_fp8_gemm_section(tmp_path):
-    """fp8_gemm: the host-profiled probe, then the GEMM providers as graph replays and with
-    host launches."""
+    """fp8_gemm: the GPU tests of the GEMM code, the host-profiled probe, then the GEMM
+    providers as graph replays and with host launches."""
     proc = _gpu_suite(tmp_path, "fp8_gemm", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_gemm_probe", "fp8_gemm_graph", "fp8_gemm_host"]
+    assert list(commands) == ["fp8_gemm_tests", "fp8_gemm_probe", "fp8_gemm_graph", "fp8_gemm_host"]
+    assert "tests/test_float8_grouped.py" in commands["fp8_gemm_tests"]
     assert "--host-profile 20" in commands["fp8_gemm_probe"]
     assert "--cuda-graph" in commands["fp8_gemm_graph"] and "--cuda-graph" not in commands["fp8_gemm_host"]
     assert "k3_down_balanced" in commands["fp8_gemm_graph"]
