@@ -101,6 +101,9 @@
 #   fp8_all_small  the same pair on small_1gpu compiled (width 2048, 8K tokens per step), 40
 #              steps, one after the other: the small config's fp8 / bf16 speed ratio, which the
 #              loss check cannot give (not in the default list)
+#   fp8_all_profile  the fp8_all_b8 pair, 12 steps each, step 12 under torch.profiler, each trace's
+#              40 most expensive kernels (profiling/summarize_trace.py): where the step goes
+#              outside the GEMMs (not in the default list)
 #   fp8_all_loss  the loss check with the fp8_all recipe: small_1gpu compiled, 300 steps, bf16
 #              and fp8_all started together (they share the GPU: their tokens/s are not speeds)
 #              (not in the default list)
@@ -317,6 +320,14 @@ for section in "${SECTIONS[@]}"; do
         fp8_all_accum) fp8_all_pair fp8_all_accum --training.global_batch_size 8 ;;
         fp8_all_b8) fp8_all_pair fp8_all_b8 --training.local_batch_size 8 ;;
         fp8_all_small) PAIR=("${SMALL_PAIR[@]}"); fp8_all_pair fp8_all_small; PAIR=("${WIDE_PAIR[@]}") ;;
+        fp8_all_profile)
+            PROFILE=(--training.local_batch_size 8 --training.steps 12 --profiling.enable_profiling
+                     --profiling.profile_freq 12)
+            fp8_all_pair fp8_all_profile "${PROFILE[@]}"
+            for run_name in bf16 fp8; do
+                run "fp8_all_profile_${run_name}_kernels" python profiling/summarize_trace.py --category kernel --top 40 \
+                    "$DUMP/fp8_all_profile_${run_name}/profile_traces/iteration_12"
+            done ;;
         fp8_all_loss)
             LOSS=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --metrics.log_freq 10 --compile.enable)
             run fp8_all_loss_bf16 torchrun --standalone --nproc_per_node=1 "${LOSS[@]}" \

@@ -300,6 +300,23 @@ def test_gpu_suite_fp8_gemm_section(tmp_path):
         assert "fp8_cached_w_dw8rows" in commands[name] and "--skip-layer" in commands[name]
 
 
+def test_gpu_suite_fp8_all_profile_section(tmp_path):
+    """fp8_all_profile: the batch-8 pair, 12 steps with step 12 profiled, then each trace's
+    kernels summarized from the folder torchtitan writes it to."""
+    proc = _gpu_suite(tmp_path, "fp8_all_profile", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["fp8_all_profile_bf16", "fp8_all_profile_fp8", "fp8_all_profile_table",
+                              "fp8_all_profile_bf16_kernels", "fp8_all_profile_fp8_kernels"]
+    for name in ("bf16", "fp8"):
+        train = commands[f"fp8_all_profile_{name}"]
+        assert train.rsplit("--training.steps ", 1)[1].startswith("12 ")  # the last value wins
+        assert "--profiling.enable_profiling --profiling.profile_freq 12" in train
+        assert commands[f"fp8_all_profile_{name}_kernels"].endswith(
+            f"fp8_all_profile_{name}/profile_traces/iteration_12")
+    assert "--quantize.grouped_mm.float8.wgrad fp8_rows" in commands["fp8_all_profile_fp8"]
+
+
 def test_gpu_suite_fp8_experts_section(tmp_path):
     """fp8_experts: the two benchmarks, then four wide_1gpu runs that differ only in the fp8
     switches (the experts with and without the per-step weight cache)."""
