@@ -101,7 +101,7 @@ from torch import Tensor
 from titan_moe.ops.grouped_gemm.reference import group_bounds
 from titan_moe.ops.situ.reference import situ_glu_forward_torch
 from titan_moe.ops.situ.triton_kernel import situ_hidden
-from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
+from titan_moe.ops.triton_runtime import cdiv, check_runs_on, is_interpreted, kernel_runs_on, next_power_of_2
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -692,11 +692,11 @@ def _rows_launch(x, q, scale, dest_M, P, K, block_m, block_k, pow2, situ=None) -
     if M == 0:
         return
     if block_k is None:
-        block_k = min(triton.next_power_of_2(K), 32 if _small_tiles(x.device) else 4096)
+        block_k = min(next_power_of_2(K), 32 if _small_tiles(x.device) else 4096)
     if block_m is None:
         block_m = 8 if _small_tiles(x.device) else max(1, 8192 // block_k)
     beta1, beta2 = situ or (1.0, 1.0)
-    _rows_kernel[(triton.cdiv(M, block_m),)](
+    _rows_kernel[(cdiv(M, block_m),)](
         x, q, scale, dest_M if dest_M is not None else scale,
         M, P, x.stride(0), K, float(beta1), float(beta2),
         K=K, EPS=EPS, HAS_DEST=dest_M is not None, BLOCK_M=block_m, BLOCK_K=block_k,
@@ -723,17 +723,17 @@ def quantize_weight_triton(w_EKN: Tensor, dgrad: bool = True, block_k: int | Non
     scale_EN = torch.empty(E, N, dtype=torch.float32, device=dev)
     dgrad_EKN = torch.empty(E, K, N, dtype=FP8_DTYPE, device=dev) if dgrad else None
     scale_EK = torch.empty(E, K, dtype=torch.float32, device=dev) if dgrad else None
-    num_parts = triton.cdiv(N, block_n)
+    num_parts = cdiv(N, block_n)
     row_part = torch.empty(E, num_parts, K, dtype=torch.float32, device=dev) if dgrad else scale_EN
     strides = (w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2))
     _weight_amax_kernel[(E, num_parts)](
         w_EKN, scale_EN, row_part, *strides,
         K=K, N=N, EPS=EPS, DGRAD=dgrad, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=amax_warps or 4,
     )
-    _weight_quant_kernel[(E, triton.cdiv(K, block_k), num_parts)](
+    _weight_quant_kernel[(E, cdiv(K, block_k), num_parts)](
         w_EKN, scale_EN, row_part, fwd_EKN, dgrad_EKN if dgrad else fwd_EKN, scale_EK if dgrad else scale_EN,
         *strides,
-        K=K, N=N, EPS=EPS, DGRAD=dgrad, NUM_PARTS=num_parts, BLOCK_PARTS=triton.next_power_of_2(num_parts),
+        K=K, N=N, EPS=EPS, DGRAD=dgrad, NUM_PARTS=num_parts, BLOCK_PARTS=next_power_of_2(num_parts),
         BLOCK_K=block_k, BLOCK_N=block_n, INTERPRETED=interpreted(),
         num_warps=quant_warps or (8 if not small else 4),
     )
@@ -762,7 +762,7 @@ def quantize_group_columns_triton(t_MC: Tensor, offs_E: Tensor, offs_aligned: bo
     small = _small_tiles(t_MC.device)
     block_m = block_m or (16 if small else 128)
     block_c = block_c or (16 if small else 64)
-    _group_cols_kernel[(triton.cdiv(C, block_c), E + 1)](
+    _group_cols_kernel[(cdiv(C, block_c), E + 1)](
         t_MC, q_MC, scale_EC, offs_E, M, E, t_MC.stride(0), ld,
         C=C, EPS=EPS, ALIGNED=offs_aligned, BLOCK_M=block_m, BLOCK_C=block_c, INTERPRETED=interpreted(),
         num_warps=4,
@@ -789,7 +789,7 @@ def requantize_group_columns_triton(q_MC: Tensor, scale_M: Tensor, offs_E: Tenso
         C=C, EPS=EPS, BLOCK_M=16 if small else 1024, BLOCK_C=16 if small else 1024, INTERPRETED=interpreted(),
         num_warps=4,
     )
-    _requant_tiles_kernel[(triton.cdiv(ld, block_m), triton.cdiv(C, block_c))](
+    _requant_tiles_kernel[(cdiv(ld, block_m), cdiv(C, block_c))](
         q_MC.view(torch.uint8), factor_M, out_MC, M, ld, q_MC.stride(0), ld,
         C=C, BLOCK_M=block_m, BLOCK_C=block_c, INTERPRETED=interpreted(),
         num_warps=num_warps or 4,

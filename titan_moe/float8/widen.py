@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
+from titan_moe.ops.triton_runtime import cdiv, check_runs_on, is_interpreted, kernel_runs_on
 
 BLOCK = 4096
 BACKEND_ENV = "TITAN_MOE_FP8_WIDEN"
@@ -51,7 +51,7 @@ def widen_to_fp32_triton(t: Tensor) -> Tensor:
     out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
     n = t.numel()
     if n:
-        _widen_kernel[(triton.cdiv(n, BLOCK),)](t.view(torch.int16), out, n, BLOCK=BLOCK,
+        _widen_kernel[(cdiv(n, BLOCK),)](t.view(torch.int16), out, n, BLOCK=BLOCK,
                                                  num_warps=4 if is_interpreted(_widen_kernel) else 8)
     return out
 

@@ -71,6 +71,18 @@ def ensure_cuda_context(device_index: int) -> None:
     _thread_has_context.done = True
 
 
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for launchers: plain integer math. Triton 3.6's is a constexpr
+    function, about 2.7 us per host call (`python -m timeit -s "import triton"
+    "triton.cdiv(65536, 64)"` on an x86 host), paid for every grid of every launch."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for launchers (0 for 0), without its per-call overhead."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def is_interpreted(kernel) -> bool:
     """Whether `kernel` (a `@triton.jit` function) was built for the Triton interpreter."""
     return isinstance(kernel, InterpretedFunction)

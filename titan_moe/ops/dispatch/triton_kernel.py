@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from titan_moe.ops.dispatch.reference import sorted_rows, sorted_rows_buffer
-from titan_moe.ops.triton_runtime import check_runs_on, is_interpreted, kernel_runs_on
+from titan_moe.ops.triton_runtime import cdiv, check_runs_on, is_interpreted, kernel_runs_on, next_power_of_2
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE_ELEMENTS = 4096
@@ -159,7 +159,7 @@ def default_config(latent: int, device: torch.device) -> BlockConfig:
     while block_l > 128 and latent % block_l:
         block_l //= 2
     if latent % block_l:
-        block_l = min(1024, triton.next_power_of_2(latent))
+        block_l = min(1024, next_power_of_2(latent))
     return BlockConfig(max(1, _TILE_ELEMENTS // block_l), block_l)
 
 
@@ -188,7 +188,7 @@ def permute_triton(x_NL: torch.Tensor, pos_Nk: torch.Tensor, config: BlockConfig
     if n == 0 or latent == 0:
         return out_RL
     cfg = config or default_config(latent, x_NL.device)
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(latent, cfg.block_l))
+    grid = (cdiv(n, cfg.block_n), cdiv(latent, cfg.block_l))
     _permute_kernel[grid](x_NL, pos_Nk, out_RL, n, rows, L=latent, K=k, BLOCK_N=cfg.block_n,
                           BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
     return out_RL
@@ -218,7 +218,7 @@ def gather_sum_triton(
         return out_NL
     w_arg = pos_Nk if weights_Nk is None else weights_Nk.contiguous()  # unused pointer when no weights
     cfg = config or default_config(latent, y_ML.device)
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(latent, cfg.block_l))
+    grid = (cdiv(n, cfg.block_n), cdiv(latent, cfg.block_l))
     _gather_sum_kernel[grid](y_ML, pos_Nk, w_arg, out_NL, n, y_ML.shape[0], L=latent, K=k,
                              HAS_WEIGHTS=weights_Nk is not None, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l,
                              num_warps=cfg.num_warps)
@@ -249,8 +249,8 @@ def combine_backward_triton(
     if latent == 0:
         return dy_ML, dw_Nk.zero_()
     cfg = config or default_config(latent, y_ML.device)
-    _combine_bwd_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _combine_bwd_kernel[(cdiv(n, cfg.block_n),)](
         grad_NL, y_ML, pos_Nk, weights_Nk, dy_ML, dw_Nk, n, y_ML.shape[0], L=latent, K=k,
-        BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, BLOCK_K=next_power_of_2(k), num_warps=cfg.num_warps,
     )
     return dy_ML, dw_Nk

@@ -72,7 +72,15 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_moe.ops.triton_runtime import check_runs_on, ensure_cuda_context, is_interpreted, kernel_runs_on, sm_count
+from titan_moe.ops.triton_runtime import (
+    cdiv,
+    check_runs_on,
+    ensure_cuda_context,
+    is_interpreted,
+    kernel_runs_on,
+    next_power_of_2,
+    sm_count,
+)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "0": pointer loads on sm90 too (default: TMA on sm90)
@@ -506,7 +514,7 @@ def grouped_mm_triton(
     if M == 0 or N == 0:
         return out_MN
     cfg = config or default_config(a_MK.dtype, a_MK.device, "mk")
-    max_tiles = (triton.cdiv(M, cfg.block_m) + E + 1) * triton.cdiv(N, cfg.block_n)
+    max_tiles = (cdiv(M, cfg.block_m) + E + 1) * cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, a_MK.device, max_tiles)
     descriptors = _tma_operands(a_MK, b_EKN, cfg) if _use_tma(tma, a_MK.device) else None
     if descriptors is None:
@@ -520,7 +528,7 @@ def grouped_mm_triton(
         b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
         out_MN.stride(0), out_MN.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_E=triton.next_power_of_2(E + 1),
+        BLOCK_E=next_power_of_2(E + 1),
         PRECISION=_precision(a_MK.dtype), INTERPRETED=interpreted(),
         USE_TMA=descriptors is not None, B_TRANSPOSED=b_transposed,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -564,7 +572,7 @@ def grouped_mm_dw_triton(
     if K == 0 or N == 0:
         return dw_EKN
     cfg = config or default_config(x_MK.dtype, x_MK.device, "k")
-    max_tiles = E * triton.cdiv(K, cfg.block_k) * triton.cdiv(N, cfg.block_n)
+    max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, x_MK.device, max_tiles)
     x_arg, g_arg = x_MK, grad_MN
     if tma:

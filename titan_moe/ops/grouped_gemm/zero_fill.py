@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan_moe.ops.triton_runtime import is_interpreted
+from titan_moe.ops.triton_runtime import cdiv, is_interpreted
 
 _ROWS, _COLS = 64, 128  # rows x columns per store of the row kernel
 _ROW_PROGRAMS = 64  # its programs per column block (a tail of up to 4096 rows in one step)
@@ -93,8 +93,8 @@ def zero_rows_past_(out_MN: Tensor, offs_E: Tensor, programs: int = _ROW_PROGRAM
     if M == 0 or N == 0:
         return out_MN
     assert out_MN.stride(1) == 1, "zero_rows_past_ takes a row-major output"
-    programs = max(1, min(programs, triton.cdiv(M, _ROWS)))
-    grid = (programs, triton.cdiv(N, _COLS))
+    programs = max(1, min(programs, cdiv(M, _ROWS)))
+    grid = (programs, cdiv(N, _COLS))
     _zero_rows_past_kernel[grid](out_MN, offs_E, M, N, out_MN.stride(0), programs, E=offs_E.shape[0], ROWS=_ROWS,
                                  COLS=_COLS, INTERPRETED=is_interpreted(_zero_rows_past_kernel))
     return out_MN

@@ -28,6 +28,7 @@ from titan_moe.ops.kda import prepare
 from titan_moe.ops.kda.chunk_torch import seqlens_bounds
 from titan_moe.ops.kda.triton_fwd import CHUNK, _chunk_layout, _chunk_location
 from titan_moe.ops.nvtx import nvtx_range
+from titan_moe.ops.triton_runtime import cdiv, next_power_of_2
 
 BLOCK_TOKENS = 32
 CHUNK_WARPS_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK_WARPS"  # "FWDxBWD" warps in chunk mode, for tuning
@@ -217,7 +218,7 @@ def _launch_args(q: Tensor, cu_seqlens: Tensor | None, chunked: bool, backward: 
     H, K = q.shape[-2], q.shape[-1]
     n_tokens = q.numel() // (H * K) if q.numel() else 0
     if not chunked:
-        return n_tokens, H, K, (triton.cdiv(n_tokens, BLOCK_TOKENS), H), BLOCK_TOKENS, (None, None), 4
+        return n_tokens, H, K, (cdiv(n_tokens, BLOCK_TOKENS), H), BLOCK_TOKENS, (None, None), 4
     cu, chunk_indices = _chunks_of(q, cu_seqlens)
     return n_tokens, H, K, (chunk_indices.shape[0], H), CHUNK, (cu, chunk_indices), chunk_warps()[int(backward)]
 
@@ -243,12 +244,12 @@ def kda_prepare_triton(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens=None, ch
     with nvtx_range("op.kda_prepare"):
         _prepare_fwd_kernel[grid](
             q_f, k_f, z_f, A_log, dt_bias, q_hat, k_hat, g, n_tokens, float(lower_bound), prepare.EPS, *layout,
-            H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum and not split, GATE=not split,
+            H=H, K=K, BK=next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum and not split, GATE=not split,
             num_warps=warps,
         )
         if split:
             cu, chunk_indices = _chunks_of(q, cu_seqlens)
-            _gate_cumsum_fwd_kernel[(chunk_indices.shape[0], H, triton.cdiv(K, split))](
+            _gate_cumsum_fwd_kernel[(chunk_indices.shape[0], H, cdiv(K, split))](
                 z_f, A_log, dt_bias, g, float(lower_bound), cu, chunk_indices, H=H, K=K, BK=split, BT=CHUNK,
                 num_warps=4,
             )
@@ -270,7 +271,7 @@ def kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat,
     f32 = dict(dtype=torch.float32, device=q.device)
     if split:
         cu, chunk_indices = _chunks_of(q, cu_seqlens)
-        gate_grid = (chunk_indices.shape[0], H, triton.cdiv(K, split))
+        gate_grid = (chunk_indices.shape[0], H, cdiv(K, split))
         ddt_part = torch.empty(gate_grid[0], H, K, **f32)
         dA_part = torch.empty(gate_grid[0], gate_grid[2], H, **f32)
     else:
@@ -280,7 +281,7 @@ def kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat,
         _prepare_bwd_kernel[grid](
             q_f, k_f, z_f, A_log_c, dt_bias_c, _flat(dq_hat), _flat(dk_hat), dg_f,
             dq, dk, dz, ddt_part, dA_part, n_tokens, float(lower_bound), prepare.EPS, *layout,
-            H=H, K=K, BK=triton.next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum and not split, GATE=not split,
+            H=H, K=K, BK=next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum and not split, GATE=not split,
             num_warps=warps,
         )
         if split:

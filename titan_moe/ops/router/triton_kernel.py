@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_moe.ops.triton_runtime import is_interpreted, kernel_runs_on
+from titan_moe.ops.triton_runtime import cdiv, is_interpreted, kernel_runs_on, next_power_of_2
 
 _KEYS_PER_PROGRAM = 2048
 _MAX_BLOCK_N = 16
@@ -96,9 +96,9 @@ def runs_on(device: torch.device) -> bool:
 
 def block_sizes(n_experts: int, top_k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_E, BLOCK_K) for ``n_experts`` columns and ``top_k`` outputs per row."""
-    block_e = triton.next_power_of_2(n_experts)
+    block_e = next_power_of_2(n_experts)
     block_n = max(1, min(_MAX_BLOCK_N, _KEYS_PER_PROGRAM // block_e))
-    return block_n, block_e, triton.next_power_of_2(top_k)
+    return block_n, block_e, next_power_of_2(top_k)
 
 
 def router_topk_triton(
@@ -123,7 +123,7 @@ def router_topk_triton(
     if N == 0:
         return weights_Nk, expert_idx_Nk, scores_Nk
     block_n, block_e, block_k = block_sizes(n, top_k)
-    grid = (triton.cdiv(N, block_n),)
+    grid = (cdiv(N, block_n),)
     _router_topk_fwd_kernel[grid](
         logits_Nn, bias_n, expert_idx_Nk, weights_Nk, scores_Nk,
         N, n, logits_Nn.stride(0), float(routed_scale),

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from titan_moe.ops.triton_runtime import cdiv
+
 BLOCK = 1024
 
 
@@ -72,7 +74,7 @@ def situ_glu_triton(z_M2H: Tensor, beta1: float, beta2: float, out_MH: Tensor) -
     n = out_MH.numel()
     if n:
         H = out_MH.shape[-1]
-        _situ_fwd_kernel[(triton.cdiv(n, BLOCK),)](z_M2H, out_MH, n, float(beta1), float(beta2), H=H, BLOCK=BLOCK)
+        _situ_fwd_kernel[(cdiv(n, BLOCK),)](z_M2H, out_MH, n, float(beta1), float(beta2), H=H, BLOCK=BLOCK)
 
 
 def situ_glu_bwd_triton(z_M2H: Tensor, grad_MH: Tensor, beta1: float, beta2: float, dz_M2H: Tensor) -> None:
@@ -80,6 +82,6 @@ def situ_glu_bwd_triton(z_M2H: Tensor, grad_MH: Tensor, beta1: float, beta2: flo
     n = grad_MH.numel()
     if n:
         H = grad_MH.shape[-1]
-        _situ_bwd_kernel[(triton.cdiv(n, BLOCK),)](
+        _situ_bwd_kernel[(cdiv(n, BLOCK),)](
             z_M2H, grad_MH, dz_M2H, n, float(beta1), float(beta2), H=H, BLOCK=BLOCK
         )
