@@ -303,13 +303,15 @@ def test_fp8_rows_weight_gradient_equals_its_quantized_pieces(torch_quantization
 
 
 @pytest.mark.parametrize("wgrad", ["fp8", "fp8_rows"])
-def test_backward_fills_no_zero_gradients_for_the_residuals(wgrad, torch_quantization):
-    """The forward op's residual outputs (x's fp8 codes, as uint8, and their scales) are not
+def test_backward_fills_no_zero_gradients_for_the_residuals(wgrad, monkeypatch, torch_quantization):
+    """The forward's residual outputs (x's fp8 codes, as uint8, and their scales) are not
     differentiable: autograd hands the backward None for them, not zero tensors it fills
-    per call (for "fp8_rows" an [M, K] fill: 0.04 ms at the MoE benchmark's shape)."""
+    per call (for "fp8_rows" an [M, K] fill: 0.04 ms at the MoE benchmark's shape), through
+    the custom ops and through the eager path alike."""
+    import titan_moe.float8.grouped_mm as fgm
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class RecordZeros(TorchDispatchMode):
+    class RecordZeros(TorchDispatchMode):  # sees the ops' calls, not what runs inside them
         def __init__(self):
             super().__init__()
             self.uint8_zeros = []
@@ -322,16 +324,56 @@ def test_backward_fills_no_zero_gradients_for_the_residuals(wgrad, torch_quantiz
 
     x, w, dy, offs = make_case([32, 0, 48], 16, 64, 32, seed=3)
     x.requires_grad_(), w.requires_grad_()
-    out = fp8_grouped_mm(x, w, offs, wgrad=wgrad)
+    with monkeypatch.context() as patch:  # the op path, as under torch.compile
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        out = fp8_grouped_mm(x, w, offs, wgrad=wgrad)
     with RecordZeros() as mode:
         out.backward(dy)
     assert mode.uint8_zeros == []
-    assert x.grad is not None and w.grad is not None
+    op_grads = x.grad.clone(), w.grad.clone()
+
+    received = []
+    backward = fgm._backward
+
+    def recording_backward(ctx, dy_MN, *unused):
+        received.append(unused)
+        return backward(ctx, dy_MN, *unused)
+
+    monkeypatch.setattr(fgm, "_backward", recording_backward)
+    x.grad = w.grad = None
+    fp8_grouped_mm(x, w, offs, wgrad=wgrad).backward(dy)  # the eager path
+    assert received == [(None, None, None, None)]
+    assert torch.equal(x.grad, op_grads[0]) and torch.equal(w.grad, op_grads[1])
     # an output that takes no part in the loss: no gradient for it, no error
     x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
     unused = fp8_grouped_mm(x2, w2, offs, wgrad=wgrad)
     (unused[:0].sum() + x2.sum() + 0 * w2.sum()).backward()
     assert torch.equal(x2.grad, torch.ones_like(x2)) and torch.equal(w2.grad, torch.zeros_like(w2))
+
+
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8", "fp8_rows"])
+@pytest.mark.parametrize("situ", [None, (4.0, 25.0)])
+def test_eager_path_equals_the_ops(wgrad, situ, monkeypatch, torch_quantization):
+    """Eager calls run the ops' functions without the custom-op dispatch: output and both
+    gradients bit for bit those of the custom ops (the path under torch.compile), with the
+    weight quantized in the call or beforehand."""
+    if situ is not None and wgrad == "fp8":
+        pytest.skip("SiTU-GLU fused needs wgrad bf16 or fp8_rows")
+    k = 32
+    x, w, dy, offs = make_case([32, 0, 16], 5, k, 48, seed=4)
+    if situ is not None:
+        x = torch.cat([x, x.flip(0)], dim=1)  # z [M, 2K]
+    for w_fp8 in (None, fq.quantize_weight(w)):
+        results = []
+        for compiling in (True, False):
+            xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+            with monkeypatch.context() as patch:
+                patch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
+                out = fp8_grouped_mm(xl, wl, offs, wgrad=wgrad, w_fp8=w_fp8, situ=situ)
+            out.backward(dy)
+            results.append((out.detach(), xl.grad, wl.grad))
+        for op_tensor, eager_tensor in zip(*results):
+            assert torch.equal(op_tensor, eager_tensor)
 
 
 def test_no_grad_forward_skips_the_residuals(torch_quantization):

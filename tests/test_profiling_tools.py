@@ -248,6 +248,17 @@ def test_memory_check_runs_the_trainer_and_the_planner(tmp_path, capsys):
     assert not bad["ok"] and "activation_checkpoint.mode" in bad["error"]
 
 
+def test_fp8_host_cost_runs_both_paths_on_the_cpu():
+    """profiling/fp8_host_cost.py (a subprocess: it stubs module internals) times the ops path
+    and the eager path for two weight-gradient modes."""
+    proc = subprocess.run([sys.executable, "profiling/fp8_host_cost.py", "--calls", "3", "--rounds", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.endswith(" us")]
+    assert [row[:2] for row in rows] == [["ops", "fp8_rows"], ["eager", "fp8_rows"], ["ops", "fp8"], ["eager", "fp8"]]
+    assert all(float(row[2]) > 0 for row in rows)
+
+
 def _gpu_suite(tmp_path, *sections, gpus: str | None = None, dry: bool = True, **env_extra: str):
     env = {**os.environ, "SUITE_DRY_RUN": "1" if dry else "0", **env_extra}
     if gpus is not None:

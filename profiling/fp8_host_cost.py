@@ -1,0 +1,110 @@
+"""Host time of one fp8 grouped GEMM call (forward+backward) without its GPU work, on the CPU.
+
+    python profiling/fp8_host_cost.py                 # both paths, wgrad fp8_rows and fp8
+    python profiling/fp8_host_cost.py --calls 2000
+
+What a call costs the host decides whether the GPU waits for it: at the MoE benchmark's
+shape the fp8 path issued its work more slowly than the H200 ran it (BENCHMARKS.md, "fp8
+expert GEMM at E = 64 timed three ways"). Here every Triton launch is replaced by a no-op
+and ``torch._scaled_grouped_mm`` by an empty result, so what is timed is our Python, torch's
+op dispatch and autograd: the part of the host time that does not depend on the GPU's
+driver. Two paths, interleaved in rounds: ``ops`` (the custom ops, as under torch.compile)
+and ``eager`` (the same functions without the custom-op dispatch, what an eager call runs).
+A diagnostic on tiny tensors: it prints medians, it does not compare against a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def stub_gpu_work() -> None:
+    """Triton launches become no-ops, the fp8 GEMM returns an empty result, and the kernels
+    are taken to run on the CPU (so the launchers, not the references, are called)."""
+    import titan_moe.float8.grouped_mm as fgm
+    import titan_moe.float8.quantize as fq
+    import titan_moe.ops.grouped_gemm.zero_fill as zf
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    for module, names in ((fq, ["_rows_kernel", "_group_row_factors_kernel", "_requant_tiles_kernel",
+                                "_weight_amax_kernel", "_weight_quant_kernel", "_group_cols_kernel"]),
+                          (zf, ["_zero_rows_past_kernel", "_zero_empty_groups_kernel"])):
+        for name in names:
+            setattr(module, name, NoLaunch())
+    fq.kernels_run_on = lambda device: True
+    fq.check_runs_on = lambda *args, **kwargs: None
+    fq.interpreted = lambda: False
+
+    def scaled_gemm(a, b, scale_a, scale_b, offs_E, out_dtype, widen=""):
+        if b.dim() == 3:
+            out = torch.empty(a.shape[0], b.shape[2], dtype=torch.bfloat16)
+        else:
+            out = torch.empty(offs_E.shape[0], a.shape[0], b.shape[1], dtype=torch.bfloat16)
+        return fgm.to_dtype(fgm._zero_unwritten(out, offs_E), out_dtype, widen)
+
+    fgm._scaled_grouped_gemm = scaled_gemm
+
+
+def measure(calls: int, rounds: int) -> dict[str, float]:
+    """Median microseconds per forward+backward of each (path, wgrad) over interleaved rounds."""
+    import titan_moe.float8.quantize as fq
+    from titan_moe.float8.grouped_mm import fp8_grouped_mm
+
+    E, K, N = 64, 64, 32
+    offs = torch.arange(1, E + 1, dtype=torch.int32) * 16
+    x = torch.randn(E * 16, K, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(E, K, N, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(E * 16, N, dtype=torch.bfloat16)
+    w_fp8 = fq.quantize_weight_reference(w.detach())
+    is_compiling = torch.compiler.is_compiling
+
+    def call(path: str, wgrad: str):
+        def run():
+            x.grad = w.grad = None
+            torch.compiler.is_compiling = (lambda: True) if path == "ops" else is_compiling
+            try:
+                fp8_grouped_mm(x, w, offs, wgrad=wgrad, w_fp8=w_fp8).backward(dy)
+            finally:
+                torch.compiler.is_compiling = is_compiling
+        return run
+
+    runs = {f"{path} {wgrad}": call(path, wgrad) for wgrad in ("fp8_rows", "fp8") for path in ("ops", "eager")}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():
+        for _ in range(10):
+            fn()
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv=None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=300, help="calls per round and path")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    stub_gpu_work()
+    medians = measure(args.calls, args.rounds)
+    print(f"# fp8_grouped_mm host time per forward+backward, GPU work stubbed out; torch {torch.__version__}")
+    for name, us in medians.items():
+        print(f"{name:16s} {us:8.1f} us")
+    for wgrad in ("fp8_rows", "fp8"):
+        print(f"eager / ops ({wgrad}): {medians[f'eager {wgrad}'] / medians[f'ops {wgrad}']:.2f}")
+    sys.stdout.flush()
+    return medians
+
+
+if __name__ == "__main__":
+    main()
