@@ -218,10 +218,12 @@ def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | No
     return _zero_unwritten_rows(torch._grouped_mm(x_MK, w_EKN, offs=offs_E), offs_E)
 
 
-@torch.library.custom_op("titan_moe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
+def _grouped_mm_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     with nvtx_range("op.grouped_mm"):
         return _forward_impl(x_MK, w_EKN, offs_E, backend, "fwd")
+
+
+_grouped_mm_op = torch.library.custom_op("titan_moe::grouped_mm", mutates_args=())(_grouped_mm_impl)
 
 
 @_grouped_mm_op.register_fake
@@ -231,11 +233,13 @@ def _(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -
 
 
 # --------------------------------------------------------------------------- backward: dx
-@torch.library.custom_op("titan_moe::grouped_mm_dx", mutates_args=())
-def _grouped_mm_dx_op(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
+def _grouped_mm_dx_impl(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     # dx[rows of e] = grad[rows of e] @ w[e]^T: the forward op on the transposed weights.
     with nvtx_range("op.grouped_mm_dx"):
         return _forward_impl(grad_MN, w_EKN.transpose(1, 2), offs_E, backend, "dx")
+
+
+_grouped_mm_dx_op = torch.library.custom_op("titan_moe::grouped_mm_dx", mutates_args=())(_grouped_mm_dx_impl)
 
 
 @_grouped_mm_dx_op.register_fake
@@ -244,8 +248,7 @@ def _(grad_MN: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None
 
 
 # --------------------------------------------------------------------------- backward: dw
-@torch.library.custom_op("titan_moe::grouped_mm_dw", mutates_args=())
-def _grouped_mm_dw_op(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
+def _grouped_mm_dw_impl(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
     with nvtx_range("op.grouped_mm_dw"):
         name = resolve_backend(backend, "dw")
         if name == "auto":
@@ -260,6 +263,9 @@ def _grouped_mm_dw_op(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: st
         if x_MK.device.type == "cpu":
             group_bounds(offs_E, x_MK.shape[0])
         return _zero_empty_groups(torch._grouped_mm(x_MK.t(), grad_MN, offs=offs_E), offs_E)
+
+
+_grouped_mm_dw_op = torch.library.custom_op("titan_moe::grouped_mm_dw", mutates_args=())(_grouped_mm_dw_impl)
 
 
 @_grouped_mm_dw_op.register_fake
@@ -277,12 +283,31 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_MN: Tensor):
     x_MK, w_EKN, offs_E = ctx.saved_tensors
     grad_MN = grad_MN.contiguous()
-    dx_MK = _grouped_mm_dx_op(grad_MN, w_EKN, offs_E, ctx.backend) if ctx.needs_input_grad[0] else None
-    dw_EKN = _grouped_mm_dw_op(x_MK, grad_MN, offs_E, ctx.backend) if ctx.needs_input_grad[1] else None
+    eager = getattr(ctx, "eager_impl", False)
+    dx, dw = (_grouped_mm_dx_impl, _grouped_mm_dw_impl) if eager else (_grouped_mm_dx_op, _grouped_mm_dw_op)
+    dx_MK = dx(grad_MN, w_EKN, offs_E, ctx.backend) if ctx.needs_input_grad[0] else None
+    dw_EKN = dw(x_MK, grad_MN, offs_E, ctx.backend) if ctx.needs_input_grad[1] else None
     return dx_MK, dw_EKN, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerGroupedMM(torch.autograd.Function):
+    """:func:`grouped_mm` outside torch.compile and export: the ops' own functions and
+    autograd wiring without the custom-op dispatch (three op calls per forward+backward),
+    the same pattern and reason as :class:`titan_moe.float8.grouped_mm._EagerFp8GroupedMM`."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_EKN, offs_E, backend):
+        out_MN = _grouped_mm_impl(x_MK, w_EKN, offs_E, backend)
+        _setup_context(ctx, (x_MK, w_EKN, offs_E, backend), out_MN)
+        ctx.eager_impl = True
+        return out_MN
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        return _backward(ctx, grad_MN)
 
 
 def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
@@ -303,4 +328,6 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None 
     _check_args(x_MK, w_EKN, offs_E)
     if backend is not None:
         resolve_backend(backend)  # a bad name fails here, not inside the op
-    return torch.ops.titan_moe.grouped_mm(x_MK, w_EKN, offs_E, backend)
+    if torch.compiler.is_compiling():  # the op, opaque to the graph
+        return torch.ops.titan_moe.grouped_mm(x_MK, w_EKN, offs_E, backend)
+    return _EagerGroupedMM.apply(x_MK, w_EKN, offs_E, backend)
