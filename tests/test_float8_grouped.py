@@ -339,7 +339,10 @@ def test_backward_fills_no_zero_gradients_for_the_residuals(wgrad, monkeypatch, 
         received.append(unused)
         return backward(ctx, dy_MN, *unused)
 
-    monkeypatch.setattr(fgm, "_backward", recording_backward)
+    from titan_moe.ops.eager_path import direct_autograd
+
+    monkeypatch.setattr(fgm, "_EagerFp8GroupedMM",
+                        direct_autograd("Recording", fgm._fwd_impl, fgm._setup_context, recording_backward))
     x.grad = w.grad = None
     fp8_grouped_mm(x, w, offs, wgrad=wgrad).backward(dy)  # the eager path
     assert received == [(None, None, None, None)]

@@ -79,6 +79,7 @@ from titan_moe.float8.quantize import (
 )
 from titan_moe.float8.widen import BACKENDS as WIDEN_BACKENDS
 from titan_moe.float8.widen import widen_to_fp32
+from titan_moe.ops.eager_path import direct_autograd
 from titan_moe.ops.grouped_gemm.reference import group_bounds
 from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
 
@@ -359,24 +360,9 @@ def _backward(ctx, dy_MN, *_unused_grads):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerFp8GroupedMM(torch.autograd.Function):
-    """:func:`fp8_grouped_mm` outside torch.compile and export: the ops' own forward and
-    backward functions (``_fwd_impl``, ``_bwd_impl``) and autograd wiring (``_setup_context``,
-    ``_backward``), called without the custom-op dispatch, which cost about 0.19 ms of host
-    time per forward+backward (``python profiling/fp8_host_cost.py`` on an x86 CPU, the GPU
-    work stubbed out: 0.28 against 0.46 ms with wgrad "fp8_rows"). Same arguments as
-    ``_fwd_op`` (all 13, positionally), same outputs (``test_eager_path_equals_the_ops``)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _fwd_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        ctx.eager_impl = True  # the backward calls _bwd_impl directly too
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+# eager calls: the same functions without the custom-op dispatch (0.28 against 0.46 ms of
+# host time per fp8_rows forward+backward, titan_moe.ops.eager_path); torch.compile sees the ops
+_EagerFp8GroupedMM = direct_autograd("_EagerFp8GroupedMM", _fwd_impl, _setup_context, _backward)
 
 
 # ----------------------------------------------------------------------------------------

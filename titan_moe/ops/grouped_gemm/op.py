@@ -55,6 +55,7 @@ import os
 import torch
 from torch import Tensor
 
+from titan_moe.ops.eager_path import direct_autograd
 from titan_moe.ops.grouped_gemm.reference import (
     group_bounds,
     grouped_mm_dw_reference,
@@ -293,21 +294,8 @@ def _backward(ctx, grad_MN: Tensor):
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerGroupedMM(torch.autograd.Function):
-    """:func:`grouped_mm` outside torch.compile and export: the ops' own functions and
-    autograd wiring without the custom-op dispatch (three op calls per forward+backward),
-    the same pattern and reason as :class:`titan_moe.float8.grouped_mm._EagerFp8GroupedMM`."""
-
-    @staticmethod
-    def forward(ctx, x_MK, w_EKN, offs_E, backend):
-        out_MN = _grouped_mm_impl(x_MK, w_EKN, offs_E, backend)
-        _setup_context(ctx, (x_MK, w_EKN, offs_E, backend), out_MN)
-        ctx.eager_impl = True
-        return out_MN
-
-    @staticmethod
-    def backward(ctx, grad_MN):
-        return _backward(ctx, grad_MN)
+# eager calls: the same functions without the custom-op dispatch (titan_moe.ops.eager_path)
+_EagerGroupedMM = direct_autograd("_EagerGroupedMM", _grouped_mm_impl, _setup_context, _backward)
 
 
 def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None = None) -> Tensor:
