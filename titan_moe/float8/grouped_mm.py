@@ -79,7 +79,7 @@ from titan_moe.float8.quantize import (
 )
 from titan_moe.float8.widen import BACKENDS as WIDEN_BACKENDS
 from titan_moe.float8.widen import widen_to_fp32
-from titan_moe.ops.eager_path import direct_autograd
+from titan_moe.ops.eager_path import direct_autograd, takes_direct_path
 from titan_moe.ops.grouped_gemm.reference import group_bounds
 from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
 
@@ -509,7 +509,7 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
         quantized = (None, None, None, None)
     betas = (0.0, 0.0) if situ is None else (float(situ[0]), float(situ[1]))
     args = (x_MK, w_EKN, offs_E, wgrad, needs_dx, grad and w_EKN.requires_grad, *quantized, *betas, widen or "")
-    # the ops where a graph is traced (they are opaque there); the same functions, undispatched, in eager calls
-    forward = _fwd_op if torch.compiler.is_compiling() else _EagerFp8GroupedMM.apply
+    # the same functions, undispatched, in eager calls; the ops where a graph is traced or tensors are fake
+    forward = _EagerFp8GroupedMM.apply if takes_direct_path(x_MK, w_EKN, offs_E, *quantized) else _fwd_op
     out_MN, *_residuals = forward(*args)
     return out_MN

@@ -8,10 +8,12 @@ functions called directly (``profiling/fp8_host_cost.py``; BENCHMARKS.md, "fp8 e
 E = 64 timed three ways"). :func:`direct_autograd` builds the ``torch.autograd.Function``
 for that direct path out of the op's own pieces, so the two paths cannot drift apart:
 
-    forward = op if torch.compiler.is_compiling() else Direct.apply
+    forward = Direct.apply if takes_direct_path(x, w) else op
 
-The op's backward function reads ``ctx.eager_impl`` (set only on the direct path) to call
-its backward implementation directly too, and the op otherwise.
+(:func:`takes_direct_path`: real tensors in an eager call; tensor subclasses, fake and meta
+tensors, a dispatch mode or a graph being traced keep the op, whose fake implementation is
+what they need). The op's backward function reads ``ctx.eager_impl`` (set only on the direct
+path) to call its backward implementation directly too, and the op otherwise.
 
 Only for ops whose implementation is one Python function for every device (the grouped
 GEMMs choose their backend inside it); ops with per-device kernels registered through
@@ -23,6 +25,16 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+
+def takes_direct_path(*tensors) -> bool:
+    """Whether an op call on ``tensors`` (None entries ignored) may skip the custom-op
+    dispatch: no graph is being traced (torch.compile, export), no dispatch mode is active
+    (FakeTensorMode, a recording mode), and every tensor is a plain ``torch.Tensor`` (not a
+    FakeTensor, DTensor or other subclass) off the ``meta`` device."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors if t is not None)
 
 
 def direct_autograd(name: str, forward_impl: Callable, setup_context: Callable, backward: Callable) -> type:

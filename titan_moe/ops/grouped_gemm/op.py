@@ -55,7 +55,7 @@ import os
 import torch
 from torch import Tensor
 
-from titan_moe.ops.eager_path import direct_autograd
+from titan_moe.ops.eager_path import direct_autograd, takes_direct_path
 from titan_moe.ops.grouped_gemm.reference import (
     group_bounds,
     grouped_mm_dw_reference,
@@ -316,6 +316,6 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None 
     _check_args(x_MK, w_EKN, offs_E)
     if backend is not None:
         resolve_backend(backend)  # a bad name fails here, not inside the op
-    if torch.compiler.is_compiling():  # the op, opaque to the graph
-        return torch.ops.titan_moe.grouped_mm(x_MK, w_EKN, offs_E, backend)
-    return _EagerGroupedMM.apply(x_MK, w_EKN, offs_E, backend)
+    if takes_direct_path(x_MK, w_EKN, offs_E):  # an eager call on real tensors
+        return _EagerGroupedMM.apply(x_MK, w_EKN, offs_E, backend)
+    return torch.ops.titan_moe.grouped_mm(x_MK, w_EKN, offs_E, backend)  # opaque to a traced graph
