@@ -1,6 +1,6 @@
 """Host time of one fp8 grouped GEMM call (forward+backward) without its GPU work, on the CPU.
 
-    python profiling/fp8_host_cost.py                 # both paths, wgrad fp8_rows and fp8
+    python profiling/fp8_host_cost.py                 # both paths: fp8 (wgrad fp8_rows, fp8), bf16 op
     python profiling/fp8_host_cost.py --calls 2000
 
 What a call costs the host decides whether the GPU waits for it: at the MoE benchmark's
@@ -10,6 +10,8 @@ and ``torch._scaled_grouped_mm`` by an empty result, so what is timed is our Pyt
 op dispatch and autograd: the part of the host time that does not depend on the GPU's
 driver. Two paths, interleaved in rounds: ``ops`` (the custom ops, as under torch.compile)
 and ``eager`` (the same functions without the custom-op dispatch, what an eager call runs).
+The same two paths of the bf16 ``grouped_mm`` op ("bf16" rows) run its real CPU GEMMs
+(fp32, [128, 32] x [8, 32, 32]): there the dispatch is the difference, not the whole time.
 A diagnostic on tiny tensors: it prints medians, it does not compare against a target.
 """
 
@@ -77,6 +79,7 @@ def measure(calls: int, rounds: int) -> dict[str, float]:
         return run
 
     runs = {f"{path} {wgrad}": call(path, wgrad) for wgrad in ("fp8_rows", "fp8") for path in ("ops", "eager")}
+    runs.update({f"{path} bf16": _bf16_call(path) for path in ("ops", "eager")})
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():
         for _ in range(10):
@@ -90,6 +93,28 @@ def measure(calls: int, rounds: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def _bf16_call(path: str):
+    """One forward+backward of the bf16 grouped GEMM op (native backend, CPU GEMMs) through
+    ``path``: "ops" (the custom op, as under torch.compile) or "eager"."""
+    from titan_moe.ops.grouped_gemm import grouped_mm
+
+    E, K, N = 8, 32, 32
+    offs = torch.arange(1, E + 1, dtype=torch.int32) * 16
+    x = torch.randn(E * 16, K, requires_grad=True)
+    w = torch.randn(E, K, N, requires_grad=True)
+    dy = torch.randn(E * 16, N)
+    is_compiling = torch.compiler.is_compiling
+
+    def run():
+        x.grad = w.grad = None
+        torch.compiler.is_compiling = (lambda: True) if path == "ops" else is_compiling
+        try:
+            grouped_mm(x, w, offs, "native").backward(dy)
+        finally:
+            torch.compiler.is_compiling = is_compiling
+    return run
+
+
 def main(argv=None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=300, help="calls per round and path")
@@ -97,11 +122,12 @@ def main(argv=None) -> dict[str, float]:
     args = parser.parse_args(argv)
     stub_gpu_work()
     medians = measure(args.calls, args.rounds)
-    print(f"# fp8_grouped_mm host time per forward+backward, GPU work stubbed out; torch {torch.__version__}")
+    print("# grouped GEMM host time per forward+backward (fp8: GPU work stubbed out; bf16: real CPU GEMMs); "
+          f"torch {torch.__version__}")
     for name, us in medians.items():
         print(f"{name:16s} {us:8.1f} us")
-    for wgrad in ("fp8_rows", "fp8"):
-        print(f"eager / ops ({wgrad}): {medians[f'eager {wgrad}'] / medians[f'ops {wgrad}']:.2f}")
+    for kind in ("fp8_rows", "fp8", "bf16"):
+        print(f"eager / ops ({kind}): {medians[f'eager {kind}'] / medians[f'ops {kind}']:.2f}")
     sys.stdout.flush()
     return medians
 

@@ -212,9 +212,9 @@ def _padded_rows(m):
 
 
 def _fwd_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool,
-            needs_dw: bool, wq_fwd_EKN: Tensor | None = None, sw_fwd_EN: Tensor | None = None,
-            wq_dgrad_EKN: Tensor | None = None, sw_dgrad_EK: Tensor | None = None, situ_beta1: float = 0.0,
-            situ_beta2: float = 0.0, widen: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              needs_dw: bool, wq_fwd_EKN: Tensor | None = None, sw_fwd_EN: Tensor | None = None,
+              wq_dgrad_EKN: Tensor | None = None, sw_dgrad_EK: Tensor | None = None, situ_beta1: float = 0.0,
+              situ_beta2: float = 0.0, widen: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of :func:`fp8_grouped_mm`. Returns ``(out [M, N], w_dgrad [E, K, N],
     sw_dgrad [E, K] fp32, xq, sx)``: the output and what the backward needs (the weight's dx
     operand if ``needs_dx``; if ``needs_dw``, x's fp8 codes for the weight gradient: with
@@ -282,9 +282,9 @@ def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN
 
 
 def _bwd_impl(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Tensor | None, xq_buffer: Tensor,
-            sx_EK: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool, needs_dw: bool, K: int,
-            x_dtype: torch.dtype, w_dtype: torch.dtype, situ_beta1: float = 0.0,
-            situ_beta2: float = 0.0, widen: str = "") -> tuple[Tensor, Tensor]:
+              sx_EK: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool, needs_dw: bool, K: int,
+              x_dtype: torch.dtype, w_dtype: torch.dtype, situ_beta1: float = 0.0,
+              situ_beta2: float = 0.0, widen: str = "") -> tuple[Tensor, Tensor]:
     """Backward of :func:`fp8_grouped_mm` from ``_fwd_op``'s residuals (x itself for
     ``wgrad == "bf16"`` or with SiTU-GLU). Returns ``(dx [M, K], dw [E, K, N])``, empty ``[0]``
     where not needed; with ``situ_beta1 > 0`` dx is the gradient of z, ``[M, 2K]``: the
@@ -329,8 +329,9 @@ def _(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, wgrad, ne
 
 
 def _setup_context(ctx, inputs, output):
-    x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK, *rest = inputs
-    betas, widen = tuple(rest[:2]), (rest[2] if len(rest) > 2 else "")
+    # all 13 arguments: the op fills in its defaults, the eager path is given every one
+    (x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK,
+     situ_beta1, situ_beta2, widen) = inputs
     _, w_dgrad_EKN, sw_dgrad_EK, xq_buffer, sx_EK = output
     ctx.mark_non_differentiable(*output[1:])
     # no zero-filled gradients for the residual outputs: with "fp8_rows" x's codes alone are
@@ -338,10 +339,10 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     if wq_fwd_EKN is not None:  # a weight quantized by the caller: the backward reads its dx operand
         w_dgrad_EKN, sw_dgrad_EK = wq_dgrad_EKN, sw_dgrad_given_EK
-    situ = bool(betas) and betas[0] > 0
+    situ = situ_beta1 > 0
     keep_x = (needs_dw and wgrad == "bf16") or (situ and needs_dx)  # SiTU-GLU's backward reads z
     ctx.save_for_backward(w_dgrad_EKN, sw_dgrad_EK, x_MK if keep_x else None, xq_buffer, sx_EK, offs_E)
-    ctx.wgrad, ctx.needs, ctx.betas = wgrad, (needs_dx, needs_dw), betas if situ else (0.0, 0.0)
+    ctx.wgrad, ctx.needs, ctx.betas = wgrad, (needs_dx, needs_dw), (situ_beta1, situ_beta2) if situ else (0.0, 0.0)
     ctx.widen = widen
     ctx.K, ctx.x_dtype, ctx.w_dtype = w_EKN.shape[1], x_MK.dtype, w_EKN.dtype
 
@@ -353,7 +354,7 @@ def _backward(ctx, dy_MN, *_unused_grads):
     needs_dx, needs_dw = ctx.needs
     backward = _bwd_impl if getattr(ctx, "eager_impl", False) else _bwd_op
     dx_MK, dw_EKN = backward(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, ctx.wgrad,
-                            needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype, *ctx.betas, ctx.widen)
+                             needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype, *ctx.betas, ctx.widen)
     return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, *([None] * 11))
 
 

@@ -52,7 +52,7 @@ def widen_to_fp32_triton(t: Tensor) -> Tensor:
     n = t.numel()
     if n:
         _widen_kernel[(cdiv(n, BLOCK),)](t.view(torch.int16), out, n, BLOCK=BLOCK,
-                                                 num_warps=4 if is_interpreted(_widen_kernel) else 8)
+                                         num_warps=4 if is_interpreted(_widen_kernel) else 8)
     return out
 
 
