@@ -308,6 +308,19 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # and with the fp8 weight gradient from the row-quantized codes, re-expressed per group
         providers["fp8_cached_w_dw8rows"] = (
             _with_quantized_weight(functools.partial(fused_fp8_grouped_mm, wgrad="fp8_rows")), {})
+        # the same with the forward and dx products on our Triton fp8 kernel (default tile, then
+        # one provider per --fp8-tiles entry)
+        from titan_moe.float8.grouped_mm import GEMM_ENV
+        from titan_moe.ops.grouped_gemm.triton_kernel import TILES_ENV
+
+        rows_fn = providers["fp8_cached_w_dw8rows"][0]
+        providers["fp8_rows_triton"] = (rows_fn, {GEMM_ENV: "triton"})
+        providers["fp8_rows_triton_dw"] = (rows_fn, {GEMM_ENV: "triton_dw"})
+        providers["fp8_rows_triton_all"] = (rows_fn, {GEMM_ENV: "triton_all"})
+        for tile in FP8_TILES:
+            providers[f"fp8t_{tile}"] = (rows_fn, {GEMM_ENV: "triton", TILES_ENV: f"mk8={tile}"})
+        for tile in FP8_DW_TILES:
+            providers[f"fp8dw_{tile}"] = (rows_fn, {GEMM_ENV: "triton_all", TILES_ENV: f"k8={tile}"})
     return providers
 
 
@@ -327,8 +340,23 @@ def _with_quantized_weight(fp8_gemm):
 
 
 ERR_PROVIDERS = ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8",
-                 "fp8_cached_w", "fp8_cached_w_dw8rows")
-"""The GEMM providers whose output, dx and dw are compared with ``torch._grouped_mm``'s."""
+                 "fp8_cached_w", "fp8_cached_w_dw8rows", "fp8_rows_triton", "fp8_rows_triton_dw",
+                 "fp8_rows_triton_all")
+"""The GEMM providers whose output, dx and dw are compared with ``torch._grouped_mm``'s
+(and every ``fp8t_<tile>`` provider, see :data:`FP8_TILES`)."""
+
+FP8_TILES: list[str] = []
+"""``--fp8-tiles``: "BMxBNxBKxWARPSxSTAGES" tiles of the Triton fp8 forward / dx kernel, one
+provider ``fp8t_<tile>`` each (``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_GEMM=triton``)."""
+
+
+FP8_DW_TILES: list[str] = []
+"""``--fp8-dw-tiles``: tiles of the Triton fp8 dw kernel, one provider ``fp8dw_<tile>`` each
+(``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_GEMM=triton_all``: all three products on our kernels)."""
+
+
+def err_providers() -> list[str]:
+    return [*ERR_PROVIDERS, *(f"fp8t_{tile}" for tile in FP8_TILES), *(f"fp8dw_{tile}" for tile in FP8_DW_TILES)]
 
 
 def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bool,
@@ -347,7 +375,8 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
                group_max=max(sizes), flops_fwd=flops, flops_fwd_bwd=3 * flops, ms={}, tflops={}, rel_err={})
     providers = gemm_providers(tma_available(device), fp8_available(device, dtype))
     if keep_providers:  # "torch" stays: the errors are measured against it
-        providers = {n: p for n, p in providers.items() if n in keep_providers or n == "torch"}
+        providers = {n: p for n, p in providers.items()
+                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8dw_"))}
 
     def under(env, call):
         def run():
@@ -374,7 +403,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
         del out
     for key in list(row["ms"]):
         row["tflops"][key] = tflops(row["flops_fwd_bwd"] if key.endswith("fwd_bwd") else flops, row["ms"][key])
-    for name in ERR_PROVIDERS:
+    for name in err_providers():
         if name in results:
             for part, got, ref in zip(("out", "dx", "dw"), results[name], results["torch"]):
                 row["rel_err"][f"{name}_vs_torch_{part}"] = rel_err(got, ref)
@@ -773,7 +802,7 @@ def print_gemm_table(rows: list[dict]) -> None:
         for c in cols:
             line += f"{_fmt(r['ms'][c]) + ' (' + _fmt(r['tflops'][c], '.0f') + ')':>{width[c]}}"
         errs = [name + " " + "/".join(f"{r['rel_err'][f'{name}_vs_torch_{p}']:.1e}" for p in ("out", "dx", "dw"))
-                for name in ERR_PROVIDERS if f"{name}_vs_torch_out" in r["rel_err"]]
+                for name in err_providers() if f"{name}_vs_torch_out" in r["rel_err"]]
         spread = max(r.get("ms_spread", {}).values(), default=None)
         print(line + "  " + "  ".join(errs) + ("" if spread is None else f"  rounds spread <= {spread:.1%}"))
         for product, sweep in r.get("tile_sweep", {}).items():
@@ -835,6 +864,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the interleaved rounds as CUDA-graph replays (GPU time without host "
                              "launch gaps) instead of host launches with an L2 flush per call")
+    parser.add_argument("--fp8-tiles", default="",
+                        help="comma-separated BMxBNxBKxWARPSxSTAGES tiles of the Triton fp8 forward / dx kernel, "
+                             "one GEMM provider fp8t_<tile> each")
+    parser.add_argument("--fp8-dw-tiles", default="",
+                        help="comma-separated BMxBNxBKxWARPSxSTAGES tiles of the Triton fp8 dw kernel (BM the "
+                             "reduction step), one GEMM provider fp8dw_<tile> each (all products on our kernels)")
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time each Triton product (fwd, dx, dw) over a few tile shapes")
     parser.add_argument("--best-tiles", metavar="FILE", default=None,
@@ -886,6 +921,8 @@ def main(argv=None) -> dict:
 
     global GRAPH_TIMING
     GRAPH_TIMING = args.cuda_graph
+    FP8_TILES[:] = [t for t in args.fp8_tiles.split(",") if t]
+    FP8_DW_TILES[:] = [t for t in args.fp8_dw_tiles.split(",") if t]
     report["timing"] = "cuda_graph_replay" if args.cuda_graph else "do_bench_host_launch"
     report["triton_tiles"] = {kind: dataclasses.asdict(default_config(dtype, torch.device(args.device), kind))
                               for kind in ("mk", "k")}

@@ -43,6 +43,7 @@ CUDA = interpret_without_gpu()
 from titan_moe.ops.grouped_gemm import grouped_mm, grouped_mm_dw_reference, grouped_mm_reference  # noqa: E402
 from titan_moe.ops.grouped_gemm import op as gg_op  # noqa: E402
 from titan_moe.ops.grouped_gemm import triton_kernel as tk  # noqa: E402
+from titan_moe.ops.grouped_gemm.reference import group_bounds  # noqa: E402
 
 KERNELS_RUN_HERE, DEVICE, needs_kernels = kernel_test_setup(CUDA, tk.interpreted(), "test_in_fresh_interpreter_process")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
@@ -155,6 +156,84 @@ def test_tma_falls_back_for_layouts_it_cannot_describe():
     assert tk._row_major_descriptor(x, [16, 16]) is None
     dw = tk.grouped_mm_dw_triton(x, x, offs, tma=True)  # falls back to pointer loads
     assert rel_err(dw, grouped_mm_dw_reference(x, x, offs)) < TOL[torch.float16]
+
+
+def fp8_case(m, k, n, e, frac, seed):
+    """fp8 codes a [M, K] and b [E, K, N] K-major per expert (the layout of the fp8 experts'
+    forward weights and of their dx weights' transpose), fp32 scales, random offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    fp8 = torch.float8_e4m3fn
+    a = (torch.randn(m, k, generator=gen) * 16).to(fp8).to(DEVICE)
+    b = (torch.randn(e, n, k, generator=gen) * 16).to(fp8).to(DEVICE).transpose(1, 2)
+    scale_a = torch.rand(m, generator=gen).add(0.5).to(DEVICE)
+    scale_b = torch.rand(e, n, generator=gen).add(0.5).to(DEVICE)
+    return a, b, scale_a, scale_b, random_offsets(e, m, gen, frac).to(DEVICE)
+
+
+def scaled_reference(a, b, scale_a, scale_b, offs):
+    """The dequantized product per group in fp32, rounded once to bf16."""
+    out = (grouped_mm_reference(a.float(), b.float(), offs) * scale_a[:, None]).cpu()
+    for e, (start, end) in enumerate(group_bounds(offs.cpu(), a.shape[0])):
+        out[start:end] *= scale_b[e].cpu()
+    return out.bfloat16()
+
+
+@needs_kernels
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 48, 32, 5, 0.8), (9, 16, 16, 3, 0.6)])
+def test_scaled_fp8_kernel_matches_dequantized_reference(m, k, n, e, frac, tma):
+    """The fp8 form of the forward / dx kernel (``SCALED``): group sizes that are not
+    multiples of 16, empty groups, rows past offs[-1] zero; pointer and TMA loads."""
+    a, b, scale_a, scale_b, offs = fp8_case(m, k, n, e, frac, seed=m + n + tma)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert (sizes == 0).any() and (sizes % 16 != 0).any()
+    if tma:
+        assert tk._tma_operands(a, b, tk.default_config(a.dtype, a.device, "mk8"))[2]  # K-major b: [N, K] boxes
+    out = tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b, offs, tma=tma)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_err(out.cpu(), scaled_reference(a, b, scale_a, scale_b, offs)) < 8e-3
+    assert torch.all(out[int(offs[-1]):] == 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,n,e,frac", [(112, 32, 16, 4, 1.0), (80, 48, 32, 5, 0.8)])
+def test_scaled_fp8_dw_kernel_matches_dequantized_reference(m, k, n, e, frac, out_dtype):
+    """The fp8 form of the dw kernel: column-major fp8 codes (the contracted rows
+    contiguous), per-group column scales; group ends (multiples of 16, its contract) inside a
+    reduction step, empty groups, rows past offs[-1]."""
+    gen = torch.Generator().manual_seed(m + k)
+    fp8 = torch.float8_e4m3fn
+    xq = (torch.randn(k, m, generator=gen) * 16).to(fp8).to(DEVICE).t()  # [M, K], stride(0) == 1
+    gq = (torch.randn(n, m, generator=gen) * 16).to(fp8).to(DEVICE).t()
+    scale_x = torch.rand(e * k, generator=gen).add(0.5).to(DEVICE)
+    scale_g = torch.rand(e * n, generator=gen).add(0.5).to(DEVICE)
+    offs = (random_offsets(e, m // 16, gen, frac) * 16).to(DEVICE)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert (sizes == 0).any()
+    dw = tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype)
+    assert dw.shape == (e, k, n) and dw.dtype == out_dtype
+    want = grouped_mm_dw_reference(xq.float(), gq.float(), offs).cpu()
+    want *= scale_x.view(e, k, 1).cpu() * scale_g.view(e, 1, n).cpu()
+    assert rel_err(dw.float().cpu(), want) < (8e-3 if out_dtype == torch.bfloat16 else 1e-5)
+    assert torch.all(dw[sizes == 0] == 0)
+    with pytest.raises(ValueError, match="scales of x"):
+        tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x[:-1], scale_g, offs)
+
+
+@needs_kernels
+def test_scaled_fp8_kernel_argument_errors():
+    a, b, scale_a, scale_b, offs = fp8_case(32, 16, 16, 2, 1.0, seed=5)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        tk.scaled_grouped_mm_triton(a.float(), b, scale_a, scale_b, offs)
+    with pytest.raises(ValueError, match="scales"):
+        tk.scaled_grouped_mm_triton(a, b, scale_a[:-1], scale_b, offs)
+    with pytest.raises(ValueError, match="scales"):
+        tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b.t(), offs)
+    with pytest.raises(ValueError, match="expected a"):
+        tk.scaled_grouped_mm_triton(a[:, :8], b, scale_a, scale_b, offs)
+    with pytest.raises(ValueError, match="int32"):
+        tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b, offs.long())
 
 
 @needs_kernels
@@ -370,7 +449,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     mk, kk = tk.SM90_TILES["mk"], tk.SM90_TILES["k"]  # the tiles sm90 runs by default
     bm, bn, bk = mk.block_m, mk.block_n, mk.block_k
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=128, PRECISION="tf32",
-                  INTERPRETED=False)
+                  INTERPRETED=False, sa_ptr=None, sb_ptr=None, SCALED=False)
     mk_ints = ["M", "N", "K", "E", "stride_am", "stride_be", "stride_cm"]
     ptrs = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32"}
     results = {}
@@ -386,12 +465,28 @@ _COMPILE_SCRIPT = textwrap.dedent(
         results[name] = compile_kernel(tk._ragged_m_kernel, descs, mk_ints + ["stride_bk"],
                                        ["stride_ak", "stride_bn", "stride_cn"],
                                        dict(common, USE_TMA=True, B_TRANSPOSED=transposed), mk)
+    m8 = tk.SM90_TILES["mk8"]  # the fp8 form: K-major b through TMA, scales in the epilogue
+    descs8 = dict(ptrs, a=f"tensordesc<fp8e4nv[{m8.block_m},{m8.block_k}]>",
+                  b=f"tensordesc<fp8e4nv[1,{m8.block_n},{m8.block_k}]>", sa_ptr="*fp32", sb_ptr="*fp32")
+    results["fp8_tma"] = compile_kernel(tk._ragged_m_kernel, descs8, mk_ints + ["stride_bk"],
+                                        ["stride_ak", "stride_bn", "stride_cn"],
+                                        {**{n: v for n, v in common.items() if not n.endswith("_ptr")},
+                                         "BLOCK_M": m8.block_m, "BLOCK_N": m8.block_n, "BLOCK_K": m8.block_k,
+                                         "USE_TMA": True, "B_TRANSPOSED": True, "SCALED": True}, m8)
     results["dw"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": "*bf16", "g_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32"},
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False), kk)
+    k8 = tk.SM90_TILES["k8"]  # the fp8 dw: column-major codes (unit row stride), per-group scales
+    results["fp8_dw"] = compile_kernel(
+        tk._ragged_k_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv", "dw_ptr": "*fp32", "offs_ptr": "*i32",
+                              "sx_ptr": "*fp32", "sg_ptr": "*fp32"},
+        ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
+        ["stride_xm", "stride_gm", "stride_wn"],
+        dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k,
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True), k8)
     results["dw_tma"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_k}]>",
                               "g_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_n}]>", "dw_ptr": "*bf16",
@@ -399,7 +494,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=True), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False), kk)
     print("RESULT", repr(results))
     """
 )
@@ -407,12 +502,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_compiles_for_sm90():
     """The compiled code path (for loops, not the interpreter's while loops) builds for an
-    sm90 target with no GPU present: bf16 forward, dx (transposed weights) and dw kernels use
-    wgmma and an async-copy software pipeline (cp.async, or TMA bulk copies for the TMA
+    sm90 target with no GPU present: bf16 forward, dx (transposed weights) and dw kernels and
+    the fp8 forward / dx kernel use wgmma and an async-copy software pipeline (cp.async, or TMA bulk copies for the TMA
     variant) within the shared-memory budget."""
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "dw", "dw_tma"}
+    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fp8_tma", "dw", "fp8_dw", "dw_tma"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
         expected = (False, True) if name.endswith("_tma") else (True, False)
@@ -479,6 +574,30 @@ def test_cuda_bf16_vs_float64(m, k, n, e):
     assert rel_err(xc.grad, x64.grad) < 5e-3
     assert rel_err(wc.grad, w64.grad) < 5e-3
     assert torch.all(out[int(offs[-1]):] == 0)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs an sm90 CUDA device (fp8 wgmma)")
+@pytest.mark.parametrize("m,k,n,e,sizes", [(4096, 256, 384, 8, "balanced"), (2336, 512, 256, 7, "ragged")])
+def test_cuda_scaled_fp8_kernel_vs_torch(m, k, n, e, sizes):
+    """The Triton fp8 kernel against torch._scaled_grouped_mm (16-row groups, its rule) and
+    against the dequantized fp32 product (any group sizes)."""
+    a, b, scale_a, scale_b, _ = fp8_case(m, k, n, e, 1.0, seed=m)
+    a, b, scale_a, scale_b = a.cuda(), b.cuda(), scale_a.cuda(), scale_b.cuda()
+    if sizes == "balanced":
+        offs = torch.arange(1, e + 1, dtype=torch.int32, device="cuda") * (m // e // 16 * 16)
+        ours = tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b, offs)
+        theirs = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+                                          use_fast_accum=True)
+        owned = int(offs[-1])
+        assert rel_err(ours[:owned].float(), theirs[:owned].float()) < 8e-3
+    else:
+        offs = random_offsets(e, m, torch.Generator().manual_seed(e), 0.9).cuda()
+        ours = tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b, offs)
+    assert rel_err(ours.cpu(), scaled_reference(a, b, scale_a, scale_b, offs)) < 8e-3
+    assert torch.all(ours[int(offs[-1]):] == 0)
 
 
 def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):

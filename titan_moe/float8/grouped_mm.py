@@ -86,6 +86,10 @@ from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
 ALIGNMENT = 16  # group sizes, K and N: multiples of this
 FP8 = torch.float8_e4m3fn
 CHECK_OFFSETS_ENV = "TITAN_MOE_FP8_CHECK_OFFSETS"
+# EXPERIMENTAL (being timed): products on our Triton fp8 kernels instead of
+# torch._scaled_grouped_mm: "triton" the forward and dx (2d x 3d), "triton_dw" the weight
+# gradient (2d x 2d), "triton_all" all three; unset: torch's for all
+GEMM_ENV = "TITAN_MOE_FP8_GEMM"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -110,10 +114,23 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
 
     CUDA: ``torch._scaled_grouped_mm(..., out_dtype=torch.bfloat16, use_fast_accum=True)``
     plus zeroing of what it leaves unwritten, then :func:`to_dtype` (``widen``: its fp32
-    widening backend). CPU: :func:`_scaled_grouped_gemm_emulated`.
+    widening backend); ``$TITAN_MOE_FP8_GEMM`` moves products to our Triton kernels
+    (:data:`GEMM_ENV`; :func:`titan_moe.ops.grouped_gemm.triton_kernel.scaled_grouped_mm_triton`
+    and ``scaled_grouped_mm_dw_triton``, which write every row and group themselves, the
+    latter fp32 directly). CPU: :func:`_scaled_grouped_gemm_emulated`.
     """
     if a.device.type != "cuda":
         return _scaled_grouped_gemm_emulated(a, b, scale_a, scale_b, offs_E, out_dtype)
+    triton_products = os.environ.get(GEMM_ENV, "")
+    if triton_products:
+        from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
+        if b.dim() == 3 and triton_products in ("triton", "triton_all"):
+            return to_dtype(tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b, offs_E), out_dtype, widen)
+        if b.dim() == 2 and triton_products in ("triton_dw", "triton_all"):
+            direct = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+            dw = tk.scaled_grouped_mm_dw_triton(a.t(), b, scale_a, scale_b, offs_E, out_dtype=direct)
+            return dw.to(out_dtype)
     out = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs_E, out_dtype=torch.bfloat16,
                                    use_fast_accum=True)
     return to_dtype(_zero_unwritten(out, offs_E), out_dtype, widen)

@@ -86,7 +86,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "0": pointer loads on sm90 too (default: TMA on sm90)
 # GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
 TILES_ENV = "TITAN_MOE_GROUPED_MM_TILES"
-_KINDS = ("mk", "k")
+_KINDS = ("mk", "k", "mk8", "k8")  # "mk8", "k8": the fp8 kernels (scaled_grouped_mm_triton, _dw_triton)
 
 
 # ----------------------------------------------------------------------------------------
@@ -134,11 +134,12 @@ def _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, col_start,
 
 @triton.jit
 def _mk_tile(
-    tile, a, b, c_ptr, N, K, E,
+    tile, a, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     m_tile = tile // n_tiles
     n_tile = tile % n_tiles
@@ -169,6 +170,10 @@ def _mk_tile(
                            stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, B_TRANSPOSED)
 
+    if SCALED:  # dequantize: a's row scales sa [M], b's column scales sb [E, N] (none for the tail)
+        scale_a = tl.load(sa_ptr + rows, mask=row_ok, other=0.0)
+        scale_b = tl.load(sb_ptr + group.to(tl.int64) * N + cols, mask=col_ok & (group < E), other=0.0)
+        acc = acc * scale_a[:, None] * scale_b[None, :]
     c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -186,6 +191,8 @@ def _ragged_m_kernel(
     INTERPRETED: tl.constexpr,
     USE_TMA: tl.constexpr = False,  # a, b are tensor descriptors (see grouped_mm_triton)
     B_TRANSPOSED: tl.constexpr = False,  # with USE_TMA: b describes w [E, N, K] (the dx product)
+    sa_ptr=None, sb_ptr=None,  # with SCALED: fp32 row scales of a [M] and column scales of b [E, N]
+    SCALED: tl.constexpr = False,  # fp8 operands: c = (a @ b[e]) * sa[:, None] * sb[e][None, :]
 ):
     # Schedule: per-group row ranges (clamped into [0, M]) and row-tile prefix sums.
     e_idx = tl.arange(0, BLOCK_E)
@@ -202,17 +209,17 @@ def _ragged_m_kernel(
     if INTERPRETED:
         tile = pid
         while tile < total:
-            _mk_tile(tile, a, b, c_ptr, N, K, E,
+            _mk_tile(tile, a, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED)
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
-            _mk_tile(tile, a, b, c_ptr, N, K, E,
+            _mk_tile(tile, a, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED)
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED)
 
 
 @triton.jit
@@ -243,11 +250,11 @@ def _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row
 
 @triton.jit
 def _k_tile(
-    tile, x_ptr, g_ptr, dw_ptr, offs_ptr, M, N, K,
+    tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
     n_tiles, tiles_per_group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, SCALED: tl.constexpr,
 ):
     group = tile // tiles_per_group
     within = tile % tiles_per_group
@@ -256,6 +263,12 @@ def _k_tile(
     row_start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
     row_start = tl.minimum(tl.maximum(row_start, 0), M)
     row_end = tl.maximum(tl.minimum(tl.load(offs_ptr + group), M), row_start)
+    if SCALED:
+        # fp8 groups start and end at multiples of 16 rows (the caller's contract): the row
+        # masks of the column-major operands are then uniform over 16-byte vectors, which the
+        # compiler needs for asynchronous copies of 1-byte elements
+        row_start = tl.multiple_of(row_start, 16)
+        row_end = tl.multiple_of(row_end, 16)
 
     k_start = k_tile * BLOCK_K
     n_start = n_tile * BLOCK_N
@@ -275,6 +288,10 @@ def _k_tile(
             acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_end,
                           stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA)
 
+    if SCALED:  # dequantize: per-group column scales of x, sx [E*K], and of g, sg [E*N]
+        scale_x = tl.load(sx_ptr + group.to(tl.int64) * K + ks, mask=k_ok, other=0.0)
+        scale_g = tl.load(sg_ptr + group.to(tl.int64) * N + cols, mask=col_ok, other=0.0)
+        acc = acc * scale_x[:, None] * scale_g[None, :]
     dw = dw_ptr + group.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
@@ -290,6 +307,8 @@ def _ragged_k_kernel(
     PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_TMA: tl.constexpr = False,  # x_ptr, g_ptr are tensor descriptors (see grouped_mm_dw_triton)
+    sx_ptr=None, sg_ptr=None,  # with SCALED: fp32 per-group column scales of x [E*K] and g [E*N]
+    SCALED: tl.constexpr = False,  # fp8 operands: dw[e] = (x^T g)[e] * sx[e][:, None] * sg[e][None, :]
 ):
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tiles_per_group = (K + BLOCK_K - 1) // BLOCK_K * n_tiles
@@ -298,15 +317,15 @@ def _ragged_k_kernel(
     if INTERPRETED:
         tile = pid
         while tile < total:
-            _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, M, N, K,
+            _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
-                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA)
+                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
-            _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, M, N, K,
+            _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
-                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA)
+                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED)
 
 
 # ----------------------------------------------------------------------------------------
@@ -385,7 +404,11 @@ def tile_overrides() -> dict[str, TileConfig]:
 # dx 2.658 ms at 256x128x64 against 2.850 at the old 128x128x64 (peer 2.752), dw 1.755 against
 # 1.866; timed again in interleaved rounds, still ahead of the old tiles by 1-8% per product.
 SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3),
-              "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3)}
+              "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3),
+              # fp8 forward / dx: the best of five tiles at E = 64 and K3's latent shapes (BENCHMARKS.md,
+              # "fp8 grouped GEMM on our Triton kernels"); fp8 dw: a first choice, not swept yet
+              "mk8": TileConfig(256, 128, 128, num_warps=8, num_stages=3),
+              "k8": TileConfig(128, 128, 128, num_warps=8, num_stages=4)}
 
 
 def _is_sm90(device: torch.device) -> bool:
@@ -411,6 +434,8 @@ def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileC
         return override
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, num_warps=4, num_stages=3)
+    if kind in ("mk8", "k8"):
+        return SM90_TILES[kind]
     if _is_sm90(device):
         return SM90_TILES[kind]
     if kind == "k":
@@ -508,12 +533,19 @@ def grouped_mm_triton(
             f"grouped_mm_triton: expected a [M,K], b [E,K,N], offs [E]; got {tuple(a_MK.shape)}, "
             f"{tuple(b_EKN.shape)}, {tuple(offs_E.shape)}"
         )
+    out_MN = a_MK.new_empty(a_MK.shape[0], b_EKN.shape[2])
+    _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, config or default_config(a_MK.dtype, a_MK.device, "mk"), tma)
+    return out_MN
+
+
+def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor, out_MN: torch.Tensor,
+                     cfg: TileConfig, tma: bool | None, scale_a_M: torch.Tensor | None = None,
+                     scale_b_EN: torch.Tensor | None = None) -> None:
+    """``_ragged_m_kernel`` into ``out_MN`` [M, N]; with scales, the fp8 form (``SCALED``)."""
     M, K = a_MK.shape
     E, _, N = b_EKN.shape
-    out_MN = a_MK.new_empty(M, N)
     if M == 0 or N == 0:
-        return out_MN
-    cfg = config or default_config(a_MK.dtype, a_MK.device, "mk")
+        return
     max_tiles = (cdiv(M, cfg.block_m) + E + 1) * cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, a_MK.device, max_tiles)
     descriptors = _tma_operands(a_MK, b_EKN, cfg) if _use_tma(tma, a_MK.device) else None
@@ -531,8 +563,61 @@ def grouped_mm_triton(
         BLOCK_E=next_power_of_2(E + 1),
         PRECISION=_precision(a_MK.dtype), INTERPRETED=interpreted(),
         USE_TMA=descriptors is not None, B_TRANSPOSED=b_transposed,
+        sa_ptr=scale_a_M, sb_ptr=scale_b_EN, SCALED=scale_a_M is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def scaled_grouped_mm_triton(
+    a_MK: torch.Tensor,
+    b_EKN: torch.Tensor,
+    scale_a_M: torch.Tensor,
+    scale_b_EN: torch.Tensor,
+    offs_E: torch.Tensor,
+    config: TileConfig | None = None,
+    tma: bool | None = None,
+) -> torch.Tensor:
+    """fp8 grouped GEMM with row and column dequantization scales, fp32 accumulation:
+    ``out[rows of e] = (a[rows of e] @ b[e]) * scale_a[rows of e, None] * scale_b[e][None, :]``,
+    rows past ``offs[-1]`` zero, bf16 output. The contract of ``torch._scaled_grouped_mm``'s
+    2d x 3d case (forward and dx of the fp8 experts) without its 16-row rule: any group sizes.
+
+    Args:
+        a_MK: [M, K] float8_e4m3fn, rows sorted by group (row-major for the TMA loads).
+        b_EKN: [E, K, N] float8_e4m3fn, any strides; on sm90 the tensor cores want it K-major
+            per expert (``stride(1) == 1``: the fp8 experts' forward layout, or the dx
+            layout's transpose), which the TMA path loads as [N, K] boxes.
+        scale_a_M: fp32 [M]; scale_b_EN: fp32 [E, N] contiguous.
+        offs_E: [E] int32 cumulative group ends (not read on the host).
+        config: tile override (default ``default_config(..., "mk8")``).
+        tma: as :func:`grouped_mm_triton`.
+
+    Returns:
+        [M, N] bf16, contiguous.
+    """
+    fp8 = torch.float8_e4m3fn
+    if a_MK.dtype != fp8 or b_EKN.dtype != fp8:
+        raise ValueError(f"scaled_grouped_mm_triton: operands must be float8_e4m3fn, got {a_MK.dtype}, {b_EKN.dtype}")
+    if a_MK.dim() != 2 or b_EKN.dim() != 3 or a_MK.shape[1] != b_EKN.shape[1] or b_EKN.shape[0] != offs_E.shape[0]:
+        raise ValueError(
+            f"scaled_grouped_mm_triton: expected a [M,K], b [E,K,N], offs [E]; got {tuple(a_MK.shape)}, "
+            f"{tuple(b_EKN.shape)}, {tuple(offs_E.shape)}"
+        )
+    M, (E, _, N) = a_MK.shape[0], b_EKN.shape
+    if scale_a_M.shape != (M,) or scale_b_EN.shape != (E, N) or not scale_b_EN.is_contiguous() \
+            or scale_a_M.dtype != torch.float32 or scale_b_EN.dtype != torch.float32:
+        raise ValueError(
+            f"scaled_grouped_mm_triton: expected fp32 scales a [{M}] and b [{E}, {N}] contiguous, got "
+            f"{scale_a_M.dtype} {tuple(scale_a_M.shape)} and {scale_b_EN.dtype} {tuple(scale_b_EN.shape)}"
+        )
+    if offs_E.dtype != torch.int32 or offs_E.dim() != 1:
+        raise ValueError(f"scaled_grouped_mm_triton: offs must be a 1-D int32 tensor, got {offs_E.dtype}")
+    if not (a_MK.device == b_EKN.device == offs_E.device == scale_a_M.device == scale_b_EN.device):
+        raise ValueError("scaled_grouped_mm_triton: tensors must share a device")
+    check_runs_on(_ragged_m_kernel, a_MK.device, "scaled_grouped_mm_triton", "titan_moe.ops.grouped_gemm.triton_kernel")
+    out_MN = a_MK.new_empty(M, N, dtype=torch.bfloat16)
+    _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, config or default_config(a_MK.dtype, a_MK.device, "mk8"), tma,
+                     scale_a_M, scale_b_EN)
     return out_MN
 
 
@@ -589,6 +674,68 @@ def grouped_mm_dw_triton(
         dw_EKN.stride(0), dw_EKN.stride(1), dw_EKN.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION=_precision(x_MK.dtype), INTERPRETED=interpreted(), USE_TMA=tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dw_EKN
+
+
+def scaled_grouped_mm_dw_triton(
+    xq_MK: torch.Tensor,
+    gq_MN: torch.Tensor,
+    scale_x_EK: torch.Tensor,
+    scale_g_EN: torch.Tensor,
+    offs_E: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """fp8 weight gradient with per-group column scales, fp32 accumulation:
+    ``dw[e] = (xq[rows of e]^T @ gq[rows of e]) * scale_x[e][:, None] * scale_g[e][None, :]``
+    -> [E, K, N] in ``out_dtype`` (zero for empty groups). The contract of
+    ``torch._scaled_grouped_mm``'s 2d x 2d case, with fp32 output without a widening pass.
+
+    Args:
+        xq_MK: [M, K] float8_e4m3fn, gq_MN: [M, N] float8_e4m3fn, rows sorted by group; the
+            tensor cores want both column-major (``stride(0) == 1``: the contracted rows
+            contiguous, as :func:`titan_moe.float8.quantize.requantize_group_columns` returns).
+        scale_x_EK: fp32 [E*K] (or [E, K]); scale_g_EN: fp32 [E*N] (or [E, N]), contiguous.
+        offs_E: [E] int32 cumulative group ends, multiples of 16 (not read on the host; other
+            ends give wrong sums: the kernel loads rows in 16-row vectors), M a multiple of 16.
+        out_dtype: bf16 or fp32.
+        config: tile override (default ``default_config(..., "k8")``); pointer loads.
+    """
+    fp8 = torch.float8_e4m3fn
+    if xq_MK.dtype != fp8 or gq_MN.dtype != fp8:
+        raise ValueError(f"scaled_grouped_mm_dw_triton: operands must be float8_e4m3fn, got {xq_MK.dtype}, "
+                         f"{gq_MN.dtype}")
+    if xq_MK.dim() != 2 or gq_MN.dim() != 2 or xq_MK.shape[0] != gq_MN.shape[0] or offs_E.dim() != 1 \
+            or offs_E.shape[0] == 0:
+        raise ValueError(f"scaled_grouped_mm_dw_triton: expected x [M,K], g [M,N], offs [E>=1]; got "
+                         f"{tuple(xq_MK.shape)}, {tuple(gq_MN.shape)}, {tuple(offs_E.shape)}")
+    (M, K), N, E = xq_MK.shape, gq_MN.shape[1], offs_E.shape[0]
+    for name, scale, cols in (("x", scale_x_EK, K), ("g", scale_g_EN, N)):
+        if scale.dtype != torch.float32 or scale.numel() != E * cols or not scale.is_contiguous():
+            raise ValueError(f"scaled_grouped_mm_dw_triton: scales of {name} must be fp32 [E*{cols}] contiguous, "
+                             f"got {scale.dtype} {tuple(scale.shape)}")
+    if offs_E.dtype != torch.int32:
+        raise ValueError(f"scaled_grouped_mm_dw_triton: offs must be int32, got {offs_E.dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"scaled_grouped_mm_dw_triton: out_dtype must be bf16 or fp32, got {out_dtype}")
+    check_runs_on(_ragged_k_kernel, xq_MK.device, "scaled_grouped_mm_dw_triton",
+                  "titan_moe.ops.grouped_gemm.triton_kernel")
+    dw_EKN = xq_MK.new_empty(E, K, N, dtype=out_dtype)
+    if K == 0 or N == 0:
+        return dw_EKN
+    cfg = config or default_config(fp8, xq_MK.device, "k8")
+    max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
+    _ragged_k_kernel[(_num_programs(cfg, xq_MK.device, max_tiles),)](
+        xq_MK, gq_MN, dw_EKN, offs_E,
+        M, N, K, E,
+        xq_MK.stride(0), xq_MK.stride(1),
+        gq_MN.stride(0), gq_MN.stride(1),
+        dw_EKN.stride(0), dw_EKN.stride(1), dw_EKN.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION="tf32", INTERPRETED=interpreted(), USE_TMA=False,
+        sx_ptr=scale_x_EK, sg_ptr=scale_g_EN, SCALED=True,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw_EKN
