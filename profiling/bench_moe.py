@@ -310,17 +310,17 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
             _with_quantized_weight(functools.partial(fused_fp8_grouped_mm, wgrad="fp8_rows")), {})
         # the same with the forward and dx products on our Triton fp8 kernel (default tile, then
         # one provider per --fp8-tiles entry)
-        from titan_moe.float8.grouped_mm import GEMM_ENV
+        from titan_moe.float8.experts_recipe import KERNELS_ENV
         from titan_moe.ops.grouped_gemm.triton_kernel import TILES_ENV
 
         rows_fn = providers["fp8_cached_w_dw8rows"][0]
-        providers["fp8_rows_triton"] = (rows_fn, {GEMM_ENV: "triton"})
-        providers["fp8_rows_triton_dw"] = (rows_fn, {GEMM_ENV: "triton_dw"})
-        providers["fp8_rows_triton_all"] = (rows_fn, {GEMM_ENV: "triton_all"})
+        providers["fp8_rows_triton"] = (rows_fn, {KERNELS_ENV: "triton"})
+        providers["fp8_rows_triton_dw"] = (rows_fn, {KERNELS_ENV: "triton_dw"})
+        providers["fp8_rows_triton_all"] = (rows_fn, {KERNELS_ENV: "triton_all"})
         for tile in FP8_TILES:
-            providers[f"fp8t_{tile}"] = (rows_fn, {GEMM_ENV: "triton", TILES_ENV: f"mk8={tile}"})
+            providers[f"fp8t_{tile}"] = (rows_fn, {KERNELS_ENV: "triton", TILES_ENV: f"mk8={tile}"})
         for tile in FP8_DW_TILES:
-            providers[f"fp8dw_{tile}"] = (rows_fn, {GEMM_ENV: "triton_all", TILES_ENV: f"k8={tile}"})
+            providers[f"fp8dw_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}"})
     return providers
 
 
@@ -347,12 +347,12 @@ ERR_PROVIDERS = ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_co
 
 FP8_TILES: list[str] = []
 """``--fp8-tiles``: "BMxBNxBKxWARPSxSTAGES" tiles of the Triton fp8 forward / dx kernel, one
-provider ``fp8t_<tile>`` each (``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_GEMM=triton``)."""
+provider ``fp8t_<tile>`` each (``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton``)."""
 
 
 FP8_DW_TILES: list[str] = []
 """``--fp8-dw-tiles``: tiles of the Triton fp8 dw kernel, one provider ``fp8dw_<tile>`` each
-(``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_GEMM=triton_all``: all three products on our kernels)."""
+(``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton_all``: all three products on our kernels)."""
 
 
 def err_providers() -> list[str]:

@@ -15,13 +15,14 @@ from titan_moe.float8.experts_recipe import (
     WEIGHT_CACHE_ENV,
     WGRAD_ENV,
     WIDEN_ENV,
+    KERNELS_ENV,
     ExpertsFp8Recipe,
 )
 from titan_moe.model.moe import RoutedExperts
 
 from test_float8 import CONFIG, single_process
 
-ENVS = (GEMM_ENV, WGRAD_ENV, SITU_QUANT_ENV, WEIGHT_CACHE_ENV, WIDEN_ENV)
+ENVS = (GEMM_ENV, WGRAD_ENV, SITU_QUANT_ENV, WEIGHT_CACHE_ENV, WIDEN_ENV, KERNELS_ENV)
 
 
 @pytest.fixture(autouse=True)
@@ -37,12 +38,14 @@ def table(*args: str):
 
 def test_toml_keys_reach_the_recipe():
     assert ExpertsFp8Recipe.from_config(table()) == ExpertsFp8Recipe()
-    assert ExpertsFp8Recipe() == ExpertsFp8Recipe("fused", "bf16", False, True, "torch")  # the documented defaults
+    assert ExpertsFp8Recipe() == ExpertsFp8Recipe("fused", "bf16", False, True, "torch", "torch")  # documented defaults
     got = ExpertsFp8Recipe.from_config(table("--quantize.grouped_mm.float8.wgrad", "fp8_rows",
                                              "--quantize.grouped_mm.float8.situ_quant",
                                              "--quantize.grouped_mm.float8.no-cache-weights",
-                                             "--quantize.grouped_mm.float8.widen", "triton"))
-    assert got == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True, cache_weights=False, widen="triton")
+                                             "--quantize.grouped_mm.float8.widen", "triton",
+                                             "--quantize.grouped_mm.float8.kernels", "triton_all"))
+    assert got == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True, cache_weights=False, widen="triton",
+                                   kernels="triton_all")
 
 
 @pytest.mark.parametrize("args, match", [
@@ -52,6 +55,8 @@ def test_toml_keys_reach_the_recipe():
     ({"gemm": "torchao", "wgrad": "fp8_rows"}, r'apply to gemm = "fused" only'),
     ({"widen": "cuda"}, r"quantize.grouped_mm.float8.widen must be one of"),
     ({"gemm": "torchao", "widen": "triton"}, r'apply to gemm = "fused" only'),
+    ({"kernels": "cutlass"}, r"quantize.grouped_mm.float8.kernels must be one of"),
+    ({"gemm": "torchao", "kernels": "triton"}, r'apply to gemm = "fused" only'),
 ])
 def test_impossible_recipes_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
@@ -89,6 +94,12 @@ def test_environment_overrides_the_config(monkeypatch):
                                                          widen="triton")
     monkeypatch.setenv(WIDEN_ENV, "numpy")
     with pytest.raises(ValueError, match=f"{WIDEN_ENV} must be one of"):
+        toml.with_env_overrides()
+    monkeypatch.delenv(WIDEN_ENV)
+    monkeypatch.setenv(KERNELS_ENV, "triton_dw")
+    assert toml.with_env_overrides().kernels == "triton_dw"
+    monkeypatch.setenv(KERNELS_ENV, "cuda")
+    with pytest.raises(ValueError, match=f"{KERNELS_ENV} must be one of"):
         toml.with_env_overrides()
 
 
@@ -134,19 +145,19 @@ def test_converted_experts_follow_their_recipe(monkeypatch):
 
 
 def test_converted_experts_pass_the_widening_to_both_gemms(monkeypatch):
-    """The recipe's `widen` reaches both fused GEMM calls of a converted module."""
+    """The recipe's `widen` and `kernels` reach both fused GEMM calls of a converted module."""
     import titan_moe.float8.grouped_mm as fgm
 
     monkeypatch.setattr(fq, "kernels_run_on", lambda device: device.type == "cuda" and not fq.interpreted())
     original, widens = fgm.fp8_grouped_mm, []
 
     def recording(*args, **kwargs):
-        widens.append(kwargs.get("widen"))
+        widens.append((kwargs.get("widen"), kwargs.get("kernels")))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(fgm, "fp8_grouped_mm", recording)
     model = torch.nn.Sequential(RoutedExperts(2, 32, 48, 1.0, 1.0))
-    convert_routed_experts(model, recipe=ExpertsFp8Recipe(widen="triton"))
+    convert_routed_experts(model, recipe=ExpertsFp8Recipe(widen="triton", kernels="triton_dw"))
     offs = torch.tensor([16, 32], dtype=torch.int32)
     model[0](torch.randn(32, 32), offs, groups_aligned=True)
-    assert widens == ["triton", "triton"]
+    assert widens == [("triton", "triton_dw")] * 2

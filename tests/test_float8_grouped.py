@@ -476,6 +476,26 @@ def test_widen_argument_chooses_the_fp32_widening(monkeypatch, torch_quantizatio
         fp8_grouped_mm(x, w, offs, widen="cuda")
 
 
+def test_kernels_argument_and_environment(monkeypatch):
+    """`kernels` names which fp8 GEMMs leave torch._scaled_grouped_mm; None defers to
+    $TITAN_MOE_FP8_KERNELS, then "torch"; unknown names are refused from either source. On
+    the CPU every choice runs the emulation (the GPU test compares the kernels)."""
+    import titan_moe.float8.grouped_mm as fgm
+    from titan_moe.float8.experts_recipe import KERNELS_ENV
+
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    assert fgm.kernels_choice() == "torch" and fgm.kernels_choice("triton_dw") == "triton_dw"
+    monkeypatch.setenv(KERNELS_ENV, "triton_all")
+    assert fgm.kernels_choice() == "triton_all" and fgm.kernels_choice("torch") == "torch"
+    monkeypatch.setenv(KERNELS_ENV, "cutlass")
+    with pytest.raises(ValueError, match=f"{KERNELS_ENV} must be one of"):
+        fgm.kernels_choice()
+    x, w, _, offs = make_case([16, 16], 0, 32, 16)
+    with pytest.raises(ValueError, match="kernels must be None or one of"):
+        fp8_grouped_mm(x, w, offs, kernels="cutlass")
+    assert fp8_grouped_mm(x, w, offs, kernels="triton_all").shape == (32, 16)  # the emulation on the CPU
+
+
 def test_prequantized_weight_argument_errors(torch_quantization):
     x, w, _, offs = make_case([16, 16], 0, 32, 16)
     with pytest.raises(ValueError, match="does not belong"):
@@ -961,15 +981,15 @@ def test_cuda_matches_emulation(wgrad):
 @pytest.mark.parametrize("wgrad,products", [("bf16", "triton"), ("fp8_rows", "triton"), ("fp8_rows", "triton_dw"),
                                             ("fp8_rows", "triton_all"), ("fp8", "triton_all")])
 def test_cuda_triton_fp8_gemm_matches_torch(wgrad, products, monkeypatch):
-    """$TITAN_MOE_FP8_GEMM (forward and dx, or dw, or all on our fp8 kernels) against the
+    """$TITAN_MOE_FP8_KERNELS (forward and dx, or dw, or all on our fp8 kernels) against the
     default (torch._scaled_grouped_mm): the same fp8 operands, fp32 sums in another order."""
-    from titan_moe.float8.grouped_mm import GEMM_ENV
+    from titan_moe.float8.experts_recipe import KERNELS_ENV
 
     sizes = [256, 0, 128, 512, 64, 0, 320, 16]
     x, w, dy, offs = make_case(sizes, 11, 256, 384, seed=6, device="cuda")
-    monkeypatch.delenv(GEMM_ENV, raising=False)
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
     want = run_fp8(x, w, dy, offs, wgrad)
-    monkeypatch.setenv(GEMM_ENV, products)
+    monkeypatch.setenv(KERNELS_ENV, products)
     got = run_fp8(x, w, dy, offs, wgrad)
     for g, t in zip(got, want):
         assert rel_err(g, t) < 5e-3

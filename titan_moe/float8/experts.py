@@ -127,7 +127,7 @@ def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor, w_fp8
         from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
 
         return fused_fp8_grouped_mm(x_PK, w_EKN, offs_pad_E, wgrad=recipe.wgrad, w_fp8=w_fp8, situ=situ,
-                                    widen=recipe.widen)
+                                    widen=recipe.widen, kernels=recipe.kernels)
     if w_fp8 is not None or situ is not None:
         raise ValueError("fp8_grouped_mm_padded: a pre-quantized weight or a fused SiTU-GLU needs the fused GEMM")
     w_t_EKN = w_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group

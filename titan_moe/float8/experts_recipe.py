@@ -7,10 +7,13 @@
     situ_quant = false       # SiTU-GLU computed inside the down GEMM's row quantization
     cache_weights = true     # expert weights quantized once per optimizer step
     widen = "torch"          # bf16 -> fp32 of the weight gradients: "torch" (.float()) or "triton"
+    kernels = "torch"        # the fp8 GEMMs on torch._scaled_grouped_mm ("torch") or on our Triton
+                             # kernels: "triton" (forward and dx), "triton_dw" (fp8 dw), "triton_all"
 
 Each key has an environment variable that, when set, overrides it (read per call, so at
 trace time under torch.compile): `TITAN_MOE_FP8_EXPERTS_GEMM`, `TITAN_MOE_FP8_EXPERTS_WGRAD`,
-`TITAN_MOE_FP8_SITU_QUANT` (0/1), `TITAN_MOE_FP8_WEIGHT_CACHE` (0/1), `TITAN_MOE_FP8_WIDEN`.
+`TITAN_MOE_FP8_SITU_QUANT` (0/1), `TITAN_MOE_FP8_WEIGHT_CACHE` (0/1), `TITAN_MOE_FP8_WIDEN`,
+`TITAN_MOE_FP8_KERNELS`.
 The benchmarks use them to compare recipes without editing configs.
 
 Why these defaults (BENCHMARKS.md): "fused" ran the MoE benchmark's fp8 GEMM 4x faster than
@@ -34,6 +37,8 @@ from titan_moe.float8.widen import BACKENDS as WIDENS
 
 GEMMS = ("torchao", "fused")
 WGRAD_MODES = ("bf16", "fp8", "fp8_rows")  # fp8_grouped_mm's `wgrad` (titan_moe.float8.grouped_mm imports it)
+KERNELS = ("torch", "triton", "triton_dw", "triton_all")  # fp8_grouped_mm's `kernels`
+KERNELS_ENV = "TITAN_MOE_FP8_KERNELS"
 
 GEMM_ENV = "TITAN_MOE_FP8_EXPERTS_GEMM"
 WGRAD_ENV = "TITAN_MOE_FP8_EXPERTS_WGRAD"
@@ -61,6 +66,7 @@ class ExpertsFp8Recipe:
     situ_quant: bool = False
     cache_weights: bool = True
     widen: str = "torch"
+    kernels: str = "torch"
 
     def __post_init__(self):
         if self.gemm not in GEMMS:
@@ -69,12 +75,16 @@ class ExpertsFp8Recipe:
             raise ValueError(f"{TABLE}.wgrad must be one of {WGRAD_MODES}, got {self.wgrad!r}")
         if self.widen not in WIDENS:
             raise ValueError(f"{TABLE}.widen must be one of {WIDENS}, got {self.widen!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"{TABLE}.kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.situ_quant and self.wgrad == "fp8":
             raise ValueError(f'{TABLE}.situ_quant needs wgrad "bf16" or "fp8_rows", not "fp8" '
                              "(which quantizes the activation by group columns from its bf16 copy)")
-        if self.gemm == "torchao" and (self.situ_quant or self.wgrad != "bf16" or self.widen != "torch"):
-            raise ValueError(f'{TABLE}: wgrad, situ_quant and widen apply to gemm = "fused" only (got gemm '
-                             f'"torchao", wgrad {self.wgrad!r}, situ_quant {self.situ_quant}, widen {self.widen!r})')
+        if self.gemm == "torchao" and (self.situ_quant or self.wgrad != "bf16" or self.widen != "torch"
+                                       or self.kernels != "torch"):
+            raise ValueError(f'{TABLE}: wgrad, situ_quant, widen and kernels apply to gemm = "fused" only (got gemm '
+                             f'"torchao", wgrad {self.wgrad!r}, situ_quant {self.situ_quant}, widen {self.widen!r}, '
+                             f'kernels {self.kernels!r})')
 
     @classmethod
     def from_config(cls, table) -> ExpertsFp8Recipe:
@@ -88,8 +98,8 @@ class ExpertsFp8Recipe:
         Raises ValueError naming the variable for a value it cannot take; a combination the
         override makes impossible names the variables that made it."""
         changes = {}
-        choices = {"gemm": GEMMS, "wgrad": WGRAD_MODES, "widen": WIDENS}
-        for field, env in (("gemm", GEMM_ENV), ("wgrad", WGRAD_ENV), ("widen", WIDEN_ENV)):
+        choices = {"gemm": GEMMS, "wgrad": WGRAD_MODES, "widen": WIDENS, "kernels": KERNELS}
+        for field, env in (("gemm", GEMM_ENV), ("wgrad", WGRAD_ENV), ("widen", WIDEN_ENV), ("kernels", KERNELS_ENV)):
             value = os.environ.get(env)
             if value:
                 allowed = choices[field]
@@ -106,9 +116,10 @@ class ExpertsFp8Recipe:
             return dataclasses.replace(self, **changes)
         except ValueError as err:
             envs = {"gemm": GEMM_ENV, "wgrad": WGRAD_ENV, "situ_quant": SITU_QUANT_ENV, "cache_weights": WEIGHT_CACHE_ENV,
-                    "widen": WIDEN_ENV}
+                    "widen": WIDEN_ENV, "kernels": KERNELS_ENV}
             raise ValueError(f"{err} (set by {', '.join(envs[k] + '=' + str(v) for k, v in changes.items())})") from None
 
     def describe(self) -> str:
         return (f"gemm {self.gemm}, wgrad {self.wgrad}, SiTU-GLU in the quantization {self.situ_quant}, "
-                f"weights quantized once per step {self.cache_weights}, fp32 widening {self.widen}")
+                f"weights quantized once per step {self.cache_weights}, fp32 widening {self.widen}, "
+                f"fp8 GEMM kernels {self.kernels}")

@@ -68,7 +68,7 @@ import os
 import torch
 from torch import Tensor
 
-from titan_moe.float8.experts_recipe import WGRAD_MODES
+from titan_moe.float8.experts_recipe import KERNELS, KERNELS_ENV, WGRAD_MODES
 from titan_moe.float8.quantize import (
     Fp8Weight,
     quantize_group_columns,
@@ -86,10 +86,6 @@ from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
 ALIGNMENT = 16  # group sizes, K and N: multiples of this
 FP8 = torch.float8_e4m3fn
 CHECK_OFFSETS_ENV = "TITAN_MOE_FP8_CHECK_OFFSETS"
-# EXPERIMENTAL (being timed): products on our Triton fp8 kernels instead of
-# torch._scaled_grouped_mm: "triton" the forward and dx (2d x 3d), "triton_dw" the weight
-# gradient (2d x 2d), "triton_all" all three; unset: torch's for all
-GEMM_ENV = "TITAN_MOE_FP8_GEMM"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -97,7 +93,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the scaled grouped GEMM: one place for the torch._scaled_grouped_mm contract
 # ----------------------------------------------------------------------------------------
 def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs_E: Tensor,
-                         out_dtype: torch.dtype, widen: str = "") -> Tensor:
+                         out_dtype: torch.dtype, widen: str = "", kernels: str = "") -> Tensor:
     """Grouped GEMM of fp8 operands with dequantization scales, fp32 accumulation.
 
     Two cases (``out`` in ``out_dtype``, computed in bf16 and cast):
@@ -114,15 +110,15 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
 
     CUDA: ``torch._scaled_grouped_mm(..., out_dtype=torch.bfloat16, use_fast_accum=True)``
     plus zeroing of what it leaves unwritten, then :func:`to_dtype` (``widen``: its fp32
-    widening backend); ``$TITAN_MOE_FP8_GEMM`` moves products to our Triton kernels
-    (:data:`GEMM_ENV`; :func:`titan_moe.ops.grouped_gemm.triton_kernel.scaled_grouped_mm_triton`
-    and ``scaled_grouped_mm_dw_triton``, which write every row and group themselves, the
-    latter fp32 directly). CPU: :func:`_scaled_grouped_gemm_emulated`.
+    widening backend). ``kernels`` (:func:`kernels_choice`) moves products to our Triton
+    kernels: :func:`titan_moe.ops.grouped_gemm.triton_kernel.scaled_grouped_mm_triton` (2d x
+    3d) and ``scaled_grouped_mm_dw_triton`` (2d x 2d), which write every row and group
+    themselves, the latter fp32 directly. CPU: :func:`_scaled_grouped_gemm_emulated`.
     """
     if a.device.type != "cuda":
         return _scaled_grouped_gemm_emulated(a, b, scale_a, scale_b, offs_E, out_dtype)
-    triton_products = os.environ.get(GEMM_ENV, "")
-    if triton_products:
+    triton_products = kernels_choice(kernels)
+    if triton_products != "torch":
         from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
         if b.dim() == 3 and triton_products in ("triton", "triton_all"):
@@ -134,6 +130,18 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
     out = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs_E, out_dtype=torch.bfloat16,
                                    use_fast_accum=True)
     return to_dtype(_zero_unwritten(out, offs_E), out_dtype, widen)
+
+
+def kernels_choice(kernels: str = "") -> str:
+    """Which fp8 GEMMs run on our Triton kernels instead of ``torch._scaled_grouped_mm``:
+    ``kernels`` if given, else ``$TITAN_MOE_FP8_KERNELS``, else "torch" (none). One of
+    :data:`titan_moe.float8.experts_recipe.KERNELS`: "torch", "triton" (forward and dx),
+    "triton_dw" (the fp8 weight gradient), "triton_all"."""
+    choice = kernels or os.environ.get(KERNELS_ENV) or "torch"
+    if choice not in KERNELS:
+        source = "fp8_grouped_mm: kernels" if kernels else KERNELS_ENV
+        raise ValueError(f"{source} must be one of {KERNELS}, got {choice!r}")
+    return choice
 
 
 def to_dtype(t_bf16: Tensor, dtype: torch.dtype, widen: str = "") -> Tensor:
@@ -193,12 +201,12 @@ def _wgrad_high_precision(x_MK: Tensor, dy_MN: Tensor, offs_E: Tensor) -> Tensor
 
 
 def _wgrad_fp8(xq_MK: Tensor, sx_EK: Tensor, dyq_MN: Tensor, sdy_EN: Tensor, offs_E: Tensor,
-               out_dtype: torch.dtype, widen: str = "") -> Tensor:
+               out_dtype: torch.dtype, widen: str = "", kernels: str = "") -> Tensor:
     """fp8 weight gradient from x and dy quantized per group (column-major ``[M, C]`` codes,
     scales ``[E*C]``, as :func:`quantize_group_columns` and :func:`requantize_group_columns`
     return them): a 2d x 2d scaled grouped GEMM."""
     return _scaled_grouped_gemm(_all_buffer_rows(xq_MK).t(), _all_buffer_rows(dyq_MN), sx_EK, sdy_EN, offs_E, out_dtype,
-                                widen)
+                                widen, kernels)
 
 
 def _all_buffer_rows(q_MC: Tensor) -> Tensor:
@@ -231,7 +239,7 @@ def _padded_rows(m):
 def _fwd_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool,
               needs_dw: bool, wq_fwd_EKN: Tensor | None = None, sw_fwd_EN: Tensor | None = None,
               wq_dgrad_EKN: Tensor | None = None, sw_dgrad_EK: Tensor | None = None, situ_beta1: float = 0.0,
-              situ_beta2: float = 0.0, widen: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              situ_beta2: float = 0.0, widen: str = "", kernels: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of :func:`fp8_grouped_mm`. Returns ``(out [M, N], w_dgrad [E, K, N],
     sw_dgrad [E, K] fp32, xq, sx)``: the output and what the backward needs (the weight's dx
     operand if ``needs_dx``; if ``needs_dw``, x's fp8 codes for the weight gradient: with
@@ -246,7 +254,8 @@ def _fwd_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx:
     tooling that touch outputs (opcheck, AOT autograd) have no fp8 kernels on the CPU.
     With ``situ_beta1 > 0`` x_MK is the packed SiTU-GLU pre-activation ``z [M, 2K]`` and the
     GEMM's left operand is its activation, quantized by rows straight from z. ``widen``:
-    the bf16 -> fp32 widening backend (:func:`to_dtype`; "" the environment's default)."""
+    the bf16 -> fp32 widening backend (:func:`to_dtype`; "" the environment's default);
+    ``kernels``: which products run on our Triton kernels (:func:`kernels_choice`)."""
     _check_offsets(offs_E, x_MK.shape[0])
     if situ_beta1 > 0 and wgrad == "fp8":
         raise ValueError('fp8_grouped_mm_fwd: SiTU-GLU fused needs wgrad "bf16" or "fp8_rows"')
@@ -258,7 +267,7 @@ def _fwd_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx:
         wq: Fp8Weight = quantize_weight(w_EKN, dgrad=needs_dx)
     else:
         wq = Fp8Weight(wq_fwd_EKN.view(FP8), sw_fwd_EN, None, None)
-    out_MN = _scaled_grouped_gemm(xq_MK, wq.fwd_EKN, sx_M, wq.scale_fwd_EN, offs_E, x_MK.dtype, widen)
+    out_MN = _scaled_grouped_gemm(xq_MK, wq.fwd_EKN, sx_M, wq.scale_fwd_EN, offs_E, x_MK.dtype, widen, kernels)
     xq_buffer = sx_EK = None
     if needs_dw and wgrad == "fp8":
         del xq_MK, sx_M
@@ -278,7 +287,7 @@ _fwd_op = torch.library.custom_op("titan_moe::fp8_grouped_mm_fwd", mutates_args=
 
 @_fwd_op.register_fake
 def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN=None, wq_dgrad_EKN=None,
-      sw_dgrad_EK=None, situ_beta1=0.0, situ_beta2=0.0, widen=""):
+      sw_dgrad_EK=None, situ_beta1=0.0, situ_beta2=0.0, widen="", kernels=""):
     M, (E, K, N) = x_MK.shape[0], w_EKN.shape
     fp8, f32 = torch.uint8, torch.float32  # fp8 codes as uint8
     empty = functools.partial(x_MK.new_empty, 0)
@@ -301,7 +310,7 @@ def _(x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN=None, sw_fwd_EN
 def _bwd_impl(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Tensor | None, xq_buffer: Tensor,
               sx_EK: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool, needs_dw: bool, K: int,
               x_dtype: torch.dtype, w_dtype: torch.dtype, situ_beta1: float = 0.0,
-              situ_beta2: float = 0.0, widen: str = "") -> tuple[Tensor, Tensor]:
+              situ_beta2: float = 0.0, widen: str = "", kernels: str = "") -> tuple[Tensor, Tensor]:
     """Backward of :func:`fp8_grouped_mm` from ``_fwd_op``'s residuals (x itself for
     ``wgrad == "bf16"`` or with SiTU-GLU). Returns ``(dx [M, K], dw [E, K, N])``, empty ``[0]``
     where not needed; with ``situ_beta1 > 0`` dx is the gradient of z, ``[M, 2K]``: the
@@ -315,18 +324,19 @@ def _bwd_impl(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Ten
         dyq_MN, sdy_M = quantize_rows(dy_MN, pow2=wgrad == "fp8_rows")
     situ = (situ_beta1, situ_beta2) if situ_beta1 > 0 else None
     if needs_dx:
-        dx_MK = _scaled_grouped_gemm(dyq_MN, w_dgrad_EKN.transpose(1, 2), sdy_M, sw_dgrad_EK, offs_E, x_dtype, widen)
+        dx_MK = _scaled_grouped_gemm(dyq_MN, w_dgrad_EKN.transpose(1, 2), sdy_M, sw_dgrad_EK, offs_E, x_dtype, widen,
+                                     kernels)
         if situ:
             dx_MK = situ_glu_bwd_op(x_MK, dx_MK, *situ)
     if needs_dw:
         if from_rows:  # xq_buffer: x's row codes [M, K], sx_EK: their row scales [M]
             xq_MK, sx_EK = requantize_group_columns(xq_buffer, sx_EK, offs_E)
             dyq_col_MN, sdy_EN = requantize_group_columns(dyq_MN, sdy_M, offs_E)
-            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype, widen)
+            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype, widen, kernels)
         elif wgrad == "fp8":
             xq_MK = xq_buffer[:, : dy_MN.shape[0]].t()
             dyq_col_MN, sdy_EN = quantize_group_columns(dy_MN, offs_E, offs_aligned=True)
-            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype, widen)
+            dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype, widen, kernels)
         else:
             lhs_MK = situ_glu_op(x_MK, *situ) if situ else x_MK
             dw_EKN = to_dtype(_wgrad_high_precision(lhs_MK, dy_MN, offs_E), w_dtype, widen)
@@ -338,7 +348,7 @@ _bwd_op = torch.library.custom_op("titan_moe::fp8_grouped_mm_bwd", mutates_args=
 
 @_bwd_op.register_fake
 def _(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, wgrad, needs_dx, needs_dw, K, x_dtype,
-      w_dtype, situ_beta1=0.0, situ_beta2=0.0, widen=""):
+      w_dtype, situ_beta1=0.0, situ_beta2=0.0, widen="", kernels=""):
     (M, N), E = dy_MN.shape, offs_E.shape[0]
     dx_cols = 2 * K if situ_beta1 > 0 else K
     return (dy_MN.new_empty(M, dx_cols, dtype=x_dtype) if needs_dx else dy_MN.new_empty(0, dtype=x_dtype),
@@ -346,9 +356,9 @@ def _(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, wgrad, ne
 
 
 def _setup_context(ctx, inputs, output):
-    # all 13 arguments: the op fills in its defaults, the eager path is given every one
+    # all 14 arguments: the op fills in its defaults, the eager path is given every one
     (x_MK, w_EKN, offs_E, wgrad, needs_dx, needs_dw, wq_fwd_EKN, _, wq_dgrad_EKN, sw_dgrad_given_EK,
-     situ_beta1, situ_beta2, widen) = inputs
+     situ_beta1, situ_beta2, widen, kernels) = inputs
     _, w_dgrad_EKN, sw_dgrad_EK, xq_buffer, sx_EK = output
     ctx.mark_non_differentiable(*output[1:])
     # no zero-filled gradients for the residual outputs: with "fp8_rows" x's codes alone are
@@ -360,19 +370,19 @@ def _setup_context(ctx, inputs, output):
     keep_x = (needs_dw and wgrad == "bf16") or (situ and needs_dx)  # SiTU-GLU's backward reads z
     ctx.save_for_backward(w_dgrad_EKN, sw_dgrad_EK, x_MK if keep_x else None, xq_buffer, sx_EK, offs_E)
     ctx.wgrad, ctx.needs, ctx.betas = wgrad, (needs_dx, needs_dw), (situ_beta1, situ_beta2) if situ else (0.0, 0.0)
-    ctx.widen = widen
+    ctx.widen, ctx.kernels = widen, kernels
     ctx.K, ctx.x_dtype, ctx.w_dtype = w_EKN.shape[1], x_MK.dtype, w_EKN.dtype
 
 
 def _backward(ctx, dy_MN, *_unused_grads):
     if dy_MN is None:  # the output took no part in the loss (gradients are not materialized)
-        return (None,) * 13
+        return (None,) * 14
     w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E = ctx.saved_tensors
     needs_dx, needs_dw = ctx.needs
     backward = _bwd_impl if getattr(ctx, "eager_impl", False) else _bwd_op
     dx_MK, dw_EKN = backward(dy_MN, w_dgrad_EKN, sw_dgrad_EK, x_MK, xq_buffer, sx_EK, offs_E, ctx.wgrad,
-                             needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype, *ctx.betas, ctx.widen)
-    return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, *([None] * 11))
+                             needs_dx, needs_dw, ctx.K, ctx.x_dtype, ctx.w_dtype, *ctx.betas, ctx.widen, ctx.kernels)
+    return (dx_MK if needs_dx else None, dw_EKN if needs_dw else None, *([None] * 12))
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -468,7 +478,7 @@ def _check_offsets(offs_E: Tensor, m: int) -> None:
 
 def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = "bf16",
                    w_fp8: Fp8Weight | None = None, situ: tuple[float, float] | None = None,
-                   widen: str | None = None) -> Tensor:
+                   widen: str | None = None, kernels: str | None = None) -> Tensor:
     """fp8 grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, differentiable in x and w.
 
     Args:
@@ -502,18 +512,24 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
         widen: how a bf16 GEMM result becomes fp32 (the weight gradient of fp32 weights):
             "torch" (``.float()``) or "triton" (:mod:`titan_moe.float8.widen`'s kernel); None:
             ``$TITAN_MOE_FP8_WIDEN``, else "torch".
+        kernels: which fp8 GEMMs run on our Triton kernels instead of
+            ``torch._scaled_grouped_mm``: "torch" (none), "triton" (forward and dx),
+            "triton_dw" (the weight gradient of wgrad "fp8" / "fp8_rows"), "triton_all"; None:
+            ``$TITAN_MOE_FP8_KERNELS``, else "torch".
 
     Returns:
         [M, N] in x's dtype (through bf16: the fp8 GEMM's output); rows past ``offs[-1]``
         zero. Forward and dx use rowwise e4m3 scaling of both operands (module docstring).
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, ``wgrad`` or ``widen``; offsets that are not
+        ValueError: bad shapes, dtypes, devices, ``wgrad``, ``widen`` or ``kernels``; offsets that are not
             multiples of 16 (checked on the CPU only, see the module docstring).
     """
     _check_args(x_MK, w_EKN, offs_E, wgrad, w_fp8, situ)  # metadata only; the op checks offs' values
     if widen not in (None, *WIDEN_BACKENDS):
         raise ValueError(f"fp8_grouped_mm: widen must be None or one of {WIDEN_BACKENDS}, got {widen!r}")
+    if kernels not in (None, *KERNELS):
+        raise ValueError(f"fp8_grouped_mm: kernels must be None or one of {KERNELS}, got {kernels!r}")
     grad = torch.is_grad_enabled()
     needs_dx = grad and x_MK.requires_grad
     quantized = ()
@@ -526,7 +542,8 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
     if not quantized:
         quantized = (None, None, None, None)
     betas = (0.0, 0.0) if situ is None else (float(situ[0]), float(situ[1]))
-    args = (x_MK, w_EKN, offs_E, wgrad, needs_dx, grad and w_EKN.requires_grad, *quantized, *betas, widen or "")
+    args = (x_MK, w_EKN, offs_E, wgrad, needs_dx, grad and w_EKN.requires_grad, *quantized, *betas, widen or "",
+            kernels or "")
     # the same functions, undispatched, in eager calls; the ops where a graph is traced or tensors are fake
     forward = _EagerFp8GroupedMM.apply if takes_direct_path(x_MK, w_EKN, offs_E, *quantized) else _fwd_op
     out_MN, *_residuals = forward(*args)
