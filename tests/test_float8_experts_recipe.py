@@ -38,7 +38,7 @@ def table(*args: str):
 
 def test_toml_keys_reach_the_recipe():
     assert ExpertsFp8Recipe.from_config(table()) == ExpertsFp8Recipe()
-    assert ExpertsFp8Recipe() == ExpertsFp8Recipe("fused", "bf16", False, True, "torch", "torch")  # documented defaults
+    assert ExpertsFp8Recipe() == ExpertsFp8Recipe("fused", "bf16", False, True, "torch", "auto")  # documented defaults
     got = ExpertsFp8Recipe.from_config(table("--quantize.grouped_mm.float8.wgrad", "fp8_rows",
                                              "--quantize.grouped_mm.float8.situ_quant",
                                              "--quantize.grouped_mm.float8.no-cache-weights",

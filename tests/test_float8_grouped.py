@@ -484,7 +484,8 @@ def test_kernels_argument_and_environment(monkeypatch):
     from titan_moe.float8.experts_recipe import KERNELS_ENV
 
     monkeypatch.delenv(KERNELS_ENV, raising=False)
-    assert fgm.kernels_choice() == "torch" and fgm.kernels_choice("triton_dw") == "triton_dw"
+    assert fgm.kernels_choice() == "torch" and fgm.kernels_choice("triton_dw") == "triton_dw"  # "auto" off sm90
+    assert fgm.kernels_choice("auto", torch.device("cpu")) == "torch"
     monkeypatch.setenv(KERNELS_ENV, "triton_all")
     assert fgm.kernels_choice() == "triton_all" and fgm.kernels_choice("torch") == "torch"
     monkeypatch.setenv(KERNELS_ENV, "cutlass")

@@ -215,7 +215,11 @@ def test_scaled_fp8_dw_kernel_matches_dequantized_reference(m, k, n, e, frac, ou
     assert dw.shape == (e, k, n) and dw.dtype == out_dtype
     want = grouped_mm_dw_reference(xq.float(), gq.float(), offs).cpu()
     want *= scale_x.view(e, k, 1).cpu() * scale_g.view(e, 1, n).cpu()
-    assert rel_err(dw.float().cpu(), want) < (8e-3 if out_dtype == torch.bfloat16 else 1e-5)
+    # fp32 out: exact sums under the interpreter; sm90's fp8 tensor cores accumulate with
+    # fewer mantissa bits (Triton's default for fp8 dots there, like torch's use_fast_accum):
+    # 5.7e-5 / 6.1e-5 measured on the H200
+    fp32_tol = 3e-4 if CUDA else 1e-5
+    assert rel_err(dw.float().cpu(), want) < (8e-3 if out_dtype == torch.bfloat16 else fp32_tol)
     assert torch.all(dw[sizes == 0] == 0)
     with pytest.raises(ValueError, match="scales of x"):
         tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x[:-1], scale_g, offs)

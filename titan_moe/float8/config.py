@@ -54,9 +54,10 @@ class Float8GroupedMMExtras:
     """Expert weights quantized once per optimizer step (fused GEMM, unsharded weights)."""
     widen: str = "torch"
     """bf16 -> fp32 of the fused GEMM's results for fp32 weights: "torch" (.float()) or "triton"."""
-    kernels: str = "torch"
+    kernels: str = "auto"
     """The fused GEMM's fp8 products on torch._scaled_grouped_mm ("torch") or on our Triton kernels:
-    "triton" (forward and dx), "triton_dw" (the fp8 weight gradient), "triton_all"."""
+    "triton" (forward and dx), "triton_dw" (the fp8 weight gradient), "triton_all"; "auto": "triton"
+    on sm90, else "torch"."""
 
 
 @dataclass

@@ -117,7 +117,7 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
     """
     if a.device.type != "cuda":
         return _scaled_grouped_gemm_emulated(a, b, scale_a, scale_b, offs_E, out_dtype)
-    triton_products = kernels_choice(kernels)
+    triton_products = kernels_choice(kernels, a.device)
     if triton_products != "torch":
         from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
@@ -132,16 +132,31 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
     return to_dtype(_zero_unwritten(out, offs_E), out_dtype, widen)
 
 
-def kernels_choice(kernels: str = "") -> str:
+def kernels_choice(kernels: str = "", device: torch.device | None = None) -> str:
     """Which fp8 GEMMs run on our Triton kernels instead of ``torch._scaled_grouped_mm``:
-    ``kernels`` if given, else ``$TITAN_MOE_FP8_KERNELS``, else "torch" (none). One of
-    :data:`titan_moe.float8.experts_recipe.KERNELS`: "torch", "triton" (forward and dx),
-    "triton_dw" (the fp8 weight gradient), "triton_all"."""
-    choice = kernels or os.environ.get(KERNELS_ENV) or "torch"
+    ``kernels`` if given, else ``$TITAN_MOE_FP8_KERNELS``, else "auto". One of
+    :data:`titan_moe.float8.experts_recipe.KERNELS`: "torch" (none), "triton" (forward and
+    dx), "triton_dw" (the fp8 weight gradient), "triton_all"; "auto" resolves to "triton" on
+    an sm90 ``device`` (measured faster there at every benchmark shape, BENCHMARKS.md "fp8
+    grouped GEMM on our Triton kernels"), else "torch" (not measured elsewhere)."""
+    choice = kernels or os.environ.get(KERNELS_ENV) or "auto"
     if choice not in KERNELS:
         source = "fp8_grouped_mm: kernels" if kernels else KERNELS_ENV
         raise ValueError(f"{source} must be one of {KERNELS}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if _is_sm90(device) else "torch"
     return choice
+
+
+def _is_sm90(device: torch.device | None) -> bool:
+    if device is None or device.type != "cuda":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
+@functools.cache
+def _cuda_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def to_dtype(t_bf16: Tensor, dtype: torch.dtype, widen: str = "") -> Tensor:
@@ -514,8 +529,8 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
             ``$TITAN_MOE_FP8_WIDEN``, else "torch".
         kernels: which fp8 GEMMs run on our Triton kernels instead of
             ``torch._scaled_grouped_mm``: "torch" (none), "triton" (forward and dx),
-            "triton_dw" (the weight gradient of wgrad "fp8" / "fp8_rows"), "triton_all"; None:
-            ``$TITAN_MOE_FP8_KERNELS``, else "torch".
+            "triton_dw" (the weight gradient of wgrad "fp8" / "fp8_rows"), "triton_all",
+            "auto" ("triton" on sm90, else "torch"); None: ``$TITAN_MOE_FP8_KERNELS``, else "auto".
 
     Returns:
         [M, N] in x's dtype (through bf16: the fp8 GEMM's output); rows past ``offs[-1]``
