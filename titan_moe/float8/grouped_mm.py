@@ -35,8 +35,10 @@ Data flow (quantization kernels in :mod:`titan_moe.float8.quantize`, all fused, 
   turns dx into z's gradient with SiTU-GLU's backward (z is saved) and, for
   ``wgrad="bf16"``, recomputes the activation for dw.
 
-The GEMM itself is :func:`_scaled_grouped_gemm`: ``torch._scaled_grouped_mm`` on CUDA (bf16
-output, fast accumulation); on the CPU an EMULATION (dequantize to fp32, one fp32 matmul per
+The GEMM itself is :func:`_scaled_grouped_gemm`: on CUDA our Triton fp8 kernels or
+``torch._scaled_grouped_mm`` per product (``kernels``, :func:`kernels_choice`; by default ours
+for the forward and dx on sm90, torch's for the weight gradient; bf16 output, fast
+accumulation); on the CPU an EMULATION (dequantize to fp32, one fp32 matmul per
 group, round to bf16 like the GPU's output) so the whole function runs and is tested on the
 CPU. The CPU numbers therefore check the quantization and the data flow, not the GPU GEMM.
 
@@ -56,7 +58,9 @@ N = 1408 with the weights quantized in the call, forward+backward is slower than
 against 1.96 ms in the fifty-first run): the per-call weight quantization costs about what fp8
 saves on the GEMMs. With ``w_fp8`` (the weight quantized beforehand, as the fp8 experts do
 once per optimizer step) the forward takes 0.49 ms against 0.64 (1.30x) and forward+backward
-1.66 against 1.96 (1.18x; the weight gradient stays bf16). ``Float8RoutedExperts`` uses it
+1.66 against 1.96 (1.18x; the weight gradient stays bf16). With ``wgrad="fp8_rows"`` and the
+forward and dx on our Triton kernel (seventy-second run, CUDA-graph replays): 1.536 against
+2.023 ms (1.32x) balanced, 1.30x under Zipf(1.1); at K3's latent shapes 1.19-1.22x. ``Float8RoutedExperts`` uses it
 by default (:mod:`titan_moe.float8.experts`; ``gemm = "fused"`` in :mod:`titan_moe.float8.experts_recipe`).
 """
 
