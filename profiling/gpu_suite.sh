@@ -98,9 +98,13 @@
 #   fp8_all_b8 the same two wide_1gpu runs at local batch 8 (32K tokens per step in one
 #              microbatch: ~56 GiB of fp32 weights, gradients and AdamW state plus activations under
 #              full checkpointing) (not in the default list)
-#   fp8_all_small  the same pair on small_1gpu compiled (width 2048, 8K tokens per step), 40
+#   fp8_all_small  the same pair on small_1gpu compiled (width 1024, 8K tokens per step), 40
 #              steps, one after the other: the small config's fp8 / bf16 speed ratio, which the
 #              loss check cannot give (not in the default list)
+#   fp8_kernels_b8  fp8_all at local batch 8 twice, the fp8 GEMMs on torch._scaled_grouped_mm
+#              (`kernels = "torch"`) then the forward and dx on our Triton kernel ("triton"), 24
+#              steps each, and their table: what the kernel choice does to the whole step (not in
+#              the default list)
 #   fp8_all_profile  the fp8_all_b8 pair, 12 steps each, step 12 under torch.profiler, each trace's
 #              40 most expensive kernels (profiling/summarize_trace.py): where the step goes
 #              outside the GEMMs (not in the default list)
@@ -319,6 +323,14 @@ for section in "${SECTIONS[@]}"; do
         fp8_all_parts) run fp8_all_parts python profiling/bench_step_parts.py --parts linear_cache,situ_quant,dw ;;
         fp8_all_accum) fp8_all_pair fp8_all_accum --training.global_batch_size 8 ;;
         fp8_all_b8) fp8_all_pair fp8_all_b8 --training.local_batch_size 8 ;;
+        fp8_kernels_b8)
+            for kernels in torch triton; do
+                run "fp8_kernels_b8_$kernels" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 \
+                    "${WIDE_PAIR[@]}" --training.local_batch_size 8 "${FP8_ALL[@]}" \
+                    --quantize.grouped_mm.float8.kernels "$kernels" --job.dump_folder "$DUMP/fp8_kernels_b8_$kernels"
+            done
+            run fp8_kernels_b8_table python profiling/step_table.py "$DUMP/fp8_kernels_b8_torch" \
+                "$DUMP/fp8_kernels_b8_triton" --mean-after 4 ;;
         fp8_all_small) PAIR=("${SMALL_PAIR[@]}"); fp8_all_pair fp8_all_small; PAIR=("${WIDE_PAIR[@]}") ;;
         fp8_all_profile)
             PROFILE=(--training.local_batch_size 8 --training.steps 12 --profiling.enable_profiling
