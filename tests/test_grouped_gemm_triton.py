@@ -477,6 +477,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
                                         {**{n: v for n, v in common.items() if not n.endswith("_ptr")},
                                          "BLOCK_M": m8.block_m, "BLOCK_N": m8.block_n, "BLOCK_K": m8.block_k,
                                          "USE_TMA": True, "B_TRANSPOSED": True, "SCALED": True}, m8)
+    # the pointer-load fallback (layouts TMA cannot describe): b K-major, unit stride_bk
+    ptrs8 = dict(ptrs, a="*fp8e4nv", b="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32")
+    results["fp8"] = compile_kernel(tk._ragged_m_kernel, ptrs8, mk_ints + ["stride_bn"],
+                                    ["stride_ak", "stride_bk", "stride_cn"],
+                                    {**{n: v for n, v in common.items() if not n.endswith("_ptr")},
+                                     "BLOCK_M": m8.block_m, "BLOCK_N": m8.block_n, "BLOCK_K": m8.block_k,
+                                     "USE_TMA": False, "B_TRANSPOSED": False, "SCALED": True}, m8)
     results["dw"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": "*bf16", "g_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32"},
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
@@ -511,7 +518,7 @@ def test_compiles_for_sm90():
     variant) within the shared-memory budget."""
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fp8_tma", "dw", "fp8_dw", "dw_tma"}
+    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fp8_tma", "fp8", "dw", "fp8_dw", "dw_tma"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
         expected = (False, True) if name.endswith("_tma") else (True, False)
