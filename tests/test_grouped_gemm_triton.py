@@ -223,6 +223,8 @@ def test_scaled_fp8_dw_kernel_matches_dequantized_reference(m, k, n, e, frac, ou
     assert torch.all(dw[sizes == 0] == 0)
     with pytest.raises(ValueError, match="scales of x"):
         tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x[:-1], scale_g, offs)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tk.scaled_grouped_mm_dw_triton(xq[:-1], gq[:-1], scale_x, scale_g, offs)
 
 
 @needs_kernels

@@ -721,6 +721,8 @@ def scaled_grouped_mm_dw_triton(
         raise ValueError(f"scaled_grouped_mm_dw_triton: expected x [M,K], g [M,N], offs [E>=1]; got "
                          f"{tuple(xq_MK.shape)}, {tuple(gq_MN.shape)}, {tuple(offs_E.shape)}")
     (M, K), N, E = xq_MK.shape, gq_MN.shape[1], offs_E.shape[0]
+    if M % 16:  # the kernel loads rows in 16-row vectors (see _k_tile): a partial one would read past M
+        raise ValueError(f"scaled_grouped_mm_dw_triton: M must be a multiple of 16 (the fp8 buffers' rows), got {M}")
     for name, scale, cols in (("x", scale_x_EK, K), ("g", scale_g_EN, N)):
         if scale.dtype != torch.float32 or scale.numel() != E * cols or not scale.is_contiguous():
             raise ValueError(f"scaled_grouped_mm_dw_triton: scales of {name} must be fp32 [E*{cols}] contiguous, "
