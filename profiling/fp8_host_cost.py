@@ -37,6 +37,7 @@ def stub_gpu_work() -> None:
             return lambda *args, **kwargs: None
 
     for module, names in ((fq, ["_rows_kernel", "_group_row_factors_kernel", "_requant_tiles_kernel",
+                                "_group_row_factors_pair_kernel", "_requant_tiles_pair_kernel",
                                 "_weight_amax_kernel", "_weight_quant_kernel", "_group_cols_kernel"]),
                           (zf, ["_zero_rows_past_kernel", "_zero_empty_groups_kernel"])):
         for name in names:
@@ -45,7 +46,7 @@ def stub_gpu_work() -> None:
     fq.check_runs_on = lambda *args, **kwargs: None
     fq.interpreted = lambda: False
 
-    def scaled_gemm(a, b, scale_a, scale_b, offs_E, out_dtype, widen=""):
+    def scaled_gemm(a, b, scale_a, scale_b, offs_E, out_dtype, widen="", kernels=""):
         if b.dim() == 3:
             out = torch.empty(a.shape[0], b.shape[2], dtype=torch.bfloat16)
         else:
@@ -79,6 +80,7 @@ def measure(calls: int, rounds: int) -> dict[str, float]:
         return run
 
     runs = {f"{path} {wgrad}": call(path, wgrad) for wgrad in ("fp8_rows", "fp8") for path in ("ops", "eager")}
+    runs["eager fp8_rows, requant x2"] = _with_single_requants(call("eager", "fp8_rows"))
     runs.update({f"{path} bf16": _bf16_call(path) for path in ("ops", "eager")})
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():
@@ -91,6 +93,25 @@ def measure(calls: int, rounds: int) -> dict[str, float]:
                 fn()
             times[name].append((time.perf_counter() - start) / calls * 1e6)
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+def _with_single_requants(run):
+    """``run`` with the fp8_rows backward's two requantizations launched one tensor at a time
+    (two launches each, the form before ``requantize_group_columns_pair``)."""
+    import titan_moe.float8.grouped_mm as fgm
+    import titan_moe.float8.quantize as fq
+
+    def two_single_calls(qa, sa, qb, sb, offs):
+        return fq.requantize_group_columns(qa, sa, offs), fq.requantize_group_columns(qb, sb, offs)
+
+    def wrapped():
+        pair = fgm.requantize_group_columns_pair
+        fgm.requantize_group_columns_pair = two_single_calls
+        try:
+            run()
+        finally:
+            fgm.requantize_group_columns_pair = pair
+    return wrapped
 
 
 def _bf16_call(path: str):
@@ -125,7 +146,7 @@ def main(argv=None) -> dict[str, float]:
     print("# grouped GEMM host time per forward+backward (fp8: GPU work stubbed out; bf16: real CPU GEMMs); "
           f"torch {torch.__version__}")
     for name, us in medians.items():
-        print(f"{name:16s} {us:8.1f} us")
+        print(f"{name:28s} {us:8.1f} us")
     for kind in ("fp8_rows", "fp8", "bf16"):
         print(f"eager / ops ({kind}): {medians[f'eager {kind}'] / medians[f'ops {kind}']:.2f}")
     sys.stdout.flush()

@@ -915,6 +915,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
                              dict(common, C=2048, BLOCK_M=1024, BLOCK_C=1024)),
         "requant_tiles": build(fq._requant_tiles_kernel, dict(q_ptr="*u8", f_ptr="*fp32", out_ptr="*fp8e4nv"),
                                dict(INTERPRETED=False, C=2048, BLOCK_M=128, BLOCK_C=128)),
+        "row_factors_pair": build(fq._group_row_factors_pair_kernel,
+                                  dict(sa_ptr="*fp32", fa_ptr="*fp32", group_scale_a_ptr="*fp32", sb_ptr="*fp32",
+                                       fb_ptr="*fp32", group_scale_b_ptr="*fp32", offs_ptr="*i32"),
+                                  dict(common, C_A=2048, C_B=1408, BLOCK_M=1024, BLOCK_C=1024)),
+        "requant_tiles_pair": build(fq._requant_tiles_pair_kernel,
+                                    dict(qa_ptr="*u8", fa_ptr="*fp32", out_a_ptr="*fp8e4nv", qb_ptr="*u8",
+                                         fb_ptr="*fp32", out_b_ptr="*fp8e4nv"),
+                                    dict(INTERPRETED=False, C_A=2048, C_B=1408, BLOCK_M=128, BLOCK_C=128)),
     }
     print("RESULT", repr(results))
     """
@@ -929,10 +937,11 @@ def test_compiles_for_sm90():
     the group-column kernel needs its 16-row alignment hint for that)."""
     # name -> (e4m3 RNE cast, div.rn, 16-byte stores, byte stores)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    codes = {name: r for name, r in results.items() if name not in ("weight_amax", "row_factors")}  # these write none
+    no_codes = ("weight_amax", "row_factors", "row_factors_pair")  # these write none
+    codes = {name: r for name, r in results.items() if name not in no_codes}
     assert all(cast and vec and not byte for cast, _, vec, byte in codes.values()), results
     # every kernel that computes scales divides correctly rounded (the requant tiles only shift)
-    assert all(div for name, (_, div, _, _) in results.items() if name != "requant_tiles"), results
+    assert all(div for name, (_, div, _, _) in results.items() if not name.startswith("requant_tiles")), results
 
 
 @pytest.mark.gpu
@@ -1142,6 +1151,31 @@ def test_requantize_group_columns_matches_reference_and_bf16_columns(sizes, tail
         got = q[lo:hi].float().cpu() * g
         want = t[lo:hi].float().cpu()
         assert torch.all((got - want).abs() <= want.abs() * 2.0 ** -3 + g * 2.0 ** -9)
+
+
+@needs_kernels
+@pytest.mark.parametrize("sizes,tail,c_a,c_b", [([0, 32, 0, 16, 48], 9, 40, 24), ([16, 0], 13, 16, 48)])
+def test_requantize_pair_equals_two_single_calls(sizes, tail, c_a, c_b):
+    """The pair launch (x's and dy's codes of the fp8_rows weight gradient in one pair of
+    kernels) gives exactly what two single calls give, and the dispatcher's reference path
+    the same."""
+    gen = torch.Generator().manual_seed(c_a + c_b)
+    offs = group_offsets(sizes).to(DEVICE)
+    m = int(offs[-1]) + tail
+    a = randn(m, c_a, gen=gen, scale=2.0)
+    b = randn(m, c_b, gen=gen, scale=0.5)
+    a[3] *= 2.0 ** -10
+    qa, sa = fq.quantize_rows_reference(a, pow2=True)
+    qb, sb = fq.quantize_rows_reference(b, pow2=True)
+    (pa, psa), (pb, psb) = fq.requantize_group_columns_pair_triton(qa, sa, qb, sb, offs)
+    for got, want in zip((pa, psa, pb, psb), (*fq.requantize_group_columns_triton(qa, sa, offs),
+                                              *fq.requantize_group_columns_triton(qb, sb, offs))):
+        assert same_bits(got, want) and got.stride() == want.stride()
+    (ra, rsa), (rb, rsb) = fq.requantize_group_columns_pair(qa.cpu(), sa.cpu(), qb.cpu(), sb.cpu(), offs.cpu())
+    for got, want in zip((pa, psa, pb, psb), (ra, rsa, rb, rsb)):
+        assert same_bits(got, want)
+    with pytest.raises(ValueError, match="same rows"):
+        fq.requantize_group_columns_pair_triton(qa, sa, qb[:-1], sb[:-1], offs)
 
 
 def test_requantize_argument_errors():

@@ -79,7 +79,7 @@ from titan_moe.float8.quantize import (
     quantize_rows,
     quantize_situ_rows,
     quantize_weight,
-    requantize_group_columns,
+    requantize_group_columns_pair,
 )
 from titan_moe.float8.widen import BACKENDS as WIDEN_BACKENDS
 from titan_moe.float8.widen import widen_to_fp32
@@ -349,8 +349,8 @@ def _bwd_impl(dy_MN: Tensor, w_dgrad_EKN: Tensor, sw_dgrad_EK: Tensor, x_MK: Ten
             dx_MK = situ_glu_bwd_op(x_MK, dx_MK, *situ)
     if needs_dw:
         if from_rows:  # xq_buffer: x's row codes [M, K], sx_EK: their row scales [M]
-            xq_MK, sx_EK = requantize_group_columns(xq_buffer, sx_EK, offs_E)
-            dyq_col_MN, sdy_EN = requantize_group_columns(dyq_MN, sdy_M, offs_E)
+            (xq_MK, sx_EK), (dyq_col_MN, sdy_EN) = requantize_group_columns_pair(xq_buffer, sx_EK, dyq_MN, sdy_M,
+                                                                                 offs_E)
             dw_EKN = _wgrad_fp8(xq_MK, sx_EK, dyq_col_MN, sdy_EN, offs_E, w_dtype, widen, kernels)
         elif wgrad == "fp8":
             xq_MK = xq_buffer[:, : dy_MN.shape[0]].t()

@@ -565,11 +565,37 @@ def _group_row_factors_kernel(
     M, E,
     C: tl.constexpr, EPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """Program g: group g's scale, the largest of its rows' power-of-two scales s [M] (at
-    least the scale of an all-zero row), written C times into group_scale [E*C]; and each of
-    its rows' factor f[m] = s[m] / group scale (a power of two <= 1). g == E: the rows past
-    offs[-1] get factor 0 (their codes become +0)."""
-    g = tl.program_id(0)
+    """Program g: ``_group_row_factors`` of group g."""
+    _group_row_factors(tl.program_id(0), s_ptr, f_ptr, group_scale_ptr, offs_ptr, M, E, C, EPS, BLOCK_M, BLOCK_C,
+                       INTERPRETED)
+
+
+@triton.jit
+def _group_row_factors_pair_kernel(
+    sa_ptr, fa_ptr, group_scale_a_ptr, sb_ptr, fb_ptr, group_scale_b_ptr, offs_ptr,
+    M, E,
+    C_A: tl.constexpr, C_B: tl.constexpr, EPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Program (g, 0): ``_group_row_factors`` of group g for tensor a; (g, 1): for tensor b
+    (two tensors with the same rows and groups, one launch)."""
+    if tl.program_id(1) == 0:
+        _group_row_factors(tl.program_id(0), sa_ptr, fa_ptr, group_scale_a_ptr, offs_ptr, M, E, C_A, EPS, BLOCK_M,
+                           BLOCK_C, INTERPRETED)
+    else:
+        _group_row_factors(tl.program_id(0), sb_ptr, fb_ptr, group_scale_b_ptr, offs_ptr, M, E, C_B, EPS, BLOCK_M,
+                           BLOCK_C, INTERPRETED)
+
+
+@triton.jit
+def _group_row_factors(
+    g, s_ptr, f_ptr, group_scale_ptr, offs_ptr, M, E,
+    C: tl.constexpr, EPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Group g's scale, the largest of its rows' power-of-two scales s [M] (at least the scale
+    of an all-zero row), written C times into group_scale [E*C]; and each of its rows' factor
+    f[m] = s[m] / group scale (a power of two <= 1). g == E: the rows past offs[-1] get factor
+    0 (their codes become +0)."""
     is_group = g < E
     start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
     start = tl.minimum(tl.maximum(start, 0), M)
@@ -612,14 +638,43 @@ def _requant_tiles_kernel(
     M, M_STORE, stride_qm, ld_out,
     C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """Program (m-block, c-block): a BLOCK_M x BLOCK_C tile of the row-quantized codes q
-    [M, C] (uint8 view), each row shifted by its factor f[m] (``_group_row_factors_kernel``;
-    0: a row past offs[-1], stored as +0), into column-major out [M, C] (leading dim ld_out).
-    Every tile is the same work whatever the group sizes. M_STORE (M rounded up to 16) and
-    ld_out are multiples of 16, which the compiler specializes on: the column stores go out
-    in 16-byte vectors."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    """Program (m-block, c-block): ``_requant_tile`` of that tile."""
+    _requant_tile(tl.program_id(0), tl.program_id(1), q_ptr, f_ptr, out_ptr, M, M_STORE, stride_qm, ld_out, C,
+                  BLOCK_M, BLOCK_C, INTERPRETED)
+
+
+@triton.jit
+def _requant_tiles_pair_kernel(
+    qa_ptr, fa_ptr, out_a_ptr, qb_ptr, fb_ptr, out_b_ptr,
+    M, M_STORE, stride_qam, stride_qbm, ld_out,
+    C_A: tl.constexpr, C_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Program (m-block, c-block): ``_requant_tile`` of tensor a's column blocks first, then
+    of tensor b's (one launch for both; same rows and output leading dimension)."""
+    c_block = tl.program_id(1)
+    a_blocks: tl.constexpr = (C_A + BLOCK_C - 1) // BLOCK_C
+    if c_block < a_blocks:
+        _requant_tile(tl.program_id(0), c_block, qa_ptr, fa_ptr, out_a_ptr, M, M_STORE, stride_qam, ld_out, C_A,
+                      BLOCK_M, BLOCK_C, INTERPRETED)
+    else:
+        _requant_tile(tl.program_id(0), c_block - a_blocks, qb_ptr, fb_ptr, out_b_ptr, M, M_STORE, stride_qbm, ld_out,
+                      C_B, BLOCK_M, BLOCK_C, INTERPRETED)
+
+
+@triton.jit
+def _requant_tile(
+    m_block, c_block, q_ptr, f_ptr, out_ptr,
+    M, M_STORE, stride_qm, ld_out,
+    C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """A BLOCK_M x BLOCK_C tile of the row-quantized codes q [M, C] (uint8 view), each row
+    shifted by its factor f[m] (``_group_row_factors``; 0: a row past offs[-1], stored as
+    +0), into column-major out [M, C] (leading dim ld_out). Every tile is the same work
+    whatever the group sizes. M_STORE (M rounded up to 16) and ld_out are multiples of 16,
+    which the compiler specializes on: the column stores go out in 16-byte vectors."""
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = rows < M
     col_ok = cols < C
     codes = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :],
@@ -770,6 +825,35 @@ def quantize_group_columns_triton(t_MC: Tensor, offs_E: Tensor, offs_aligned: bo
     return q_MC, scale_EC
 
 
+def requantize_group_columns_pair_triton(qa_MA: Tensor, scale_a_M: Tensor, qb_MB: Tensor, scale_b_M: Tensor,
+                                         offs_E: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """:func:`requantize_group_columns_pair` in two launches (the pair kernels of
+    :func:`requantize_group_columns_triton`'s two; the same tiles)."""
+    _check_requant_args(qa_MA, scale_a_M, offs_E)
+    _check_requant_args(qb_MB, scale_b_M, offs_E)
+    if qa_MA.shape[0] != qb_MB.shape[0]:
+        raise ValueError(f"requantize_group_columns_pair: the two tensors need the same rows, got "
+                         f"{tuple(qa_MA.shape)} and {tuple(qb_MB.shape)}")
+    name = "requantize_group_columns_pair_triton"
+    qa_MA, out_a, ld, scale_a_EC = _per_group_columns_output(qa_MA, offs_E, name)
+    qb_MB, out_b, _, scale_b_EC = _per_group_columns_output(qb_MB, offs_E, name)
+    (M, C_A), C_B, E = qa_MA.shape, qb_MB.shape[1], offs_E.shape[0]
+    small = _small_tiles(qa_MA.device)
+    block = 16 if small else 128
+    factors = torch.empty(2, M, dtype=torch.float32, device=qa_MA.device)
+    _group_row_factors_pair_kernel[(E + 1, 2)](
+        scale_a_M, factors[0], scale_a_EC, scale_b_M, factors[1], scale_b_EC, offs_E, M, E,
+        C_A=C_A, C_B=C_B, EPS=EPS, BLOCK_M=16 if small else 1024, BLOCK_C=16 if small else 1024,
+        INTERPRETED=interpreted(), num_warps=4,
+    )
+    _requant_tiles_pair_kernel[(cdiv(ld, block), cdiv(C_A, block) + cdiv(C_B, block))](
+        qa_MA.view(torch.uint8), factors[0], out_a, qb_MB.view(torch.uint8), factors[1], out_b,
+        M, ld, qa_MA.stride(0), qb_MB.stride(0), ld,
+        C_A=C_A, C_B=C_B, BLOCK_M=block, BLOCK_C=block, INTERPRETED=interpreted(), num_warps=4,
+    )
+    return (out_a, scale_a_EC), (out_b, scale_b_EC)
+
+
 def requantize_group_columns_triton(q_MC: Tensor, scale_M: Tensor, offs_E: Tensor, block_m: int | None = None,
                                     block_c: int | None = None, num_warps: int | None = None) -> tuple[Tensor, Tensor]:
     """:func:`requantize_group_columns` in two kernels: ``_group_row_factors_kernel`` (grid
@@ -870,6 +954,17 @@ def quantize_group_columns(t_MC: Tensor, offs_E: Tensor, offs_aligned: bool = Fa
     if kernels_run_on(t_MC.device):
         return quantize_group_columns_triton(t_MC, offs_E, offs_aligned)
     return quantize_group_columns_reference(t_MC, offs_E)
+
+
+def requantize_group_columns_pair(qa_MA: Tensor, scale_a_M: Tensor, qb_MB: Tensor, scale_b_M: Tensor,
+                                  offs_E: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """:func:`requantize_group_columns` of two tensors with the same rows and groups (the
+    fp8_rows weight gradient's x and dy codes) in one pair of launches instead of two: the
+    same results, bit for bit. Returns ``((qa, scale_a), (qb, scale_b))``."""
+    if kernels_run_on(qa_MA.device):
+        return requantize_group_columns_pair_triton(qa_MA, scale_a_M, qb_MB, scale_b_M, offs_E)
+    return (requantize_group_columns_reference(qa_MA, scale_a_M, offs_E),
+            requantize_group_columns_reference(qb_MB, scale_b_M, offs_E))
 
 
 def requantize_group_columns(q_MC: Tensor, scale_M: Tensor, offs_E: Tensor) -> tuple[Tensor, Tensor]:
