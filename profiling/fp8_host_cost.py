@@ -12,6 +12,10 @@ driver. Two paths, interleaved in rounds: ``ops`` (the custom ops, as under torc
 and ``eager`` (the same functions without the custom-op dispatch, what an eager call runs).
 The same two paths of the bf16 ``grouped_mm`` op ("bf16" rows) run its real CPU GEMMs
 (fp32, [128, 32] x [8, 32, 32]): there the dispatch is the difference, not the whole time.
+The row "eager fp8_rows/single_requants" runs the fp8_rows backward's two requantizations
+one tensor at a time (four launches, the form before the pair kernels): with the launches
+stubbed out it shows only the Python around them (the same within 1-2%), not the two
+launches the pair saves, which only a GPU run can time.
 A diagnostic on tiny tensors: it prints medians, it does not compare against a target.
 """
 
@@ -80,7 +84,7 @@ def measure(calls: int, rounds: int) -> dict[str, float]:
         return run
 
     runs = {f"{path} {wgrad}": call(path, wgrad) for wgrad in ("fp8_rows", "fp8") for path in ("ops", "eager")}
-    runs["eager fp8_rows, requant x2"] = _with_single_requants(call("eager", "fp8_rows"))
+    runs["eager fp8_rows/single_requants"] = _with_single_requants(call("eager", "fp8_rows"))
     runs.update({f"{path} bf16": _bf16_call(path) for path in ("ops", "eager")})
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():
