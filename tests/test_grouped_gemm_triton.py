@@ -614,8 +614,9 @@ def test_cuda_scaled_fp8_kernel_vs_torch(m, k, n, e, sizes):
 
 
 def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):
-    """`$TITAN_MOE_GROUPED_MM_TILES` sets either kernel's GPU tiles (a sweep's winner timed
-    through the whole op); the CPU keeps its interpreter tiles; malformed values are refused."""
+    """`$TITAN_MOE_GROUPED_MM_TILES` sets any kernel's GPU tiles (a sweep's winner timed
+    through the whole op), optionally with persistent programs per SM; the CPU keeps its
+    interpreter tiles; malformed values are refused."""
     from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -627,8 +628,16 @@ def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):
     monkeypatch.setenv(tk.TILES_ENV, "mk=128x256x64x8x3,k=64x128x128x8x4")
     assert tk.default_config(torch.float32, cuda, "mk") == tk.TileConfig(128, 256, 64, num_warps=8, num_stages=3)
     assert tk.default_config(torch.float32, cpu, "mk") == tk.TileConfig(16, 16, 16, num_warps=4, num_stages=1)
+    monkeypatch.setenv(tk.TILES_ENV, "k8=64x128x128x4x3x2")
+    k8 = tk.default_config(torch.float8_e4m3fn, cuda, "k8")
+    assert k8 == tk.TileConfig(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2)
+    if torch.cuda.is_available():
+        sms = tk.sm_count(torch.cuda.current_device())
+        assert tk._num_programs(k8, torch.device("cuda"), 10**9) == 2 * sms
+    assert tk._num_programs(k8, cpu, 10**9) == 4  # the interpreter's count
     for bad, match in (("mk=128x256x64x8", "BMxBNxBKxWARPSxSTAGES"), ("dw=64x64x64x4x3", "KIND"),
-                       ("mk=128x256x64x6x3", "power of two"), ("mk=96x128x64x4x3", "power of two >= 16")):
+                       ("mk=128x256x64x6x3", "power of two"), ("mk=96x128x64x4x3", "power of two >= 16"),
+                       ("k8=64x128x128x4x3x0", "programs >= 1"), ("k8=64x128x128x4x3x2x2", "PROGRAMS")):
         monkeypatch.setenv(tk.TILES_ENV, bad)
         with pytest.raises(ValueError, match=match):
             tk.default_config(torch.bfloat16, cuda, "mk")

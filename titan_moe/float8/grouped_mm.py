@@ -258,7 +258,8 @@ def _padded_rows(m):
 def _fwd_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, needs_dx: bool,
               needs_dw: bool, wq_fwd_EKN: Tensor | None = None, sw_fwd_EN: Tensor | None = None,
               wq_dgrad_EKN: Tensor | None = None, sw_dgrad_EK: Tensor | None = None, situ_beta1: float = 0.0,
-              situ_beta2: float = 0.0, widen: str = "", kernels: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              situ_beta2: float = 0.0, widen: str = "",
+              kernels: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of :func:`fp8_grouped_mm`. Returns ``(out [M, N], w_dgrad [E, K, N],
     sw_dgrad [E, K] fp32, xq, sx)``: the output and what the backward needs (the weight's dx
     operand if ``needs_dx``; if ``needs_dw``, x's fp8 codes for the weight gradient: with

@@ -346,9 +346,12 @@ class TileConfig:
 
     ``block_m`` is the row tile (the reduction step for ``dw``), ``block_n`` the output
     column tile, ``block_k`` the reduction step (the output row tile for ``dw``). All three
-    must be powers of two >= 16 (``tl.dot``). ``num_programs=None`` means one program per
-    SM on a GPU and 4 under the interpreter (so the persistent loop runs several tiles per
-    program in the CPU tests).
+    must be powers of two >= 16 (``tl.dot``). ``num_programs=None`` means
+    ``programs_per_sm`` programs per SM on a GPU (more than one lets one program's stores and
+    epilogue overlap another's loads and dots, where shared memory and registers let them
+    share an SM: the weight gradient of small groups, whose tiles run only two or three
+    reduction steps each) and 4 under the interpreter (so the persistent loop runs several
+    tiles per program in the CPU tests).
     """
 
     block_m: int
@@ -357,6 +360,7 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_programs: int | None = None
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -365,6 +369,8 @@ class TileConfig:
                 raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {v}")
         if self.num_programs is not None and self.num_programs < 1:
             raise ValueError(f"TileConfig.num_programs must be >= 1, got {self.num_programs}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"TileConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
 
 
 def interpreted() -> bool:
@@ -381,30 +387,34 @@ def _num_programs(cfg: TileConfig, device: torch.device, max_tiles: int) -> int:
     if cfg.num_programs is not None:
         n = cfg.num_programs
     elif device.type == "cuda":
-        n = sm_count(device.index)
+        n = sm_count(device.index) * cfg.programs_per_sm
     else:
         n = 4
     return max(1, min(n, max_tiles))
 
 
 def tile_overrides() -> dict[str, TileConfig]:
-    """`$TITAN_MOE_GROUPED_MM_TILES` (read per call), "KIND=BMxBNxBKxWARPSxSTAGES,...", KIND
-    "mk" (the forward and dx kernel) or "k" (the dw kernel): the GPU tiles of that kernel, for
-    any dtype, in place of `default_config`'s (to time a tile sweep's winner through the whole
-    op before it becomes a default)."""
+    """`$TITAN_MOE_GROUPED_MM_TILES` (read per call), "KIND=BMxBNxBKxWARPSxSTAGES[xPROGRAMS],...",
+    KIND "mk" (the forward and dx kernel), "k" (the dw kernel), "mk8" / "k8" (their fp8 forms):
+    the GPU tiles of that kernel in place of `default_config`'s (to time a tile sweep's winner
+    through the whole op before it becomes a default); PROGRAMS: persistent programs per SM
+    (default 1)."""
     text = os.environ.get(TILES_ENV, "")
     out: dict[str, TileConfig] = {}
     for item in filter(None, text.split(",")):
         kind, _, dims = item.partition("=")
         try:
-            bm, bn, bk, warps, stages = (int(v) for v in dims.split("x"))
+            bm, bn, bk, warps, stages, *programs = (int(v) for v in dims.split("x"))
+            if len(programs) > 1:
+                raise ValueError
         except ValueError:
-            raise ValueError(f"{TILES_ENV}: expected KIND=BMxBNxBKxWARPSxSTAGES, got {item!r}") from None
+            raise ValueError(f"{TILES_ENV}: expected KIND=BMxBNxBKxWARPSxSTAGES[xPROGRAMS], got {item!r}") from None
         if kind not in _KINDS:
             raise ValueError(f"{TILES_ENV}: KIND must be one of {_KINDS}, got {kind!r}")
-        if warps < 1 or warps & (warps - 1) or stages < 1:
-            raise ValueError(f"{TILES_ENV}: warps must be a power of two and stages >= 1, got {item!r}")
-        out[kind] = TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
+        if warps < 1 or warps & (warps - 1) or stages < 1 or (programs and programs[0] < 1):
+            raise ValueError(f"{TILES_ENV}: warps must be a power of two, stages and programs >= 1, got {item!r}")
+        out[kind] = TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
+                               programs_per_sm=programs[0] if programs else 1)
     return out
 
 
