@@ -101,6 +101,10 @@
 #   fp8_all_small  the same pair on small_1gpu compiled (width 1024, 8K tokens per step), 40
 #              steps, one after the other: the small config's fp8 / bf16 speed ratio, which the
 #              loss check cannot give (not in the default list)
+#   fp8_dw_programs  the fp8 weight gradient on our kernel with 2-3 persistent programs per SM
+#              (small tiles that let two share an SM) beside torch's, CUDA-graph replays at E = 64
+#              and the K3 latent shapes: whether overlapping programs lifts the small-group dw
+#              (not in the default list)
 #   fp8_kernels_b8  fp8_all at local batch 8 twice, the fp8 GEMMs on torch._scaled_grouped_mm
 #              (`kernels = "torch"`) then the forward and dx on our Triton kernel ("triton"), 24
 #              steps each, and their table: what the kernel choice does to the whole step (not in
@@ -324,6 +328,11 @@ for section in "${SECTIONS[@]}"; do
         fp8_all_parts) run fp8_all_parts python profiling/bench_step_parts.py --parts linear_cache,situ_quant,dw ;;
         fp8_all_accum) fp8_all_pair fp8_all_accum --training.global_batch_size 8 ;;
         fp8_all_b8) fp8_all_pair fp8_all_b8 --training.local_batch_size 8 ;;
+        fp8_dw_programs)
+            run fp8_dw_programs python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,fp8_rows_torch,fp8_cached_w_dw8rows \
+                --fp8-dw-tiles 64x128x128x4x3x2,64x128x128x8x3x2,64x128x128x4x2x3,32x128x128x4x3x3,64x64x128x4x3x3 \
+                --gemm-cases e64_balanced,k3_gate_up_balanced,k3_down_balanced ;;
         fp8_kernels_b8)
             for kernels in torch triton; do
                 run "fp8_kernels_b8_$kernels" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 \
