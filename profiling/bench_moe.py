@@ -416,16 +416,30 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
     return row
 
 
-# (block_m, block_n, block_k, num_warps, num_stages); for "k" (dw) block_m is the reduction
-# step and block_k x block_n the output tile. The defaults of `default_config` come first.
+# (block_m, block_n, block_k, num_warps, num_stages[, programs per SM]); for "k" (dw) block_m is
+# the reduction step and block_k x block_n the output tile. The defaults of `default_config`
+# come first. Two programs per SM only where two fit in its 228 KB of shared memory.
 MK_SWEEP = [
     (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
     (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
+    (128, 128, 64, 8, 3, 2),
 ]
 K_SWEEP = [
     (64, 128, 128, 8, 4), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4), (64, 128, 256, 8, 3),
     (128, 128, 128, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4),
+    (64, 128, 128, 8, 3, 2), (64, 128, 128, 4, 3, 2),
 ]
+
+
+def sweep_config(candidate: tuple[int, ...]):
+    """A sweep tuple as (TileConfig, its key "BMxBNxBKxWARPSxSTAGES[xPROGRAMS]", the form
+    ``$TITAN_MOE_GROUPED_MM_TILES`` takes)."""
+    from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
+    bm, bn, bk, warps, stages, *programs = candidate
+    cfg = tk.TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
+                        programs_per_sm=programs[0] if programs else 1)
+    return cfg, "x".join(map(str, candidate))
 TINY_SWEEP = [(16, 16, 16, 4, 1), (32, 16, 16, 4, 1)]  # CPU plumbing check (interpreter)
 
 
@@ -463,9 +477,8 @@ def tile_sweep(x, w, grad, offs, timed: bool, with_tma: bool) -> dict[str, dict]
         timers = {"peer": peer}
         ms: dict = {}
         worst = 0.0  # every configuration's result against the reference (the same fp32 sums, tiled)
-        for bm, bn, bk, warps, stages in TINY_SWEEP if tiny else (MK_SWEEP if kind == "mk" else K_SWEEP):
-            cfg = tk.TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
-            key = f"{bm}x{bn}x{bk}x{warps}x{stages}"
+        for candidate in TINY_SWEEP if tiny else (MK_SWEEP if kind == "mk" else K_SWEEP):
+            cfg, key = sweep_config(candidate)
             try:
                 worst = max(worst, rel_err(run(cfg), ref))
                 timers[key] = lambda cfg=cfg: run(cfg)

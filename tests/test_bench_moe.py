@@ -128,7 +128,7 @@ def test_flop_counts_match_parameter_shapes():
     assert bench.torchtitan_moe_flops(tokens, dim, n, k, hidden, shared) == 2 * tokens * touched(theirs)
 
 
-def test_tile_sweep_runs_every_product_and_checks_each_configuration():
+def test_tile_sweep_runs_every_product_and_checks_each_configuration(monkeypatch):
     """`--sweep-tiles` on the CPU (untimed): forward, dx and dw over the tiny candidates, each
     result against the op's native path; the CPU has no TMA rows. `--gemm-providers` keeps
     the named providers (and torch._grouped_mm, the errors' reference) only."""
@@ -148,10 +148,14 @@ def test_tile_sweep_runs_every_product_and_checks_each_configuration():
     from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
     for sweep, kind in ((bench.MK_SWEEP, "mk"), (bench.K_SWEEP, "k")):
-        configs = [tk.TileConfig(bm, bn, bk, num_warps=w, num_stages=s) for bm, bn, bk, w, s in sweep]
+        configs = [bench.sweep_config(t)[0] for t in sweep]
         assert configs[0] == tk.default_config(torch.bfloat16, torch.device("cuda"), kind)  # no GPU here
         assert tk.SM90_TILES[kind] in configs
         assert len(set(configs)) == len(configs)
+        for t in sweep:  # each key reads back through the tile override as its own configuration
+            cfg, key = bench.sweep_config(t)
+            monkeypatch.setenv(tk.TILES_ENV, f"{kind}={key}")
+            assert tk.tile_overrides()[kind] == cfg
 
 
 def test_best_tiles_sums_each_kind_over_cases_and_drops_failed_candidates(tmp_path):
