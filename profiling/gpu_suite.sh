@@ -102,9 +102,10 @@
 #              steps, one after the other: the small config's fp8 / bf16 speed ratio, which the
 #              loss check cannot give (not in the default list)
 #   fp8_dw_programs  the fp8 weight gradient on our kernel with 2-3 persistent programs per SM
-#              (small tiles that let two share an SM) beside torch's, CUDA-graph replays at E = 64
-#              and the K3 latent shapes: whether overlapping programs lifts the small-group dw
-#              (not in the default list)
+#              (small tiles that let two share an SM) beside torch's, and the forward / dx kernel
+#              at two programs per SM beside its default, CUDA-graph replays at E = 64 and the K3
+#              latent shapes: whether overlapping programs lifts the small-group GEMMs (not in
+#              the default list)
 #   fp8_kernels_b8  fp8_all at local batch 8 twice, the fp8 GEMMs on torch._scaled_grouped_mm
 #              (`kernels = "torch"`) then the forward and dx on our Triton kernel ("triton"), 24
 #              steps each, and their table: what the kernel choice does to the whole step (not in
@@ -331,6 +332,7 @@ for section in "${SECTIONS[@]}"; do
         fp8_dw_programs)
             run fp8_dw_programs python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,fp8_rows_torch,fp8_cached_w_dw8rows \
+                --fp8-tiles 128x128x128x8x3x2,128x128x128x4x3x2 \
                 --fp8-dw-tiles 64x128x128x4x3x2,64x128x128x8x3x2,64x128x128x4x2x3,32x128x128x4x3x3,64x64x128x4x3x3 \
                 --gemm-cases e64_balanced,k3_gate_up_balanced,k3_down_balanced ;;
         fp8_kernels_b8)
