@@ -126,7 +126,7 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
         from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
         if b.dim() == 3 and triton_products in ("triton", "triton_all"):
-            return to_dtype(tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b, offs_E), out_dtype, widen)
+            return to_dtype(tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b.contiguous(), offs_E), out_dtype, widen)
         if b.dim() == 2 and triton_products in ("triton_dw", "triton_all"):
             direct = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
             dw = tk.scaled_grouped_mm_dw_triton(a.t(), b, scale_a, scale_b, offs_E, out_dtype=direct)
