@@ -486,8 +486,12 @@ def test_kernels_argument_and_environment(monkeypatch):
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     assert fgm.kernels_choice() == "torch" and fgm.kernels_choice("triton_dw") == "triton_dw"  # "auto" off sm90
     assert fgm.kernels_choice("auto", torch.device("cpu")) == "torch"
+    from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
     for capability, want in (((9, 0), "triton"), ((8, 9), "torch"), ((10, 0), "torch")):  # measured on sm90 only
-        monkeypatch.setattr(fgm, "_cuda_capability", lambda index, c=capability: c)
+        monkeypatch.setattr(tk, "interpreted", lambda: False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(tk, "cuda_capability", lambda index, c=capability: c)
         assert fgm.kernels_choice("auto", torch.device("cuda", 0)) == want
         assert fgm.kernels_choice("torch", torch.device("cuda", 0)) == "torch"
     monkeypatch.setenv(KERNELS_ENV, "triton_all")

@@ -60,8 +60,9 @@ saves on the GEMMs. With ``w_fp8`` (the weight quantized beforehand, as the fp8 
 once per optimizer step) the forward takes 0.49 ms against 0.64 (1.30x) and forward+backward
 1.66 against 1.96 (1.18x; the weight gradient stays bf16). With ``wgrad="fp8_rows"`` and the
 forward and dx on our Triton kernel (seventy-second run, CUDA-graph replays): 1.536 against
-2.023 ms (1.32x) balanced, 1.30x under Zipf(1.1); at K3's latent shapes 1.19-1.22x. ``Float8RoutedExperts`` uses it
-by default (:mod:`titan_moe.float8.experts`; ``gemm = "fused"`` in :mod:`titan_moe.float8.experts_recipe`).
+2.023 ms (1.32x) balanced, 1.30x under Zipf(1.1); at K3's latent shapes 1.19-1.22x.
+``Float8RoutedExperts`` uses it by default (:mod:`titan_moe.float8.experts`; ``gemm = "fused"``
+in :mod:`titan_moe.float8.experts_recipe`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ from titan_moe.float8.quantize import (
 from titan_moe.float8.widen import BACKENDS as WIDEN_BACKENDS
 from titan_moe.float8.widen import widen_to_fp32
 from titan_moe.ops.eager_path import direct_autograd, takes_direct_path
+from titan_moe.ops.triton_runtime import cuda_capability
 from titan_moe.ops.grouped_gemm.reference import group_bounds
 from titan_moe.ops.situ.op import situ_glu_bwd_op, situ_glu_op
 
@@ -148,19 +150,11 @@ def kernels_choice(kernels: str = "", device: torch.device | None = None) -> str
         source = "fp8_grouped_mm: kernels" if kernels else KERNELS_ENV
         raise ValueError(f"{source} must be one of {KERNELS}, got {choice!r}")
     if choice == "auto":
-        return "triton" if _is_sm90(device) else "torch"
+        # the rule of the kernels' own sm90 defaults (tiles and TMA loads were measured there)
+        from titan_moe.ops.grouped_gemm.triton_kernel import _is_sm90
+
+        return "triton" if device is not None and _is_sm90(device) else "torch"
     return choice
-
-
-def _is_sm90(device: torch.device | None) -> bool:
-    if device is None or device.type != "cuda":
-        return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
-
-
-@functools.cache
-def _cuda_capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 def to_dtype(t_bf16: Tensor, dtype: torch.dtype, widen: str = "") -> Tensor:
@@ -416,9 +410,8 @@ _EagerFp8GroupedMM = direct_autograd("_EagerFp8GroupedMM", _fwd_impl, _setup_con
 # ----------------------------------------------------------------------------------------
 # entry point
 # ----------------------------------------------------------------------------------------
-@functools.cache
 def _cuda_fp8_ok(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+    return cuda_capability(device_index) >= (8, 9)
 
 
 def _check_quantized_weight(w_EKN: Tensor, w_fp8: Fp8Weight) -> None:

@@ -35,6 +35,13 @@ def sm_count(device_index: int | None = None) -> int:
     return _device_sm_count(torch.cuda.current_device() if device_index is None else device_index)
 
 
+@functools.cache
+def cuda_capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device `device_index`, asked once per device (a host query
+    that launch rules would otherwise repeat on every call)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 _thread_has_context = threading.local()
 
 

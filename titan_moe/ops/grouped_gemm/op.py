@@ -49,7 +49,6 @@ they never access memory out of bounds).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -143,9 +142,10 @@ def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> None:
         )
 
 
-@functools.cache
 def _cuda_native_ok(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    from titan_moe.ops.triton_runtime import cuda_capability  # imports Triton: on first use, as _triton_kernels
+
+    return cuda_capability(device_index) >= (9, 0)
 
 
 def _aligned(t: Tensor, align: int) -> bool:

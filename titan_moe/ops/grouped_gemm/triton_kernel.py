@@ -84,6 +84,7 @@ import triton.language as tl
 from titan_moe.ops.triton_runtime import (
     cdiv,
     check_runs_on,
+    cuda_capability,
     ensure_cuda_context,
     is_interpreted,
     kernel_runs_on,
@@ -434,7 +435,7 @@ def _is_sm90(device: torch.device) -> bool:
     if device.type != "cuda" or interpreted() or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] == 9
+    return cuda_capability(index)[0] == 9
 
 
 def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileConfig:
