@@ -278,7 +278,7 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
     import torch
 
     from titan_moe.ops.grouped_gemm import grouped_mm
-    from titan_moe.ops.grouped_gemm.triton_kernel import TMA_ENV
+    from titan_moe.ops.grouped_gemm.triton_kernel import TILES_ENV, TMA_ENV
 
     def ours(backend):
         return lambda x, w, offs: grouped_mm(x, w, offs, backend=backend)
@@ -291,6 +291,10 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
     providers["native"] = (ours("native"), {})
     providers["auto"] = (ours("auto"), {TMA_ENV: "1"})  # per shape: TMA forward and dx for large groups on sm90
     providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
+    for tile in DW_TILES:
+        providers[f"dw_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"), {TMA_ENV: "1", TILES_ENV: f"k={tile}"})
+    for tile in MK_TILES:
+        providers[f"mk_{tile}"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1", TILES_ENV: f"mk={tile}"})
     if with_fp8:
         from titan_moe.float8.experts import fp8_grouped_mm
 
@@ -312,7 +316,6 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # all on torch's, forward and dx on our Triton kernel (default tile, then one provider
         # per --fp8-tiles entry), our dw kernel too
         from titan_moe.float8.experts_recipe import KERNELS_ENV
-        from titan_moe.ops.grouped_gemm.triton_kernel import TILES_ENV
 
         rows_fn = providers["fp8_cached_w_dw8rows"][0]
         providers["fp8_rows_torch"] = (rows_fn, {KERNELS_ENV: "torch"})  # all on torch._scaled_grouped_mm
@@ -321,6 +324,8 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         providers["fp8_rows_triton_all"] = (rows_fn, {KERNELS_ENV: "triton_all"})
         for tile in FP8_TILES:
             providers[f"fp8t_{tile}"] = (rows_fn, {KERNELS_ENV: "triton", TILES_ENV: f"mk8={tile}"})
+            # the same forward / dx with the weight gradient in bf16 (wgrad "bf16")
+            providers[f"fp8tb_{tile}"] = (providers["fp8_cached_w"][0], {KERNELS_ENV: "triton", TILES_ENV: f"mk8={tile}"})
         for tile in FP8_DW_TILES:
             providers[f"fp8dw_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}"})
     return providers
@@ -348,8 +353,9 @@ ERR_PROVIDERS = ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_co
 (and every ``fp8t_<tile>`` provider, see :data:`FP8_TILES`)."""
 
 FP8_TILES: list[str] = []
-"""``--fp8-tiles``: "BMxBNxBKxWARPSxSTAGES" tiles of the Triton fp8 forward / dx kernel, one
-provider ``fp8t_<tile>`` each (``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton``)."""
+"""``--fp8-tiles``: "BMxBNxBKxWARPSxSTAGES" tiles of the Triton fp8 forward / dx kernel, two
+providers each: ``fp8t_<tile>`` (``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton``)
+and ``fp8tb_<tile>`` (the same with the weight gradient in bf16, ``fp8_cached_w``)."""
 
 
 FP8_DW_TILES: list[str] = []
@@ -357,8 +363,22 @@ FP8_DW_TILES: list[str] = []
 (``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton_all``: all three products on our kernels)."""
 
 
+DW_TILES: list[str] = []
+"""``--dw-tiles``: tiles of the bf16 Triton dw kernel ("BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t]", a
+trailing "t" for TMA stores), one provider ``dw_<tile>`` each: ``auto``'s forward and dx (our
+TMA kernel) with the weight gradient on our kernel at that tile."""
+
+
+MK_TILES: list[str] = []
+"""``--mk-tiles``: tiles of the bf16 Triton forward / dx kernel ("BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL]",
+rTAIL for tail tiles), one provider ``mk_<tile>`` each: forward and dx on our TMA kernel at that
+tile, dw on ``torch._grouped_mm``."""
+
+
 def err_providers() -> list[str]:
-    return [*ERR_PROVIDERS, *(f"fp8t_{tile}" for tile in FP8_TILES), *(f"fp8dw_{tile}" for tile in FP8_DW_TILES)]
+    return [*ERR_PROVIDERS, *(f"fp8t_{tile}" for tile in FP8_TILES), *(f"fp8tb_{tile}" for tile in FP8_TILES),
+            *(f"fp8dw_{tile}" for tile in FP8_DW_TILES),
+            *(f"dw_{tile}" for tile in DW_TILES), *(f"mk_{tile}" for tile in MK_TILES)]
 
 
 def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bool,
@@ -378,7 +398,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
     providers = gemm_providers(tma_available(device), fp8_available(device, dtype))
     if keep_providers:  # "torch" stays: the errors are measured against it
         providers = {n: p for n, p in providers.items()
-                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8dw_"))}
+                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8tb_", "fp8dw_", "dw_", "mk_"))}
 
     def under(env, call):
         def run():
@@ -880,11 +900,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="time the interleaved rounds as CUDA-graph replays (GPU time without host "
                              "launch gaps) instead of host launches with an L2 flush per call")
     parser.add_argument("--fp8-tiles", default="",
-                        help="comma-separated BMxBNxBKxWARPSxSTAGES tiles of the Triton fp8 forward / dx kernel, "
-                             "one GEMM provider fp8t_<tile> each")
+                        help="comma-separated BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL] tiles of the Triton fp8 forward / dx "
+                             "kernel (rTAIL: tail tiles), one GEMM provider fp8t_<tile> each")
     parser.add_argument("--fp8-dw-tiles", default="",
-                        help="comma-separated BMxBNxBKxWARPSxSTAGES tiles of the Triton fp8 dw kernel (BM the "
+                        help="comma-separated BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t] tiles of the Triton fp8 dw kernel (BM the "
                              "reduction step), one GEMM provider fp8dw_<tile> each (all products on our kernels)")
+    parser.add_argument("--dw-tiles", default="",
+                        help="comma-separated BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t] tiles of the bf16 Triton dw kernel "
+                             "(a trailing t: TMA stores), one GEMM provider dw_<tile> each (auto's forward and dx)")
+    parser.add_argument("--mk-tiles", default="",
+                        help="comma-separated BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL] tiles of the bf16 Triton forward / "
+                             "dx kernel (rTAIL: tail tiles), one GEMM provider mk_<tile> each (dw on torch)")
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time each Triton product (fwd, dx, dw) over a few tile shapes")
     parser.add_argument("--best-tiles", metavar="FILE", default=None,
@@ -938,6 +964,8 @@ def main(argv=None) -> dict:
     GRAPH_TIMING = args.cuda_graph
     FP8_TILES[:] = [t for t in args.fp8_tiles.split(",") if t]
     FP8_DW_TILES[:] = [t for t in args.fp8_dw_tiles.split(",") if t]
+    DW_TILES[:] = [t for t in args.dw_tiles.split(",") if t]
+    MK_TILES[:] = [t for t in args.mk_tiles.split(",") if t]
     report["timing"] = "cuda_graph_replay" if args.cuda_graph else "do_bench_host_launch"
     report["triton_tiles"] = {kind: dataclasses.asdict(default_config(dtype, torch.device(args.device), kind))
                               for kind in ("mk", "k")}

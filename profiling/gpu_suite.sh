@@ -106,6 +106,16 @@
 #              at two programs per SM beside its default, CUDA-graph replays at E = 64 and the K3
 #              latent shapes: whether overlapping programs lifts the small-group GEMMs (not in
 #              the default list)
+#   dw_store_tma  the weight-gradient kernels with TMA stores (TileConfig.store_tma: a tile's
+#              store drains while the program computes its next tile) beside their pointer-store
+#              defaults and torch's: bf16 (--dw-tiles, auto's forward and dx) and fp8
+#              (--fp8-dw-tiles, all three products on our kernels), CUDA-graph replays at E = 64
+#              and the K3 latent shapes (not in the default list)
+#   tail_tiles  the forward / dx kernels with tail tiles (TileConfig.tail_m: a group's rows past
+#              its last full tile in 16-64-row tiles computed transposed), fp8 (--fp8-tiles) and
+#              bf16 (--mk-tiles), beside the defaults, CUDA-graph replays under Zipf(1.1) and at the
+#              K3 latent shapes (144-160-row groups), after the tail tiles' GPU tests (not in the
+#              default list)
 #   fp8_kernels_b8  fp8_all at local batch 8 twice, the fp8 GEMMs on torch._scaled_grouped_mm
 #              (`kernels = "torch"`) then the forward and dx on our Triton kernel ("triton"), 24
 #              steps each, and their table: what the kernel choice does to the whole step (not in
@@ -335,6 +345,20 @@ for section in "${SECTIONS[@]}"; do
                 --fp8-tiles 128x128x128x8x3x2,128x128x128x4x3x2 \
                 --fp8-dw-tiles 64x128x128x4x3x2,64x128x128x8x3x2,64x128x128x4x2x3,32x128x128x4x3x3,64x64x128x4x3x3 \
                 --gemm-cases e64_balanced,k3_gate_up_balanced,k3_down_balanced ;;
+        dw_store_tma)
+            run dw_store_tma python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_rows_triton_all \
+                --dw-tiles 64x128x256x8x3t,64x128x128x8x4t,64x256x128x8x3t,64x128x128x4x2x2t \
+                --fp8-dw-tiles 128x128x128x8x4t,128x256x128x8x3t,64x128x128x4x3x2t,64x256x128x8x4t,128x128x256x8x3t \
+                --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
+        tail_tiles)
+            run tail_tiles_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
+                -k "tail or cuda"
+            run tail_tiles python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_cached_w \
+                --fp8-tiles 128x256x128x8x3r32,128x128x128x8x3r32,128x256x128x8x3r16 \
+                --mk-tiles 128x256x64x8x3r32,128x128x64x8x4r32 \
+                --gemm-cases e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
         fp8_kernels_b8)
             for kernels in torch triton; do
                 run "fp8_kernels_b8_$kernels" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 \

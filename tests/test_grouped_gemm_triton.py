@@ -22,6 +22,7 @@ to the input dtype). Tolerances (relative error ||out - ref|| / ||ref||):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -146,6 +147,88 @@ def test_dw_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 40, 24, 5, 0.8)])
+def test_dw_tma_stores_match_pointer_stores(m, k, n, e, frac, dtype):
+    """``TileConfig.store_tma``: the dw tiles written through a [1, BK, BN] box of dw
+    [E, K, N], incl. a K and N that are not multiples of the tile (the box is clipped at K,
+    not spilled into the next group's rows); the same values as pointer stores, empty groups
+    zero."""
+    x, _, grad, offs = make_case(m, k, n, e, frac, dtype, seed=m + 3 * n)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    cfg = tk.default_config(dtype, x.device, "k")
+    store_cfg = dataclasses.replace(cfg, store_tma=True)
+    dw = tk.grouped_mm_dw_triton(x, grad, offs, config=store_cfg)
+    assert torch.equal(dw, tk.grouped_mm_dw_triton(x, grad, offs, config=cfg))
+    assert rel_err(dw, grouped_mm_dw_reference(x, grad, offs)) < TOL[dtype]
+    assert torch.all(dw[sizes == 0] == 0)
+    # rows of N elements that TMA cannot describe (not a multiple of 16 bytes): pointer stores
+    assert tk._dw_store_descriptor(dw.new_empty(e, k, 12 // dw.element_size()), store_cfg) is None
+    assert tk._dw_store_descriptor(dw, cfg) is None  # off unless asked for
+
+
+def tail_config():
+    """Tail tiles of half the row tile: 16 of 32 rows under the interpreter; 32 of 64 on the
+    GPU (64-deep steps: fp8 tensor cores take 32 at a time)."""
+    if CUDA:
+        return tk.TileConfig(64, 64, 64, num_warps=4, num_stages=2, tail_m=32)
+    return tk.TileConfig(32, 16, 16, num_stages=1, tail_m=16)
+
+
+def tail_offsets(device):
+    """Group sizes whose remainders past 32-row tiles cover every case of 16-row tail tiles
+    (none, under one tail tile, exactly one, between one and two; on the GPU's 64-row tiles:
+    none, under one 32-row tail tile, between one and two); an empty group; a group smaller
+    than one full tile; rows past offs[-1]."""
+    sizes = [70, 0, 16, 33, 64, 5, 48, 31]
+    return torch.tensor(sizes).cumsum(0).to(device=device, dtype=torch.int32), sum(sizes) + 7
+
+
+@needs_kernels
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tail_tiles_match_loop_reference(tma, dtype):
+    """``TileConfig.tail_m``: the rows past a group's full tiles in 16-row tiles computed
+    transposed, forward and dx (transposed weights), pointer and TMA loads; K and N not
+    multiples of the tile; the same result as without tail tiles."""
+    offs, m = tail_offsets(DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(m, 40, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, dtype)
+    grad = torch.randn(m, 24, generator=gen).to(DEVICE, dtype)
+    tail = tail_config()
+    plain = dataclasses.replace(tail, tail_m=0)
+    for a, b in ((x, w), (grad, w.transpose(1, 2))):
+        out = tk.grouped_mm_triton(a, b, offs, config=tail, tma=tma)
+        assert rel_err(out, grouped_mm_reference(a, b, offs)) < TOL[dtype]
+        assert torch.all(out[int(offs[-1]):] == 0)
+        assert rel_err(out, tk.grouped_mm_triton(a, b, offs, config=plain, tma=tma)) < TOL[dtype]
+
+
+@needs_kernels
+@pytest.mark.parametrize("tma", [False, True])
+def test_scaled_fp8_tail_tiles_match_dequantized_reference(tma):
+    """The fp8 forward / dx kernel with tail tiles (K-major weights, both operands K-major in
+    the transposed product), every remainder case of :func:`tail_offsets`."""
+    offs, m = tail_offsets(DEVICE)
+    a, b, scale_a, scale_b, _ = fp8_case(m, 48, 32, offs.numel(), 1.0, seed=21)
+    ours = tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b, offs, config=tail_config(), tma=tma)
+    assert rel_err(ours.cpu(), scaled_reference(a, b, scale_a, scale_b, offs)) < 8e-3
+    assert torch.all(ours[int(offs[-1]):] == 0)
+
+
+def test_tile_config_tail_rules():
+    assert tk.TileConfig(128, 128, 128, tail_m=32).tail_m == 32
+    for bad in (8, 24, 128, 256):
+        with pytest.raises(ValueError, match="tail_m"):
+            tk.TileConfig(128, 128, 128, tail_m=bad)
+    assert tk.parse_tile("128x256x128x8x3r32", "mk8") == tk.TileConfig(128, 256, 128, num_warps=8, num_stages=3,
+                                                                      tail_m=32)
+    with pytest.raises(ValueError, match="forward / dx kinds"):
+        tk.parse_tile("64x128x128x8x3r32", "k8")
+
+
+@needs_kernels
 def test_tma_falls_back_for_layouts_it_cannot_describe():
     x, w, _, offs = make_case(30, 20, 12, 3, 1.0, torch.float16, seed=9)  # rows of 40 bytes
     cfg = tk.default_config(torch.float16, x.device, "mk")
@@ -213,6 +296,9 @@ def test_scaled_fp8_dw_kernel_matches_dequantized_reference(m, k, n, e, frac, ou
     assert (sizes == 0).any()
     dw = tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype)
     assert dw.shape == (e, k, n) and dw.dtype == out_dtype
+    store_cfg = dataclasses.replace(tk.default_config(fp8, xq.device, "k8"), store_tma=True)
+    assert torch.equal(dw, tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype,
+                                                          config=store_cfg))  # TMA stores: the same values
     want = grouped_mm_dw_reference(xq.float(), gq.float(), offs).cpu()
     want *= scale_x.view(e, k, 1).cpu() * scale_g.view(e, 1, n).cpu()
     # fp32 out: exact sums under the interpreter; sm90's fp8 tensor cores accumulate with
@@ -450,12 +536,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         ptx = k.asm["ptx"]
         plain_async = "cp.async.cg" in ptx or "cp.async.ca" in ptx
+        if consts.get("TAIL_M"):  # the tail tiles' transposed product: the rows are the wgmma's N
+            assert f"m64n{consts['TAIL_M']}k32" in ptx
         return "wgmma" in ptx, plain_async, "cp.async.bulk.tensor" in ptx, k.metadata.shared
 
     mk, kk = tk.SM90_TILES["mk"], tk.SM90_TILES["k"]  # the tiles sm90 runs by default
     bm, bn, bk = mk.block_m, mk.block_n, mk.block_k
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=128, PRECISION="tf32",
-                  INTERPRETED=False, sa_ptr=None, sb_ptr=None, SCALED=False)
+                  INTERPRETED=False, sa_ptr=None, sb_ptr=None, SCALED=False, a_tail=None, TAIL_M=0)
     mk_ints = ["M", "N", "K", "E", "stride_am", "stride_be", "stride_cm"]
     ptrs = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32"}
     results = {}
@@ -479,6 +567,17 @@ _COMPILE_SCRIPT = textwrap.dedent(
                                         {**{n: v for n, v in common.items() if not n.endswith("_ptr")},
                                          "BLOCK_M": m8.block_m, "BLOCK_N": m8.block_n, "BLOCK_K": m8.block_k,
                                          "USE_TMA": True, "B_TRANSPOSED": True, "SCALED": True}, m8)
+    # small groups (K3's 144-160 rows): the tail tiles' 32-row tiles computed transposed
+    s8 = tk.SM90_TILES["mk8_small"]
+    descs8_tail = dict(descs8, a=f"tensordesc<fp8e4nv[{s8.block_m},{s8.block_k}]>",
+                       b=f"tensordesc<fp8e4nv[1,{s8.block_n},{s8.block_k}]>",
+                       a_tail=f"tensordesc<fp8e4nv[{s8.tail_m},{s8.block_k}]>")
+    results["fp8_tma_tail"] = compile_kernel(tk._ragged_m_kernel, descs8_tail, mk_ints + ["stride_bk"],
+                                             ["stride_ak", "stride_bn", "stride_cn"],
+                                             {**{n: v for n, v in common.items() if not n.endswith(("_ptr", "_tail"))},
+                                              "BLOCK_M": s8.block_m, "BLOCK_N": s8.block_n, "BLOCK_K": s8.block_k,
+                                              "USE_TMA": True, "B_TRANSPOSED": True, "SCALED": True,
+                                              "TAIL_M": s8.tail_m}, s8)
     # the pointer-load fallback (layouts TMA cannot describe): b K-major, unit stride_bk
     ptrs8 = dict(ptrs, a="*fp8e4nv", b="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32")
     results["fp8"] = compile_kernel(tk._ragged_m_kernel, ptrs8, mk_ints + ["stride_bn"],
@@ -491,7 +590,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False), kk)
     k8 = tk.SM90_TILES["k8"]  # the fp8 dw: column-major codes (unit row stride), per-group scales
     results["fp8_dw"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv", "dw_ptr": "*fp32", "offs_ptr": "*i32",
@@ -499,7 +598,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
         ["stride_xm", "stride_gm", "stride_wn"],
         dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True), k8)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=False), k8)
+    results["fp8_dw_store"] = compile_kernel(  # the same with TMA stores of dw
+        tk._ragged_k_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv",
+                              "dw_ptr": f"tensordesc<bf16[1,{k8.block_k},{k8.block_n}]>", "offs_ptr": "*i32",
+                              "sx_ptr": "*fp32", "sg_ptr": "*fp32"},
+        ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
+        ["stride_xm", "stride_gm", "stride_wn"],
+        dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k,
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=True), k8)
     results["dw_tma"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_k}]>",
                               "g_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_n}]>", "dw_ptr": "*bf16",
@@ -507,7 +614,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False), kk)
     print("RESULT", repr(results))
     """
 )
@@ -520,10 +627,12 @@ def test_compiles_for_sm90():
     variant) within the shared-memory budget."""
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fp8_tma", "fp8", "dw", "fp8_dw", "dw_tma"}
+    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fp8_tma", "fp8_tma_tail", "fp8", "dw", "fp8_dw",
+                            "fp8_dw_store", "dw_tma"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
-        expected = (False, True) if name.endswith("_tma") else (True, False)
+        # fp8_dw_store: pointer loads through cp.async, the dw tiles stored by TMA bulk copies
+        expected = (False, True) if name.endswith(("_tma", "_tail")) else (True, name.endswith("_store"))
         assert (cp_async, tma_copies) == expected, (name, results)
         assert 0 < shared <= 228 * 1024, (name, results)
 
@@ -635,9 +744,15 @@ def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):
         sms = tk.sm_count(torch.cuda.current_device())
         assert tk._num_programs(k8, torch.device("cuda"), 10**9) == 2 * sms
     assert tk._num_programs(k8, cpu, 10**9) == 4  # the interpreter's count
+    monkeypatch.setenv(tk.TILES_ENV, "k=64x128x128x8x3t,k8=128x128x128x8x4x2t")
+    assert tk.default_config(torch.bfloat16, cuda, "k") == tk.TileConfig(64, 128, 128, num_warps=8, num_stages=3,
+                                                                          store_tma=True)
+    assert tk.default_config(torch.float8_e4m3fn, cuda, "k8") == tk.TileConfig(
+        128, 128, 128, num_warps=8, num_stages=4, programs_per_sm=2, store_tma=True)
     for bad, match in (("mk=128x256x64x8", "BMxBNxBKxWARPSxSTAGES"), ("dw=64x64x64x4x3", "KIND"),
                        ("mk=128x256x64x6x3", "power of two"), ("mk=96x128x64x4x3", "power of two >= 16"),
-                       ("k8=64x128x128x4x3x0", "programs >= 1"), ("k8=64x128x128x4x3x2x2", "PROGRAMS")):
+                       ("k8=64x128x128x4x3x0", "programs >= 1"), ("k8=64x128x128x4x3x2x2", "PROGRAMS"),
+                       ("mk=128x256x64x8x3t", "dw kinds"), ("k=64x128x128x4x3tt", "BMxBNxBKxWARPSxSTAGES")):
         monkeypatch.setenv(tk.TILES_ENV, bad)
         with pytest.raises(ValueError, match=match):
             tk.default_config(torch.bfloat16, cuda, "mk")
@@ -668,6 +783,30 @@ def test_sm90_defaults_swept_tiles_and_tma(monkeypatch):
     assert not tk._use_tma(None, cuda) and tk._use_tma(True, cuda)
     monkeypatch.setenv(tk.TILES_ENV, "mk=128x128x64x8x4")
     assert tk.default_config(torch.bfloat16, cuda, "mk") == tk.TileConfig(128, 128, 64, num_warps=8, num_stages=4)
+
+
+def test_fp8_small_groups_take_tail_tiles_on_sm90(monkeypatch):
+    """The fp8 forward / dx tile by mean group size: tail tiles up to SMALL_GROUP_ROWS rows per
+    group on sm90 (K3's latent experts), the large-group tile above it and without the
+    count; other GPUs and the override are unaffected."""
+    from titan_moe.ops.grouped_gemm import triton_kernel as tk
+
+    cuda, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+    monkeypatch.delenv(tk.TILES_ENV, raising=False)
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: device.type == "cuda")
+    small, large = tk.SM90_TILES["mk8_small"], tk.SM90_TILES["mk8"]
+    assert small.tail_m and not large.tail_m
+    assert tk.default_config(fp8, cuda, "mk8", rows_per_group=16384 / 112) == small
+    assert tk.default_config(fp8, cuda, "mk8", rows_per_group=tk.SMALL_GROUP_ROWS) == small
+    assert tk.default_config(fp8, cuda, "mk8", rows_per_group=tk.SMALL_GROUP_ROWS + 1) == large
+    assert tk.default_config(fp8, cuda, "mk8") == large
+    assert tk.default_config(fp8, cuda, "k8", rows_per_group=100) == tk.SM90_TILES["k8"]
+    monkeypatch.setenv(tk.TILES_ENV, "mk8=128x128x128x8x3")
+    assert tk.default_config(fp8, cuda, "mk8", rows_per_group=100) == tk.TileConfig(128, 128, 128, num_warps=8,
+                                                                                   num_stages=3)
+    monkeypatch.delenv(tk.TILES_ENV)
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: False)
+    assert tk.default_config(fp8, cuda, "mk8", rows_per_group=100) == large
 
 
 def test_auto_backend_rule_and_routing(monkeypatch):

@@ -24,7 +24,20 @@ K-major per expert (TMA [N, K] boxes on sm90), bf16 out; faster than
 ``torch._scaled_grouped_mm`` at every benchmark shape on the H200 (1.07x forward at E = 64,
 1.6x at K3's 146-row groups, whose 128-row CUTLASS tiles run half empty).
 ``scaled_grouped_mm_dw_triton``: ``dw[e] = (x^T g)[e] * sx[e, :, None] * sg[e, None, :]``
-from column-major codes, bf16 or fp32 out; slower than torch's at those shapes (opt-in).
+from column-major codes, bf16 or fp32 out; with TMA stores and two programs per SM level
+with torch's at K3, behind it under Zipf at E = 64 (opt-in).
+
+Tail tiles (``TileConfig.tail_m``, forward / dx): a group's rows past its last full
+BLOCK_M tile run in TAIL_M-row tiles whose product is computed transposed
+(``(a @ b)^T = b^T a^T``: the few rows are the tensor cores' N side, which may be as small
+as 8, and the weight columns their 64-row M side; both operands stay K-major, as fp8 wgmma
+needs). K3's 144-160-row groups then compute 160 rows where a 256-row tile computed 256.
+The fp8 forward / dx take them on sm90 for groups of at most ``SMALL_GROUP_ROWS`` rows on
+average (11% faster forward at K3's latent shapes on the H200).
+
+dw stores (``TileConfig.store_tma``): each output tile leaves through a TMA box, and the
+compiler waits for it only before the next tile's epilogue refills the staging buffer, so
+a tile's stores overlap the program's next loads and dots.
 
 Tile scheduling (persistent): ``num_programs`` programs (the SM count on a GPU) walk the
 tile list with stride ``num_programs`` (read in-kernel, so no recompilation per grid size).
@@ -75,6 +88,7 @@ op with other tiles before they become defaults.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +136,12 @@ def _add(a, b):
 def _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, col_start, k0, K,
              stride_am, stride_ak, stride_be, stride_bk, stride_bn,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PRECISION: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr):
-    """acc += a[rows, k0:k0+BLOCK_K] @ b[group, k0:k0+BLOCK_K, cols]."""
+             PRECISION: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+             SWAPPED: tl.constexpr):
+    """acc += a[rows, k0:k0+BLOCK_K] @ b[group, k0:k0+BLOCK_K, cols], or with SWAPPED its
+    transpose (acc [BLOCK_N, BLOCK_M]): the few rows of a tail tile become the tensor cores'
+    N side (any multiple of 8) and the weight columns their M side (64 per warp group); both
+    operands stay K-major, as fp8 tensor cores need."""
     if USE_TMA:
         # Box loads; out-of-range rows/columns read as zero. Rows past the group's end
         # belong to the next group: they only feed output rows that are never stored.
@@ -139,17 +157,70 @@ def _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, col_start,
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_tile = tl.load(b + group.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-    return tl.dot(a_tile, b_tile, acc, input_precision=PRECISION)
+    if SWAPPED:
+        acc = tl.dot(tl.trans(b_tile), tl.trans(a_tile), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a_tile, b_tile, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _mk_store(acc, c_ptr, sa_ptr, sb_ptr, rows, cols, row_ok, col_ok, group, N, E, stride_cm, stride_cn,
+              SCALED: tl.constexpr):
+    """Dequantize (fp8) and store one [rows, cols] tile of the output."""
+    if SCALED:  # a's row scales sa [M], b's column scales sb [E, N] (none for the tail)
+        scale_a = tl.load(sa_ptr + rows, mask=row_ok, other=0.0)
+        scale_b = tl.load(sb_ptr + group.to(tl.int64) * N + cols, mask=col_ok & (group < E), other=0.0)
+        acc = acc * scale_a[:, None] * scale_b[None, :]
+    c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _mk_block(
+    a, b, c_ptr, sa_ptr, sb_ptr, N, K, E, group, row_start, row_end, n_tile,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    SCALED: tl.constexpr, SWAPPED: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] output tile from row_start (rows from row_end on not stored);
+    with SWAPPED (tail tiles) computed transposed."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < row_end
+    col_ok = cols < N
+
+    if SWAPPED:
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    else:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    k_stop = tl.where(group < E, K, 0)  # the tail pseudo-group (rows past offs[-1]) stores zeros
+    if INTERPRETED:
+        k0 = tl.full([], 0, tl.int32)
+        while k0 < k_stop:
+            acc = _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, n_tile * BLOCK_N, k0, K,
+                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, B_TRANSPOSED, SWAPPED)
+            k0 += BLOCK_K
+    else:
+        for k0 in tl.range(0, k_stop, BLOCK_K):
+            acc = _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, n_tile * BLOCK_N, k0, K,
+                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, B_TRANSPOSED, SWAPPED)
+    if SWAPPED:
+        acc = tl.trans(acc)
+    _mk_store(acc, c_ptr, sa_ptr, sb_ptr, rows, cols, row_ok, col_ok, group, N, E, stride_cm, stride_cn, SCALED)
 
 
 @triton.jit
 def _mk_tile(
-    tile, a, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
+    tile, a, a_tail, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    SCALED: tl.constexpr,
+    SCALED: tl.constexpr, TAIL_M: tl.constexpr,
 ):
     m_tile = tile // n_tiles
     n_tile = tile % n_tiles
@@ -157,35 +228,26 @@ def _mk_tile(
     group = tl.reduce((m_tiles_incl <= m_tile).to(tl.int32), 0, _add)
     is_group = e_idx == group
     first_tile = tl.reduce(tl.where(is_group, m_tiles_incl - m_tiles, 0), 0, _add)
-    row_start = tl.reduce(tl.where(is_group, starts, 0), 0, _add) + (m_tile - first_tile) * BLOCK_M
+    group_start = tl.reduce(tl.where(is_group, starts, 0), 0, _add)
     row_end = tl.reduce(tl.where(is_group, ends, 0), 0, _add)
-
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < row_end
-    col_ok = cols < N
-
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    k_stop = tl.where(group < E, K, 0)  # the tail pseudo-group (rows past offs[-1]) stores zeros
-    if INTERPRETED:
-        k0 = tl.full([], 0, tl.int32)
-        while k0 < k_stop:
-            acc = _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, n_tile * BLOCK_N, k0, K,
-                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, B_TRANSPOSED)
-            k0 += BLOCK_K
+    j = m_tile - first_tile  # the row tile within its group
+    if TAIL_M > 0:
+        # a group's rows: full BLOCK_M tiles, then what is left in TAIL_M tiles
+        full = (row_end - group_start) // BLOCK_M
+        if j >= full:
+            # `a_tail` describes boxes of [TAIL_M, BLOCK_K] (the same tensor as `a`)
+            _mk_block(a_tail, b, c_ptr, sa_ptr, sb_ptr, N, K, E, group,
+                      group_start + full * BLOCK_M + (j - full) * TAIL_M, row_end, n_tile,
+                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                      TAIL_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, True)
+        else:
+            _mk_block(a, b, c_ptr, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end, n_tile,
+                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, False)
     else:
-        for k0 in tl.range(0, k_stop, BLOCK_K):
-            acc = _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, n_tile * BLOCK_N, k0, K,
-                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, B_TRANSPOSED)
-
-    if SCALED:  # dequantize: a's row scales sa [M], b's column scales sb [E, N] (none for the tail)
-        scale_a = tl.load(sa_ptr + rows, mask=row_ok, other=0.0)
-        scale_b = tl.load(sb_ptr + group.to(tl.int64) * N + cols, mask=col_ok & (group < E), other=0.0)
-        acc = acc * scale_a[:, None] * scale_b[None, :]
-    c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        _mk_block(a, b, c_ptr, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end, n_tile,
+                  stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, False)
 
 
 @triton.jit
@@ -203,6 +265,8 @@ def _ragged_m_kernel(
     B_TRANSPOSED: tl.constexpr = False,  # with USE_TMA: b describes w [E, N, K] (the dx product)
     sa_ptr=None, sb_ptr=None,  # with SCALED: fp32 row scales of a [M] and column scales of b [E, N]
     SCALED: tl.constexpr = False,  # fp8 operands: c = (a @ b[e]) * sa[:, None] * sb[e][None, :]
+    a_tail=None,  # with TAIL_M: a again (with USE_TMA: a descriptor of [TAIL_M, BLOCK_K] boxes)
+    TAIL_M: tl.constexpr = 0,  # > 0: each group's last rows (past its full BLOCK_M tiles) in TAIL_M-row tiles
 ):
     # Schedule: per-group row ranges (clamped into [0, M]) and row-tile prefix sums.
     e_idx = tl.arange(0, BLOCK_E)
@@ -210,7 +274,11 @@ def _ragged_m_kernel(
     ends = tl.minimum(tl.where(e_idx < E, ends, M), M)  # entry E (the tail) and padding end at M
     starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx <= E), other=0)
     starts = tl.maximum(tl.minimum(tl.where(e_idx > E, M, starts), M), 0)
-    m_tiles = (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
+    sizes = tl.maximum(ends - starts, 0)
+    if TAIL_M > 0:
+        m_tiles = sizes // BLOCK_M + (sizes % BLOCK_M + TAIL_M - 1) // TAIL_M
+    else:
+        m_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
     m_tiles_incl = tl.associative_scan(m_tiles, 0, _add)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     total = tl.reduce(m_tiles, 0, _add) * n_tiles
@@ -219,17 +287,17 @@ def _ragged_m_kernel(
     if INTERPRETED:
         tile = pid
         while tile < total:
-            _mk_tile(tile, a, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
+            _mk_tile(tile, a, a_tail, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED)
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
-            _mk_tile(tile, a, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
+            _mk_tile(tile, a, a_tail, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED)
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M)
 
 
 @triton.jit
@@ -265,6 +333,7 @@ def _k_tile(
     n_tiles, tiles_per_group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, SCALED: tl.constexpr,
+    STORE_TMA: tl.constexpr,
 ):
     group = tile // tiles_per_group
     within = tile % tiles_per_group
@@ -302,8 +371,14 @@ def _k_tile(
         scale_x = tl.load(sx_ptr + group.to(tl.int64) * K + ks, mask=k_ok, other=0.0)
         scale_g = tl.load(sg_ptr + group.to(tl.int64) * N + cols, mask=col_ok, other=0.0)
         acc = acc * scale_x[:, None] * scale_g[None, :]
-    dw = dw_ptr + group.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+    if STORE_TMA:
+        # a [1, BLOCK_K, BLOCK_N] box of dw [E, K, N]: the copy engine clips rows past K and
+        # columns past N, and the store is asynchronous (the next tile's loads and dots run
+        # while it drains)
+        dw_ptr.store([group, k_start, n_start], tl.reshape(acc.to(dw_ptr.dtype), [1, BLOCK_K, BLOCK_N]))
+    else:
+        dw = dw_ptr + group.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+        tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -319,6 +394,7 @@ def _ragged_k_kernel(
     USE_TMA: tl.constexpr = False,  # x_ptr, g_ptr are tensor descriptors (see grouped_mm_dw_triton)
     sx_ptr=None, sg_ptr=None,  # with SCALED: fp32 per-group column scales of x [E*K] and g [E*N]
     SCALED: tl.constexpr = False,  # fp8 operands: dw[e] = (x^T g)[e] * sx[e][:, None] * sg[e][None, :]
+    STORE_TMA: tl.constexpr = False,  # dw_ptr is a tensor descriptor of dw [E, K, N], boxes [1, BLOCK_K, BLOCK_N]
 ):
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tiles_per_group = (K + BLOCK_K - 1) // BLOCK_K * n_tiles
@@ -329,13 +405,15 @@ def _ragged_k_kernel(
         while tile < total:
             _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
-                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED)
+                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED,
+                    STORE_TMA)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
             _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
-                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED)
+                    n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED,
+                    STORE_TMA)
 
 
 # ----------------------------------------------------------------------------------------
@@ -352,7 +430,14 @@ class TileConfig:
     epilogue overlap another's loads and dots, where shared memory and registers let them
     share an SM: the weight gradient of small groups, whose tiles run only two or three
     reduction steps each) and 4 under the interpreter (so the persistent loop runs several
-    tiles per program in the CPU tests).
+    tiles per program in the CPU tests). ``store_tma`` (dw kernels only): write the output
+    tiles through TMA, asynchronously, so that a tile's store drains while the same program
+    loads and multiplies its next tile (the compiler waits for it only before the next store
+    reuses the staging buffer); pointer stores where TMA cannot describe dw. ``tail_m``
+    (forward / dx kernels only; 0 = off): each group's rows past its last full ``block_m``
+    tile run in ``tail_m``-row tiles, computed transposed (the rows on the tensor cores' N
+    side), so that groups of a few hundred rows do not fill most of a ``block_m`` tile with
+    the next group's rows: K3's 144-160-row groups in 256-row tiles compute 1.7x their FLOPs.
     """
 
     block_m: int
@@ -362,6 +447,8 @@ class TileConfig:
     num_stages: int = 3
     num_programs: int | None = None
     programs_per_sm: int = 1
+    store_tma: bool = False
+    tail_m: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -372,6 +459,10 @@ class TileConfig:
             raise ValueError(f"TileConfig.num_programs must be >= 1, got {self.num_programs}")
         if self.programs_per_sm < 1:
             raise ValueError(f"TileConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
+        t = self.tail_m
+        if t and (t < 16 or t & (t - 1) or t >= self.block_m):
+            raise ValueError(f"TileConfig.tail_m must be 0 or a power of two >= 16 below block_m "
+                             f"({self.block_m}), got {t}")
 
 
 def interpreted() -> bool:
@@ -395,28 +486,41 @@ def _num_programs(cfg: TileConfig, device: torch.device, max_tiles: int) -> int:
 
 
 def tile_overrides() -> dict[str, TileConfig]:
-    """`$TITAN_MOE_GROUPED_MM_TILES` (read per call), "KIND=BMxBNxBKxWARPSxSTAGES[xPROGRAMS],...",
+    """`$TITAN_MOE_GROUPED_MM_TILES` (read per call), "KIND=BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t],...",
     KIND "mk" (the forward and dx kernel), "k" (the dw kernel), "mk8" / "k8" (their fp8 forms):
     the GPU tiles of that kernel in place of `default_config`'s (to time a tile sweep's winner
     through the whole op before it becomes a default); PROGRAMS: persistent programs per SM
-    (default 1)."""
+    (default 1); a trailing "t": TMA stores (``TileConfig.store_tma``, dw kinds only)."""
     text = os.environ.get(TILES_ENV, "")
     out: dict[str, TileConfig] = {}
     for item in filter(None, text.split(",")):
-        kind, _, dims = item.partition("=")
-        try:
-            bm, bn, bk, warps, stages, *programs = (int(v) for v in dims.split("x"))
-            if len(programs) > 1:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"{TILES_ENV}: expected KIND=BMxBNxBKxWARPSxSTAGES[xPROGRAMS], got {item!r}") from None
+        kind, _, spec = item.partition("=")
         if kind not in _KINDS:
             raise ValueError(f"{TILES_ENV}: KIND must be one of {_KINDS}, got {kind!r}")
-        if warps < 1 or warps & (warps - 1) or stages < 1 or (programs and programs[0] < 1):
-            raise ValueError(f"{TILES_ENV}: warps must be a power of two, stages and programs >= 1, got {item!r}")
-        out[kind] = TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages,
-                               programs_per_sm=programs[0] if programs else 1)
+        out[kind] = parse_tile(spec, kind, f"{TILES_ENV}: {item!r}")
     return out
+
+
+_TILE_SPEC = re.compile(r"(\d+(?:x\d+){4,5})(?:r(\d+))?(t?)")
+
+
+def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
+    """``BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t]`` of a ``kind`` kernel as a TileConfig:
+    PROGRAMS persistent programs per SM (default 1), rTAIL ``tail_m`` (forward / dx kinds "mk",
+    "mk8"), a trailing "t" ``store_tma`` (dw kinds "k", "k8")."""
+    match = _TILE_SPEC.fullmatch(spec)
+    if match is None:
+        raise ValueError(f"{where}: expected BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t], got {spec!r}")
+    bm, bn, bk, warps, stages, *programs = (int(v) for v in match[1].split("x"))
+    tail, store_tma = int(match[2] or 0), bool(match[3])
+    if store_tma and kind not in ("k", "k8"):
+        raise ValueError(f"{where}: TMA stores (a trailing 't') are for the dw kinds k and k8")
+    if tail and kind not in ("mk", "mk8"):
+        raise ValueError(f"{where}: tail tiles (rTAIL) are for the forward / dx kinds mk and mk8")
+    if warps < 1 or warps & (warps - 1) or stages < 1 or (programs and programs[0] < 1):
+        raise ValueError(f"{where}: warps must be a power of two, stages and programs >= 1")
+    return TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages, programs_per_sm=programs[0] if programs else 1,
+                      store_tma=store_tma, tail_m=tail)
 
 
 # 16-bit tiles on sm90, the winners of the H200 tile sweep (BENCHMARKS.md, "Grouped GEMM: the
@@ -428,7 +532,16 @@ SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3),
               # fp8 forward / dx: the best of five tiles at E = 64 and K3's latent shapes (BENCHMARKS.md,
               # "fp8 grouped GEMM on our Triton kernels"); fp8 dw: a first choice, not swept yet
               "mk8": TileConfig(256, 128, 128, num_warps=8, num_stages=3),
-              "k8": TileConfig(128, 128, 128, num_warps=8, num_stages=4)}
+              "k8": TileConfig(128, 128, 128, num_warps=8, num_stages=4),
+              # fp8 forward / dx for groups of <= SMALL_GROUP_ROWS rows on average: 128-row tiles and
+              # 32-row tail tiles (BENCHMARKS.md, "fp8 at K3's latent shapes ..."): at K3's 144-160-row
+              # groups the forward took 1.178 ms against 1.322 for "mk8"; under E = 64's Zipf(1.1)
+              # (1,024 rows on average) it lost, 0.529 against 0.501
+              "mk8_small": TileConfig(128, 256, 128, num_warps=8, num_stages=3, tail_m=32)}
+SMALL_GROUP_ROWS = 256
+"""The mean rows per group up to which the fp8 forward / dx take ``SM90_TILES["mk8_small"]``.
+Measured at two points only (146 rows: tail tiles win; 1,024: they lose); 256 is where a
+256-row tile holds at most one group on average."""
 
 
 def _is_sm90(device: torch.device) -> bool:
@@ -438,8 +551,11 @@ def _is_sm90(device: torch.device) -> bool:
     return cuda_capability(index)[0] == 9
 
 
-def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileConfig:
-    """Tile defaults per dtype and kernel ("mk" forward/dx, "k" dw).
+def default_config(dtype: torch.dtype, device: torch.device, kind: str,
+                   rows_per_group: float | None = None) -> TileConfig:
+    """Tile defaults per dtype and kernel ("mk" forward/dx, "k" dw, "mk8" / "k8" their fp8
+    forms). ``rows_per_group`` (M / E, known on the host): "mk8" on sm90 takes the small-group
+    tiles at or below `SMALL_GROUP_ROWS`.
 
     16-bit on sm90: `SM90_TILES`, measured. 16-bit on other GPUs (unmeasured starting points):
     128x128 output tiles, 64-deep steps, 4 stages: (128*64 + 64*128) * 2 B = 32 KB of shared
@@ -454,6 +570,8 @@ def default_config(dtype: torch.dtype, device: torch.device, kind: str) -> TileC
         return override
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, num_warps=4, num_stages=3)
+    if kind == "mk8" and rows_per_group is not None and rows_per_group <= SMALL_GROUP_ROWS and _is_sm90(device):
+        return SM90_TILES["mk8_small"]
     if kind in ("mk8", "k8"):
         return SM90_TILES[kind]
     if _is_sm90(device):
@@ -519,6 +637,21 @@ def _row_major_descriptor(t_MK: torch.Tensor, block: list[int]):
     return TensorDescriptor(t_MK, [M, K], [t_MK.stride(0), 1], block)
 
 
+def _dw_store_descriptor(dw_EKN: torch.Tensor, cfg: TileConfig):
+    """With ``cfg.store_tma``, a TMA descriptor of the contiguous ``dw_EKN`` [E, K, N] with
+    boxes of [1, block_k, block_n] (the copy engine clips each box at K and N, so a box never
+    spills into the next group), else None (pointer stores): also where TMA cannot describe
+    it (a row of N elements not a multiple of 16 bytes)."""
+    if not cfg.store_tma or (dw_EKN.shape[2] * dw_EKN.element_size()) % 16 or dw_EKN.data_ptr() % 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if dw_EKN.is_cuda:
+        ensure_cuda_context(dw_EKN.device.index if dw_EKN.device.index is not None else torch.cuda.current_device())
+    E, K, N = dw_EKN.shape
+    return TensorDescriptor(dw_EKN, [E, K, N], [K * N, N, 1], [1, cfg.block_k, cfg.block_n])
+
+
 def _use_tma(tma: bool | None, device: torch.device) -> bool:
     if tma is not None:
         return tma
@@ -566,13 +699,18 @@ def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
     E, _, N = b_EKN.shape
     if M == 0 or N == 0:
         return
-    max_tiles = (cdiv(M, cfg.block_m) + E + 1) * cdiv(N, cfg.block_n)
+    # each group adds at most one partial tile, or with tail tiles block_m / tail_m of them
+    partial = cdiv(cfg.block_m, cfg.tail_m) if cfg.tail_m else 1
+    max_tiles = (cdiv(M, cfg.block_m) + (E + 1) * partial) * cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, a_MK.device, max_tiles)
     descriptors = _tma_operands(a_MK, b_EKN, cfg) if _use_tma(tma, a_MK.device) else None
     if descriptors is None:
         a_arg, b_arg, b_transposed = a_MK, b_EKN, False
+        a_tail = a_MK
     else:
         a_arg, b_arg, b_transposed = descriptors
+        # the same layout as a_arg's (already checked), in boxes of the tail tiles' rows
+        a_tail = _row_major_descriptor(a_MK, [cfg.tail_m, cfg.block_k]) if cfg.tail_m else a_arg
     _ragged_m_kernel[(n_prog,)](
         a_arg, b_arg, out_MN, offs_E,
         M, N, K, E,
@@ -584,6 +722,7 @@ def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
         PRECISION=_precision(a_MK.dtype), INTERPRETED=interpreted(),
         USE_TMA=descriptors is not None, B_TRANSPOSED=b_transposed,
         sa_ptr=scale_a_M, sb_ptr=scale_b_EN, SCALED=scale_a_M is not None,
+        a_tail=a_tail, TAIL_M=cfg.tail_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -609,7 +748,8 @@ def scaled_grouped_mm_triton(
             layout's transpose), which the TMA path loads as [N, K] boxes.
         scale_a_M: fp32 [M]; scale_b_EN: fp32 [E, N] contiguous.
         offs_E: [E] int32 cumulative group ends (not read on the host).
-        config: tile override (default ``default_config(..., "mk8")``).
+        config: tile override (default ``default_config(..., "mk8", rows_per_group=M / E)``: on
+            sm90, tail tiles for groups of at most ``SMALL_GROUP_ROWS`` rows on average).
         tma: as :func:`grouped_mm_triton`.
 
     Returns:
@@ -636,7 +776,8 @@ def scaled_grouped_mm_triton(
         raise ValueError("scaled_grouped_mm_triton: tensors must share a device")
     check_runs_on(_ragged_m_kernel, a_MK.device, "scaled_grouped_mm_triton", "titan_moe.ops.grouped_gemm.triton_kernel")
     out_MN = a_MK.new_empty(M, N, dtype=torch.bfloat16)
-    _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, config or default_config(a_MK.dtype, a_MK.device, "mk8"), tma,
+    cfg = config or default_config(a_MK.dtype, a_MK.device, "mk8", rows_per_group=M / max(E, 1))
+    _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, cfg, tma,
                      scale_a_M, scale_b_EN)
     return out_MN
 
@@ -686,14 +827,15 @@ def grouped_mm_dw_triton(
         tma = x_desc is not None and g_desc is not None
         if tma:
             x_arg, g_arg = x_desc, g_desc
+    dw_desc = _dw_store_descriptor(dw_EKN, cfg)
     _ragged_k_kernel[(n_prog,)](
-        x_arg, g_arg, dw_EKN, offs_E,
+        x_arg, g_arg, dw_EKN if dw_desc is None else dw_desc, offs_E,
         M, N, K, E,
         x_MK.stride(0), x_MK.stride(1),
         grad_MN.stride(0), grad_MN.stride(1),
         dw_EKN.stride(0), dw_EKN.stride(1), dw_EKN.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION=_precision(x_MK.dtype), INTERPRETED=interpreted(), USE_TMA=tma,
+        PRECISION=_precision(x_MK.dtype), INTERPRETED=interpreted(), USE_TMA=tma, STORE_TMA=dw_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw_EKN
@@ -749,15 +891,16 @@ def scaled_grouped_mm_dw_triton(
         return dw_EKN
     cfg = config or default_config(fp8, xq_MK.device, "k8")
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
+    dw_desc = _dw_store_descriptor(dw_EKN, cfg)
     _ragged_k_kernel[(_num_programs(cfg, xq_MK.device, max_tiles),)](
-        xq_MK, gq_MN, dw_EKN, offs_E,
+        xq_MK, gq_MN, dw_EKN if dw_desc is None else dw_desc, offs_E,
         M, N, K, E,
         xq_MK.stride(0), xq_MK.stride(1),
         gq_MN.stride(0), gq_MN.stride(1),
         dw_EKN.stride(0), dw_EKN.stride(1), dw_EKN.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="tf32", INTERPRETED=interpreted(), USE_TMA=False,
-        sx_ptr=scale_x_EK, sg_ptr=scale_g_EN, SCALED=True,
+        sx_ptr=scale_x_EK, sg_ptr=scale_g_EN, SCALED=True, STORE_TMA=dw_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw_EKN
