@@ -253,6 +253,24 @@ def test_fp8_grouped_mm_vs_float64(sizes, tail, k, n, wgrad, torch_quantization)
     assert torch.all(dw[empty] == 0)
 
 
+def test_auto_weight_gradient_by_mean_group_size(monkeypatch, torch_quantization):
+    """wgrad="auto": exactly "bf16"'s results for groups of at most WGRAD_AUTO_MAX_ROWS rows on
+    average, exactly "fp8_rows"' above; the recipe accepts it."""
+    from titan_moe.float8 import grouped_mm as fgm
+    from titan_moe.float8.experts_recipe import WGRAD_MODES
+
+    assert "auto" in WGRAD_MODES
+    assert fgm.resolve_wgrad("auto", 146 * 112, 112) == "bf16"
+    assert fgm.resolve_wgrad("auto", fgm.WGRAD_AUTO_MAX_ROWS * 4 + 1, 4) == "fp8_rows"
+    assert fgm.resolve_wgrad("fp8", 10, 4) == "fp8"
+    x, w, dy, offs = make_case([32, 0, 48, 16], 7, 32, 48, seed=4)  # 103 rows over 4 groups
+    for max_rows, want in ((fgm.WGRAD_AUTO_MAX_ROWS, "bf16"), (16, "fp8_rows")):
+        monkeypatch.setattr(fgm, "WGRAD_AUTO_MAX_ROWS", max_rows)
+        got, expected = run_fp8(x, w, dy, offs, "auto"), run_fp8(x, w, dy, offs, want)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), want
+    assert not torch.equal(run_fp8(x, w, dy, offs, "bf16")[2], run_fp8(x, w, dy, offs, "fp8_rows")[2])
+
+
 def test_fp32_inputs_and_partial_grads(torch_quantization):
     """fp32 x/w (output through bf16, cast back); only x or only w requiring grad."""
     x, w, dy, offs = make_case([16, 32, 0], 5, 32, 16, dtype=torch.float32, seed=1)

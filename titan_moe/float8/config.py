@@ -47,7 +47,8 @@ class Float8GroupedMMExtras:
     gemm: str = "fused"
     """"fused" (our quantization kernels around torch._scaled_grouped_mm) or "torchao"."""
     wgrad: str = "bf16"
-    """The fused GEMM's weight gradient: "bf16", "fp8" or "fp8_rows"."""
+    """The fused GEMM's weight gradient: "bf16", "fp8", "fp8_rows", or "auto" (per call: "bf16" for
+    groups of at most 256 rows on average, else "fp8_rows")."""
     situ_quant: bool = False
     """SiTU-GLU computed inside the down GEMM's row quantization (fused GEMM, wgrad bf16/fp8_rows)."""
     cache_weights: bool = True

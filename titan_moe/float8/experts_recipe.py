@@ -3,7 +3,8 @@
     [quantize.grouped_mm.float8]   # torchtitan's table (fqns) plus these keys of ours
     gemm = "fused"           # "fused": our quantization kernels around torch._scaled_grouped_mm;
                              # "torchao": torchao's _to_fp8_rowwise_then_scaled_grouped_mm
-    wgrad = "bf16"           # the fused GEMM's weight gradient: "bf16", "fp8" or "fp8_rows"
+    wgrad = "bf16"           # the fused GEMM's weight gradient: "bf16", "fp8", "fp8_rows", or "auto"
+                             # (per call: "bf16" for small groups, else "fp8_rows")
     situ_quant = false       # SiTU-GLU computed inside the down GEMM's row quantization
     cache_weights = true     # expert weights quantized once per optimizer step
     widen = "torch"          # bf16 -> fp32 of the weight gradients: "torch" (.float()) or "triton"
@@ -29,7 +30,10 @@ bf16 at 32K tokens per step; none of the three was timed alone there, so none is
 `kernels = "auto"` puts the forward and dx products on our Triton fp8 kernel on sm90: faster
 than `torch._scaled_grouped_mm` at each GEMM benchmark shape (1.07x forward at E = 64, 1.6x at
 K3's 146-row groups); our fp8 weight-gradient kernel was slower than torch's there, so it is
-opt-in ("triton_dw", "triton_all").
+opt-in ("triton_dw", "triton_all"). `wgrad = "auto"` picks per call by the mean rows per
+group (M / E, known on the host): "bf16" up to `titan_moe.float8.grouped_mm.WGRAD_AUTO_MAX_ROWS`,
+where the fp8 weight gradient gains nothing (K3's 146-row latent experts: its output write
+bounds both), "fp8_rows" above.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from titan_moe.float8.widen import BACKEND_ENV as WIDEN_ENV
 from titan_moe.float8.widen import BACKENDS as WIDENS
 
 GEMMS = ("torchao", "fused")
-WGRAD_MODES = ("bf16", "fp8", "fp8_rows")  # fp8_grouped_mm's `wgrad` (titan_moe.float8.grouped_mm imports it)
+WGRAD_MODES = ("bf16", "fp8", "fp8_rows", "auto")  # fp8_grouped_mm's `wgrad` (titan_moe.float8.grouped_mm imports it)
 KERNELS = ("auto", "torch", "triton", "triton_dw", "triton_all")  # fp8_grouped_mm's `kernels`
 KERNELS_ENV = "TITAN_MOE_FP8_KERNELS"
 

@@ -428,6 +428,21 @@ def _check_quantized_weight(w_EKN: Tensor, w_fp8: Fp8Weight) -> None:
         raise ValueError(f"fp8_grouped_mm: w_fp8's dx layout does not belong to w {tuple(w_EKN.shape)}")
 
 
+WGRAD_AUTO_MAX_ROWS = 256
+"""``wgrad="auto"``: "bf16" up to this many rows per group on average, "fp8_rows" above. On the
+H200 (BENCHMARKS.md, "fp8 at K3's latent shapes ..."): at K3's 146-row groups the bf16 weight
+gradient was 1-2% faster per call in two runs (2.33 against 2.49 ms of dw kernels, plus the
+requantization it skips), at E = 64's 1,024 rows fp8_rows was 6% faster (1.521 against 1.621
+ms). Nothing between the two points was timed."""
+
+
+def resolve_wgrad(wgrad: str, rows: int, groups: int) -> str:
+    """``wgrad``, with "auto" resolved by the mean group size ``rows / groups``."""
+    if wgrad != "auto":
+        return wgrad
+    return "bf16" if rows <= WGRAD_AUTO_MAX_ROWS * max(groups, 1) else "fp8_rows"
+
+
 def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, w_fp8: Fp8Weight | None = None,
                 situ: tuple[float, float] | None = None) -> None:
     """Shape, dtype and device checks; reads no data."""
@@ -509,6 +524,8 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
             configs/wide_1gpu.toml (E = 16, K = 2048, N = 8192, fp32 weights) runs forward+
             backward in 7.05 ms against 7.87 for "bf16"; at E = 64, K = 2048, N = 1408 the
             gain of the fp8 GEMM (0.17 ms) is spent on the requantization.
+            "auto": "bf16" for groups of at most ``WGRAD_AUTO_MAX_ROWS`` rows on average (M / E),
+            else "fp8_rows" (:func:`resolve_wgrad`).
         w_fp8: ``w`` already quantized (:func:`titan_moe.float8.quantize.quantize_weight`,
             with the dx layout when x needs a gradient), e.g. once per optimizer step: the
             call then quantizes only the activations, ``w`` only receives the gradient (in
@@ -539,6 +556,7 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
             multiples of 16 (checked on the CPU only, see the module docstring).
     """
     _check_args(x_MK, w_EKN, offs_E, wgrad, w_fp8, situ)  # metadata only; the op checks offs' values
+    wgrad = resolve_wgrad(wgrad, x_MK.shape[0], offs_E.shape[0])
     if widen not in (None, *WIDEN_BACKENDS):
         raise ValueError(f"fp8_grouped_mm: widen must be None or one of {WIDEN_BACKENDS}, got {widen!r}")
     if kernels not in (None, *KERNELS):
