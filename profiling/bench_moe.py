@@ -312,6 +312,9 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # and with the fp8 weight gradient from the row-quantized codes, re-expressed per group
         providers["fp8_cached_w_dw8rows"] = (
             _with_quantized_weight(functools.partial(fused_fp8_grouped_mm, wgrad="fp8_rows")), {})
+        # and with the weight gradient chosen per call by the mean group size (wgrad "auto")
+        providers["fp8_cached_w_auto"] = (
+            _with_quantized_weight(functools.partial(fused_fp8_grouped_mm, wgrad="auto")), {})
         # the same with the fp8 GEMMs chosen explicitly (the default "auto" is "triton" on sm90):
         # all on torch's, forward and dx on our Triton kernel (default tile, then one provider
         # per --fp8-tiles entry), our dw kernel too
@@ -347,8 +350,8 @@ def _with_quantized_weight(fp8_gemm):
 
 
 ERR_PROVIDERS = ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8",
-                 "fp8_cached_w", "fp8_cached_w_dw8rows", "fp8_rows_torch", "fp8_rows_triton", "fp8_rows_triton_dw",
-                 "fp8_rows_triton_all")
+                 "fp8_cached_w", "fp8_cached_w_dw8rows", "fp8_cached_w_auto", "fp8_rows_torch", "fp8_rows_triton",
+                 "fp8_rows_triton_dw", "fp8_rows_triton_all")
 """The GEMM providers whose output, dx and dw are compared with ``torch._grouped_mm``'s
 (and every ``fp8t_<tile>`` provider, see :data:`FP8_TILES`)."""
 

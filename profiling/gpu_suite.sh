@@ -133,7 +133,8 @@
 #              and fp8 GEMM tests on the GPU (test_grouped_gemm_triton.py, test_float8_grouped.py,
 #              test_float8_experts_recipe.py), then probe_fp8_wgrad.py at E = 64 with
 #              --host-profile 20 (kernel sums, wall time and the host's Python per call), then
-#              providers native, auto, fp8_cached_w, fp8_cached_w_dw8rows (the default fp8 kernels),
+#              providers native, auto, fp8_cached_w, fp8_cached_w_dw8rows, fp8_cached_w_auto (wgrad
+#              "auto") (the default fp8 kernels),
 #              fp8_rows_torch (all fp8 GEMMs on torch's) at E = 64 (balanced,
 #              Zipf 1.1) and the K3 latent experts (balanced) as CUDA-graph replays
 #              (--cuda-graph), then at E = 64 with host launches (not in the default list)
@@ -393,7 +394,7 @@ for section in "${SECTIONS[@]}"; do
             run fp8_ablate_table python profiling/step_table.py "$DUMP/fp8_ablate_no_cache" "$DUMP/fp8_ablate_no_situ" \
                 "$DUMP/fp8_all_wide_fp8" "$DUMP/fp8_all_wide_bf16" --baseline fp8_all_wide_bf16 --mean-after 4 ;;
         fp8_gemm)
-            GEMM_ARGS=(--skip-layer --gemm-providers native,auto,fp8_cached_w,fp8_cached_w_dw8rows,fp8_rows_torch)
+            GEMM_ARGS=(--skip-layer --gemm-providers native,auto,fp8_cached_w,fp8_cached_w_dw8rows,fp8_cached_w_auto,fp8_rows_torch)
             run fp8_gemm_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
                 tests/test_float8_grouped.py tests/test_float8_experts_recipe.py
             run fp8_gemm_probe python profiling/probe_fp8_wgrad.py --shapes 64,2048,1408 --weights bf16 \
