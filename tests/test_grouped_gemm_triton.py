@@ -296,9 +296,12 @@ def test_scaled_fp8_dw_kernel_matches_dequantized_reference(m, k, n, e, frac, ou
     assert (sizes == 0).any()
     dw = tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype)
     assert dw.shape == (e, k, n) and dw.dtype == out_dtype
-    store_cfg = dataclasses.replace(tk.default_config(fp8, xq.device, "k8"), store_tma=True)
-    assert torch.equal(dw, tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype,
-                                                          config=store_cfg))  # TMA stores: the same values
+    # TMA stores (the GPU default) and pointer stores: the same values
+    stores = [tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype,
+                                             config=dataclasses.replace(tk.default_config(fp8, xq.device, "k8"),
+                                                                        store_tma=store_tma))
+              for store_tma in (False, True)]
+    assert torch.equal(stores[0], stores[1]) and torch.equal(dw, stores[CUDA])
     want = grouped_mm_dw_reference(xq.float(), gq.float(), offs).cpu()
     want *= scale_x.view(e, k, 1).cpu() * scale_g.view(e, 1, n).cpu()
     # fp32 out: exact sums under the interpreter; sm90's fp8 tensor cores accumulate with

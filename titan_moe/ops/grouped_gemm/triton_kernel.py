@@ -486,11 +486,10 @@ def _num_programs(cfg: TileConfig, device: torch.device, max_tiles: int) -> int:
 
 
 def tile_overrides() -> dict[str, TileConfig]:
-    """`$TITAN_MOE_GROUPED_MM_TILES` (read per call), "KIND=BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t],...",
-    KIND "mk" (the forward and dx kernel), "k" (the dw kernel), "mk8" / "k8" (their fp8 forms):
-    the GPU tiles of that kernel in place of `default_config`'s (to time a tile sweep's winner
-    through the whole op before it becomes a default); PROGRAMS: persistent programs per SM
-    (default 1); a trailing "t": TMA stores (``TileConfig.store_tma``, dw kinds only)."""
+    """`$TITAN_MOE_GROUPED_MM_TILES` (read per call), "KIND=SPEC,...", KIND "mk" (the forward
+    and dx kernel), "k" (the dw kernel), "mk8" / "k8" (their fp8 forms), SPEC as
+    :func:`parse_tile` reads it: the GPU tiles of that kernel in place of `default_config`'s
+    (to time a tile sweep's winner through the whole op before it becomes a default)."""
     text = os.environ.get(TILES_ENV, "")
     out: dict[str, TileConfig] = {}
     for item in filter(None, text.split(",")):
@@ -530,9 +529,11 @@ def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
 SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3),
               "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3),
               # fp8 forward / dx: the best of five tiles at E = 64 and K3's latent shapes (BENCHMARKS.md,
-              # "fp8 grouped GEMM on our Triton kernels"); fp8 dw: a first choice, not swept yet
+              # "fp8 grouped GEMM on our Triton kernels"); fp8 dw (opt-in: torch's stays the default):
+              # with TMA stores, ahead of the earlier 128x128x128x8x4 pointer-store tile at all four
+              # benchmark shapes in one run (BENCHMARKS.md, "fp8 at K3's latent shapes ...", 75th run)
               "mk8": TileConfig(256, 128, 128, num_warps=8, num_stages=3),
-              "k8": TileConfig(128, 128, 128, num_warps=8, num_stages=4),
+              "k8": TileConfig(128, 256, 128, num_warps=8, num_stages=3, store_tma=True),
               # fp8 forward / dx for groups of <= SMALL_GROUP_ROWS rows on average: 128-row tiles and
               # 32-row tail tiles (BENCHMARKS.md, "fp8 at K3's latent shapes ..."): at K3's 144-160-row
               # groups the forward took 1.178 ms against 1.322 for "mk8"; under E = 64's Zipf(1.1)
@@ -863,7 +864,8 @@ def scaled_grouped_mm_dw_triton(
         offs_E: [E] int32 cumulative group ends, multiples of 16 (not read on the host; other
             ends give wrong sums: the kernel loads rows in 16-row vectors), M a multiple of 16.
         out_dtype: bf16 or fp32.
-        config: tile override (default ``default_config(..., "k8")``); pointer loads.
+        config: tile override (default ``default_config(..., "k8")``, with TMA stores on the GPU);
+            pointer loads.
     """
     fp8 = torch.float8_e4m3fn
     if xq_MK.dtype != fp8 or gq_MN.dtype != fp8:
