@@ -116,6 +116,11 @@
 #              bf16 (--mk-tiles), beside the defaults, CUDA-graph replays under Zipf(1.1) and at the
 #              K3 latent shapes (144-160-row groups), after the tail tiles' GPU tests (not in the
 #              default list)
+#   fwd_store_tma  the forward / dx kernels with TMA stores of their full tiles (TileConfig.store_tma
+#              on kind mk / mk8: a tile's store drains while the program computes its next one),
+#              bf16 (--mk-tiles) and fp8 (--fp8-tiles, incl. with tail tiles), beside the defaults
+#              and torch, CUDA-graph replays at E = 64 (balanced, Zipf 1.1) and the K3 latent
+#              shapes, after the store and tail tests on the GPU (not in the default list)
 #   fp8_kernels_b8  fp8_all at local batch 8 twice, the fp8 GEMMs on torch._scaled_grouped_mm
 #              (`kernels = "torch"`) then the forward and dx on our Triton kernel ("triton"), 24
 #              steps each, and their table: what the kernel choice does to the whole step (not in
@@ -360,6 +365,14 @@ for section in "${SECTIONS[@]}"; do
                 --fp8-tiles 128x256x128x8x3r32,128x128x128x8x3r32,128x256x128x8x3r16 \
                 --mk-tiles 128x256x64x8x3r32,128x128x64x8x4r32 \
                 --gemm-cases e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
+        fwd_store_tma)
+            run fwd_store_tma_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
+                -k "store or tail or cuda"
+            run fwd_store_tma python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,auto,fp8_cached_w_dw8rows \
+                --mk-tiles 256x128x64x8x3t,128x256x64x8x3t \
+                --fp8-tiles 256x128x128x8x3t,128x256x128x8x3r32t \
+                --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
         fp8_kernels_b8)
             for kernels in torch triton; do
                 run "fp8_kernels_b8_$kernels" env "${FP8_ALL_ENV[@]}" torchrun --standalone --nproc_per_node=1 \

@@ -217,6 +217,27 @@ def test_scaled_fp8_tail_tiles_match_dequantized_reference(tma):
     assert torch.all(ours[int(offs[-1]):] == 0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("tail", [0, 1])
+def test_forward_tma_stores_match_pointer_stores(tail):
+    """``store_tma`` in the forward / dx kernel: full tiles through TMA boxes, a group's last
+    partial tile (and tail tiles) through masked pointer stores, so that no box overwrites
+    the next group's rows: the same output as pointer stores everywhere, rows past offs[-1]
+    zero."""
+    offs, m = tail_offsets(DEVICE)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(m, 40, generator=gen).to(DEVICE, torch.float16)
+    w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, torch.float16)
+    cfg = tail_config() if tail else dataclasses.replace(tail_config(), tail_m=0)
+    stored = dataclasses.replace(cfg, store_tma=True)
+    assert tk._row_major_descriptor(x.new_empty(m, 24), [cfg.block_m, cfg.block_n]) is not None
+    for a, b in ((x, w), (torch.randn(m, 24, generator=gen).to(DEVICE, torch.float16), w.transpose(1, 2))):
+        for tma in (False, True):
+            out = tk.grouped_mm_triton(a, b, offs, config=stored, tma=tma)
+            assert torch.equal(out, tk.grouped_mm_triton(a, b, offs, config=cfg, tma=tma))
+            assert torch.all(out[int(offs[-1]):] == 0)
+
+
 def test_tile_config_tail_rules():
     assert tk.TileConfig(128, 128, 128, tail_m=32).tail_m == 32
     for bad in (8, 24, 128, 256):
@@ -546,7 +567,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
     mk, kk = tk.SM90_TILES["mk"], tk.SM90_TILES["k"]  # the tiles sm90 runs by default
     bm, bn, bk = mk.block_m, mk.block_n, mk.block_k
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=128, PRECISION="tf32",
-                  INTERPRETED=False, sa_ptr=None, sb_ptr=None, SCALED=False, a_tail=None, TAIL_M=0)
+                  INTERPRETED=False, sa_ptr=None, sb_ptr=None, SCALED=False, a_tail=None, TAIL_M=0, c_desc=None,
+                  STORE_TMA=False)
     mk_ints = ["M", "N", "K", "E", "stride_am", "stride_be", "stride_cm"]
     ptrs = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32"}
     results = {}
@@ -562,6 +584,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
         results[name] = compile_kernel(tk._ragged_m_kernel, descs, mk_ints + ["stride_bk"],
                                        ["stride_ak", "stride_bn", "stride_cn"],
                                        dict(common, USE_TMA=True, B_TRANSPOSED=transposed), mk)
+    # full tiles stored through TMA boxes of c (a group's partial tile through pointer stores)
+    results["fwd_tma_store"] = compile_kernel(
+        tk._ragged_m_kernel, dict(ptrs, a=f"tensordesc<bf16[{bm},{bk}]>", b=f"tensordesc<bf16[1,{bk},{bn}]>",
+                                  c_desc=f"tensordesc<bf16[{bm},{bn}]>"),
+        mk_ints + ["stride_bk"], ["stride_ak", "stride_bn", "stride_cn"],
+        dict({n: v for n, v in common.items() if n != "c_desc"}, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True), mk)
     m8 = tk.SM90_TILES["mk8"]  # the fp8 form: K-major b through TMA, scales in the epilogue
     descs8 = dict(ptrs, a=f"tensordesc<fp8e4nv[{m8.block_m},{m8.block_k}]>",
                   b=f"tensordesc<fp8e4nv[1,{m8.block_n},{m8.block_k}]>", sa_ptr="*fp32", sb_ptr="*fp32")
@@ -630,12 +658,12 @@ def test_compiles_for_sm90():
     variant) within the shared-memory budget."""
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fp8_tma", "fp8_tma_tail", "fp8", "dw", "fp8_dw",
-                            "fp8_dw_store", "dw_tma"}
+    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
+                            "fp8_dw", "fp8_dw_store", "dw_tma"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
         # fp8_dw_store: pointer loads through cp.async, the dw tiles stored by TMA bulk copies
-        expected = (False, True) if name.endswith(("_tma", "_tail")) else (True, name.endswith("_store"))
+        expected = (False, True) if name.endswith(("_tma", "_tail", "_tma_store")) else (True, name.endswith("_store"))
         assert (cp_async, tma_copies) == expected, (name, results)
         assert 0 < shared <= 228 * 1024, (name, results)
 
@@ -755,7 +783,7 @@ def test_tile_override_env_replaces_the_gpu_defaults(monkeypatch):
     for bad, match in (("mk=128x256x64x8", "BMxBNxBKxWARPSxSTAGES"), ("dw=64x64x64x4x3", "KIND"),
                        ("mk=128x256x64x6x3", "power of two"), ("mk=96x128x64x4x3", "power of two >= 16"),
                        ("k8=64x128x128x4x3x0", "programs >= 1"), ("k8=64x128x128x4x3x2x2", "PROGRAMS"),
-                       ("mk=128x256x64x8x3t", "dw kinds"), ("k=64x128x128x4x3tt", "BMxBNxBKxWARPSxSTAGES")):
+                       ("k=64x128x128x4x3r32", "forward / dx kinds"), ("k=64x128x128x4x3tt", "BMxBNxBKxWARPSxSTAGES")):
         monkeypatch.setenv(tk.TILES_ENV, bad)
         with pytest.raises(ValueError, match=match):
             tk.default_config(torch.bfloat16, cuda, "mk")

@@ -35,9 +35,14 @@ needs). K3's 144-160-row groups then compute 160 rows where a 256-row tile compu
 The fp8 forward / dx take them on sm90 for groups of at most ``SMALL_GROUP_ROWS`` rows on
 average (11% faster forward at K3's latent shapes on the H200).
 
-dw stores (``TileConfig.store_tma``): each output tile leaves through a TMA box, and the
-compiler waits for it only before the next tile's epilogue refills the staging buffer, so
-a tile's stores overlap the program's next loads and dots.
+TMA stores (``TileConfig.store_tma``): each output tile leaves through a TMA box, and the
+compiler waits for it only before the next tile's epilogue refills the staging buffer (one
+buffer outside the persistent loop, checked in the sm90 TTGIR), so a tile's stores overlap
+the program's next loads and dots. In the dw kernel every tile (the box is clipped at K and
+N); in the forward / dx kernel only tiles whose rows all belong to their group (a box would
+overwrite the next group's rows), the others through masked pointer stores. Opt-in: timed
+for the fp8 dw only (its default tile; torch's dw stays the op's default); not yet timed for
+the forward / dx.
 
 Tile scheduling (persistent): ``num_programs`` programs (the SM count on a GPU) walk the
 tile list with stride ``num_programs`` (read in-kernel, so no recompilation per grid size).
@@ -165,24 +170,34 @@ def _mk_step(acc, a, b, rows, cols, row_ok, col_ok, group, row_start, col_start,
 
 
 @triton.jit
-def _mk_store(acc, c_ptr, sa_ptr, sb_ptr, rows, cols, row_ok, col_ok, group, N, E, stride_cm, stride_cn,
-              SCALED: tl.constexpr):
-    """Dequantize (fp8) and store one [rows, cols] tile of the output."""
+def _mk_store(acc, c_ptr, c_desc, sa_ptr, sb_ptr, rows, cols, row_ok, col_ok, group, row_start, row_end, col_start,
+              N, E, stride_cm, stride_cn, BLOCK_M: tl.constexpr, SCALED: tl.constexpr, STORE_TMA: tl.constexpr):
+    """Dequantize (fp8) and store one [rows, cols] tile of the output. With STORE_TMA, a tile
+    whose BLOCK_M rows all belong to its group leaves through the [BLOCK_M, BLOCK_N] boxes of
+    ``c_desc`` (asynchronously, see ``TileConfig.store_tma``); a group's last, partial tile
+    through masked pointer stores (a box would overwrite the next group's rows)."""
     if SCALED:  # a's row scales sa [M], b's column scales sb [E, N] (none for the tail)
         scale_a = tl.load(sa_ptr + rows, mask=row_ok, other=0.0)
         scale_b = tl.load(sb_ptr + group.to(tl.int64) * N + cols, mask=col_ok & (group < E), other=0.0)
         acc = acc * scale_a[:, None] * scale_b[None, :]
+    out = acc.to(c_ptr.dtype.element_ty)
     c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if STORE_TMA:
+        if row_start + BLOCK_M <= row_end:
+            c_desc.store([row_start, col_start], out)
+        else:
+            tl.store(c, out, mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        tl.store(c, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _mk_block(
-    a, b, c_ptr, sa_ptr, sb_ptr, N, K, E, group, row_start, row_end, n_tile,
+    a, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group, row_start, row_end, n_tile,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    SCALED: tl.constexpr, SWAPPED: tl.constexpr,
+    SCALED: tl.constexpr, SWAPPED: tl.constexpr, STORE_TMA: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile from row_start (rows from row_end on not stored);
     with SWAPPED (tail tiles) computed transposed."""
@@ -210,17 +225,18 @@ def _mk_block(
                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, B_TRANSPOSED, SWAPPED)
     if SWAPPED:
         acc = tl.trans(acc)
-    _mk_store(acc, c_ptr, sa_ptr, sb_ptr, rows, cols, row_ok, col_ok, group, N, E, stride_cm, stride_cn, SCALED)
+    _mk_store(acc, c_ptr, c_desc, sa_ptr, sb_ptr, rows, cols, row_ok, col_ok, group, row_start, row_end,
+              n_tile * BLOCK_N, N, E, stride_cm, stride_cn, BLOCK_M, SCALED, STORE_TMA and not SWAPPED)
 
 
 @triton.jit
 def _mk_tile(
-    tile, a, a_tail, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
+    tile, a, a_tail, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    SCALED: tl.constexpr, TAIL_M: tl.constexpr,
+    SCALED: tl.constexpr, TAIL_M: tl.constexpr, STORE_TMA: tl.constexpr,
 ):
     m_tile = tile // n_tiles
     n_tile = tile % n_tiles
@@ -236,18 +252,20 @@ def _mk_tile(
         full = (row_end - group_start) // BLOCK_M
         if j >= full:
             # `a_tail` describes boxes of [TAIL_M, BLOCK_K] (the same tensor as `a`)
-            _mk_block(a_tail, b, c_ptr, sa_ptr, sb_ptr, N, K, E, group,
+            _mk_block(a_tail, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group,
                       group_start + full * BLOCK_M + (j - full) * TAIL_M, row_end, n_tile,
                       stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                      TAIL_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, True)
+                      TAIL_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, True,
+                      STORE_TMA)
         else:
-            _mk_block(a, b, c_ptr, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end, n_tile,
-                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, False)
+            _mk_block(a, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end,
+                      n_tile, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, False,
+                      STORE_TMA)
     else:
-        _mk_block(a, b, c_ptr, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end, n_tile,
+        _mk_block(a, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end, n_tile,
                   stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                  BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, False)
+                  BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, False, STORE_TMA)
 
 
 @triton.jit
@@ -267,6 +285,8 @@ def _ragged_m_kernel(
     SCALED: tl.constexpr = False,  # fp8 operands: c = (a @ b[e]) * sa[:, None] * sb[e][None, :]
     a_tail=None,  # with TAIL_M: a again (with USE_TMA: a descriptor of [TAIL_M, BLOCK_K] boxes)
     TAIL_M: tl.constexpr = 0,  # > 0: each group's last rows (past its full BLOCK_M tiles) in TAIL_M-row tiles
+    c_desc=None,  # with STORE_TMA: a descriptor of c [M, N], boxes [BLOCK_M, BLOCK_N]
+    STORE_TMA: tl.constexpr = False,  # full tiles stored through c_desc
 ):
     # Schedule: per-group row ranges (clamped into [0, M]) and row-tile prefix sums.
     e_idx = tl.arange(0, BLOCK_E)
@@ -287,17 +307,19 @@ def _ragged_m_kernel(
     if INTERPRETED:
         tile = pid
         while tile < total:
-            _mk_tile(tile, a, a_tail, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
+            _mk_tile(tile, a, a_tail, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E,
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M)
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M,
+                     STORE_TMA)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
-            _mk_tile(tile, a, a_tail, b, c_ptr, sa_ptr, sb_ptr, N, K, E,
+            _mk_tile(tile, a, a_tail, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E,
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M)
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M,
+                     STORE_TMA)
 
 
 @triton.jit
@@ -430,10 +452,12 @@ class TileConfig:
     epilogue overlap another's loads and dots, where shared memory and registers let them
     share an SM: the weight gradient of small groups, whose tiles run only two or three
     reduction steps each) and 4 under the interpreter (so the persistent loop runs several
-    tiles per program in the CPU tests). ``store_tma`` (dw kernels only): write the output
-    tiles through TMA, asynchronously, so that a tile's store drains while the same program
-    loads and multiplies its next tile (the compiler waits for it only before the next store
-    reuses the staging buffer); pointer stores where TMA cannot describe dw. ``tail_m``
+    tiles per program in the CPU tests). ``store_tma``: write the output tiles through TMA,
+    asynchronously, so that a tile's store drains while the same program loads and multiplies
+    its next tile (the compiler waits for it only before the next store reuses the staging
+    buffer); in the forward / dx kernel only tiles whose rows all belong to their group (a
+    group's last, partial tile, and tail tiles, keep masked pointer stores); pointer stores
+    wherever TMA cannot describe the output. ``tail_m``
     (forward / dx kernels only; 0 = off): each group's rows past its last full ``block_m``
     tile run in ``tail_m``-row tiles, computed transposed (the rows on the tensor cores' N
     side), so that groups of a few hundred rows do not fill most of a ``block_m`` tile with
@@ -506,14 +530,12 @@ _TILE_SPEC = re.compile(r"(\d+(?:x\d+){4,5})(?:r(\d+))?(t?)")
 def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
     """``BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t]`` of a ``kind`` kernel as a TileConfig:
     PROGRAMS persistent programs per SM (default 1), rTAIL ``tail_m`` (forward / dx kinds "mk",
-    "mk8"), a trailing "t" ``store_tma`` (dw kinds "k", "k8")."""
+    "mk8"), a trailing "t" ``store_tma``."""
     match = _TILE_SPEC.fullmatch(spec)
     if match is None:
         raise ValueError(f"{where}: expected BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t], got {spec!r}")
     bm, bn, bk, warps, stages, *programs = (int(v) for v in match[1].split("x"))
     tail, store_tma = int(match[2] or 0), bool(match[3])
-    if store_tma and kind not in ("k", "k8"):
-        raise ValueError(f"{where}: TMA stores (a trailing 't') are for the dw kinds k and k8")
     if tail and kind not in ("mk", "mk8"):
         raise ValueError(f"{where}: tail tiles (rTAIL) are for the forward / dx kinds mk and mk8")
     if warps < 1 or warps & (warps - 1) or stages < 1 or (programs and programs[0] < 1):
@@ -712,6 +734,8 @@ def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
         a_arg, b_arg, b_transposed = descriptors
         # the same layout as a_arg's (already checked), in boxes of the tail tiles' rows
         a_tail = _row_major_descriptor(a_MK, [cfg.tail_m, cfg.block_k]) if cfg.tail_m else a_arg
+    # full tiles' stores through TMA where asked for and out_MN allows (None: pointer stores)
+    c_desc = _row_major_descriptor(out_MN, [cfg.block_m, cfg.block_n]) if cfg.store_tma else None
     _ragged_m_kernel[(n_prog,)](
         a_arg, b_arg, out_MN, offs_E,
         M, N, K, E,
@@ -723,7 +747,7 @@ def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
         PRECISION=_precision(a_MK.dtype), INTERPRETED=interpreted(),
         USE_TMA=descriptors is not None, B_TRANSPOSED=b_transposed,
         sa_ptr=scale_a_M, sb_ptr=scale_b_EN, SCALED=scale_a_M is not None,
-        a_tail=a_tail, TAIL_M=cfg.tail_m,
+        a_tail=a_tail, TAIL_M=cfg.tail_m, c_desc=c_desc, STORE_TMA=c_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
