@@ -850,6 +850,23 @@ def print_gemm_table(rows: list[dict]) -> None:
                 + ("" if sweep.get("max_spread") is None else f", rounds spread <= {sweep['max_spread']:.1%}") + ")")
 
 
+def speedups(row: dict, bases=("native", "auto")) -> dict[str, dict[str, float]]:
+    """{provider: {base: base's forward+backward ms / provider's}} for every provider of a
+    GEMM row, against each base provider the row has (the issue goals' ratios)."""
+    ms = row["ms"]
+    present = [b for b in bases if ms.get(f"{b}_fwd_bwd")]
+    return {key[: -len("_fwd_bwd")]: {b: ms[f"{b}_fwd_bwd"] / t for b in present}
+            for key, t in ms.items() if key.endswith("_fwd_bwd") and t}
+
+
+def print_speedup_table(rows: list[dict]) -> None:
+    print("\n## forward+backward speed-up against native / auto (ratio of medians)")
+    for r in rows:
+        ratios = speedups(r)
+        print(f"{r['case']:<22}" + "  ".join(
+            f"{name} " + "/".join(f"{v:.3f}x" for v in by_base.values()) for name, by_base in ratios.items()))
+
+
 def print_dispatch_table(rows: list[dict]) -> None:
     print("\n## token dispatch (ms median; GB/s of the least traffic, see dispatch_min_bytes)")
     for r in rows:
@@ -869,6 +886,8 @@ def print_tables(report: dict) -> None:
           + ("" if timed else "  (CPU smoke run: NOT timed)"))
     if report["gemm"]:
         print_gemm_table(report["gemm"])
+        if timed:
+            print_speedup_table(report["gemm"])
     layer = report["moe_layer"]
     if layer is None:
         return

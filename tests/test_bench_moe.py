@@ -187,6 +187,20 @@ def test_best_tiles_sums_each_kind_over_cases_and_drops_failed_candidates(tmp_pa
         bench.best_tiles({**report, "timed": False})
 
 
+def test_speedups_against_native_and_auto(capsys):
+    """The goal ratios: each provider's forward+backward median against native's and auto's
+    (only the bases the row has), printed per case."""
+    bench = _load_bench()
+    row = {"case": "k3", "ms": {"native_fwd": 1.0, "native_fwd_bwd": 6.0, "auto_fwd_bwd": 5.0,
+                                "fp8_fwd_bwd": 4.0, "fp8_fwd": 0.5}}
+    ratios = bench.speedups(row)
+    assert ratios["fp8"] == pytest.approx({"native": 1.5, "auto": 1.25})
+    assert ratios["native"]["native"] == 1.0 and set(ratios) == {"native", "auto", "fp8"}
+    assert bench.speedups({"ms": {"fp8_fwd_bwd": 4.0, "native_fwd_bwd": 6.0}})["fp8"] == {"native": 1.5}
+    bench.print_speedup_table([row])
+    assert "fp8 1.500x/1.250x" in capsys.readouterr().out
+
+
 def test_step_parts_tiny_cpu_run_compares_each_part_with_its_earlier_form():
     """profiling/bench_step_parts.py on CPU, tiny shapes (plumbing, no times): every provider
     runs compiled, and each new form equals its earlier one (the SiTU forms and the cached fp8
