@@ -278,7 +278,7 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
     import torch
 
     from titan_moe.ops.grouped_gemm import grouped_mm
-    from titan_moe.ops.grouped_gemm.triton_kernel import TILES_ENV, TMA_ENV
+    from titan_moe.ops.grouped_gemm.triton_kernel import DW_TMA_ENV, TILES_ENV, TMA_ENV
 
     def ours(backend):
         return lambda x, w, offs: grouped_mm(x, w, offs, backend=backend)
@@ -293,6 +293,9 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
     providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
     for tile in DW_TILES:
         providers[f"dw_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"), {TMA_ENV: "1", TILES_ENV: f"k={tile}"})
+        # the same with the dw kernel's loads through TMA too
+        providers[f"dwl_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"),
+                                    {TMA_ENV: "1", DW_TMA_ENV: "1", TILES_ENV: f"k={tile}"})
     for tile in MK_TILES:
         providers[f"mk_{tile}"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1", TILES_ENV: f"mk={tile}"})
     if with_fp8:
@@ -368,8 +371,9 @@ FP8_DW_TILES: list[str] = []
 
 DW_TILES: list[str] = []
 """``--dw-tiles``: tiles of the bf16 Triton dw kernel ("BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t]", a
-trailing "t" for TMA stores), one provider ``dw_<tile>`` each: ``auto``'s forward and dx (our
-TMA kernel) with the weight gradient on our kernel at that tile."""
+trailing "t" for TMA stores), two providers each: ``dw_<tile>``, ``auto``'s forward and dx (our
+TMA kernel) with the weight gradient on our kernel at that tile, and ``dwl_<tile>``, the same
+with the dw kernel's loads through TMA (``$TITAN_MOE_GROUPED_MM_DW_TMA=1``)."""
 
 
 MK_TILES: list[str] = []
@@ -381,7 +385,8 @@ tile, dw on ``torch._grouped_mm``."""
 def err_providers() -> list[str]:
     return [*ERR_PROVIDERS, *(f"fp8t_{tile}" for tile in FP8_TILES), *(f"fp8tb_{tile}" for tile in FP8_TILES),
             *(f"fp8dw_{tile}" for tile in FP8_DW_TILES),
-            *(f"dw_{tile}" for tile in DW_TILES), *(f"mk_{tile}" for tile in MK_TILES)]
+            *(f"dw_{tile}" for tile in DW_TILES), *(f"dwl_{tile}" for tile in DW_TILES),
+            *(f"mk_{tile}" for tile in MK_TILES)]
 
 
 def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bool,
@@ -401,7 +406,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
     providers = gemm_providers(tma_available(device), fp8_available(device, dtype))
     if keep_providers:  # "torch" stays: the errors are measured against it
         providers = {n: p for n, p in providers.items()
-                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8tb_", "fp8dw_", "dw_", "mk_"))}
+                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8tb_", "fp8dw_", "dw_", "dwl_", "mk_"))}
 
     def under(env, call):
         def run():

@@ -118,7 +118,8 @@
 #              default list)
 #   fwd_store_tma  the forward / dx kernels with TMA stores of their full tiles (TileConfig.store_tma
 #              on kind mk / mk8: a tile's store drains while the program computes its next one),
-#              bf16 (--mk-tiles) and fp8 (--fp8-tiles, incl. with tail tiles), beside the defaults
+#              bf16 (--mk-tiles) and fp8 (--fp8-tiles, incl. with tail tiles), and the bf16 dw with
+#              TMA stores, with and without TMA loads (--dw-tiles), beside the defaults
 #              and torch, CUDA-graph replays at E = 64 (balanced, Zipf 1.1) and the K3 latent
 #              shapes, after the store and tail tests on the GPU (not in the default list)
 #   fp8_kernels_b8  fp8_all at local batch 8 twice, the fp8 GEMMs on torch._scaled_grouped_mm
@@ -370,7 +371,7 @@ for section in "${SECTIONS[@]}"; do
                 -k "store or tail or cuda"
             run fwd_store_tma python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,fp8_cached_w_dw8rows \
-                --mk-tiles 256x128x64x8x3t,128x256x64x8x3t \
+                --mk-tiles 256x128x64x8x3t,128x256x64x8x3t --dw-tiles 64x256x128x8x3t \
                 --fp8-tiles 256x128x128x8x3t,128x256x128x8x3r32t \
                 --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
         fp8_kernels_b8)

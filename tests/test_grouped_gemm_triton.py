@@ -250,6 +250,23 @@ def test_tile_config_tail_rules():
 
 
 @needs_kernels
+def test_dw_tma_loads_by_environment(monkeypatch):
+    """``$TITAN_MOE_GROUPED_MM_DW_TMA=1`` turns the dw kernel's TMA loads on where the call
+    leaves ``tma`` unset (the op's call); an explicit ``tma`` wins."""
+    x, _, grad, offs = make_case(77, 40, 24, 5, 0.8, torch.float32, seed=5)
+    described = []
+    real = tk._row_major_descriptor
+    monkeypatch.setattr(tk, "_row_major_descriptor", lambda t, block: described.append(block) or real(t, block))
+    monkeypatch.delenv(tk.DW_TMA_ENV, raising=False)
+    plain = tk.grouped_mm_dw_triton(x, grad, offs)
+    assert described == []
+    monkeypatch.setenv(tk.DW_TMA_ENV, "1")
+    assert torch.equal(tk.grouped_mm_dw_triton(x, grad, offs), plain) and len(described) == 2
+    tk.grouped_mm_dw_triton(x, grad, offs, tma=False)
+    assert len(described) == 2
+
+
+@needs_kernels
 def test_tma_falls_back_for_layouts_it_cannot_describe():
     x, w, _, offs = make_case(30, 20, 12, 3, 1.0, torch.float16, seed=9)  # rows of 40 bytes
     cfg = tk.default_config(torch.float16, x.device, "mk")
@@ -646,6 +663,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
              PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False), kk)
+    results["dw_tma_store"] = compile_kernel(  # TMA loads and stores
+        tk._ragged_k_kernel, {"x_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_k}]>",
+                              "g_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_n}]>",
+                              "dw_ptr": f"tensordesc<bf16[1,{kk.block_k},{kk.block_n}]>", "offs_ptr": "*i32"},
+        ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
+        ["stride_xk", "stride_gn", "stride_wn"],
+        dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=True), kk)
     print("RESULT", repr(results))
     """
 )
@@ -659,7 +684,7 @@ def test_compiles_for_sm90():
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
     assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
-                            "fp8_dw", "fp8_dw_store", "dw_tma"}
+                            "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
         # fp8_dw_store: pointer loads through cp.async, the dw tiles stored by TMA bulk copies

@@ -114,6 +114,7 @@ from titan_moe.ops.triton_runtime import (
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "0": pointer loads on sm90 too (default: TMA on sm90)
 # GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
+DW_TMA_ENV = "TITAN_MOE_GROUPED_MM_DW_TMA"  # "1": TMA loads in the bf16 dw kernel too (default: pointer loads)
 TILES_ENV = "TITAN_MOE_GROUPED_MM_TILES"
 _KINDS = ("mk", "k", "mk8", "k8")  # "mk8", "k8": the fp8 kernels (scaled_grouped_mm_triton, _dw_triton)
 
@@ -809,7 +810,7 @@ def scaled_grouped_mm_triton(
 
 def grouped_mm_dw_triton(
     x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch.Tensor, config: TileConfig | None = None,
-    tma: bool = False, out_dtype: torch.dtype | None = None,
+    tma: bool | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``dw[e] = x[rows of e]^T @ grad[rows of e]`` -> [E, K, N] (zero for empty groups).
 
@@ -820,10 +821,11 @@ def grouped_mm_dw_triton(
             ``block_m`` the reduction step.
         tma: load x and grad through TMA descriptors (boxes of [block_m, block_k] and
             [block_m, block_n]; the rows past a group's end zeroed in registers), where their
-            layouts allow, else pointer loads. Opt-in (the op does not set it): timed on the
-            H200 (forty-eighth run) it beat the pointer form at its own best tile,
-            64x256x128, by 7%, which is not the pointer form's default tile, and still
-            trailed torch._grouped_mm.
+            layouts allow, else pointer loads. None: ``$TITAN_MOE_GROUPED_MM_DW_TMA`` is "1"
+            (opt-in): timed on the H200 (forty-eighth run) it beat the pointer form at its
+            own best tile, 64x256x128, by 7%, which is not the pointer form's default tile,
+            and still trailed torch._grouped_mm; with TMA stores (``config.store_tma``) not
+            timed yet.
         out_dtype: dtype of dw (default x's): fp32 stores the fp32 accumulator itself, for
             fp32 weights, where a 16-bit dw would need a conversion pass.
 
@@ -846,6 +848,8 @@ def grouped_mm_dw_triton(
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, x_MK.device, max_tiles)
     x_arg, g_arg = x_MK, grad_MN
+    if tma is None:
+        tma = os.environ.get(DW_TMA_ENV) == "1"
     if tma:
         x_desc = _row_major_descriptor(x_MK, [cfg.block_m, cfg.block_k])
         g_desc = _row_major_descriptor(grad_MN, [cfg.block_m, cfg.block_n])
