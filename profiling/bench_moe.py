@@ -926,18 +926,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the interleaved rounds as CUDA-graph replays (GPU time without host "
                              "launch gaps) instead of host launches with an L2 flush per call")
-    parser.add_argument("--fp8-tiles", default="",
-                        help="comma-separated BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL] tiles of the Triton fp8 forward / dx "
-                             "kernel (rTAIL: tail tiles), one GEMM provider fp8t_<tile> each")
-    parser.add_argument("--fp8-dw-tiles", default="",
-                        help="comma-separated BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t] tiles of the Triton fp8 dw kernel (BM the "
-                             "reduction step), one GEMM provider fp8dw_<tile> each (all products on our kernels)")
-    parser.add_argument("--dw-tiles", default="",
-                        help="comma-separated BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t] tiles of the bf16 Triton dw kernel "
-                             "(a trailing t: TMA stores), one GEMM provider dw_<tile> each (auto's forward and dx)")
-    parser.add_argument("--mk-tiles", default="",
-                        help="comma-separated BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL] tiles of the bf16 Triton forward / "
-                             "dx kernel (rTAIL: tail tiles), one GEMM provider mk_<tile> each (dw on torch)")
+    # tile lists, each entry "BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t]" (triton_kernel.parse_tile:
+    # rTAIL tail tiles of the forward / dx kernel, t TMA stores), one or two providers per entry
+    for flag, kernel, providers in (
+            ("--fp8-tiles", "Triton fp8 forward / dx kernel", "fp8t_<tile> (fp8_rows dw) and fp8tb_<tile> (bf16 dw)"),
+            ("--fp8-dw-tiles", "Triton fp8 dw kernel (BM the reduction step)", "fp8dw_<tile> (all products ours)"),
+            ("--dw-tiles", "bf16 Triton dw kernel", "dw_<tile> and dwl_<tile> (TMA loads; auto's forward and dx)"),
+            ("--mk-tiles", "bf16 Triton forward / dx kernel", "mk_<tile> (dw on torch)")):
+        parser.add_argument(flag, default="", help=f"comma-separated tiles of the {kernel}, "
+                                                   f"BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t]; providers {providers}")
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time each Triton product (fwd, dx, dw) over a few tile shapes")
     parser.add_argument("--best-tiles", metavar="FILE", default=None,
