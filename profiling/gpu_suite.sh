@@ -368,7 +368,7 @@ for section in "${SECTIONS[@]}"; do
                 --gemm-cases e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
         fwd_store_tma)
             run fwd_store_tma_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
-                -k "store or tail or cuda"
+                -k "store or tail or cuda or scaled_fp8_dw"
             run fwd_store_tma python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,fp8_cached_w_dw8rows \
                 --mk-tiles 256x128x64x8x3t,128x256x64x8x3t --dw-tiles 64x256x128x8x3t \

@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -575,6 +575,19 @@ def _is_sm90(device: torch.device) -> bool:
     return cuda_capability(index)[0] == 9
 
 
+SM90_SHARED_BYTES = 232448  # shared memory one program may take on an sm90 SM (227 KiB)
+
+
+def dw_shared_bytes(cfg: TileConfig, operand_bytes: int, out_bytes: int) -> int:
+    """Shared memory of the dw kernel (`_ragged_k_kernel`) with tile ``cfg``: its pipeline
+    stages of a [BLOCK_M, BLOCK_K] and a [BLOCK_M, BLOCK_N] operand tile, plus, with TMA
+    stores, one [BLOCK_K, BLOCK_N] staging buffer of the output. Equal to what Triton 3.6
+    reports on sm90 for the fp8 tile 128x256x128x8x3t: 212,992 bytes with bf16 output,
+    278,528 with fp32 (which does not fit)."""
+    stages = cfg.num_stages * cfg.block_m * (cfg.block_k + cfg.block_n) * operand_bytes
+    return stages + (cfg.block_k * cfg.block_n * out_bytes if cfg.store_tma else 0)
+
+
 def default_config(dtype: torch.dtype, device: torch.device, kind: str,
                    rows_per_group: float | None = None) -> TileConfig:
     """Tile defaults per dtype and kernel ("mk" forward/dx, "k" dw, "mk8" / "k8" their fp8
@@ -892,8 +905,8 @@ def scaled_grouped_mm_dw_triton(
         offs_E: [E] int32 cumulative group ends, multiples of 16 (not read on the host; other
             ends give wrong sums: the kernel loads rows in 16-row vectors), M a multiple of 16.
         out_dtype: bf16 or fp32.
-        config: tile override (default ``default_config(..., "k8")``, with TMA stores on the GPU);
-            pointer loads.
+        config: tile override (default ``default_config(..., "k8")``, with TMA stores on the GPU
+            for bf16 output, pointer stores for fp32 output); pointer loads.
     """
     fp8 = torch.float8_e4m3fn
     if xq_MK.dtype != fp8 or gq_MN.dtype != fp8:
@@ -920,6 +933,8 @@ def scaled_grouped_mm_dw_triton(
     if K == 0 or N == 0:
         return dw_EKN
     cfg = config or default_config(fp8, xq_MK.device, "k8")
+    if config is None and dw_shared_bytes(cfg, 1, out_dtype.itemsize) > SM90_SHARED_BYTES:
+        cfg = replace(cfg, store_tma=False)  # fp32 out: the staging buffer alone is 128 KiB
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     dw_desc = _dw_store_descriptor(dw_EKN, cfg)
     _ragged_k_kernel[(_num_programs(cfg, xq_MK.device, max_tiles),)](
