@@ -416,6 +416,12 @@ for section in "${SECTIONS[@]}"; do
             run fp8_gemm_graph python profiling/bench_moe.py "${GEMM_ARGS[@]}" --cuda-graph \
                 --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced
             run fp8_gemm_host python profiling/bench_moe.py "${GEMM_ARGS[@]}" --gemm-cases e64_balanced,e64_zipf1.1 ;;
+        fp8_gemm_short)  # fp8_gemm without the probe and the host launches
+            run fp8_gemm_short_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
+                tests/test_float8_grouped.py
+            run fp8_gemm_short python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_cached_w_auto \
+                --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

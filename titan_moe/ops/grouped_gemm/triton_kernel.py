@@ -549,19 +549,21 @@ def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
 # tile sweep per product, ..."): summed over E = 64 balanced and Zipf(1.1), the TMA forward plus
 # dx 2.658 ms at 256x128x64 against 2.850 at the old 128x128x64 (peer 2.752), dw 1.755 against
 # 1.866; timed again in interleaved rounds, still ahead of the old tiles by 1-8% per product.
-SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3),
+# TMA stores (``t``) in the forward / dx kernels, bf16 and fp8: 0-2% faster at all four benchmark
+# shapes, slower at none (BENCHMARKS.md, "fp8 at K3's latent shapes ...", 80th run).
+SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3, store_tma=True),
               "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3),
               # fp8 forward / dx: the best of five tiles at E = 64 and K3's latent shapes (BENCHMARKS.md,
               # "fp8 grouped GEMM on our Triton kernels"); fp8 dw (opt-in: torch's stays the default):
               # with TMA stores, ahead of the earlier 128x128x128x8x4 pointer-store tile at all four
               # benchmark shapes in one run (BENCHMARKS.md, "fp8 at K3's latent shapes ...", 75th run)
-              "mk8": TileConfig(256, 128, 128, num_warps=8, num_stages=3),
+              "mk8": TileConfig(256, 128, 128, num_warps=8, num_stages=3, store_tma=True),
               "k8": TileConfig(128, 256, 128, num_warps=8, num_stages=3, store_tma=True),
               # fp8 forward / dx for groups of <= SMALL_GROUP_ROWS rows on average: 128-row tiles and
               # 32-row tail tiles (BENCHMARKS.md, "fp8 at K3's latent shapes ..."): at K3's 144-160-row
               # groups the forward took 1.178 ms against 1.322 for "mk8"; under E = 64's Zipf(1.1)
               # (1,024 rows on average) it lost, 0.529 against 0.501
-              "mk8_small": TileConfig(128, 256, 128, num_warps=8, num_stages=3, tail_m=32)}
+              "mk8_small": TileConfig(128, 256, 128, num_warps=8, num_stages=3, tail_m=32, store_tma=True)}
 SMALL_GROUP_ROWS = 256
 """The mean rows per group up to which the fp8 forward / dx take ``SM90_TILES["mk8_small"]``.
 Measured at two points only (146 rows: tail tiles win; 1,024: they lose); 256 is where a
