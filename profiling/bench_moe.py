@@ -446,7 +446,8 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
 
 # (block_m, block_n, block_k, num_warps, num_stages[, programs per SM]); for "k" (dw) block_m is
 # the reduction step and block_k x block_n the output tile. The defaults of `default_config`
-# come first. Two programs per SM only where two fit in its 228 KB of shared memory.
+# come first (sm90's forward / dx default also stores through TMA: `--mk-tiles ...t` times that). Two
+# programs per SM only where two fit in its 228 KB of shared memory.
 MK_SWEEP = [
     (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
     (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
