@@ -880,15 +880,13 @@ def test_fp8_dw_default_tile_shared_memory():
     """The fp8 dw's default tile fits an sm90 SM with bf16 output and TMA stores; with fp32
     output its staging buffer does not (Triton 3.6 on the H200 refused 278,528 bytes), and the
     pointer-store form of the same tile fits again: what the launcher falls back to."""
-    from dataclasses import replace
-
     from titan_moe.ops.grouped_gemm import triton_kernel as tk
 
     k8 = tk.SM90_TILES["k8"]
     assert k8.store_tma
     assert tk.dw_shared_bytes(k8, 1, 2) == 212_992 <= tk.SM90_SHARED_BYTES
     assert tk.dw_shared_bytes(k8, 1, 4) == 278_528 > tk.SM90_SHARED_BYTES
-    assert tk.dw_shared_bytes(replace(k8, store_tma=False), 1, 4) <= tk.SM90_SHARED_BYTES
+    assert tk.dw_shared_bytes(dataclasses.replace(k8, store_tma=False), 1, 4) <= tk.SM90_SHARED_BYTES
 
 
 def test_auto_backend_rule_and_routing(monkeypatch):
