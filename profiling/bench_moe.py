@@ -296,6 +296,9 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # the same with the dw kernel's loads through TMA too
         providers[f"dwl_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"),
                                     {TMA_ENV: "1", DW_TMA_ENV: "1", TILES_ENV: f"k={tile}"})
+        # and through per-group descriptors made in the kernel (both operands from shared memory)
+        providers[f"dwg_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"),
+                                    {TMA_ENV: "1", DW_TMA_ENV: "group", TILES_ENV: f"k={tile}"})
     for tile in MK_TILES:
         providers[f"mk_{tile}"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1", TILES_ENV: f"mk={tile}"})
     if with_fp8:
@@ -371,9 +374,10 @@ FP8_DW_TILES: list[str] = []
 
 DW_TILES: list[str] = []
 """``--dw-tiles``: tiles of the bf16 Triton dw kernel ("BMxBNxBKxWARPSxSTAGES[xPROGRAMS][t]", a
-trailing "t" for TMA stores), two providers each: ``dw_<tile>``, ``auto``'s forward and dx (our
-TMA kernel) with the weight gradient on our kernel at that tile, and ``dwl_<tile>``, the same
-with the dw kernel's loads through TMA (``$TITAN_MOE_GROUPED_MM_DW_TMA=1``)."""
+trailing "t" for TMA stores), three providers each: ``dw_<tile>``, ``auto``'s forward and dx (our
+TMA kernel) with the weight gradient on our kernel at that tile, ``dwl_<tile>``, the same
+with the dw kernel's loads through TMA (``$TITAN_MOE_GROUPED_MM_DW_TMA=1``), and ``dwg_<tile>``,
+through per-group descriptors made in the kernel (``$TITAN_MOE_GROUPED_MM_DW_TMA=group``)."""
 
 
 MK_TILES: list[str] = []
@@ -385,7 +389,7 @@ tile, dw on ``torch._grouped_mm``."""
 def err_providers() -> list[str]:
     return [*ERR_PROVIDERS, *(f"fp8t_{tile}" for tile in FP8_TILES), *(f"fp8tb_{tile}" for tile in FP8_TILES),
             *(f"fp8dw_{tile}" for tile in FP8_DW_TILES),
-            *(f"dw_{tile}" for tile in DW_TILES), *(f"dwl_{tile}" for tile in DW_TILES),
+            *(f"{kind}_{tile}" for kind in ("dw", "dwl", "dwg") for tile in DW_TILES),
             *(f"mk_{tile}" for tile in MK_TILES)]
 
 
@@ -406,7 +410,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
     providers = gemm_providers(tma_available(device), fp8_available(device, dtype))
     if keep_providers:  # "torch" stays: the errors are measured against it
         providers = {n: p for n, p in providers.items()
-                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8tb_", "fp8dw_", "dw_", "dwl_", "mk_"))}
+                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8tb_", "fp8dw_", "dw_", "dwl_", "dwg_", "mk_"))}
 
     def under(env, call):
         def run():
@@ -932,7 +936,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, kernel, providers in (
             ("--fp8-tiles", "Triton fp8 forward / dx kernel", "fp8t_<tile> (fp8_rows dw) and fp8tb_<tile> (bf16 dw)"),
             ("--fp8-dw-tiles", "Triton fp8 dw kernel (BM the reduction step)", "fp8dw_<tile> (all products ours)"),
-            ("--dw-tiles", "bf16 Triton dw kernel", "dw_<tile> and dwl_<tile> (TMA loads; auto's forward and dx)"),
+            ("--dw-tiles", "bf16 Triton dw kernel",
+             "dw_<tile>, dwl_<tile> (TMA loads) and dwg_<tile> (per-group TMA descriptors); auto's forward and dx"),
             ("--mk-tiles", "bf16 Triton forward / dx kernel", "mk_<tile> (dw on torch)")):
         parser.add_argument(flag, default="", help=f"comma-separated tiles of the {kernel}, "
                                                    f"BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t]; providers {providers}")

@@ -144,6 +144,14 @@
 #              fp8_rows_torch (all fp8 GEMMs on torch's) at E = 64 (balanced,
 #              Zipf 1.1) and the K3 latent experts (balanced) as CUDA-graph replays
 #              (--cuda-graph), then at E = 64 with host launches (not in the default list)
+#   fp8_gemm_short  fp8_gemm without the probe and the host launches: the grouped-GEMM and fp8
+#              grouped tests, then native, auto, fp8_cached_w_dw8rows and fp8_cached_w_auto at
+#              E = 64 (balanced, Zipf 1.1) and K3's latent shapes as CUDA-graph replays (not in
+#              the default list)
+#   dw_group   the bf16 dw kernel loading through per-group descriptors made in the kernel
+#              (TITAN_MOE_GROUPED_MM_DW_TMA=group) beside host descriptors and pointer loads at four
+#              tiles (--dw-tiles), and auto / torch's dw, CUDA-graph replays at E = 64 (balanced,
+#              Zipf 1.1), after the dw GPU tests (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
@@ -422,6 +430,13 @@ for section in "${SECTIONS[@]}"; do
             run fp8_gemm_short python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_cached_w_auto \
                 --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
+        dw_group)  # the bf16 dw through per-group device-side descriptors against host TMA and torch's
+            run dw_group_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
+                -k "dw or compiles or bf16_vs_float64"
+            run dw_group python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,auto,tma_dw_native \
+                --dw-tiles 64x128x256x8x3t,64x256x128x8x3t,128x128x128x8x3t,64x128x256x8x3 \
+                --gemm-cases e64_balanced,e64_zipf1.1 ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

@@ -129,18 +129,21 @@ def test_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tma", [True, "group"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 40, 24, 5, 0.8)])
-def test_dw_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype):
-    """The dw kernel's TMA loads (opt-in): group ends inside a reduction step, rows past
-    offs[-1], a K and N that are not multiples of the tiles; the rows a box reads past its
-    group's end (the next group's) must not enter the sum; empty groups stay zero."""
+def test_dw_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype, tma):
+    """The dw kernel's TMA loads (opt-in), host descriptors (rows past the group masked in
+    registers) or per-group device descriptors ("group": the copy engine zero-fills past the
+    group's end): group ends inside a reduction step, rows past offs[-1], a K and N that are
+    not multiples of the tiles; the rows a box reads past its group's end (the next group's)
+    must not enter the sum; empty groups stay zero."""
     x, _, grad, offs = make_case(m, k, n, e, frac, dtype, seed=m + n)
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     cfg = tk.default_config(dtype, x.device, "k")
     assert tk._row_major_descriptor(x, [cfg.block_m, cfg.block_k]) is not None
     assert any(int(s) % cfg.block_m for s in sizes)  # a group ends inside a reduction step
-    dw = tk.grouped_mm_dw_triton(x, grad, offs, tma=True)
+    dw = tk.grouped_mm_dw_triton(x, grad, offs, tma=tma)
     assert rel_err(dw, grouped_mm_dw_reference(x, grad, offs)) < TOL[dtype]
     assert torch.all(dw[sizes == 0] == 0)
     assert torch.equal(dw, tk.grouped_mm_dw_triton(x, grad, offs))  # the same sums as pointer loads
@@ -264,6 +267,13 @@ def test_dw_tma_loads_by_environment(monkeypatch):
     assert torch.equal(tk.grouped_mm_dw_triton(x, grad, offs), plain) and len(described) == 2
     tk.grouped_mm_dw_triton(x, grad, offs, tma=False)
     assert len(described) == 2
+    # "group": descriptors made in the kernel, none on the host
+    allocators = spy_on(monkeypatch, tk, ["ensure_scratch_allocator"])  # the device descriptors' scratch
+    monkeypatch.setenv(tk.DW_TMA_ENV, "group")
+    assert torch.equal(tk.grouped_mm_dw_triton(x, grad, offs), plain) and len(described) == 2
+    assert allocators == ["ensure_scratch_allocator"]
+    with pytest.raises(ValueError, match="tma must be"):
+        tk.grouped_mm_dw_triton(x, grad, offs, tma="groups")
 
 
 @needs_kernels
@@ -275,8 +285,9 @@ def test_tma_falls_back_for_layouts_it_cannot_describe():
     out = tk.grouped_mm_triton(x, w, offs, tma=True)
     assert rel_err(out, grouped_mm_reference(x, w, offs)) < TOL[torch.float16]
     assert tk._row_major_descriptor(x, [16, 16]) is None
-    dw = tk.grouped_mm_dw_triton(x, x, offs, tma=True)  # falls back to pointer loads
-    assert rel_err(dw, grouped_mm_dw_reference(x, x, offs)) < TOL[torch.float16]
+    for tma in (True, "group"):  # both fall back to pointer loads
+        dw = tk.grouped_mm_dw_triton(x, x, offs, tma=tma)
+        assert rel_err(dw, grouped_mm_dw_reference(x, x, offs)) < TOL[torch.float16]
 
 
 def fp8_case(m, k, n, e, frac, seed):
@@ -649,7 +660,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False, GROUP_TMA=False), kk)
     k8 = tk.SM90_TILES["k8"]  # the fp8 dw: column-major codes (unit row stride), per-group scales
     results["fp8_dw"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv", "dw_ptr": "*fp32", "offs_ptr": "*i32",
@@ -657,7 +668,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
         ["stride_xm", "stride_gm", "stride_wn"],
         dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=False), k8)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=False, GROUP_TMA=False), k8)
     results["fp8_dw_store"] = compile_kernel(  # the same with TMA stores of dw
         tk._ragged_k_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv",
                               "dw_ptr": f"tensordesc<bf16[1,{k8.block_k},{k8.block_n}]>", "offs_ptr": "*i32",
@@ -665,7 +676,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
         ["stride_xm", "stride_gm", "stride_wn"],
         dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=True), k8)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=True, GROUP_TMA=False), k8)
     results["dw_tma"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_k}]>",
                               "g_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_n}]>", "dw_ptr": "*bf16",
@@ -673,7 +684,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False, GROUP_TMA=False), kk)
     results["dw_tma_store"] = compile_kernel(  # TMA loads and stores
         tk._ragged_k_kernel, {"x_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_k}]>",
                               "g_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_n}]>",
@@ -681,7 +692,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=True), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=True, GROUP_TMA=False), kk)
+    results["dw_group_tma_store"] = compile_kernel(  # per-group descriptors made in the kernel, TMA stores
+        tk._ragged_k_kernel, {"x_ptr": "*bf16", "g_ptr": "*bf16",
+                              "dw_ptr": f"tensordesc<bf16[1,{kk.block_k},{kk.block_n}]>", "offs_ptr": "*i32"},
+        ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
+        ["stride_xk", "stride_gn", "stride_wn"],
+        dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k, PRECISION="tf32", INTERPRETED=False,
+             USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=True, GROUP_TMA=True), kk)
     print("RESULT", repr(results))
     """
 )
@@ -695,7 +713,7 @@ def test_compiles_for_sm90():
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
     assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
-                            "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store"}
+                            "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store", "dw_group_tma_store"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
         # fp8_dw_store: pointer loads through cp.async, the dw tiles stored by TMA bulk copies
@@ -742,8 +760,13 @@ def test_zero_fill_kernels_compile_for_sm90():
 # ---------------------------------------------------------------------------- bf16 on the GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dw_tma", ["", "1", "group"])
 @pytest.mark.parametrize("m,k,n,e", [(4096, 256, 384, 8), (3000, 136, 200, 7)])
-def test_cuda_bf16_vs_float64(m, k, n, e):
+def test_cuda_bf16_vs_float64(m, k, n, e, dw_tma, monkeypatch):
+    """The op's "triton" backend, forward and both gradients (dw from autograd's device
+    thread) with each dw load form: pointer loads, host TMA descriptors, per-group device
+    descriptors (where 136 * 2 bytes rows allow TMA at all; else the pointer fallback)."""
+    monkeypatch.setenv(tk.DW_TMA_ENV, dw_tma)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).bfloat16()
     w = torch.randn(e, k, n, generator=gen).bfloat16()

@@ -147,3 +147,22 @@ def _warn_once(name: str, num_stages: int, error: Exception) -> None:
     if (name, num_stages) not in _WARNED:
         _WARNED.add((name, num_stages))
         logger.warning("%s: %d pipeline stages do not fit (%s); using %d", name, num_stages, error, num_stages - 1)
+
+
+def _scratch_on(device: torch.device):
+    def allocate(size: int, alignment: int, stream) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    return allocate
+
+
+def ensure_scratch_allocator(device: torch.device) -> None:
+    """Give Triton an allocator for kernels' global scratch (device-side tensor descriptors,
+    `tl.make_tensor_descriptor`, write theirs there) where none is set: Triton keeps it in a
+    context variable, so a thread that never set one (autograd's device threads) has none.
+    An allocator set by the caller is left as it is."""
+    import triton
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch_on(device))

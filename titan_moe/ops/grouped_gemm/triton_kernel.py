@@ -105,6 +105,7 @@ from titan_moe.ops.triton_runtime import (
     check_runs_on,
     cuda_capability,
     ensure_cuda_context,
+    ensure_scratch_allocator,
     is_interpreted,
     kernel_runs_on,
     next_power_of_2,
@@ -114,7 +115,9 @@ from titan_moe.ops.triton_runtime import (
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "0": pointer loads on sm90 too (default: TMA on sm90)
 # GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
-DW_TMA_ENV = "TITAN_MOE_GROUPED_MM_DW_TMA"  # "1": TMA loads in the bf16 dw kernel too (default: pointer loads)
+# "1": TMA loads in the bf16 dw kernel too, "group": through per-group device-side descriptors
+# (default: pointer loads), see `grouped_mm_dw_triton`
+DW_TMA_ENV = "TITAN_MOE_GROUPED_MM_DW_TMA"
 TILES_ENV = "TITAN_MOE_GROUPED_MM_TILES"
 _KINDS = ("mk", "k", "mk8", "k8")  # "mk8", "k8": the fp8 kernels (scaled_grouped_mm_triton, _dw_triton)
 
@@ -324,13 +327,19 @@ def _ragged_m_kernel(
 
 
 @triton.jit
-def _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_end,
+def _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_start, row_end,
             stride_xm, stride_xk, stride_gm, stride_gn,
-            BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+            BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, GROUP_TMA: tl.constexpr):
     """acc += x[m0:m0+BLOCK_M, ks]^T @ g[m0:m0+BLOCK_M, cols], rows from row_end on excluded."""
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
-    if USE_TMA:
+    if GROUP_TMA:
+        # descriptors of this group's rows alone (row 0 = row_start): the copy engine reads the
+        # rows past the group's end as zeros, so both operands go from shared memory to the
+        # tensor cores untouched (x^T as a transposed shared-memory operand)
+        x_t = tl.trans(x_ptr.load([m0 - row_start, k_start]))
+        g = g_ptr.load([m0 - row_start, n_start])
+    elif USE_TMA:
         # Box loads (columns past K or N read as zero). The rows past the group's end belong
         # to the next group and would enter the sum: zeroed in x^T, the dot's A operand,
         # which the tensor cores take from registers.
@@ -356,7 +365,7 @@ def _k_tile(
     n_tiles, tiles_per_group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, SCALED: tl.constexpr,
-    STORE_TMA: tl.constexpr,
+    STORE_TMA: tl.constexpr, GROUP_TMA: tl.constexpr,
 ):
     group = tile // tiles_per_group
     within = tile % tiles_per_group
@@ -379,16 +388,23 @@ def _k_tile(
     k_ok = ks < K
     col_ok = cols < N
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    x_src, g_src = x_ptr, g_ptr
+    if GROUP_TMA:  # x_ptr, g_ptr are row-major pointers; at least one row (an empty group loads nothing)
+        rows_in_group = tl.maximum(row_end - row_start, 1)
+        x_src = tl.make_tensor_descriptor(x_ptr + row_start.to(tl.int64) * stride_xm, shape=[rows_in_group, K],
+                                          strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+        g_src = tl.make_tensor_descriptor(g_ptr + row_start.to(tl.int64) * stride_gm, shape=[rows_in_group, N],
+                                          strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_N])
     if INTERPRETED:
         m0 = row_start
         while m0 < row_end:
-            acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_end,
-                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA)
+            acc = _k_step(acc, x_src, g_src, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_start, row_end,
+                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA, GROUP_TMA)
             m0 += BLOCK_M
     else:
         for m0 in tl.range(row_start, row_end, BLOCK_M):
-            acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_end,
-                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA)
+            acc = _k_step(acc, x_src, g_src, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_start, row_end,
+                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA, GROUP_TMA)
 
     if SCALED:  # dequantize: per-group column scales of x, sx [E*K], and of g, sg [E*N]
         scale_x = tl.load(sx_ptr + group.to(tl.int64) * K + ks, mask=k_ok, other=0.0)
@@ -418,6 +434,7 @@ def _ragged_k_kernel(
     sx_ptr=None, sg_ptr=None,  # with SCALED: fp32 per-group column scales of x [E*K] and g [E*N]
     SCALED: tl.constexpr = False,  # fp8 operands: dw[e] = (x^T g)[e] * sx[e][:, None] * sg[e][None, :]
     STORE_TMA: tl.constexpr = False,  # dw_ptr is a tensor descriptor of dw [E, K, N], boxes [1, BLOCK_K, BLOCK_N]
+    GROUP_TMA: tl.constexpr = False,  # x_ptr, g_ptr row-major: loaded through per-group device-side descriptors
 ):
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tiles_per_group = (K + BLOCK_K - 1) // BLOCK_K * n_tiles
@@ -429,14 +446,14 @@ def _ragged_k_kernel(
             _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
                     n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED,
-                    STORE_TMA)
+                    STORE_TMA, GROUP_TMA)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
             _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
                     n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED,
-                    STORE_TMA)
+                    STORE_TMA, GROUP_TMA)
 
 
 # ----------------------------------------------------------------------------------------
@@ -823,9 +840,16 @@ def scaled_grouped_mm_triton(
     return out_MN
 
 
+def _tma_describable(t_MK: torch.Tensor) -> bool:
+    """Whether TMA can describe the 2-D ``t_MK`` (and every row-aligned slice of it): no empty
+    side, a unit last stride, a 16-byte aligned row stride and base pointer."""
+    return (min(t_MK.shape) > 0 and t_MK.stride(1) == 1 and (t_MK.stride(0) * t_MK.element_size()) % 16 == 0
+            and t_MK.data_ptr() % 16 == 0)
+
+
 def grouped_mm_dw_triton(
     x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch.Tensor, config: TileConfig | None = None,
-    tma: bool | None = None, out_dtype: torch.dtype | None = None,
+    tma: bool | str | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``dw[e] = x[rows of e]^T @ grad[rows of e]`` -> [E, K, N] (zero for empty groups).
 
@@ -835,12 +859,17 @@ def grouped_mm_dw_triton(
         config: tile override; here ``block_k`` x ``block_n`` is the output tile and
             ``block_m`` the reduction step.
         tma: load x and grad through TMA descriptors (boxes of [block_m, block_k] and
-            [block_m, block_n]; the rows past a group's end zeroed in registers), where their
-            layouts allow, else pointer loads. None: ``$TITAN_MOE_GROUPED_MM_DW_TMA`` is "1"
-            (opt-in): timed on the H200 (forty-eighth run) it beat the pointer form at its
-            own best tile, 64x256x128, by 7%, which is not the pointer form's default tile,
-            and still trailed torch._grouped_mm; with TMA stores (``config.store_tma``) not
-            timed yet.
+            [block_m, block_n]), where their layouts allow, else pointer loads. True: one
+            descriptor per operand made on the host; the rows past a group's end are zeroed
+            in registers, so x^T reaches the tensor cores from registers. "group": two
+            descriptors per tile made on the device over the group's rows alone
+            (`tl.make_tensor_descriptor`, 128 bytes of global scratch each, see
+            `ensure_scratch_allocator`): the copy engine zero-fills past the group's end and
+            both operands stay in shared memory. None: ``$TITAN_MOE_GROUPED_MM_DW_TMA``,
+            "1" or "group" (opt-in, else pointer loads): the host form, timed on the H200
+            (forty-eighth run), beat the pointer form at its own best tile, 64x256x128, by
+            7%, which is not the pointer form's default tile, and still trailed
+            torch._grouped_mm, also with TMA stores (80th run).
         out_dtype: dtype of dw (default x's): fp32 stores the fp32 accumulator itself, for
             fp32 weights, where a 16-bit dw would need a conversion pass.
 
@@ -864,8 +893,14 @@ def grouped_mm_dw_triton(
     n_prog = _num_programs(cfg, x_MK.device, max_tiles)
     x_arg, g_arg = x_MK, grad_MN
     if tma is None:
-        tma = os.environ.get(DW_TMA_ENV) == "1"
-    if tma:
+        tma = {"1": True, "group": "group"}.get(os.environ.get(DW_TMA_ENV, ""), False)
+    if tma not in (True, False, "group"):
+        raise ValueError(f'grouped_mm_dw_triton: tma must be None, a bool or "group", got {tma!r}')
+    group_tma = tma == "group" and _tma_describable(x_MK) and _tma_describable(grad_MN)
+    if group_tma:
+        ensure_scratch_allocator(x_MK.device)
+        tma = False
+    elif tma:
         x_desc = _row_major_descriptor(x_MK, [cfg.block_m, cfg.block_k])
         g_desc = _row_major_descriptor(grad_MN, [cfg.block_m, cfg.block_n])
         tma = x_desc is not None and g_desc is not None
@@ -880,7 +915,7 @@ def grouped_mm_dw_triton(
         dw_EKN.stride(0), dw_EKN.stride(1), dw_EKN.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION=_precision(x_MK.dtype), INTERPRETED=interpreted(), USE_TMA=tma, STORE_TMA=dw_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_TMA=group_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw_EKN
 
