@@ -337,6 +337,9 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
             providers[f"fp8tb_{tile}"] = (providers["fp8_cached_w"][0], {KERNELS_ENV: "triton", TILES_ENV: f"mk8={tile}"})
         for tile in FP8_DW_TILES:
             providers[f"fp8dw_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}"})
+            # the same dw loading through per-group descriptors made in the kernel
+            providers[f"fp8dwg_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}",
+                                                     DW_TMA_ENV: "group"})
     return providers
 
 
@@ -368,8 +371,10 @@ and ``fp8tb_<tile>`` (the same with the weight gradient in bf16, ``fp8_cached_w`
 
 
 FP8_DW_TILES: list[str] = []
-"""``--fp8-dw-tiles``: tiles of the Triton fp8 dw kernel, one provider ``fp8dw_<tile>`` each
-(``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton_all``: all three products on our kernels)."""
+"""``--fp8-dw-tiles``: tiles of the Triton fp8 dw kernel, two providers each: ``fp8dw_<tile>``
+(``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton_all``: all three products on our
+kernels) and ``fp8dwg_<tile>``, the same with the dw loading through per-group descriptors made
+in the kernel (``$TITAN_MOE_GROUPED_MM_DW_TMA=group``)."""
 
 
 DW_TILES: list[str] = []
@@ -388,7 +393,7 @@ tile, dw on ``torch._grouped_mm``."""
 
 def err_providers() -> list[str]:
     return [*ERR_PROVIDERS, *(f"fp8t_{tile}" for tile in FP8_TILES), *(f"fp8tb_{tile}" for tile in FP8_TILES),
-            *(f"fp8dw_{tile}" for tile in FP8_DW_TILES),
+            *(f"{kind}_{tile}" for kind in ("fp8dw", "fp8dwg") for tile in FP8_DW_TILES),
             *(f"{kind}_{tile}" for kind in ("dw", "dwl", "dwg") for tile in DW_TILES),
             *(f"mk_{tile}" for tile in MK_TILES)]
 
@@ -410,7 +415,7 @@ def bench_gemm_case(case: dict, device: str, dtype, timed: bool, sweep_tiles: bo
     providers = gemm_providers(tma_available(device), fp8_available(device, dtype))
     if keep_providers:  # "torch" stays: the errors are measured against it
         providers = {n: p for n, p in providers.items()
-                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8tb_", "fp8dw_", "dw_", "dwl_", "dwg_", "mk_"))}
+                     if n in keep_providers or n == "torch" or n.startswith(("fp8t_", "fp8tb_", "fp8dw_", "fp8dwg_", "dw_", "dwl_", "dwg_", "mk_"))}
 
     def under(env, call):
         def run():
@@ -935,7 +940,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # rTAIL tail tiles of the forward / dx kernel, t TMA stores), one or two providers per entry
     for flag, kernel, providers in (
             ("--fp8-tiles", "Triton fp8 forward / dx kernel", "fp8t_<tile> (fp8_rows dw) and fp8tb_<tile> (bf16 dw)"),
-            ("--fp8-dw-tiles", "Triton fp8 dw kernel (BM the reduction step)", "fp8dw_<tile> (all products ours)"),
+            ("--fp8-dw-tiles", "Triton fp8 dw kernel (BM the reduction step)",
+             "fp8dw_<tile> and fp8dwg_<tile> (all products ours; per-group TMA descriptors)"),
             ("--dw-tiles", "bf16 Triton dw kernel",
              "dw_<tile>, dwl_<tile> (TMA loads) and dwg_<tile> (per-group TMA descriptors); auto's forward and dx"),
             ("--mk-tiles", "bf16 Triton forward / dx kernel", "mk_<tile> (dw on torch)")):

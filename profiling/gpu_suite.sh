@@ -148,10 +148,11 @@
 #              grouped tests, then native, auto, fp8_cached_w_dw8rows and fp8_cached_w_auto at
 #              E = 64 (balanced, Zipf 1.1) and K3's latent shapes as CUDA-graph replays (not in
 #              the default list)
-#   dw_group   the bf16 dw kernel loading through per-group descriptors made in the kernel
-#              (TITAN_MOE_GROUPED_MM_DW_TMA=group) beside host descriptors and pointer loads at four
-#              tiles (--dw-tiles), and auto / torch's dw, CUDA-graph replays at E = 64 (balanced,
-#              Zipf 1.1), after the dw GPU tests (not in the default list)
+#   dw_group   the dw kernels loading through per-group descriptors made in the kernel
+#              (TITAN_MOE_GROUPED_MM_DW_TMA=group): fp8 (--fp8-dw-tiles, beside pointer loads and
+#              torch's fp8 dw) at E = 64 and K3's down projection, then bf16 (--dw-tiles, beside
+#              host descriptors, pointer loads and torch's dw) at E = 64, CUDA-graph replays,
+#              after the dw GPU tests (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
@@ -432,10 +433,14 @@ for section in "${SECTIONS[@]}"; do
                 --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
         dw_group)  # the bf16 dw through per-group device-side descriptors against host TMA and torch's
             run dw_group_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
-                -k "dw or compiles or bf16_vs_float64"
+                -k "dw or compiles or bf16_vs_float64 or scaled_fp8"
+            run dw_group_fp8 python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_cached_w_auto \
+                --fp8-dw-tiles 128x256x128x8x3t,64x128x128x4x3x2t \
+                --gemm-cases e64_balanced,e64_zipf1.1,k3_down_balanced
             run dw_group python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,tma_dw_native \
-                --dw-tiles 64x128x256x8x3t,64x256x128x8x3t,128x128x128x8x3t,64x128x256x8x3 \
+                --dw-tiles 64x128x256x8x3t,64x256x128x8x3t,128x128x128x8x3t \
                 --gemm-cases e64_balanced,e64_zipf1.1 ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)

@@ -356,6 +356,11 @@ def test_scaled_fp8_dw_kernel_matches_dequantized_reference(m, k, n, e, frac, ou
                                              config=dataclasses.replace(tile, store_tma=store_tma))
               for store_tma in (False, True)]
     assert torch.equal(stores[0], stores[1])
+    # loads through per-group descriptors made in the kernel: the same sums as pointer loads
+    assert tk._tma_describable(xq, column_major=True) and tk._tma_describable(gq, column_major=True)
+    group = tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype,
+                                           config=dataclasses.replace(tile, store_tma=False), tma="group")
+    assert torch.equal(group, stores[0])
     if fits:
         assert torch.equal(dw, stores[CUDA])
     else:
@@ -660,7 +665,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False, GROUP_TMA=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False, GROUP_TMA=False, COLUMN_MAJOR=False), kk)
     k8 = tk.SM90_TILES["k8"]  # the fp8 dw: column-major codes (unit row stride), per-group scales
     results["fp8_dw"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv", "dw_ptr": "*fp32", "offs_ptr": "*i32",
@@ -668,7 +673,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
         ["stride_xm", "stride_gm", "stride_wn"],
         dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=False, GROUP_TMA=False), k8)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=False, GROUP_TMA=False, COLUMN_MAJOR=False), k8)
     results["fp8_dw_store"] = compile_kernel(  # the same with TMA stores of dw
         tk._ragged_k_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv",
                               "dw_ptr": f"tensordesc<bf16[1,{k8.block_k},{k8.block_n}]>", "offs_ptr": "*i32",
@@ -676,7 +681,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
         ["stride_xm", "stride_gm", "stride_wn"],
         dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=True, GROUP_TMA=False), k8)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=False, SCALED=True, STORE_TMA=True, GROUP_TMA=False, COLUMN_MAJOR=False), k8)
     results["dw_tma"] = compile_kernel(
         tk._ragged_k_kernel, {"x_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_k}]>",
                               "g_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_n}]>", "dw_ptr": "*bf16",
@@ -684,7 +689,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False, GROUP_TMA=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=False, GROUP_TMA=False, COLUMN_MAJOR=False), kk)
     results["dw_tma_store"] = compile_kernel(  # TMA loads and stores
         tk._ragged_k_kernel, {"x_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_k}]>",
                               "g_ptr": f"tensordesc<bf16[{kk.block_m},{kk.block_n}]>",
@@ -692,14 +697,22 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k,
-             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=True, GROUP_TMA=False), kk)
+             PRECISION="tf32", INTERPRETED=False, USE_TMA=True, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=True, GROUP_TMA=False, COLUMN_MAJOR=False), kk)
     results["dw_group_tma_store"] = compile_kernel(  # per-group descriptors made in the kernel, TMA stores
         tk._ragged_k_kernel, {"x_ptr": "*bf16", "g_ptr": "*bf16",
                               "dw_ptr": f"tensordesc<bf16[1,{kk.block_k},{kk.block_n}]>", "offs_ptr": "*i32"},
         ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
         ["stride_xk", "stride_gn", "stride_wn"],
         dict(BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k, PRECISION="tf32", INTERPRETED=False,
-             USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=True, GROUP_TMA=True), kk)
+             USE_TMA=False, sx_ptr=None, sg_ptr=None, SCALED=False, STORE_TMA=True, GROUP_TMA=True, COLUMN_MAJOR=False), kk)
+    results["fp8_dw_group_tma_store"] = compile_kernel(  # the same over the fp8 codes' column buffers
+        tk._ragged_k_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv",
+                              "dw_ptr": f"tensordesc<bf16[1,{k8.block_k},{k8.block_n}]>", "offs_ptr": "*i32",
+                              "sx_ptr": "*fp32", "sg_ptr": "*fp32"},
+        ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
+        ["stride_xm", "stride_gm", "stride_wn"],
+        dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k, PRECISION="tf32", INTERPRETED=False,
+             USE_TMA=False, SCALED=True, STORE_TMA=True, GROUP_TMA=True, COLUMN_MAJOR=True), k8)
     print("RESULT", repr(results))
     """
 )
@@ -713,7 +726,8 @@ def test_compiles_for_sm90():
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
     assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
-                            "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store", "dw_group_tma_store"}
+                            "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store", "dw_group_tma_store",
+                            "fp8_dw_group_tma_store"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
         # fp8_dw_store: pointer loads through cp.async, the dw tiles stored by TMA bulk copies

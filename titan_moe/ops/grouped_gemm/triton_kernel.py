@@ -329,16 +329,21 @@ def _ragged_m_kernel(
 @triton.jit
 def _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_start, row_end,
             stride_xm, stride_xk, stride_gm, stride_gn,
-            BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, GROUP_TMA: tl.constexpr):
+            BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, GROUP_TMA: tl.constexpr,
+            COLUMN_MAJOR: tl.constexpr):
     """acc += x[m0:m0+BLOCK_M, ks]^T @ g[m0:m0+BLOCK_M, cols], rows from row_end on excluded."""
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     if GROUP_TMA:
         # descriptors of this group's rows alone (row 0 = row_start): the copy engine reads the
         # rows past the group's end as zeros, so both operands go from shared memory to the
-        # tensor cores untouched (x^T as a transposed shared-memory operand)
-        x_t = tl.trans(x_ptr.load([m0 - row_start, k_start]))
-        g = g_ptr.load([m0 - row_start, n_start])
+        # tensor cores untouched (transposed shared-memory operands where the layout needs it)
+        if COLUMN_MAJOR:  # descriptors of x^T [K, rows], g^T [N, rows]: the reduction contiguous
+            x_t = x_ptr.load([k_start, m0 - row_start])
+            g = tl.trans(g_ptr.load([n_start, m0 - row_start]))
+        else:
+            x_t = tl.trans(x_ptr.load([m0 - row_start, k_start]))
+            g = g_ptr.load([m0 - row_start, n_start])
     elif USE_TMA:
         # Box loads (columns past K or N read as zero). The rows past the group's end belong
         # to the next group and would enter the sum: zeroed in x^T, the dot's A operand,
@@ -365,7 +370,7 @@ def _k_tile(
     n_tiles, tiles_per_group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, SCALED: tl.constexpr,
-    STORE_TMA: tl.constexpr, GROUP_TMA: tl.constexpr,
+    STORE_TMA: tl.constexpr, GROUP_TMA: tl.constexpr, COLUMN_MAJOR: tl.constexpr,
 ):
     group = tile // tiles_per_group
     within = tile % tiles_per_group
@@ -389,22 +394,32 @@ def _k_tile(
     col_ok = cols < N
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
     x_src, g_src = x_ptr, g_ptr
-    if GROUP_TMA:  # x_ptr, g_ptr are row-major pointers; at least one row (an empty group loads nothing)
+    if GROUP_TMA:  # x_ptr, g_ptr are pointers; at least one row (an empty group loads nothing)
         rows_in_group = tl.maximum(row_end - row_start, 1)
-        x_src = tl.make_tensor_descriptor(x_ptr + row_start.to(tl.int64) * stride_xm, shape=[rows_in_group, K],
-                                          strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-        g_src = tl.make_tensor_descriptor(g_ptr + row_start.to(tl.int64) * stride_gm, shape=[rows_in_group, N],
-                                          strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_N])
+        if COLUMN_MAJOR:  # unit row strides (the fp8 codes' column buffers)
+            x_src = tl.make_tensor_descriptor(x_ptr + row_start, shape=[K, rows_in_group], strides=[stride_xk, 1],
+                                              block_shape=[BLOCK_K, BLOCK_M])
+            g_src = tl.make_tensor_descriptor(g_ptr + row_start, shape=[N, rows_in_group], strides=[stride_gn, 1],
+                                              block_shape=[BLOCK_N, BLOCK_M])
+        else:  # unit column strides
+            x_src = tl.make_tensor_descriptor(x_ptr + row_start.to(tl.int64) * stride_xm,
+                                              shape=[rows_in_group, K], strides=[stride_xm, 1],
+                                              block_shape=[BLOCK_M, BLOCK_K])
+            g_src = tl.make_tensor_descriptor(g_ptr + row_start.to(tl.int64) * stride_gm,
+                                              shape=[rows_in_group, N], strides=[stride_gm, 1],
+                                              block_shape=[BLOCK_M, BLOCK_N])
     if INTERPRETED:
         m0 = row_start
         while m0 < row_end:
             acc = _k_step(acc, x_src, g_src, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_start, row_end,
-                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA, GROUP_TMA)
+                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA, GROUP_TMA,
+                          COLUMN_MAJOR)
             m0 += BLOCK_M
     else:
         for m0 in tl.range(row_start, row_end, BLOCK_M):
             acc = _k_step(acc, x_src, g_src, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_start, row_end,
-                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA, GROUP_TMA)
+                          stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA, GROUP_TMA,
+                          COLUMN_MAJOR)
 
     if SCALED:  # dequantize: per-group column scales of x, sx [E*K], and of g, sg [E*N]
         scale_x = tl.load(sx_ptr + group.to(tl.int64) * K + ks, mask=k_ok, other=0.0)
@@ -434,7 +449,8 @@ def _ragged_k_kernel(
     sx_ptr=None, sg_ptr=None,  # with SCALED: fp32 per-group column scales of x [E*K] and g [E*N]
     SCALED: tl.constexpr = False,  # fp8 operands: dw[e] = (x^T g)[e] * sx[e][:, None] * sg[e][None, :]
     STORE_TMA: tl.constexpr = False,  # dw_ptr is a tensor descriptor of dw [E, K, N], boxes [1, BLOCK_K, BLOCK_N]
-    GROUP_TMA: tl.constexpr = False,  # x_ptr, g_ptr row-major: loaded through per-group device-side descriptors
+    GROUP_TMA: tl.constexpr = False,  # x_ptr, g_ptr loaded through per-group device-side descriptors
+    COLUMN_MAJOR: tl.constexpr = False,  # with GROUP_TMA: x, g have unit row strides (else unit column strides)
 ):
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tiles_per_group = (K + BLOCK_K - 1) // BLOCK_K * n_tiles
@@ -446,14 +462,14 @@ def _ragged_k_kernel(
             _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
                     n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED,
-                    STORE_TMA, GROUP_TMA)
+                    STORE_TMA, GROUP_TMA, COLUMN_MAJOR)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
             _k_tile(tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
                     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
                     n_tiles, tiles_per_group, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, SCALED,
-                    STORE_TMA, GROUP_TMA)
+                    STORE_TMA, GROUP_TMA, COLUMN_MAJOR)
 
 
 # ----------------------------------------------------------------------------------------
@@ -840,11 +856,23 @@ def scaled_grouped_mm_triton(
     return out_MN
 
 
-def _tma_describable(t_MK: torch.Tensor) -> bool:
-    """Whether TMA can describe the 2-D ``t_MK`` (and every row-aligned slice of it): no empty
-    side, a unit last stride, a 16-byte aligned row stride and base pointer."""
-    return (min(t_MK.shape) > 0 and t_MK.stride(1) == 1 and (t_MK.stride(0) * t_MK.element_size()) % 16 == 0
+def _tma_describable(t_MK: torch.Tensor, column_major: bool = False) -> bool:
+    """Whether TMA can describe the 2-D ``t_MK`` (row-major, or with ``column_major`` its
+    transpose) and its slices of whole rows: no empty side, a unit contiguous stride, a
+    16-byte aligned other stride and base pointer. (A column-major slice starting at row r
+    is 16-byte aligned only where r * element size is: the fp8 groups' 16-row starts.)"""
+    unit, other = (0, 1) if column_major else (1, 0)
+    return (min(t_MK.shape) > 0 and t_MK.stride(unit) == 1 and (t_MK.stride(other) * t_MK.element_size()) % 16 == 0
             and t_MK.data_ptr() % 16 == 0)
+
+
+def _dw_tma_mode(tma: bool | str | None) -> bool | str:
+    """The dw kernels' load form from a launcher's ``tma`` argument, else `DW_TMA_ENV`."""
+    if tma is None:
+        tma = {"1": True, "group": "group"}.get(os.environ.get(DW_TMA_ENV, ""), False)
+    if tma not in (True, False, "group"):
+        raise ValueError(f'grouped_mm_dw_triton: tma must be None, a bool or "group", got {tma!r}')
+    return tma
 
 
 def grouped_mm_dw_triton(
@@ -892,10 +920,7 @@ def grouped_mm_dw_triton(
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, x_MK.device, max_tiles)
     x_arg, g_arg = x_MK, grad_MN
-    if tma is None:
-        tma = {"1": True, "group": "group"}.get(os.environ.get(DW_TMA_ENV, ""), False)
-    if tma not in (True, False, "group"):
-        raise ValueError(f'grouped_mm_dw_triton: tma must be None, a bool or "group", got {tma!r}')
+    tma = _dw_tma_mode(tma)
     group_tma = tma == "group" and _tma_describable(x_MK) and _tma_describable(grad_MN)
     if group_tma:
         ensure_scratch_allocator(x_MK.device)
@@ -928,6 +953,7 @@ def scaled_grouped_mm_dw_triton(
     offs_E: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     config: TileConfig | None = None,
+    tma: bool | str | None = None,
 ) -> torch.Tensor:
     """fp8 weight gradient with per-group column scales, fp32 accumulation:
     ``dw[e] = (xq[rows of e]^T @ gq[rows of e]) * scale_x[e][:, None] * scale_g[e][None, :]``
@@ -943,7 +969,11 @@ def scaled_grouped_mm_dw_triton(
             ends give wrong sums: the kernel loads rows in 16-row vectors), M a multiple of 16.
         out_dtype: bf16 or fp32.
         config: tile override (default ``default_config(..., "k8")``, with TMA stores on the GPU
-            for bf16 output, pointer stores for fp32 output); pointer loads.
+            for bf16 output, pointer stores for fp32 output).
+        tma: "group": load through per-group descriptors made in the kernel (as
+            :func:`grouped_mm_dw_triton`'s; the rows past a group's end zero-filled by the copy
+            engine), where the layouts allow; anything else (False, True): pointer loads.
+            None: "group" if ``$TITAN_MOE_GROUPED_MM_DW_TMA`` is "group" (opt-in).
     """
     fp8 = torch.float8_e4m3fn
     if xq_MK.dtype != fp8 or gq_MN.dtype != fp8:
@@ -974,6 +1004,9 @@ def scaled_grouped_mm_dw_triton(
         cfg = replace(cfg, store_tma=False)  # fp32 out: the staging buffer alone is 128 KiB
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     dw_desc = _dw_store_descriptor(dw_EKN, cfg)
+    group_tma = _dw_tma_mode(tma) == "group" and _tma_describable(xq_MK, True) and _tma_describable(gq_MN, True)
+    if group_tma:
+        ensure_scratch_allocator(xq_MK.device)
     _ragged_k_kernel[(_num_programs(cfg, xq_MK.device, max_tiles),)](
         xq_MK, gq_MN, dw_EKN if dw_desc is None else dw_desc, offs_E,
         M, N, K, E,
@@ -983,6 +1016,6 @@ def scaled_grouped_mm_dw_triton(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="tf32", INTERPRETED=interpreted(), USE_TMA=False,
         sx_ptr=scale_x_EK, sg_ptr=scale_g_EN, SCALED=True, STORE_TMA=dw_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_TMA=group_tma, COLUMN_MAJOR=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw_EKN
