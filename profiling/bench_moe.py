@@ -296,9 +296,11 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # the same with the dw kernel's loads through TMA too
         providers[f"dwl_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"),
                                     {TMA_ENV: "1", DW_TMA_ENV: "1", TILES_ENV: f"k={tile}"})
-        # and through per-group descriptors made in the kernel (both operands from shared memory)
-        providers[f"dwg_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"),
-                                    {TMA_ENV: "1", DW_TMA_ENV: "group", TILES_ENV: f"k={tile}"})
+        # and through per-group descriptors made in the kernel (both operands from shared memory;
+        # not for the flat loop, "f", which has no per-group descriptors)
+        if not tile.endswith("f"):
+            providers[f"dwg_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"),
+                                        {TMA_ENV: "1", DW_TMA_ENV: "group", TILES_ENV: f"k={tile}"})
     for tile in MK_TILES:
         providers[f"mk_{tile}"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1", TILES_ENV: f"mk={tile}"})
     if with_fp8:
@@ -337,9 +339,10 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
             providers[f"fp8tb_{tile}"] = (providers["fp8_cached_w"][0], {KERNELS_ENV: "triton", TILES_ENV: f"mk8={tile}"})
         for tile in FP8_DW_TILES:
             providers[f"fp8dw_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}"})
-            # the same dw loading through per-group descriptors made in the kernel
-            providers[f"fp8dwg_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}",
-                                                     DW_TMA_ENV: "group"})
+            # the same dw loading through per-group descriptors made in the kernel (not for "f")
+            if not tile.endswith("f"):
+                providers[f"fp8dwg_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}",
+                                                         DW_TMA_ENV: "group"})
     return providers
 
 
@@ -393,8 +396,10 @@ tile, dw on ``torch._grouped_mm``."""
 
 def err_providers() -> list[str]:
     return [*ERR_PROVIDERS, *(f"fp8t_{tile}" for tile in FP8_TILES), *(f"fp8tb_{tile}" for tile in FP8_TILES),
-            *(f"{kind}_{tile}" for kind in ("fp8dw", "fp8dwg") for tile in FP8_DW_TILES),
-            *(f"{kind}_{tile}" for kind in ("dw", "dwl", "dwg") for tile in DW_TILES),
+            *(f"{kind}_{tile}" for kind in ("fp8dw", "fp8dwg") for tile in FP8_DW_TILES
+              if kind == "fp8dw" or not tile.endswith("f")),
+            *(f"{kind}_{tile}" for kind in ("dw", "dwl", "dwg") for tile in DW_TILES
+              if kind != "dwg" or not tile.endswith("f")),
             *(f"mk_{tile}" for tile in MK_TILES)]
 
 

@@ -148,11 +148,14 @@
 #              grouped tests, then native, auto, fp8_cached_w_dw8rows and fp8_cached_w_auto at
 #              E = 64 (balanced, Zipf 1.1) and K3's latent shapes as CUDA-graph replays (not in
 #              the default list)
-#   dw_group   the dw kernels loading through per-group descriptors made in the kernel
-#              (TITAN_MOE_GROUPED_MM_DW_TMA=group): fp8 (--fp8-dw-tiles, beside pointer loads and
-#              torch's fp8 dw) at E = 64 and K3's down projection, then bf16 (--dw-tiles, beside
-#              host descriptors, pointer loads and torch's dw) at E = 64, CUDA-graph replays,
-#              after the dw GPU tests (not in the default list)
+#   dw_fp8     the fp8 dw kernel's load forms beside the default recipe: fp8_gemm_short's tests,
+#              providers and cases (K3's down projection left out) plus --fp8-dw-tiles at the
+#              opt-in tile with pointer loads, per-group device descriptors (fp8dwg_,
+#              TITAN_MOE_GROUPED_MM_DW_TMA=group) and the flat loop ("f"), and two programs per SM
+#              (not in the default list)
+#   dw_bf16    the bf16 dw kernel's forms (--dw-tiles: pointer loads, host descriptors, per-group
+#              device descriptors, the flat loop) beside auto / torch's dw at E = 64 and K3's down
+#              projection (not in the default list)
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with TITAN_MOE_KDA_KEEP=0 (the KDA backward recomputes
@@ -431,17 +434,18 @@ for section in "${SECTIONS[@]}"; do
             run fp8_gemm_short python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_cached_w_auto \
                 --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced,k3_down_balanced ;;
-        dw_group)  # the bf16 dw through per-group device-side descriptors against host TMA and torch's
-            run dw_group_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
-                -k "dw or compiles or bf16_vs_float64 or scaled_fp8"
-            run dw_group_fp8 python profiling/bench_moe.py --skip-layer --cuda-graph \
+        dw_fp8)  # fp8 dw forms beside the default recipe (fp8_gemm_short's providers and cases)
+            run dw_fp8_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
+                tests/test_float8_grouped.py
+            run dw_fp8 python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_cached_w_auto \
-                --fp8-dw-tiles 128x256x128x8x3t,64x128x128x4x3x2t \
-                --gemm-cases e64_balanced,e64_zipf1.1,k3_down_balanced
-            run dw_group python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --fp8-dw-tiles 128x256x128x8x3t,128x256x128x8x3tf,64x128x128x4x3x2t \
+                --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced ;;
+        dw_bf16)  # bf16 dw forms beside torch's
+            run dw_bf16 python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,tma_dw_native \
-                --dw-tiles 64x128x256x8x3t,64x256x128x8x3t,128x128x128x8x3t \
-                --gemm-cases e64_balanced,e64_zipf1.1 ;;
+                --dw-tiles 64x128x256x8x3t,64x128x256x8x3tf \
+                --gemm-cases e64_balanced,e64_zipf1.1,k3_down_balanced ;;
         parts) run parts python profiling/bench_step_parts.py ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

@@ -150,6 +150,28 @@ def test_dw_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype, tma):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 40, 24, 5, 0.8), (200, 48, 32, 9, 0.7)])
+def test_dw_flat_loop_matches_nested_loops(m, k, n, e, frac, tma):
+    """``TileConfig.flat``: every tile's reduction steps in one loop (`_ragged_k_flat_kernel`)
+    give the nested kernel's sums exactly (same steps, same order), with empty groups (one
+    masked step, zeros stored), rows past offs[-1], several tiles per program (3 programs) and
+    one program per tile."""
+    x, _, grad, offs = make_case(m, k, n, e, frac, torch.float32, seed=m + 7 * n)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert (sizes == 0).any()
+    cfg = tk.default_config(torch.float32, x.device, "k")
+    nested = tk.grouped_mm_dw_triton(x, grad, offs, config=cfg, tma=tma)
+    for programs in (3, None):
+        flat = dataclasses.replace(cfg, flat=True, num_programs=programs)
+        assert torch.equal(tk.grouped_mm_dw_triton(x, grad, offs, config=flat, tma=tma), nested)
+    # "group" loads are not part of the flat loop: it takes pointer loads
+    flat = dataclasses.replace(cfg, flat=True)
+    assert torch.equal(tk.grouped_mm_dw_triton(x, grad, offs, config=flat, tma="group"), nested)
+    assert rel_err(nested, grouped_mm_dw_reference(x, grad, offs)) < TOL[torch.float32]
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 40, 24, 5, 0.8)])
 def test_dw_tma_stores_match_pointer_stores(m, k, n, e, frac, dtype):
@@ -250,6 +272,10 @@ def test_tile_config_tail_rules():
                                                                       tail_m=32)
     with pytest.raises(ValueError, match="forward / dx kinds"):
         tk.parse_tile("64x128x128x8x3r32", "k8")
+    assert tk.parse_tile("128x256x128x8x3tf", "k8") == tk.TileConfig(128, 256, 128, num_warps=8, num_stages=3,
+                                                                     store_tma=True, flat=True)
+    with pytest.raises(ValueError, match="dw kinds"):
+        tk.parse_tile("256x128x64x8x3f", "mk")
 
 
 @needs_kernels
@@ -356,11 +382,15 @@ def test_scaled_fp8_dw_kernel_matches_dequantized_reference(m, k, n, e, frac, ou
                                              config=dataclasses.replace(tile, store_tma=store_tma))
               for store_tma in (False, True)]
     assert torch.equal(stores[0], stores[1])
-    # loads through per-group descriptors made in the kernel: the same sums as pointer loads
+    # loads through per-group descriptors made in the kernel, and the flat loop over all tiles'
+    # steps: the same sums as pointer loads
     assert tk._tma_describable(xq, column_major=True) and tk._tma_describable(gq, column_major=True)
     group = tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype,
                                            config=dataclasses.replace(tile, store_tma=False), tma="group")
     assert torch.equal(group, stores[0])
+    flat = tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype,
+                                          config=dataclasses.replace(tile, store_tma=False, flat=True, num_programs=3))
+    assert torch.equal(flat, stores[0])
     if fits:
         assert torch.equal(dw, stores[CUDA])
     else:
@@ -713,6 +743,22 @@ _COMPILE_SCRIPT = textwrap.dedent(
         ["stride_xm", "stride_gm", "stride_wn"],
         dict(BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k, PRECISION="tf32", INTERPRETED=False,
              USE_TMA=False, SCALED=True, STORE_TMA=True, GROUP_TMA=True, COLUMN_MAJOR=True), k8)
+    # the flat loop (one loop over every tile's reduction steps): pointer loads, TMA stores
+    flat_args = dict(BLOCK_E=128, PRECISION="tf32", INTERPRETED=False, USE_TMA=False, STORE_TMA=True)
+    results["dw_flat_store"] = compile_kernel(
+        tk._ragged_k_flat_kernel, {"x_ptr": "*bf16", "g_ptr": "*bf16",
+                                   "dw_ptr": f"tensordesc<bf16[1,{kk.block_k},{kk.block_n}]>", "offs_ptr": "*i32"},
+        ["M", "N", "K", "E", "stride_xm", "stride_gm", "stride_we", "stride_wk"],
+        ["stride_xk", "stride_gn", "stride_wn"],
+        dict(flat_args, BLOCK_M=kk.block_m, BLOCK_N=kk.block_n, BLOCK_K=kk.block_k, sx_ptr=None, sg_ptr=None,
+             SCALED=False), kk)
+    results["fp8_dw_flat_store"] = compile_kernel(
+        tk._ragged_k_flat_kernel, {"x_ptr": "*fp8e4nv", "g_ptr": "*fp8e4nv",
+                                   "dw_ptr": f"tensordesc<bf16[1,{k8.block_k},{k8.block_n}]>", "offs_ptr": "*i32",
+                                   "sx_ptr": "*fp32", "sg_ptr": "*fp32"},
+        ["M", "N", "K", "E", "stride_xk", "stride_gn", "stride_we", "stride_wk"],
+        ["stride_xm", "stride_gm", "stride_wn"],
+        dict(flat_args, BLOCK_M=k8.block_m, BLOCK_N=k8.block_n, BLOCK_K=k8.block_k, SCALED=True), k8)
     print("RESULT", repr(results))
     """
 )
@@ -727,7 +773,7 @@ def test_compiles_for_sm90():
     results = compiled_script_results(_COMPILE_SCRIPT)
     assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
                             "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store", "dw_group_tma_store",
-                            "fp8_dw_group_tma_store"}
+                            "fp8_dw_group_tma_store", "dw_flat_store", "fp8_dw_flat_store"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
         assert wgmma, (name, results)
         # fp8_dw_store: pointer loads through cp.async, the dw tiles stored by TMA bulk copies

@@ -364,6 +364,38 @@ def _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row
 
 
 @triton.jit
+def _k_tile_place(tile, n_tiles, tiles_per_group, K, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Where dw tile ``tile`` lies: its group, output rows ``ks`` and columns ``cols`` (and
+    their masks)."""
+    group = tile // tiles_per_group
+    within = tile % tiles_per_group
+    k_start = within // n_tiles * BLOCK_K
+    n_start = within % n_tiles * BLOCK_N
+    ks = k_start + tl.arange(0, BLOCK_K)
+    cols = n_start + tl.arange(0, BLOCK_N)
+    return group, k_start, n_start, ks, cols, ks < K, cols < N
+
+
+@triton.jit
+def _k_store(acc, dw_ptr, sx_ptr, sg_ptr, group, k_start, n_start, ks, cols, k_ok, col_ok, N, K,
+             stride_we, stride_wk, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SCALED: tl.constexpr, STORE_TMA: tl.constexpr):
+    """A finished dw tile: dequantized (SCALED) and stored."""
+    if SCALED:  # dequantize: per-group column scales of x, sx [E*K], and of g, sg [E*N]
+        scale_x = tl.load(sx_ptr + group.to(tl.int64) * K + ks, mask=k_ok, other=0.0)
+        scale_g = tl.load(sg_ptr + group.to(tl.int64) * N + cols, mask=col_ok, other=0.0)
+        acc = acc * scale_x[:, None] * scale_g[None, :]
+    if STORE_TMA:
+        # a [1, BLOCK_K, BLOCK_N] box of dw [E, K, N]: the copy engine clips rows past K and
+        # columns past N, and the store is asynchronous (the next tile's loads and dots run
+        # while it drains)
+        dw_ptr.store([group, k_start, n_start], tl.reshape(acc.to(dw_ptr.dtype), [1, BLOCK_K, BLOCK_N]))
+    else:
+        dw = dw_ptr + group.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+        tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _k_tile(
     tile, x_ptr, g_ptr, dw_ptr, offs_ptr, sx_ptr, sg_ptr, M, N, K,
     stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
@@ -373,9 +405,6 @@ def _k_tile(
     STORE_TMA: tl.constexpr, GROUP_TMA: tl.constexpr, COLUMN_MAJOR: tl.constexpr,
 ):
     group = tile // tiles_per_group
-    within = tile % tiles_per_group
-    k_tile = within // n_tiles
-    n_tile = within % n_tiles
     row_start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
     row_start = tl.minimum(tl.maximum(row_start, 0), M)
     row_end = tl.maximum(tl.minimum(tl.load(offs_ptr + group), M), row_start)
@@ -385,13 +414,8 @@ def _k_tile(
         # compiler needs for asynchronous copies of 1-byte elements
         row_start = tl.multiple_of(row_start, 16)
         row_end = tl.multiple_of(row_end, 16)
-
-    k_start = k_tile * BLOCK_K
-    n_start = n_tile * BLOCK_N
-    ks = k_start + tl.arange(0, BLOCK_K)
-    cols = n_start + tl.arange(0, BLOCK_N)
-    k_ok = ks < K
-    col_ok = cols < N
+    group, k_start, n_start, ks, cols, k_ok, col_ok = _k_tile_place(tile, n_tiles, tiles_per_group, K, N,
+                                                                    BLOCK_N, BLOCK_K)
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
     x_src, g_src = x_ptr, g_ptr
     if GROUP_TMA:  # x_ptr, g_ptr are pointers; at least one row (an empty group loads nothing)
@@ -420,19 +444,8 @@ def _k_tile(
             acc = _k_step(acc, x_src, g_src, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_start, row_end,
                           stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA, GROUP_TMA,
                           COLUMN_MAJOR)
-
-    if SCALED:  # dequantize: per-group column scales of x, sx [E*K], and of g, sg [E*N]
-        scale_x = tl.load(sx_ptr + group.to(tl.int64) * K + ks, mask=k_ok, other=0.0)
-        scale_g = tl.load(sg_ptr + group.to(tl.int64) * N + cols, mask=col_ok, other=0.0)
-        acc = acc * scale_x[:, None] * scale_g[None, :]
-    if STORE_TMA:
-        # a [1, BLOCK_K, BLOCK_N] box of dw [E, K, N]: the copy engine clips rows past K and
-        # columns past N, and the store is asynchronous (the next tile's loads and dots run
-        # while it drains)
-        dw_ptr.store([group, k_start, n_start], tl.reshape(acc.to(dw_ptr.dtype), [1, BLOCK_K, BLOCK_N]))
-    else:
-        dw = dw_ptr + group.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-        tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+    _k_store(acc, dw_ptr, sx_ptr, sg_ptr, group, k_start, n_start, ks, cols, k_ok, col_ok, N, K,
+             stride_we, stride_wk, stride_wn, BLOCK_N, BLOCK_K, SCALED, STORE_TMA)
 
 
 @triton.jit
@@ -472,6 +485,102 @@ def _ragged_k_kernel(
                     STORE_TMA, GROUP_TMA, COLUMN_MAJOR)
 
 
+@triton.jit
+def _group_row_ranges(offs_ptr, M, E, BLOCK_E: tl.constexpr):
+    """Lanes ``e < E`` of [BLOCK_E]: group e's rows [starts, ends), clamped into [0, M] (as
+    `_k_tile` clamps them); other lanes empty."""
+    e_idx = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
+    starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
+    starts = tl.minimum(tl.maximum(starts, 0), M)
+    ends = tl.maximum(tl.minimum(ends, M), starts)
+    return e_idx, starts, ends
+
+
+@triton.jit
+def _ragged_k_flat_kernel(
+    x_ptr, g_ptr, dw_ptr, offs_ptr,
+    M, N, K, E,
+    stride_xm, stride_xk,
+    stride_gm, stride_gn,
+    stride_we, stride_wk, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # power of two >= E
+    PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
+    sx_ptr=None, sg_ptr=None,
+    SCALED: tl.constexpr = False,
+    STORE_TMA: tl.constexpr = False,
+):
+    """`_ragged_k_kernel`'s tiles and arguments (but per-group descriptors) in one flat loop:
+    each iteration is one reduction step of the program's current tile, and a tile's last
+    step stores it and moves to the program's next tile. The compiler's software pipeline
+    then spans tiles: the first steps of the next tile load while this tile finishes, where
+    the nested loops drain and refill the pipeline at every tile (K3's groups of 144-160
+    rows are two or three steps per tile). The tile state (group, row range) comes from all
+    groups' row ranges held in registers, so the next step's addresses need no load. An
+    empty group's tile runs one step with every row masked, and stores zeros."""
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    tiles_per_group = (K + BLOCK_K - 1) // BLOCK_K * n_tiles
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    e_idx, starts, ends = _group_row_ranges(offs_ptr, M, E, BLOCK_E)
+    # this program's steps: its tiles of group e are those t = pid + j * programs in
+    # [e * tiles_per_group, (e + 1) * tiles_per_group), each max(1, cdiv(rows, BLOCK_M)) steps
+    first = e_idx * tiles_per_group
+    mine = (tl.maximum(first + tiles_per_group - pid + programs - 1, 0) // programs
+            - tl.maximum(first - pid + programs - 1, 0) // programs)
+    steps = tl.maximum((ends - starts + BLOCK_M - 1) // BLOCK_M, 1)
+    total_steps = tl.reduce(tl.where(e_idx < E, mine * steps, 0), 0, _add)
+
+    tile = pid
+    step = pid * 0  # the step within the tile
+    acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    if INTERPRETED:
+        it = pid * 0
+        while it < total_steps:
+            acc, tile, step = _k_flat_step(acc, tile, step, programs, x_ptr, g_ptr, dw_ptr, sx_ptr, sg_ptr,
+                                           e_idx, starts, ends, N, K, stride_xm, stride_xk, stride_gm, stride_gn,
+                                           stride_we, stride_wk, stride_wn, n_tiles, tiles_per_group,
+                                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, SCALED, STORE_TMA)
+            it += 1
+    else:
+        for _ in tl.range(0, total_steps):
+            acc, tile, step = _k_flat_step(acc, tile, step, programs, x_ptr, g_ptr, dw_ptr, sx_ptr, sg_ptr,
+                                           e_idx, starts, ends, N, K, stride_xm, stride_xk, stride_gm, stride_gn,
+                                           stride_we, stride_wk, stride_wn, n_tiles, tiles_per_group,
+                                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, USE_TMA, SCALED, STORE_TMA)
+
+
+@triton.jit
+def _k_flat_step(acc, tile, step, programs, x_ptr, g_ptr, dw_ptr, sx_ptr, sg_ptr, e_idx, starts, ends, N, K,
+                 stride_xm, stride_xk, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
+                 n_tiles, tiles_per_group, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SCALED: tl.constexpr, STORE_TMA: tl.constexpr):
+    """One reduction step of `_ragged_k_flat_kernel`; returns (acc, tile, step) for the next."""
+    is_group = e_idx == tile // tiles_per_group
+    row_start = tl.reduce(tl.where(is_group, starts, 0), 0, _add)
+    row_end = tl.reduce(tl.where(is_group, ends, 0), 0, _add)
+    if SCALED:  # 16-row multiples (the caller's contract, see `_k_tile`) in a form the compiler
+        # can see: it drops a divisibility hint on a reduction's result
+        row_start = row_start // 16 * 16
+        row_end = row_end // 16 * 16
+    group, k_start, n_start, ks, cols, k_ok, col_ok = _k_tile_place(tile, n_tiles, tiles_per_group, K, N,
+                                                                    BLOCK_N, BLOCK_K)
+    m0 = row_start + step * BLOCK_M
+    acc = _k_step(acc, x_ptr, g_ptr, ks, cols, k_ok, col_ok, k_start, n_start, m0, row_start, row_end,
+                  stride_xm, stride_xk, stride_gm, stride_gn, BLOCK_M, PRECISION, USE_TMA, False, False)
+    last = m0 + BLOCK_M >= row_end
+    if last:
+        _k_store(acc, dw_ptr, sx_ptr, sg_ptr, group, k_start, n_start, ks, cols, k_ok, col_ok, N, K,
+                 stride_we, stride_wk, stride_wn, BLOCK_N, BLOCK_K, SCALED, STORE_TMA)
+        acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    tile = tl.where(last, tile + programs, tile)
+    step = tl.where(last, 0, step + 1)
+    return acc, tile, step
+
+
 # ----------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------
@@ -496,6 +605,8 @@ class TileConfig:
     tile run in ``tail_m``-row tiles, computed transposed (the rows on the tensor cores' N
     side), so that groups of a few hundred rows do not fill most of a ``block_m`` tile with
     the next group's rows: K3's 144-160-row groups in 256-row tiles compute 1.7x their FLOPs.
+    ``flat`` (dw kernels only): the tiles' reduction steps in one loop
+    (`_ragged_k_flat_kernel`), so that the software pipeline runs across tiles.
     """
 
     block_m: int
@@ -507,6 +618,7 @@ class TileConfig:
     programs_per_sm: int = 1
     store_tma: bool = False
     tail_m: int = 0
+    flat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -558,24 +670,26 @@ def tile_overrides() -> dict[str, TileConfig]:
     return out
 
 
-_TILE_SPEC = re.compile(r"(\d+(?:x\d+){4,5})(?:r(\d+))?(t?)")
+_TILE_SPEC = re.compile(r"(\d+(?:x\d+){4,5})(?:r(\d+))?(t?)(f?)")
 
 
 def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
-    """``BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t]`` of a ``kind`` kernel as a TileConfig:
+    """``BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t][f]`` of a ``kind`` kernel as a TileConfig:
     PROGRAMS persistent programs per SM (default 1), rTAIL ``tail_m`` (forward / dx kinds "mk",
-    "mk8"), a trailing "t" ``store_tma``."""
+    "mk8"), "t" ``store_tma``, "f" ``flat`` (dw kinds "k", "k8")."""
     match = _TILE_SPEC.fullmatch(spec)
     if match is None:
-        raise ValueError(f"{where}: expected BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t], got {spec!r}")
+        raise ValueError(f"{where}: expected BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t][f], got {spec!r}")
     bm, bn, bk, warps, stages, *programs = (int(v) for v in match[1].split("x"))
-    tail, store_tma = int(match[2] or 0), bool(match[3])
+    tail, store_tma, flat = int(match[2] or 0), bool(match[3]), bool(match[4])
     if tail and kind not in ("mk", "mk8"):
         raise ValueError(f"{where}: tail tiles (rTAIL) are for the forward / dx kinds mk and mk8")
+    if flat and kind not in ("k", "k8"):
+        raise ValueError(f"{where}: the flat loop (f) is for the dw kinds k and k8")
     if warps < 1 or warps & (warps - 1) or stages < 1 or (programs and programs[0] < 1):
         raise ValueError(f"{where}: warps must be a power of two, stages and programs >= 1")
     return TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages, programs_per_sm=programs[0] if programs else 1,
-                      store_tma=store_tma, tail_m=tail)
+                      store_tma=store_tma, tail_m=tail, flat=flat)
 
 
 # 16-bit tiles on sm90, the winners of the H200 tile sweep (BENCHMARKS.md, "Grouped GEMM: the
@@ -921,6 +1035,8 @@ def grouped_mm_dw_triton(
     n_prog = _num_programs(cfg, x_MK.device, max_tiles)
     x_arg, g_arg = x_MK, grad_MN
     tma = _dw_tma_mode(tma)
+    if cfg.flat and tma == "group":  # the flat loop keeps no per-group descriptors
+        tma = False
     group_tma = tma == "group" and _tma_describable(x_MK) and _tma_describable(grad_MN)
     if group_tma:
         ensure_scratch_allocator(x_MK.device)
@@ -932,7 +1048,8 @@ def grouped_mm_dw_triton(
         if tma:
             x_arg, g_arg = x_desc, g_desc
     dw_desc = _dw_store_descriptor(dw_EKN, cfg)
-    _ragged_k_kernel[(n_prog,)](
+    kernel, extra = _dw_kernel(cfg, E, GROUP_TMA=group_tma)
+    kernel[(n_prog,)](
         x_arg, g_arg, dw_EKN if dw_desc is None else dw_desc, offs_E,
         M, N, K, E,
         x_MK.stride(0), x_MK.stride(1),
@@ -940,9 +1057,17 @@ def grouped_mm_dw_triton(
         dw_EKN.stride(0), dw_EKN.stride(1), dw_EKN.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION=_precision(x_MK.dtype), INTERPRETED=interpreted(), USE_TMA=tma, STORE_TMA=dw_desc is not None,
-        GROUP_TMA=group_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return dw_EKN
+
+
+def _dw_kernel(cfg: TileConfig, E: int, **nested_only):
+    """The dw kernel of ``cfg`` and its extra arguments: `_ragged_k_flat_kernel` (flat), which
+    takes the group count's power of two and none of ``nested_only``, else `_ragged_k_kernel`."""
+    if cfg.flat:
+        return _ragged_k_flat_kernel, dict(BLOCK_E=next_power_of_2(max(E, 2)))
+    return _ragged_k_kernel, nested_only
 
 
 def scaled_grouped_mm_dw_triton(
@@ -1004,10 +1129,12 @@ def scaled_grouped_mm_dw_triton(
         cfg = replace(cfg, store_tma=False)  # fp32 out: the staging buffer alone is 128 KiB
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     dw_desc = _dw_store_descriptor(dw_EKN, cfg)
-    group_tma = _dw_tma_mode(tma) == "group" and _tma_describable(xq_MK, True) and _tma_describable(gq_MN, True)
+    group_tma = (_dw_tma_mode(tma) == "group" and not cfg.flat and _tma_describable(xq_MK, True)
+                 and _tma_describable(gq_MN, True))
     if group_tma:
         ensure_scratch_allocator(xq_MK.device)
-    _ragged_k_kernel[(_num_programs(cfg, xq_MK.device, max_tiles),)](
+    kernel, extra = _dw_kernel(cfg, E, GROUP_TMA=group_tma, COLUMN_MAJOR=True)
+    kernel[(_num_programs(cfg, xq_MK.device, max_tiles),)](
         xq_MK, gq_MN, dw_EKN if dw_desc is None else dw_desc, offs_E,
         M, N, K, E,
         xq_MK.stride(0), xq_MK.stride(1),
@@ -1016,6 +1143,6 @@ def scaled_grouped_mm_dw_triton(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="tf32", INTERPRETED=interpreted(), USE_TMA=False,
         sx_ptr=scale_x_EK, sg_ptr=scale_g_EN, SCALED=True, STORE_TMA=dw_desc is not None,
-        GROUP_TMA=group_tma, COLUMN_MAJOR=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return dw_EKN
