@@ -153,6 +153,7 @@
 #              opt-in tile with pointer loads, per-group device descriptors (fp8dwg_,
 #              TITAN_MOE_GROUPED_MM_DW_TMA=group) and the flat loop ("f"), and two programs per SM
 #              (not in the default list)
+#   dw_fp8_down  dw_fp8's benchmark at K3's down projection (not in the default list)
 #   dw_bf16    the bf16 dw kernel's forms (--dw-tiles: pointer loads, host descriptors, per-group
 #              device descriptors, the flat loop) beside auto / torch's dw at E = 64 and K3's down
 #              projection (not in the default list)
@@ -441,6 +442,11 @@ for section in "${SECTIONS[@]}"; do
                 --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_cached_w_auto \
                 --fp8-dw-tiles 128x256x128x8x3t,128x256x128x8x3tf,64x128x128x4x3x2t \
                 --gemm-cases e64_balanced,e64_zipf1.1,k3_gate_up_balanced ;;
+        dw_fp8_down)  # dw_fp8's providers at K3's down projection
+            run dw_fp8_down python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,auto,fp8_cached_w_dw8rows,fp8_cached_w_auto \
+                --fp8-dw-tiles 128x256x128x8x3t,128x256x128x8x3tf,64x128x128x4x3x2t \
+                --gemm-cases k3_down_balanced ;;
         dw_bf16)  # bf16 dw forms beside torch's
             run dw_bf16 python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,tma_dw_native \
