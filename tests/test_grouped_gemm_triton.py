@@ -973,9 +973,9 @@ def test_fp8_dw_default_tile_shared_memory():
 
 
 def test_auto_backend_rule_and_routing(monkeypatch):
-    """"auto": our kernel for the forward and dx only on sm90, 16-bit, with at least
-    AUTO_MIN_GROUP_ROWS rows per group on average; native for dw, fp32, small groups, other
-    devices. The op routes each product through the rule's choice."""
+    """"auto": our kernels only on sm90, 16-bit, with at least AUTO_MIN_GROUP_ROWS rows per
+    group on average for the forward and dx, AUTO_DW_MIN_GROUP_ROWS for dw; native for fp32,
+    small groups, other devices. The op routes each product through the rule's choice."""
     from types import SimpleNamespace
 
     def operand(rows, dtype=torch.bfloat16, device="cuda"):
@@ -986,6 +986,9 @@ def test_auto_backend_rule_and_routing(monkeypatch):
     big, small = gg_op.AUTO_MIN_GROUP_ROWS * E, gg_op.AUTO_MIN_GROUP_ROWS * E - 1
     monkeypatch.setattr(tk, "_is_sm90", lambda device: device.type == "cuda")
     assert [gg_op.auto_backend(p, operand(big), offs) for p in gg_op.PRODUCTS] == ["triton", "triton", "native"]
+    dw_big = gg_op.AUTO_DW_MIN_GROUP_ROWS * E
+    assert [gg_op.auto_backend(p, operand(dw_big), offs) for p in gg_op.PRODUCTS] == ["triton"] * 3
+    assert gg_op.auto_backend("dw", operand(dw_big - 1), offs) == "native"
     assert gg_op.auto_backend("fwd", operand(big, torch.float16), offs) == "triton"
     for args in ((operand(small),), (operand(big, torch.float32),), (operand(big, device="cpu"),)):
         assert gg_op.auto_backend("fwd", *args, offs) == "native", args

@@ -22,8 +22,8 @@ named takes ``"native"``), so that each product can run where it was measured fa
   alignment) on CUDA, or on CPU when ``TRITON_INTERPRET=1`` was set before the kernel
   module was first imported (tests); elsewhere a ``ValueError``.
 * ``"loop"``: always the per-group loop of the reference.
-* ``"auto"``: per call from the shapes (`auto_backend`): the Triton TMA kernel for the forward
-  and dx on sm90 where the groups are large, ``"native"`` otherwise and for dw.
+* ``"auto"``: per call from the shapes (`auto_backend`): the Triton TMA kernels on sm90 where
+  the groups are large, ``"native"`` otherwise.
 
 ``"native"`` in detail:
 
@@ -95,16 +95,22 @@ def resolve_backend(backend: str | None = None, product: str = "fwd") -> str:
 # interleaved timing) and trailed at 256 and at 146 (K3's 112 local experts); at 512 it led
 # slightly. A marginal, opt-in choice: the op's default stays "native".
 AUTO_MIN_GROUP_ROWS = 512
+# "auto" for dw: our dw kernel (on sm90: per-group TMA descriptors, TMA stores) where the groups
+# average at least this many rows (BENCHMARKS.md, "The dw kernels' load forms ..."): on the
+# H200 it led torch._grouped_mm's dw at E = 64's 1,024 rows per group (forward+backward with
+# auto's forward and dx 2-3% faster, balanced and Zipf 1.1) and trailed at K3's 146 (13%);
+# nothing between was measured
+AUTO_DW_MIN_GROUP_ROWS = 1024
 
 
 def auto_backend(product: str, x_MK: Tensor, offs_E: Tensor) -> str:
     """The backend "auto" picks for ``product`` on this call, from shapes only (no sync):
-    "triton" for the forward and dx on sm90 with 16-bit operands and at least
-    ``AUTO_MIN_GROUP_ROWS`` rows per group on average, else "native" (dw always: our dw
-    kernel trailed ``torch._grouped_mm`` at every measured shape). Measured with the Triton
-    kernels' TMA loads on (their sm90 default)."""
-    if (product == "dw" or x_MK.device.type != "cuda" or x_MK.dtype == torch.float32
-            or x_MK.shape[0] < AUTO_MIN_GROUP_ROWS * offs_E.shape[0]):
+    "triton" on sm90 with 16-bit operands and at least ``AUTO_MIN_GROUP_ROWS`` rows per group
+    on average for the forward and dx (``AUTO_DW_MIN_GROUP_ROWS`` for dw), else "native".
+    Measured with the Triton kernels' sm90 defaults (TMA loads and stores)."""
+    min_rows = AUTO_DW_MIN_GROUP_ROWS if product == "dw" else AUTO_MIN_GROUP_ROWS
+    if (x_MK.device.type != "cuda" or x_MK.dtype == torch.float32
+            or x_MK.shape[0] < min_rows * offs_E.shape[0]):
         return "native"
     return "triton" if _triton_kernels()._is_sm90(x_MK.device) else "native"
 

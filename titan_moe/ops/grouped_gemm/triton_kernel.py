@@ -114,10 +114,11 @@ from titan_moe.ops.triton_runtime import (
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TMA_ENV = "TITAN_MOE_GROUPED_MM_TMA"  # "0": pointer loads on sm90 too (default: TMA on sm90)
-# GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
-# "1": TMA loads in the bf16 dw kernel too, "group": through per-group device-side descriptors
-# (default: pointer loads), see `grouped_mm_dw_triton`
+# the dw kernels' loads: "0" pointers, "1" host TMA descriptors (16-bit only), "group" per-group
+# descriptors made in the kernel (default: "group" for 16-bit on sm90, else pointers), see
+# `grouped_mm_dw_triton`, `scaled_grouped_mm_dw_triton`
 DW_TMA_ENV = "TITAN_MOE_GROUPED_MM_DW_TMA"
+# GPU tile overrides, e.g. "mk=128x256x64x8x3,k=64x128x128x8x4", see `default_config`
 TILES_ENV = "TITAN_MOE_GROUPED_MM_TILES"
 _KINDS = ("mk", "k", "mk8", "k8")  # "mk8", "k8": the fp8 kernels (scaled_grouped_mm_triton, _dw_triton)
 
@@ -698,8 +699,11 @@ def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
 # 1.866; timed again in interleaved rounds, still ahead of the old tiles by 1-8% per product.
 # TMA stores (``t``) in the forward / dx kernels, bf16 and fp8: 0-2% faster at all four benchmark
 # shapes, slower at none (BENCHMARKS.md, "fp8 at K3's latent shapes ...", 80th run).
+# The bf16 dw: TMA stores, and on sm90 loads through per-group descriptors (`grouped_mm_dw_triton`):
+# forward+backward 2-3% ahead of torch._grouped_mm's dw at E = 64, level at K3's down projection
+# (BENCHMARKS.md, "The dw kernels' load forms ...").
 SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3, store_tma=True),
-              "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3),
+              "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3, store_tma=True),
               # fp8 forward / dx: the best of five tiles at E = 64 and K3's latent shapes (BENCHMARKS.md,
               # "fp8 grouped GEMM on our Triton kernels"); fp8 dw (opt-in: torch's stays the default):
               # with TMA stores, ahead of the earlier 128x128x128x8x4 pointer-store tile at all four
@@ -980,10 +984,11 @@ def _tma_describable(t_MK: torch.Tensor, column_major: bool = False) -> bool:
             and t_MK.data_ptr() % 16 == 0)
 
 
-def _dw_tma_mode(tma: bool | str | None) -> bool | str:
-    """The dw kernels' load form from a launcher's ``tma`` argument, else `DW_TMA_ENV`."""
+def _dw_tma_mode(tma: bool | str | None, default: bool | str = False) -> bool | str:
+    """The dw kernels' load form from a launcher's ``tma`` argument, else `DW_TMA_ENV` ("0",
+    "1", "group"), else ``default``."""
     if tma is None:
-        tma = {"1": True, "group": "group"}.get(os.environ.get(DW_TMA_ENV, ""), False)
+        tma = {"0": False, "1": True, "group": "group"}.get(os.environ.get(DW_TMA_ENV, ""), default)
     if tma not in (True, False, "group"):
         raise ValueError(f'grouped_mm_dw_triton: tma must be None, a bool or "group", got {tma!r}')
     return tma
@@ -1007,11 +1012,12 @@ def grouped_mm_dw_triton(
             descriptors per tile made on the device over the group's rows alone
             (`tl.make_tensor_descriptor`, 128 bytes of global scratch each, see
             `ensure_scratch_allocator`): the copy engine zero-fills past the group's end and
-            both operands stay in shared memory. None: ``$TITAN_MOE_GROUPED_MM_DW_TMA``,
-            "1" or "group" (opt-in, else pointer loads): the host form, timed on the H200
-            (forty-eighth run), beat the pointer form at its own best tile, 64x256x128, by
-            7%, which is not the pointer form's default tile, and still trailed
-            torch._grouped_mm, also with TMA stores (80th run).
+            both operands stay in shared memory. None: ``$TITAN_MOE_GROUPED_MM_DW_TMA``
+            ("0" pointer loads, "1", "group"), else "group" on sm90 and pointer loads
+            elsewhere: on the H200 the group form with TMA stores led pointer loads by 7%
+            and the host form by 11% (forward+backward at E = 64, the bf16 dw's first lead
+            over torch._grouped_mm's), level with both at K3's down projection
+            (BENCHMARKS.md, "The dw kernels' load forms ...").
         out_dtype: dtype of dw (default x's): fp32 stores the fp32 accumulator itself, for
             fp32 weights, where a 16-bit dw would need a conversion pass.
 
@@ -1034,7 +1040,7 @@ def grouped_mm_dw_triton(
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, x_MK.device, max_tiles)
     x_arg, g_arg = x_MK, grad_MN
-    tma = _dw_tma_mode(tma)
+    tma = _dw_tma_mode(tma, "group" if _is_sm90(x_MK.device) else False)
     if cfg.flat and tma == "group":  # the flat loop keeps no per-group descriptors
         tma = False
     group_tma = tma == "group" and _tma_describable(x_MK) and _tma_describable(grad_MN)
