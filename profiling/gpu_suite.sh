@@ -154,8 +154,9 @@
 #              TITAN_MOE_GROUPED_MM_DW_TMA=group) and the flat loop ("f"), and two programs per SM
 #              (not in the default list)
 #   dw_fp8_down  dw_fp8's benchmark at K3's down projection (not in the default list)
-#   gemm_auto  the bf16 grouped-GEMM GPU tests, then native, auto and tma_dw_native (auto's
-#              forward and dx, torch's dw) at E = 64 and K3's down projection (not in the default list)
+#   gemm_auto  the bf16 grouped-GEMM GPU tests, then native, auto, tma_dw_native (auto's forward
+#              and dx, torch's dw) and fp8 (w quantized beforehand, wgrad "auto") at E = 64 and K3's
+#              down projection (not in the default list)
 #   dw_bf16    the bf16 dw kernel's forms (--dw-tiles: pointer loads, host descriptors, per-group
 #              device descriptors, the flat loop) beside auto / torch's dw at E = 64 and K3's down
 #              projection (not in the default list)
@@ -453,7 +454,7 @@ for section in "${SECTIONS[@]}"; do
             run gemm_auto_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
                 tests/test_grouped_gemm.py -k "cuda or gpu"
             run gemm_auto python profiling/bench_moe.py --skip-layer --cuda-graph \
-                --gemm-providers native,auto,tma_dw_native \
+                --gemm-providers native,auto,tma_dw_native,fp8_cached_w_auto \
                 --gemm-cases e64_balanced,e64_zipf1.1,k3_down_balanced ;;
         dw_bf16)  # bf16 dw forms beside torch's
             run dw_bf16 python profiling/bench_moe.py --skip-layer --cuda-graph \

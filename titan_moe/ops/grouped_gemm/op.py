@@ -98,7 +98,7 @@ AUTO_MIN_GROUP_ROWS = 512
 # "auto" for dw: our dw kernel (on sm90: per-group TMA descriptors, TMA stores) where the groups
 # average at least this many rows (BENCHMARKS.md, "The dw kernels' load forms ..."): on the
 # H200 it led torch._grouped_mm's dw at E = 64's 1,024 rows per group (forward+backward with
-# auto's forward and dx 2-3% faster, balanced and Zipf 1.1) and trailed at K3's 146 (13%);
+# auto's forward and dx 2-3% faster, balanced and Zipf 1.1) and trailed by 3% at K3's 146;
 # nothing between was measured
 AUTO_DW_MIN_GROUP_ROWS = 1024
 

@@ -700,8 +700,9 @@ def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
 # TMA stores (``t``) in the forward / dx kernels, bf16 and fp8: 0-2% faster at all four benchmark
 # shapes, slower at none (BENCHMARKS.md, "fp8 at K3's latent shapes ...", 80th run).
 # The bf16 dw: TMA stores, and on sm90 loads through per-group descriptors (`grouped_mm_dw_triton`):
-# forward+backward 2-3% ahead of torch._grouped_mm's dw at E = 64, level at K3's down projection
-# (BENCHMARKS.md, "The dw kernels' load forms ...").
+# forward+backward 2-3% ahead of torch._grouped_mm's dw at E = 64 and 7% ahead of pointer loads,
+# 3% behind torch's and level with pointer loads at K3's down projection (BENCHMARKS.md, "The dw
+# kernels' load forms ...").
 SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3, store_tma=True),
               "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3, store_tma=True),
               # fp8 forward / dx: the best of five tiles at E = 64 and K3's latent shapes (BENCHMARKS.md,
@@ -1016,8 +1017,8 @@ def grouped_mm_dw_triton(
             ("0" pointer loads, "1", "group"), else "group" on sm90 and pointer loads
             elsewhere: on the H200 the group form with TMA stores led pointer loads by 7%
             and the host form by 11% (forward+backward at E = 64, the bf16 dw's first lead
-            over torch._grouped_mm's), level with both at K3's down projection
-            (BENCHMARKS.md, "The dw kernels' load forms ...").
+            over torch._grouped_mm's), level with pointer loads and 4% ahead of the host
+            form at K3's down projection (BENCHMARKS.md, "The dw kernels' load forms ...").
         out_dtype: dtype of dw (default x's): fp32 stores the fp32 accumulator itself, for
             fp32 weights, where a 16-bit dw would need a conversion pass.
 
