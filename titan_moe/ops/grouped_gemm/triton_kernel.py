@@ -1014,8 +1014,8 @@ def grouped_mm_dw_triton(
             (`tl.make_tensor_descriptor`, 128 bytes of global scratch each, see
             `ensure_scratch_allocator`): the copy engine zero-fills past the group's end and
             both operands stay in shared memory. None: ``$TITAN_MOE_GROUPED_MM_DW_TMA``
-            ("0" pointer loads, "1", "group"), else "group" on sm90 and pointer loads
-            elsewhere: on the H200 the group form with TMA stores led pointer loads by 7%
+            ("0" pointer loads, "1", "group"), else "group" for 16-bit operands on sm90 and
+            pointer loads elsewhere (fp32 was not timed): on the H200 the group form with TMA stores led pointer loads by 7%
             and the host form by 11% (forward+backward at E = 64, the bf16 dw's first lead
             over torch._grouped_mm's), level with pointer loads and 4% ahead of the host
             form at K3's down projection (BENCHMARKS.md, "The dw kernels' load forms ...").
@@ -1041,7 +1041,7 @@ def grouped_mm_dw_triton(
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     n_prog = _num_programs(cfg, x_MK.device, max_tiles)
     x_arg, g_arg = x_MK, grad_MN
-    tma = _dw_tma_mode(tma, "group" if _is_sm90(x_MK.device) else False)
+    tma = _dw_tma_mode(tma, "group" if x_MK.dtype != torch.float32 and _is_sm90(x_MK.device) else False)
     if cfg.flat and tma == "group":  # the flat loop keeps no per-group descriptors
         tma = False
     group_tma = tma == "group" and _tma_describable(x_MK) and _tma_describable(grad_MN)
