@@ -149,20 +149,24 @@ def _warn_once(name: str, num_stages: int, error: Exception) -> None:
         logger.warning("%s: %d pipeline stages do not fit (%s); using %d", name, num_stages, error, num_stages - 1)
 
 
-def _scratch_on(device: torch.device):
-    def allocate(size: int, alignment: int, stream) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int8, device=device)
+def _cuda_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # the current device: the one Triton launches on (PyTorch's allocator aligns to 512 bytes)
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
-    return allocate
+
+def _cpu_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8)
 
 
 def ensure_scratch_allocator(device: torch.device) -> None:
     """Give Triton an allocator for kernels' global scratch (device-side tensor descriptors,
     `tl.make_tensor_descriptor`, write theirs there) where none is set: Triton keeps it in a
     context variable, so a thread that never set one (autograd's device threads) has none.
-    An allocator set by the caller is left as it is."""
+    An allocator set by the caller is left as it is. ``device``: the kernel's tensors' device
+    type picks CUDA memory (on the current device, where Triton launches) or CPU memory (the
+    interpreter)."""
     import triton
     from triton.runtime import _allocation
 
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_scratch_on(device))
+        triton.set_allocator(_cuda_scratch if device.type == "cuda" else _cpu_scratch)
