@@ -405,7 +405,8 @@ def _k_tile(
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, SCALED: tl.constexpr,
     STORE_TMA: tl.constexpr, GROUP_TMA: tl.constexpr, COLUMN_MAJOR: tl.constexpr,
 ):
-    group = tile // tiles_per_group
+    group, k_start, n_start, ks, cols, k_ok, col_ok = _k_tile_place(tile, n_tiles, tiles_per_group, K, N,
+                                                                    BLOCK_N, BLOCK_K)
     row_start = tl.load(offs_ptr + group - 1, mask=group > 0, other=0)
     row_start = tl.minimum(tl.maximum(row_start, 0), M)
     row_end = tl.maximum(tl.minimum(tl.load(offs_ptr + group), M), row_start)
@@ -415,8 +416,6 @@ def _k_tile(
         # compiler needs for asynchronous copies of 1-byte elements
         row_start = tl.multiple_of(row_start, 16)
         row_end = tl.multiple_of(row_end, 16)
-    group, k_start, n_start, ks, cols, k_ok, col_ok = _k_tile_place(tile, n_tiles, tiles_per_group, K, N,
-                                                                    BLOCK_N, BLOCK_K)
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
     x_src, g_src = x_ptr, g_ptr
     if GROUP_TMA:  # x_ptr, g_ptr are pointers; at least one row (an empty group loads nothing)
@@ -814,6 +813,16 @@ def _tma_operands(a_MK: torch.Tensor, b_EKN: torch.Tensor, cfg: TileConfig):
     return a_desc, b_desc, transposed
 
 
+def _tma_describable(t_MK: torch.Tensor, column_major: bool = False) -> bool:
+    """Whether TMA can describe the 2-D ``t_MK`` (row-major, or with ``column_major`` its
+    transpose) and its slices of whole rows: no empty side, a unit contiguous stride, a
+    16-byte aligned other stride and base pointer. (A column-major slice starting at row r
+    is 16-byte aligned only where r * element size is: the fp8 groups' 16-row starts.)"""
+    unit, other = (0, 1) if column_major else (1, 0)
+    return (min(t_MK.shape) > 0 and t_MK.stride(unit) == 1 and (t_MK.stride(other) * t_MK.element_size()) % 16 == 0
+            and t_MK.data_ptr() % 16 == 0)
+
+
 def _row_major_descriptor(t_MK: torch.Tensor, block: list[int]):
     """A TMA descriptor of the 2-D ``t_MK`` with boxes of ``block``, or None where TMA cannot
     describe it (an empty side, a non-unit last stride, a row stride or base pointer that is
@@ -821,7 +830,7 @@ def _row_major_descriptor(t_MK: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = t_MK.shape
-    if min(M, K) == 0 or t_MK.stride(1) != 1 or (t_MK.stride(0) * t_MK.element_size()) % 16 or t_MK.data_ptr() % 16:
+    if not _tma_describable(t_MK):
         return None
     if t_MK.is_cuda:
         ensure_cuda_context(t_MK.device.index if t_MK.device.index is not None else torch.cuda.current_device())
@@ -973,16 +982,6 @@ def scaled_grouped_mm_triton(
     _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, cfg, tma,
                      scale_a_M, scale_b_EN)
     return out_MN
-
-
-def _tma_describable(t_MK: torch.Tensor, column_major: bool = False) -> bool:
-    """Whether TMA can describe the 2-D ``t_MK`` (row-major, or with ``column_major`` its
-    transpose) and its slices of whole rows: no empty side, a unit contiguous stride, a
-    16-byte aligned other stride and base pointer. (A column-major slice starting at row r
-    is 16-byte aligned only where r * element size is: the fp8 groups' 16-row starts.)"""
-    unit, other = (0, 1) if column_major else (1, 0)
-    return (min(t_MK.shape) > 0 and t_MK.stride(unit) == 1 and (t_MK.stride(other) * t_MK.element_size()) % 16 == 0
-            and t_MK.data_ptr() % 16 == 0)
 
 
 def _dw_tma_mode(tma: bool | str | None, default: bool | str = False) -> bool | str:
