@@ -658,6 +658,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
         results[name] = compile_kernel(tk._ragged_m_kernel, descs, mk_ints + ["stride_bk"],
                                        ["stride_ak", "stride_bn", "stride_cn"],
                                        dict(common, USE_TMA=True, B_TRANSPOSED=transposed), mk)
+    # the tile of outputs whose width is a multiple of 256 (SM90_TILES["mk_n256"])
+    w256 = tk.SM90_TILES["mk_n256"]
+    results["fwd_n256_tma_store"] = compile_kernel(
+        tk._ragged_m_kernel, dict(ptrs, a=f"tensordesc<bf16[{w256.block_m},{w256.block_k}]>",
+                                  b=f"tensordesc<bf16[1,{w256.block_k},{w256.block_n}]>",
+                                  c_desc=f"tensordesc<bf16[{w256.block_m},{w256.block_n}]>"),
+        mk_ints + ["stride_bk"], ["stride_ak", "stride_bn", "stride_cn"],
+        dict({n: v for n, v in common.items() if n != "c_desc"}, BLOCK_M=w256.block_m, BLOCK_N=w256.block_n,
+             BLOCK_K=w256.block_k, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True), w256)
     # full tiles stored through TMA boxes of c (a group's partial tile through pointer stores)
     results["fwd_tma_store"] = compile_kernel(
         tk._ragged_m_kernel, dict(ptrs, a=f"tensordesc<bf16[{bm},{bk}]>", b=f"tensordesc<bf16[1,{bk},{bn}]>",
@@ -771,7 +780,7 @@ def test_compiles_for_sm90():
     variant) within the shared-memory budget."""
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
+    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fwd_n256_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
                             "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store", "dw_group_tma_store",
                             "fp8_dw_group_tma_store", "dw_flat_store", "fp8_dw_flat_store"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():
@@ -925,6 +934,15 @@ def test_sm90_defaults_swept_tiles_and_tma(monkeypatch):
     for kind in ("mk", "k"):
         assert tk.default_config(torch.bfloat16, cuda, kind) == tk.SM90_TILES[kind] != generic[kind]
         assert tk.default_config(torch.float16, cuda, kind) == tk.SM90_TILES[kind]
+    # the forward / dx tile by output width: 128x256 where N is a multiple of 256, else 256x128
+    for n_cols, tile in ((1408, "mk"), (1024, "mk_n256"), (2816, "mk_n256"), (2048, "mk_n256"), (1664, "mk")):
+        assert tk.default_config(torch.bfloat16, cuda, "mk", n_cols=n_cols) == tk.SM90_TILES[tile], n_cols
+    assert tk.SM90_TILES["mk_n256"].block_n == 256 != tk.SM90_TILES["mk"].block_n
+    assert tk.default_config(torch.bfloat16, cuda, "k", n_cols=1024) == tk.SM90_TILES["k"]  # dw: unchanged
+    assert not tk._is_sm90(torch.device("cpu"))
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: False)
+    assert tk.default_config(torch.bfloat16, cuda, "mk", n_cols=1024) == generic["mk"]  # other GPUs: unmeasured
+    monkeypatch.setattr(tk, "_is_sm90", lambda device: device.type == "cuda")
     assert tk.default_config(torch.float32, cuda, "mk") == tk.TileConfig(64, 64, 32, num_warps=4, num_stages=3)
     assert tk._use_tma(None, cuda) and not tk._use_tma(False, cuda)
     monkeypatch.delenv(tk.TMA_ENV)

@@ -702,7 +702,14 @@ def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
 # forward+backward 2-3% ahead of torch._grouped_mm's dw at E = 64 and 7% ahead of pointer loads,
 # 3% behind torch's and level with pointer loads at K3's down projection (BENCHMARKS.md, "The dw
 # kernels' load forms ...").
+# The forward / dx tile for outputs whose width is a multiple of 256 ("mk_n256"): 128x256 keeps
+# the widest wgmma (N = 256) with no wasted columns; at other widths (E = 64's 1,408) its last
+# column tile would be half empty, and 256x128 stays. Same run, CUDA-graph replays against the
+# default (BENCHMARKS.md, "Warp specialization tried; the forward / dx tile by output width"):
+# ahead or level at all seven products of width 1,024, 2,048 and 2,816 (+3% to +19%, dx at
+# E = 64 balanced -0.3%), and 3-4% behind at width 1,408, where the rule keeps 256x128.
 SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3, store_tma=True),
+              "mk_n256": TileConfig(128, 256, 64, num_warps=8, num_stages=3, store_tma=True),
               "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3, store_tma=True),
               # fp8 forward / dx: the best of five tiles at E = 64 and K3's latent shapes (BENCHMARKS.md,
               # "fp8 grouped GEMM on our Triton kernels"); fp8 dw (opt-in: torch's stays the default):
@@ -742,10 +749,11 @@ def dw_shared_bytes(cfg: TileConfig, operand_bytes: int, out_bytes: int) -> int:
 
 
 def default_config(dtype: torch.dtype, device: torch.device, kind: str,
-                   rows_per_group: float | None = None) -> TileConfig:
+                   rows_per_group: float | None = None, n_cols: int | None = None) -> TileConfig:
     """Tile defaults per dtype and kernel ("mk" forward/dx, "k" dw, "mk8" / "k8" their fp8
     forms). ``rows_per_group`` (M / E, known on the host): "mk8" on sm90 takes the small-group
-    tiles at or below `SMALL_GROUP_ROWS`.
+    tiles at or below `SMALL_GROUP_ROWS`. ``n_cols`` (the output width N): 16-bit "mk" on sm90
+    takes ``SM90_TILES["mk_n256"]`` where N is a multiple of 256.
 
     16-bit on sm90: `SM90_TILES`, measured. 16-bit on other GPUs (unmeasured starting points):
     128x128 output tiles, 64-deep steps, 4 stages: (128*64 + 64*128) * 2 B = 32 KB of shared
@@ -765,6 +773,8 @@ def default_config(dtype: torch.dtype, device: torch.device, kind: str,
     if kind in ("mk8", "k8"):
         return SM90_TILES[kind]
     if _is_sm90(device):
+        if kind == "mk" and n_cols is not None and n_cols % 256 == 0:
+            return SM90_TILES["mk_n256"]
         return SM90_TILES[kind]
     if kind == "k":
         return TileConfig(64, 128, 128, num_warps=8, num_stages=4)
@@ -871,7 +881,8 @@ def grouped_mm_triton(
         a_MK: [M, K] rows sorted by group, any strides.
         b_EKN: [E, K, N] any strides (``w.transpose(1, 2)`` gives the ``dx`` product).
         offs_E: [E] int32 cumulative group ends (not read on the host).
-        config: tile override (default :func:`default_config`).
+        config: tile override (default :func:`default_config`, which on sm90 picks the tile
+            by the output width N).
         tma: load ``a`` and ``b`` through TMA tensor descriptors. None: on sm90 (Hopper)
             unless ``$TITAN_MOE_GROUPED_MM_TMA`` is "0" (measured faster than pointer loads
             at every swept tile on the H200). True forces it (the interpreter runs it too);
@@ -887,7 +898,8 @@ def grouped_mm_triton(
             f"{tuple(b_EKN.shape)}, {tuple(offs_E.shape)}"
         )
     out_MN = a_MK.new_empty(a_MK.shape[0], b_EKN.shape[2])
-    _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, config or default_config(a_MK.dtype, a_MK.device, "mk"), tma)
+    cfg = config or default_config(a_MK.dtype, a_MK.device, "mk", n_cols=b_EKN.shape[2])
+    _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, cfg, tma)
     return out_MN
 
 
