@@ -157,6 +157,9 @@
 #   gemm_auto  the bf16 grouped-GEMM GPU tests, then native, auto, tma_dw_native (auto's forward
 #              and dx, torch's dw) and fp8 (w quantized beforehand, wgrad "auto") at E = 64 and K3's
 #              down projection (not in the default list)
+#   gemm_width the grouped-GEMM GPU tests, then native beside auto at E = 64 (output width 1,408)
+#              and the MoE layer benchmark's expert shapes (widths 2,816 / 1,024): the forward / dx
+#              tile by output width (not in the default list)
 #   dw_bf16    the bf16 dw kernel's forms (--dw-tiles: pointer loads, host descriptors, per-group
 #              device descriptors, the flat loop) beside auto / torch's dw at E = 64 and K3's down
 #              projection (not in the default list)
@@ -456,6 +459,11 @@ for section in "${SECTIONS[@]}"; do
             run gemm_auto python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,tma_dw_native,fp8_cached_w_auto \
                 --gemm-cases e64_balanced,e64_zipf1.1,k3_down_balanced ;;
+        gemm_width)  # the forward / dx tile by output width (128x256 at multiples of 256) through the op
+            run gemm_width_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py \
+                -k "cuda or gpu"
+            run gemm_width python profiling/bench_moe.py --skip-layer --cuda-graph --gemm-providers native,auto \
+                --gemm-cases e64_balanced,e64_zipf1.1,layer_gate_up,layer_down ;;
         dw_bf16)  # bf16 dw forms beside torch's
             run dw_bf16 python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,tma_dw_native \
