@@ -1008,8 +1008,10 @@ def main(argv=None) -> dict:
     DW_TILES[:] = [t for t in args.dw_tiles.split(",") if t]
     MK_TILES[:] = [t for t in args.mk_tiles.split(",") if t]
     report["timing"] = "cuda_graph_replay" if args.cuda_graph else "do_bench_host_launch"
-    report["triton_tiles"] = {kind: dataclasses.asdict(default_config(dtype, torch.device(args.device), kind))
-                              for kind in ("mk", "k")}
+    device = torch.device(args.device)
+    report["triton_tiles"] = {kind: dataclasses.asdict(default_config(dtype, device, kind)) for kind in ("mk", "k")}
+    # the forward / dx tile at output widths that are multiples of 256 (128x256 on sm90)
+    report["triton_tiles"]["mk_width_256"] = dataclasses.asdict(default_config(dtype, device, "mk", n_cols=256))
     if not args.skip_gemm:
         keep = {c for c in args.gemm_cases.split(",") if c}
         cases = [c for c in gemm_cases(args.tiny) if not keep or c["case"] in keep]
