@@ -160,6 +160,9 @@
 #   gemm_width the grouped-GEMM GPU tests, then native beside auto at E = 64 (output width 1,408)
 #              and the MoE layer benchmark's expert shapes (widths 2,816 / 1,024): the forward / dx
 #              tile by output width (not in the default list)
+#   mk_tails   the grouped-GEMM tail-tile tests compiled, then profiling/probe_mk_kernel.py's tile
+#              probe: 16-bit upright tail tiles (rTAILu) against the default forward / dx tiles
+#              and native under E = 64's balanced and Zipf groups (not in the default list)
 #   dw_bf16    the bf16 dw kernel's forms (--dw-tiles: pointer loads, host descriptors, per-group
 #              device descriptors, the flat loop) beside auto / torch's dw at E = 64 and K3's down
 #              projection (not in the default list)
@@ -464,6 +467,10 @@ for section in "${SECTIONS[@]}"; do
                 -k "cuda or gpu"
             run gemm_width python profiling/bench_moe.py --skip-layer --cuda-graph --gemm-providers native,auto \
                 --gemm-cases e64_balanced,e64_zipf1.1,layer_gate_up,layer_down ;;
+        mk_tails)  # bf16 upright tail tiles (opt-in) in the forward / dx, beside the defaults and native
+            run mk_tails_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py -k tail
+            run mk_tails python profiling/probe_mk_kernel.py tiles e64_bal,e64_zipf,e64_m32k_zipf \
+                ,256x128x64x8x3r128ut,256x128x64x8x3r64ut,128x256x64x8x3r64ut,128x256x64x8x3t ;;
         dw_bf16)  # bf16 dw forms beside torch's
             run dw_bf16 python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,tma_dw_native \

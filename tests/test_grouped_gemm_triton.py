@@ -232,6 +232,48 @@ def test_tail_tiles_match_loop_reference(tma, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_upright_tail_tiles_match_loop_reference(tma, dtype):
+    """``TileConfig.tail_upright``: the tail tiles as [tail_m, block_n] products (not
+    transposed), forward and dx, every remainder case of :func:`tail_offsets`, with TMA stores
+    of the full tiles (tail tiles through pointer stores); the same result as the transposed
+    tail tiles and as no tail tiles."""
+    offs, m = tail_offsets(DEVICE)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(m, 40, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, dtype)
+    grad = torch.randn(m, 24, generator=gen).to(DEVICE, dtype)
+    upright = dataclasses.replace(tail_config(), tail_upright=True, store_tma=True)
+    for a, b in ((x, w), (grad, w.transpose(1, 2))):
+        out = tk.grouped_mm_triton(a, b, offs, config=upright, tma=tma)
+        assert rel_err(out, grouped_mm_reference(a, b, offs)) < TOL[dtype]
+        assert torch.all(out[int(offs[-1]):] == 0)
+        for other in (tail_config(), dataclasses.replace(tail_config(), tail_m=0)):
+            assert rel_err(out, tk.grouped_mm_triton(a, b, offs, config=other, tma=tma)) < TOL[dtype]
+
+
+def test_upright_tail_rules():
+    """Upright tails need tail tiles and 16-bit operands: the "u" spec suffix is refused for
+    the fp8 kind, and the fp8 launcher refuses such a config."""
+    assert tk.parse_tile("256x128x64x8x3r128ut", "mk") == tk.TileConfig(
+        256, 128, 64, num_warps=8, num_stages=3, tail_m=128, tail_upright=True, store_tma=True)
+    assert not tk.parse_tile("256x128x64x8x3r128t", "mk").tail_upright
+    with pytest.raises(ValueError, match="upright"):
+        tk.parse_tile("128x256x128x8x3r64u", "mk8")
+    with pytest.raises(ValueError, match="BMxBNxBK"):
+        tk.parse_tile("256x128x64x8x3u", "mk")  # no tail to keep upright
+    with pytest.raises(ValueError, match="tail_upright"):
+        tk.TileConfig(128, 128, 64, tail_upright=True)
+    if tk.runs_on(torch.device(DEVICE)):
+        offs, m = tail_offsets(DEVICE)
+        a, b, scale_a, scale_b, _ = fp8_case(m, 48, 32, offs.numel(), 1.0, seed=21)
+        with pytest.raises(ValueError, match="transposed"):
+            tk.scaled_grouped_mm_triton(a, b, scale_a, scale_b, offs,
+                                        config=dataclasses.replace(tail_config(), tail_upright=True))
+
+
+@needs_kernels
+@pytest.mark.parametrize("tma", [False, True])
 def test_scaled_fp8_tail_tiles_match_dequantized_reference(tma):
     """The fp8 forward / dx kernel with tail tiles (K-major weights, both operands K-major in
     the transposed product), every remainder case of :func:`tail_offsets`."""
@@ -634,7 +676,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
         ptx = k.asm["ptx"]
         plain_async = "cp.async.cg" in ptx or "cp.async.ca" in ptx
-        if consts.get("TAIL_M"):  # the tail tiles' transposed product: the rows are the wgmma's N
+        if consts.get("TAIL_M") and not consts.get("TAIL_UPRIGHT"):  # transposed tails: the rows are the wgmma's N
             assert f"m64n{consts['TAIL_M']}k32" in ptx
         return "wgmma" in ptx, plain_async, "cp.async.bulk.tensor" in ptx, k.metadata.shared
 
@@ -642,7 +684,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     bm, bn, bk = mk.block_m, mk.block_n, mk.block_k
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=128, PRECISION="tf32",
                   INTERPRETED=False, sa_ptr=None, sb_ptr=None, SCALED=False, a_tail=None, TAIL_M=0, c_desc=None,
-                  STORE_TMA=False)
+                  STORE_TMA=False, TAIL_UPRIGHT=False)
     mk_ints = ["M", "N", "K", "E", "stride_am", "stride_be", "stride_cm"]
     ptrs = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32"}
     results = {}
@@ -667,6 +709,17 @@ _COMPILE_SCRIPT = textwrap.dedent(
         mk_ints + ["stride_bk"], ["stride_ak", "stride_bn", "stride_cn"],
         dict({n: v for n, v in common.items() if n != "c_desc"}, BLOCK_M=w256.block_m, BLOCK_N=w256.block_n,
              BLOCK_K=w256.block_k, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True), w256)
+    # 16-bit upright tail tiles: 128-row tails of 256-row tiles, full tiles stored through TMA
+    up = tk.parse_tile("256x128x64x8x3r128ut", "mk")
+    results["fwd_upright_tail"] = compile_kernel(
+        tk._ragged_m_kernel, dict(ptrs, a=f"tensordesc<bf16[{up.block_m},{up.block_k}]>",
+                                  b=f"tensordesc<bf16[1,{up.block_k},{up.block_n}]>",
+                                  a_tail=f"tensordesc<bf16[{up.tail_m},{up.block_k}]>",
+                                  c_desc=f"tensordesc<bf16[{up.block_m},{up.block_n}]>"),
+        mk_ints + ["stride_bk"], ["stride_ak", "stride_bn", "stride_cn"],
+        dict({n: v for n, v in common.items() if n not in ("c_desc", "a_tail")}, BLOCK_M=up.block_m,
+             BLOCK_N=up.block_n, BLOCK_K=up.block_k, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True,
+             TAIL_M=up.tail_m, TAIL_UPRIGHT=True), up)
     # full tiles stored through TMA boxes of c (a group's partial tile through pointer stores)
     results["fwd_tma_store"] = compile_kernel(
         tk._ragged_m_kernel, dict(ptrs, a=f"tensordesc<bf16[{bm},{bk}]>", b=f"tensordesc<bf16[1,{bk},{bn}]>",
@@ -780,7 +833,8 @@ def test_compiles_for_sm90():
     variant) within the shared-memory budget."""
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
-    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fwd_n256_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
+    assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fwd_n256_tma_store",
+                            "fwd_upright_tail", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
                             "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store", "dw_group_tma_store",
                             "fp8_dw_group_tma_store", "dw_flat_store", "fp8_dw_flat_store"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():

@@ -33,7 +33,10 @@ BLOCK_M tile run in TAIL_M-row tiles whose product is computed transposed
 as 8, and the weight columns their 64-row M side; both operands stay K-major, as fp8 wgmma
 needs). K3's 144-160-row groups then compute 160 rows where a 256-row tile computed 256.
 The fp8 forward / dx take them on sm90 for groups of at most ``SMALL_GROUP_ROWS`` rows on
-average (11% faster forward at K3's latent shapes on the H200).
+average (11% faster forward at K3's latent shapes on the H200). 16-bit operands may instead
+keep the tail tiles upright (``TileConfig.tail_upright``, opt-in and not yet timed: a
+[TAIL_M, BLOCK_N] tile like any other, meant for tails of 64 rows or more, where the
+transposed product's 64-row M side would be the weight columns and its N side the rows).
 
 TMA stores (``TileConfig.store_tma``): each output tile leaves through a TMA box, and the
 compiler waits for it only before the next tile's epilogue refills the staging buffer (one
@@ -241,7 +244,7 @@ def _mk_tile(
     e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    SCALED: tl.constexpr, TAIL_M: tl.constexpr, STORE_TMA: tl.constexpr,
+    SCALED: tl.constexpr, TAIL_M: tl.constexpr, STORE_TMA: tl.constexpr, TAIL_UPRIGHT: tl.constexpr = False,
 ):
     m_tile = tile // n_tiles
     n_tile = tile % n_tiles
@@ -260,8 +263,8 @@ def _mk_tile(
             _mk_block(a_tail, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group,
                       group_start + full * BLOCK_M + (j - full) * TAIL_M, row_end, n_tile,
                       stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                      TAIL_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, True,
-                      STORE_TMA)
+                      TAIL_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED,
+                      not TAIL_UPRIGHT, False)  # c_desc's boxes are BLOCK_M rows: pointer stores
         else:
             _mk_block(a, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end,
                       n_tile, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -290,6 +293,7 @@ def _ragged_m_kernel(
     SCALED: tl.constexpr = False,  # fp8 operands: c = (a @ b[e]) * sa[:, None] * sb[e][None, :]
     a_tail=None,  # with TAIL_M: a again (with USE_TMA: a descriptor of [TAIL_M, BLOCK_K] boxes)
     TAIL_M: tl.constexpr = 0,  # > 0: each group's last rows (past its full BLOCK_M tiles) in TAIL_M-row tiles
+    TAIL_UPRIGHT: tl.constexpr = False,  # 16-bit only: tail tiles as [TAIL_M, BLOCK_N] products, not transposed
     c_desc=None,  # with STORE_TMA: a descriptor of c [M, N], boxes [BLOCK_M, BLOCK_N]
     STORE_TMA: tl.constexpr = False,  # full tiles stored through c_desc
 ):
@@ -316,7 +320,7 @@ def _ragged_m_kernel(
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M,
-                     STORE_TMA)
+                     STORE_TMA, TAIL_UPRIGHT)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
@@ -324,7 +328,7 @@ def _ragged_m_kernel(
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M,
-                     STORE_TMA)
+                     STORE_TMA, TAIL_UPRIGHT)
 
 
 @triton.jit
@@ -605,6 +609,9 @@ class TileConfig:
     tile run in ``tail_m``-row tiles, computed transposed (the rows on the tensor cores' N
     side), so that groups of a few hundred rows do not fill most of a ``block_m`` tile with
     the next group's rows: K3's 144-160-row groups in 256-row tiles compute 1.7x their FLOPs.
+    ``tail_upright`` (16-bit forward / dx only): the tail tiles computed as [tail_m, block_n]
+    products like the full tiles, not transposed; meant for tails of 64 rows or more (one
+    warp group's wgmma rows), e.g. 128-row tails of 256-row tiles under skewed group sizes.
     ``flat`` (dw kernels only): the tiles' reduction steps in one loop
     (`_ragged_k_flat_kernel`), so that the software pipeline runs across tiles.
     """
@@ -619,6 +626,7 @@ class TileConfig:
     store_tma: bool = False
     tail_m: int = 0
     flat: bool = False
+    tail_upright: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -633,6 +641,8 @@ class TileConfig:
         if t and (t < 16 or t & (t - 1) or t >= self.block_m):
             raise ValueError(f"TileConfig.tail_m must be 0 or a power of two >= 16 below block_m "
                              f"({self.block_m}), got {t}")
+        if self.tail_upright and not t:
+            raise ValueError("TileConfig.tail_upright needs tail tiles (tail_m > 0)")
 
 
 def interpreted() -> bool:
@@ -670,26 +680,30 @@ def tile_overrides() -> dict[str, TileConfig]:
     return out
 
 
-_TILE_SPEC = re.compile(r"(\d+(?:x\d+){4,5})(?:r(\d+))?(t?)(f?)")
+_TILE_SPEC = re.compile(r"(\d+(?:x\d+){4,5})(?:r(\d+)(u?))?(t?)(f?)")
 
 
 def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
-    """``BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t][f]`` of a ``kind`` kernel as a TileConfig:
+    """``BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL[u]][t][f]`` of a ``kind`` kernel as a TileConfig:
     PROGRAMS persistent programs per SM (default 1), rTAIL ``tail_m`` (forward / dx kinds "mk",
-    "mk8"), "t" ``store_tma``, "f" ``flat`` (dw kinds "k", "k8")."""
+    "mk8"), "u" after it ``tail_upright`` (16-bit kind "mk" only), "t" ``store_tma``, "f"
+    ``flat`` (dw kinds "k", "k8")."""
     match = _TILE_SPEC.fullmatch(spec)
     if match is None:
-        raise ValueError(f"{where}: expected BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL][t][f], got {spec!r}")
+        raise ValueError(f"{where}: expected BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL[u]][t][f], got {spec!r}")
     bm, bn, bk, warps, stages, *programs = (int(v) for v in match[1].split("x"))
-    tail, store_tma, flat = int(match[2] or 0), bool(match[3]), bool(match[4])
+    tail, upright, store_tma, flat = int(match[2] or 0), bool(match[3]), bool(match[4]), bool(match[5])
     if tail and kind not in ("mk", "mk8"):
         raise ValueError(f"{where}: tail tiles (rTAIL) are for the forward / dx kinds mk and mk8")
+    if upright and kind != "mk":
+        raise ValueError(f"{where}: upright tail tiles (u) are for the 16-bit forward / dx kind mk "
+                         "(fp8 tensor cores need the transposed product's K-major operands)")
     if flat and kind not in ("k", "k8"):
         raise ValueError(f"{where}: the flat loop (f) is for the dw kinds k and k8")
     if warps < 1 or warps & (warps - 1) or stages < 1 or (programs and programs[0] < 1):
         raise ValueError(f"{where}: warps must be a power of two, stages and programs >= 1")
     return TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages, programs_per_sm=programs[0] if programs else 1,
-                      store_tma=store_tma, tail_m=tail, flat=flat)
+                      store_tma=store_tma, tail_m=tail, flat=flat, tail_upright=upright)
 
 
 # 16-bit tiles on sm90, the winners of the H200 tile sweep (BENCHMARKS.md, "Grouped GEMM: the
@@ -937,6 +951,7 @@ def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
         USE_TMA=descriptors is not None, B_TRANSPOSED=b_transposed,
         sa_ptr=scale_a_M, sb_ptr=scale_b_EN, SCALED=scale_a_M is not None,
         a_tail=a_tail, TAIL_M=cfg.tail_m, c_desc=c_desc, STORE_TMA=c_desc is not None,
+        TAIL_UPRIGHT=cfg.tail_upright,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -991,6 +1006,9 @@ def scaled_grouped_mm_triton(
     check_runs_on(_ragged_m_kernel, a_MK.device, "scaled_grouped_mm_triton", "titan_moe.ops.grouped_gemm.triton_kernel")
     out_MN = a_MK.new_empty(M, N, dtype=torch.bfloat16)
     cfg = config or default_config(a_MK.dtype, a_MK.device, "mk8", rows_per_group=M / max(E, 1))
+    if cfg.tail_upright:
+        raise ValueError("scaled_grouped_mm_triton: fp8 tail tiles must be transposed (tail_upright=False): "
+                         "fp8 tensor cores need both operands K-major")
     _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, cfg, tma,
                      scale_a_M, scale_b_EN)
     return out_MN
