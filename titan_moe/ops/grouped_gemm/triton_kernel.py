@@ -721,7 +721,8 @@ def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
 # column tile would be half empty, and 256x128 stays. Same run, CUDA-graph replays against the
 # default (BENCHMARKS.md, "Warp specialization tried; the forward / dx tile by output width"):
 # ahead or level at all seven products of width 1,024, 2,048 and 2,816 (+3% to +19%, dx at
-# E = 64 balanced -0.3%), and 3-4% behind at width 1,408, where the rule keeps 256x128.
+# E = 64 balanced -0.3%); at width 1,408 256x128 led or tied in four of five products (the
+# exception: the forward under Zipf groups at M = 32K), and the rule keeps it there.
 SM90_TILES = {"mk": TileConfig(256, 128, 64, num_warps=8, num_stages=3, store_tma=True),
               "mk_n256": TileConfig(128, 256, 64, num_warps=8, num_stages=3, store_tma=True),
               "k": TileConfig(64, 128, 256, num_warps=8, num_stages=3, store_tma=True),
