@@ -252,6 +252,28 @@ def test_upright_tail_tiles_match_loop_reference(tma, dtype):
             assert rel_err(out, tk.grouped_mm_triton(a, b, offs, config=other, tma=tma)) < TOL[dtype]
 
 
+@needs_kernels
+def test_forward_and_dx_pick_their_tile_by_output_width(monkeypatch):
+    """`grouped_mm_triton` asks `default_config` for the output width of the product it runs:
+    N for the forward, K for dx (w transposed), so that sm90 takes 128x256 tiles exactly where
+    that width is a multiple of 256."""
+    widths = []
+    real = tk.default_config
+
+    def spy(*args, **kwargs):
+        widths.append(kwargs.get("n_cols"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "default_config", spy)
+    offs, m = tail_offsets(DEVICE)
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(m, 40, generator=gen).to(DEVICE, torch.float16)
+    w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, torch.float16)
+    out = tk.grouped_mm_triton(x, w, offs)
+    dx = tk.grouped_mm_triton(out, w.transpose(1, 2), offs)
+    assert widths == [24, 40] and out.shape == (m, 24) and dx.shape == (m, 40)
+
+
 def test_upright_tail_rules():
     """Upright tails need tail tiles and 16-bit operands: the "u" spec suffix is refused for
     the fp8 kind, and the fp8 launcher refuses such a config."""
