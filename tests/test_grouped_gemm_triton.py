@@ -722,32 +722,23 @@ _COMPILE_SCRIPT = textwrap.dedent(
         results[name] = compile_kernel(tk._ragged_m_kernel, descs, mk_ints + ["stride_bk"],
                                        ["stride_ak", "stride_bn", "stride_cn"],
                                        dict(common, USE_TMA=True, B_TRANSPOSED=transposed), mk)
-    # the tile of outputs whose width is a multiple of 256 (SM90_TILES["mk_n256"])
-    w256 = tk.SM90_TILES["mk_n256"]
-    results["fwd_n256_tma_store"] = compile_kernel(
-        tk._ragged_m_kernel, dict(ptrs, a=f"tensordesc<bf16[{w256.block_m},{w256.block_k}]>",
-                                  b=f"tensordesc<bf16[1,{w256.block_k},{w256.block_n}]>",
-                                  c_desc=f"tensordesc<bf16[{w256.block_m},{w256.block_n}]>"),
-        mk_ints + ["stride_bk"], ["stride_ak", "stride_bn", "stride_cn"],
-        dict({n: v for n, v in common.items() if n != "c_desc"}, BLOCK_M=w256.block_m, BLOCK_N=w256.block_n,
-             BLOCK_K=w256.block_k, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True), w256)
-    # 16-bit upright tail tiles: 128-row tails of 256-row tiles, full tiles stored through TMA
-    up = tk.parse_tile("256x128x64x8x3r128ut", "mk")
-    results["fwd_upright_tail"] = compile_kernel(
-        tk._ragged_m_kernel, dict(ptrs, a=f"tensordesc<bf16[{up.block_m},{up.block_k}]>",
-                                  b=f"tensordesc<bf16[1,{up.block_k},{up.block_n}]>",
-                                  a_tail=f"tensordesc<bf16[{up.tail_m},{up.block_k}]>",
-                                  c_desc=f"tensordesc<bf16[{up.block_m},{up.block_n}]>"),
-        mk_ints + ["stride_bk"], ["stride_ak", "stride_bn", "stride_cn"],
-        dict({n: v for n, v in common.items() if n not in ("c_desc", "a_tail")}, BLOCK_M=up.block_m,
-             BLOCK_N=up.block_n, BLOCK_K=up.block_k, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True,
-             TAIL_M=up.tail_m, TAIL_UPRIGHT=True), up)
-    # full tiles stored through TMA boxes of c (a group's partial tile through pointer stores)
-    results["fwd_tma_store"] = compile_kernel(
-        tk._ragged_m_kernel, dict(ptrs, a=f"tensordesc<bf16[{bm},{bk}]>", b=f"tensordesc<bf16[1,{bk},{bn}]>",
-                                  c_desc=f"tensordesc<bf16[{bm},{bn}]>"),
-        mk_ints + ["stride_bk"], ["stride_ak", "stride_bn", "stride_cn"],
-        dict({n: v for n, v in common.items() if n != "c_desc"}, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True), mk)
+    def forward_tma_store(cfg):  # TMA loads, full tiles stored through TMA boxes of c, tail tiles if cfg has them
+        descs = dict(ptrs, a=f"tensordesc<bf16[{cfg.block_m},{cfg.block_k}]>",
+                     b=f"tensordesc<bf16[1,{cfg.block_k},{cfg.block_n}]>",
+                     c_desc=f"tensordesc<bf16[{cfg.block_m},{cfg.block_n}]>")
+        if cfg.tail_m:
+            descs["a_tail"] = f"tensordesc<bf16[{cfg.tail_m},{cfg.block_k}]>"
+        consts = dict({n: v for n, v in common.items() if n not in descs}, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True, TAIL_M=cfg.tail_m,
+                      TAIL_UPRIGHT=cfg.tail_upright)
+        return compile_kernel(tk._ragged_m_kernel, descs, mk_ints + ["stride_bk"],
+                              ["stride_ak", "stride_bn", "stride_cn"], consts, cfg)
+
+    # a group's partial tile through pointer stores; the default tile, the one of output widths
+    # that are multiples of 256, and 16-bit upright tail tiles (128-row tails of 256-row tiles)
+    results["fwd_tma_store"] = forward_tma_store(mk)
+    results["fwd_n256_tma_store"] = forward_tma_store(tk.SM90_TILES["mk_n256"])
+    results["fwd_upright_tail"] = forward_tma_store(tk.parse_tile("256x128x64x8x3r128ut", "mk"))
     m8 = tk.SM90_TILES["mk8"]  # the fp8 form: K-major b through TMA, scales in the epilogue
     descs8 = dict(ptrs, a=f"tensordesc<fp8e4nv[{m8.block_m},{m8.block_k}]>",
                   b=f"tensordesc<fp8e4nv[1,{m8.block_n},{m8.block_k}]>", sa_ptr="*fp32", sb_ptr="*fp32")
@@ -1015,7 +1006,6 @@ def test_sm90_defaults_swept_tiles_and_tma(monkeypatch):
         assert tk.default_config(torch.bfloat16, cuda, "mk", n_cols=n_cols) == tk.SM90_TILES[tile], n_cols
     assert tk.SM90_TILES["mk_n256"].block_n == 256 != tk.SM90_TILES["mk"].block_n
     assert tk.default_config(torch.bfloat16, cuda, "k", n_cols=1024) == tk.SM90_TILES["k"]  # dw: unchanged
-    assert not tk._is_sm90(torch.device("cpu"))
     monkeypatch.setattr(tk, "_is_sm90", lambda device: False)
     assert tk.default_config(torch.bfloat16, cuda, "mk", n_cols=1024) == generic["mk"]  # other GPUs: unmeasured
     monkeypatch.setattr(tk, "_is_sm90", lambda device: device.type == "cuda")
