@@ -163,10 +163,6 @@
 #   mk_tails   the grouped-GEMM tail-tile tests compiled, then profiling/probe_mk_kernel.py's tile
 #              probe: 16-bit upright tail tiles (rTAILu) against the default forward / dx tiles
 #              and native under E = 64's balanced and Zipf groups (not in the default list)
-#   mk_half    the half-width last column tile's tests compiled, then the tile probe: 128x256 tiles
-#              with and without a [128, 128] last column tile (TileConfig.half_last_n) beside the
-#              default and native where the output width is 1,408 (E = 64's forward, the layer's
-#              down dx) (not in the default list)
 #   dw_bf16    the bf16 dw kernel's forms (--dw-tiles: pointer loads, host descriptors, per-group
 #              device descriptors, the flat loop) beside auto / torch's dw at E = 64 and K3's down
 #              projection (not in the default list)
@@ -475,10 +471,6 @@ for section in "${SECTIONS[@]}"; do
             run mk_tails_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py -k tail
             run mk_tails python profiling/probe_mk_kernel.py tiles e64_bal,e64_zipf,e64_m32k_zipf \
                 ,256x128x64x8x3r128ut,256x128x64x8x3r64ut,128x256x64x8x3r64ut,128x256x64x8x3t ;;
-        mk_half)  # bf16 128x256 tiles with a half-width last column tile (h) at output width 1,408
-            run mk_half_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py -k half
-            run mk_half python profiling/probe_mk_kernel.py tiles e64_bal,e64_zipf,e64_m32k_bal,e64_m32k_zipf,layer_down \
-                ,128x256x64x8x3t,128x256x64x8x3th ;;
         dw_bf16)  # bf16 dw forms beside torch's
             run dw_bf16 python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,tma_dw_native \

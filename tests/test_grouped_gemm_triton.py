@@ -253,44 +253,6 @@ def test_upright_tail_tiles_match_loop_reference(tma, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_half_width_last_column_tile_matches_loop_reference(tma, dtype):
-    """``TileConfig.half_last_n``: output widths leaving 8 or 16 columns past full 32-column
-    tiles (the last tile at half width, stored through pointers), forward and dx, TMA stores
-    of the other full tiles; a width leaving 24 (more than half a tile) keeps the
-    full tile. Every case equals the plain tile's result."""
-    offs, m = tail_offsets(DEVICE)
-    gen = torch.Generator().manual_seed(15)
-    half = tk.TileConfig(32, 32, 16, num_warps=4, num_stages=1, half_last_n=True, store_tma=True)
-    if CUDA:
-        half = tk.TileConfig(64, 64, 64, num_warps=4, num_stages=2, half_last_n=True, store_tma=True)
-    for n in (half.block_n + half.block_n // 4, half.block_n + half.block_n // 2, half.block_n * 3 // 4):
-        x = torch.randn(m, n, generator=gen).to(DEVICE, dtype)
-        w = torch.randn(offs.numel(), n, n, generator=gen).to(DEVICE, dtype)
-        for a, b in ((x, w), (x, w.transpose(1, 2))):
-            out = tk.grouped_mm_triton(a, b, offs, config=half, tma=tma)
-            assert rel_err(out, grouped_mm_reference(a, b, offs)) < TOL[dtype], n
-            assert torch.all(out[int(offs[-1]):] == 0)
-            plain = dataclasses.replace(half, half_last_n=False)
-            assert rel_err(out, tk.grouped_mm_triton(a, b, offs, config=plain, tma=tma)) < TOL[dtype], n
-
-
-def test_half_width_last_column_tile_rules():
-    """"h" in a tile spec asks for ``half_last_n``: 16-bit forward / dx kind only, no tail tiles,
-    and a half tile of at least 16 columns."""
-    assert tk.parse_tile("128x256x64x8x3th", "mk") == tk.TileConfig(
-        128, 256, 64, num_warps=8, num_stages=3, store_tma=True, half_last_n=True)
-    for kind in ("mk8", "k"):
-        with pytest.raises(ValueError, match="half-width"):
-            tk.parse_tile("128x256x64x8x3h", kind)
-    with pytest.raises(ValueError, match="half_last_n"):
-        tk.TileConfig(128, 256, 64, tail_m=64, half_last_n=True)
-    with pytest.raises(ValueError, match="half_last_n"):
-        tk.TileConfig(128, 16, 64, half_last_n=True)
-
-
-@needs_kernels
 def test_forward_and_dx_pick_their_tile_by_output_width(monkeypatch):
     """`grouped_mm_triton` asks `default_config` for the output width of the product it runs:
     N for the forward, K for dx (w transposed), so that sm90 takes 128x256 tiles exactly where
@@ -738,15 +700,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
         plain_async = "cp.async.cg" in ptx or "cp.async.ca" in ptx
         if consts.get("TAIL_M") and not consts.get("TAIL_UPRIGHT"):  # transposed tails: the rows are the wgmma's N
             assert f"m64n{consts['TAIL_M']}k32" in ptx
-        if consts.get("HALF_LAST_N"):  # the half-width tile's wgmma beside the full one's
-            assert f"n{consts['BLOCK_N'] // 2}k16" in ptx and f"n{consts['BLOCK_N']}k16" in ptx
         return "wgmma" in ptx, plain_async, "cp.async.bulk.tensor" in ptx, k.metadata.shared
 
     mk, kk = tk.SM90_TILES["mk"], tk.SM90_TILES["k"]  # the tiles sm90 runs by default
     bm, bn, bk = mk.block_m, mk.block_n, mk.block_k
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=128, PRECISION="tf32",
                   INTERPRETED=False, sa_ptr=None, sb_ptr=None, SCALED=False, a_tail=None, TAIL_M=0, c_desc=None,
-                  STORE_TMA=False, TAIL_UPRIGHT=False, b_half=None, HALF_LAST_N=False)
+                  STORE_TMA=False, TAIL_UPRIGHT=False)
     mk_ints = ["M", "N", "K", "E", "stride_am", "stride_be", "stride_cm"]
     ptrs = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32"}
     results = {}
@@ -768,11 +728,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
                      c_desc=f"tensordesc<bf16[{cfg.block_m},{cfg.block_n}]>")
         if cfg.tail_m:
             descs["a_tail"] = f"tensordesc<bf16[{cfg.tail_m},{cfg.block_k}]>"
-        if cfg.half_last_n:  # the last column tile's boxes of half the columns
-            descs["b_half"] = f"tensordesc<bf16[1,{cfg.block_k},{cfg.block_n // 2}]>"
         consts = dict({n: v for n, v in common.items() if n not in descs}, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, USE_TMA=True, B_TRANSPOSED=False, STORE_TMA=True, TAIL_M=cfg.tail_m,
-                      TAIL_UPRIGHT=cfg.tail_upright, HALF_LAST_N=cfg.half_last_n)
+                      TAIL_UPRIGHT=cfg.tail_upright)
         return compile_kernel(tk._ragged_m_kernel, descs, mk_ints + ["stride_bk"],
                               ["stride_ak", "stride_bn", "stride_cn"], consts, cfg)
 
@@ -781,7 +739,6 @@ _COMPILE_SCRIPT = textwrap.dedent(
     results["fwd_tma_store"] = forward_tma_store(mk)
     results["fwd_n256_tma_store"] = forward_tma_store(tk.SM90_TILES["mk_n256"])
     results["fwd_upright_tail"] = forward_tma_store(tk.parse_tile("256x128x64x8x3r128ut", "mk"))
-    results["fwd_half_last_n_tma_store"] = forward_tma_store(tk.parse_tile("128x256x64x8x3th", "mk"))
     m8 = tk.SM90_TILES["mk8"]  # the fp8 form: K-major b through TMA, scales in the epilogue
     descs8 = dict(ptrs, a=f"tensordesc<fp8e4nv[{m8.block_m},{m8.block_k}]>",
                   b=f"tensordesc<fp8e4nv[1,{m8.block_n},{m8.block_k}]>", sa_ptr="*fp32", sb_ptr="*fp32")
@@ -890,7 +847,7 @@ def test_compiles_for_sm90():
     # name -> (wgmma, cp.async copies, TMA bulk copies, shared bytes)
     results = compiled_script_results(_COMPILE_SCRIPT)
     assert set(results) == {"fwd", "dx", "fwd_tma", "dx_tma", "fwd_tma_store", "fwd_n256_tma_store",
-                            "fwd_upright_tail", "fwd_half_last_n_tma_store", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
+                            "fwd_upright_tail", "fp8_tma", "fp8_tma_tail", "fp8", "dw",
                             "fp8_dw", "fp8_dw_store", "dw_tma", "dw_tma_store", "dw_group_tma_store",
                             "fp8_dw_group_tma_store", "dw_flat_store", "fp8_dw_flat_store"}
     for name, (wgmma, cp_async, tma_copies, shared) in results.items():

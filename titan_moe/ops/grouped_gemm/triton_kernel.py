@@ -34,18 +34,19 @@ as 8, and the weight columns their 64-row M side; both operands stay K-major, as
 needs). K3's 144-160-row groups then compute 160 rows where a 256-row tile computed 256.
 The fp8 forward / dx take them on sm90 for groups of at most ``SMALL_GROUP_ROWS`` rows on
 average (11% faster forward at K3's latent shapes on the H200). 16-bit operands may instead
-keep the tail tiles upright (``TileConfig.tail_upright``, opt-in and not yet timed: a
-[TAIL_M, BLOCK_N] tile like any other, meant for tails of 64 rows or more, where the
-transposed product's 64-row M side would be the weight columns and its N side the rows).
+keep the tail tiles upright (``TileConfig.tail_upright``, opt-in: a [TAIL_M, BLOCK_N] tile
+like any other, meant for tails of 64 rows or more, where the transposed product's 64-row M
+side would be the weight columns and its N side the rows). Timed at E = 64 on the H200
+(128- and 64-row tails of 256- and 128-row tiles): slower than the default at E = 64's
+balanced and Zipf groups, forward and dx; untimed at K3's small groups.
 
 TMA stores (``TileConfig.store_tma``): each output tile leaves through a TMA box, and the
 compiler waits for it only before the next tile's epilogue refills the staging buffer (one
 buffer outside the persistent loop, checked in the sm90 TTGIR), so a tile's stores overlap
 the program's next loads and dots. In the dw kernel every tile (the box is clipped at K and
 N); in the forward / dx kernel only tiles whose rows all belong to their group (a box would
-overwrite the next group's rows), the others through masked pointer stores. Opt-in: timed
-for the fp8 dw only (its default tile; torch's dw stays the op's default); not yet timed for
-the forward / dx.
+overwrite the next group's rows), the others through masked pointer stores. The sm90
+default of both kernels, 16-bit and fp8 (0-2% faster forward / dx at the four benchmark shapes).
 
 Tile scheduling (persistent): ``num_programs`` programs (the SM count on a GPU) walk the
 tile list with stride ``num_programs`` (read in-kernel, so no recompilation per grid size).
@@ -245,7 +246,6 @@ def _mk_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr,
     SCALED: tl.constexpr, TAIL_M: tl.constexpr, STORE_TMA: tl.constexpr, TAIL_UPRIGHT: tl.constexpr = False,
-    b_half=None, HALF_LAST_N: tl.constexpr = False,
 ):
     m_tile = tile // n_tiles
     n_tile = tile % n_tiles
@@ -266,20 +266,6 @@ def _mk_tile(
                       stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                       TAIL_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED,
                       not TAIL_UPRIGHT, False)  # c_desc's boxes are BLOCK_M rows: pointer stores
-        else:
-            _mk_block(a, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end,
-                      n_tile, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, False,
-                      STORE_TMA)
-    elif HALF_LAST_N:
-        if n_tile == n_tiles - 1:
-            # N's last columns (at most BLOCK_N / 2 of them) in a half-width tile (`b_half`: b in
-            # boxes of BLOCK_N / 2 columns), stored through pointers: a TMA store would need a
-            # second staging buffer (32 KiB more shared memory at 128x256, past sm90's budget)
-            _mk_block(a, b_half, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M,
-                      row_end, n_tile * 2, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm,
-                      stride_cn, BLOCK_M, BLOCK_N // 2, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED,
-                      SCALED, False, False)
         else:
             _mk_block(a, b, c_ptr, c_desc, sa_ptr, sb_ptr, N, K, E, group, group_start + j * BLOCK_M, row_end,
                       n_tile, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -311,8 +297,6 @@ def _ragged_m_kernel(
     TAIL_UPRIGHT: tl.constexpr = False,  # 16-bit only: tail tiles as [TAIL_M, BLOCK_N] products, not transposed
     c_desc=None,  # with STORE_TMA: a descriptor of c [M, N], boxes [BLOCK_M, BLOCK_N]
     STORE_TMA: tl.constexpr = False,  # full tiles stored through c_desc
-    b_half=None,  # with HALF_LAST_N: b again (with USE_TMA: a descriptor of BLOCK_N / 2-column boxes)
-    HALF_LAST_N: tl.constexpr = False,  # N's last tile (N % BLOCK_N <= BLOCK_N / 2 columns) at half width
 ):
     # Schedule: per-group row ranges (clamped into [0, M]) and row-tile prefix sums.
     e_idx = tl.arange(0, BLOCK_E)
@@ -337,7 +321,7 @@ def _ragged_m_kernel(
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M,
-                     STORE_TMA, TAIL_UPRIGHT, b_half, HALF_LAST_N)
+                     STORE_TMA, TAIL_UPRIGHT)
             tile += tl.num_programs(0)
     else:
         for tile in tl.range(pid, total, tl.num_programs(0)):
@@ -345,7 +329,7 @@ def _ragged_m_kernel(
                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                      e_idx, starts, ends, m_tiles, m_tiles_incl, n_tiles,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED, USE_TMA, B_TRANSPOSED, SCALED, TAIL_M,
-                     STORE_TMA, TAIL_UPRIGHT, b_half, HALF_LAST_N)
+                     STORE_TMA, TAIL_UPRIGHT)
 
 
 @triton.jit
@@ -631,11 +615,6 @@ class TileConfig:
     warp group's wgmma rows), e.g. 128-row tails of 256-row tiles under skewed group sizes.
     ``flat`` (dw kernels only): the tiles' reduction steps in one loop
     (`_ragged_k_flat_kernel`), so that the software pipeline runs across tiles.
-    ``half_last_n`` (forward / dx kernels, without tail tiles): where the output width N
-    leaves at most ``block_n / 2`` columns past its full column tiles, the last column tile
-    runs as a [block_m, block_n / 2] product, so that it does not compute a half-empty tile
-    (E = 64's width 1,408 in 256-wide tiles: 1,536 columns computed, 8% more than needed);
-    that tile is stored through pointers (shared memory as without it).
     """
 
     block_m: int
@@ -649,7 +628,6 @@ class TileConfig:
     tail_m: int = 0
     flat: bool = False
     tail_upright: bool = False
-    half_last_n: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -666,9 +644,6 @@ class TileConfig:
                              f"({self.block_m}), got {t}")
         if self.tail_upright and not t:
             raise ValueError("TileConfig.tail_upright needs tail tiles (tail_m > 0)")
-        if self.half_last_n and (t or self.block_n < 32):
-            raise ValueError("TileConfig.half_last_n needs block_n >= 32 (a half tile of >= 16 columns) and "
-                             f"no tail tiles, got block_n={self.block_n}, tail_m={t}")
 
 
 def interpreted() -> bool:
@@ -706,33 +681,30 @@ def tile_overrides() -> dict[str, TileConfig]:
     return out
 
 
-_TILE_SPEC = re.compile(r"(\d+(?:x\d+){4,5})(?:r(\d+)(u?))?(t?)(h?)(f?)")
+_TILE_SPEC = re.compile(r"(\d+(?:x\d+){4,5})(?:r(\d+)(u?))?(t?)(f?)")
 
 
 def parse_tile(spec: str, kind: str, where: str = "tile") -> TileConfig:
-    """``BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL[u]][t][h][f]`` of a ``kind`` kernel as a TileConfig:
+    """``BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL[u]][t][f]`` of a ``kind`` kernel as a TileConfig:
     PROGRAMS persistent programs per SM (default 1), rTAIL ``tail_m`` (forward / dx kinds "mk",
-    "mk8"), "u" after it ``tail_upright`` (16-bit kind "mk" only), "t" ``store_tma``, "h"
-    ``half_last_n`` (16-bit kind "mk" only), "f" ``flat`` (dw kinds "k", "k8")."""
+    "mk8"), "u" after it ``tail_upright`` (16-bit kind "mk" only), "t" ``store_tma``, "f"
+    ``flat`` (dw kinds "k", "k8")."""
     match = _TILE_SPEC.fullmatch(spec)
     if match is None:
-        raise ValueError(f"{where}: expected BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL[u]][t][h][f], got {spec!r}")
+        raise ValueError(f"{where}: expected BMxBNxBKxWARPSxSTAGES[xPROGRAMS][rTAIL[u]][t][f], got {spec!r}")
     bm, bn, bk, warps, stages, *programs = (int(v) for v in match[1].split("x"))
-    tail, upright, store_tma = int(match[2] or 0), bool(match[3]), bool(match[4])
-    half, flat = bool(match[5]), bool(match[6])
+    tail, upright, store_tma, flat = int(match[2] or 0), bool(match[3]), bool(match[4]), bool(match[5])
     if tail and kind not in ("mk", "mk8"):
         raise ValueError(f"{where}: tail tiles (rTAIL) are for the forward / dx kinds mk and mk8")
     if upright and kind != "mk":
         raise ValueError(f"{where}: upright tail tiles (u) are for the 16-bit forward / dx kind mk "
                          "(fp8 tensor cores need the transposed product's K-major operands)")
-    if half and kind != "mk":
-        raise ValueError(f"{where}: the half-width last column tile (h) is for the 16-bit forward / dx kind mk")
     if flat and kind not in ("k", "k8"):
         raise ValueError(f"{where}: the flat loop (f) is for the dw kinds k and k8")
     if warps < 1 or warps & (warps - 1) or stages < 1 or (programs and programs[0] < 1):
         raise ValueError(f"{where}: warps must be a power of two, stages and programs >= 1")
     return TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages, programs_per_sm=programs[0] if programs else 1,
-                      store_tma=store_tma, tail_m=tail, flat=flat, tail_upright=upright, half_last_n=half)
+                      store_tma=store_tma, tail_m=tail, flat=flat, tail_upright=upright)
 
 
 # 16-bit tiles on sm90, the winners of the H200 tile sweep (BENCHMARKS.md, "Grouped GEMM: the
@@ -969,10 +941,6 @@ def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
         a_tail = _row_major_descriptor(a_MK, [cfg.tail_m, cfg.block_k]) if cfg.tail_m else a_arg
     # full tiles' stores through TMA where asked for and out_MN allows (None: pointer stores)
     c_desc = _row_major_descriptor(out_MN, [cfg.block_m, cfg.block_n]) if cfg.store_tma else None
-    half_last_n = cfg.half_last_n and 0 < N % cfg.block_n <= cfg.block_n // 2
-    b_half = b_arg
-    if half_last_n and descriptors is not None:  # b in boxes of half the columns
-        b_half = _tma_operands(a_MK, b_EKN, replace(cfg, block_n=cfg.block_n // 2, half_last_n=False))[1]
     _ragged_m_kernel[(n_prog,)](
         a_arg, b_arg, out_MN, offs_E,
         M, N, K, E,
@@ -985,7 +953,7 @@ def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
         USE_TMA=descriptors is not None, B_TRANSPOSED=b_transposed,
         sa_ptr=scale_a_M, sb_ptr=scale_b_EN, SCALED=scale_a_M is not None,
         a_tail=a_tail, TAIL_M=cfg.tail_m, c_desc=c_desc, STORE_TMA=c_desc is not None,
-        TAIL_UPRIGHT=cfg.tail_upright, b_half=b_half, HALF_LAST_N=half_last_n,
+        TAIL_UPRIGHT=cfg.tail_upright,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -1043,8 +1011,6 @@ def scaled_grouped_mm_triton(
     if cfg.tail_upright:
         raise ValueError("scaled_grouped_mm_triton: fp8 tail tiles must be transposed (tail_upright=False): "
                          "fp8 tensor cores need both operands K-major")
-    if cfg.half_last_n:
-        raise ValueError("scaled_grouped_mm_triton: the half-width last column tile (half_last_n) is 16-bit only")
     _launch_ragged_m(a_MK, b_EKN, offs_E, out_MN, cfg, tma,
                      scale_a_M, scale_b_EN)
     return out_MN
