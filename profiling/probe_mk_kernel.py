@@ -4,10 +4,11 @@ Two modes, each printing a Markdown table:
 
 ``tiles CASES SPECS``: the forward and the dx product (``dy @ w[e]^T``) of each case through
 `grouped_mm_triton` with each tile spec (``""`` = the default, else
-``BMxBNxBKxWARPSxSTAGES[t]`` as `parse_tile` reads it) beside ``torch._grouped_mm``, CUDA-graph
+``BMxBNxBKxWARPSxSTAGES[t]`` as `parse_tile` reads it; ``@P`` after either: exactly P persistent
+programs, e.g. ``@128`` or ``256x128x64x8x3t@96``) beside ``torch._grouped_mm``, CUDA-graph
 replays in interleaved rounds (`bench_moe.measure_rounds`), every output checked against the peer.
 
-    python profiling/probe_mk_kernel.py tiles e64_bal,e64_zipf,layer_gate_up ,128x256x64x8x3t
+    python profiling/probe_mk_kernel.py tiles e64_bal,e64_zipf,layer_gate_up ,128x256x64x8x3t,@128
 
 ``ws``: Triton 3.6's Hopper warp specialization (``tl.range(..., warp_specialize=True)``) on a
 minimal persistent grouped GEMM (`_ws_probe_kernel`: balanced groups only, one group lookup per
@@ -44,9 +45,24 @@ WS_VARIANTS = ["128 256 64 0 8 3", "128 256 64 1 4 3", "128 256 64 2 4 3", "256 
                "128 256 64 1 4 4", "128 128 64 1 4 4"]  # BM BN BK WS(0 off, 1 tile loop, 2 k loop) WARPS STAGES
 
 
+def probe_config(spec: str, n_cols: int):
+    """The TileConfig of a probe spec (``[TILE][@PROGRAMS]``) for an output of ``n_cols``
+    columns; None for the op's own default."""
+    from dataclasses import replace
+
+    from titan_moe.ops.grouped_gemm.triton_kernel import default_config, parse_tile
+
+    tile, _, programs = spec.partition("@")
+    if not programs:
+        return parse_tile(tile, "mk") if tile else None
+    cfg = parse_tile(tile, "mk") if tile else default_config(torch.bfloat16, torch.device("cuda"), "mk",
+                                                                 n_cols=n_cols)
+    return replace(cfg, num_programs=int(programs))
+
+
 def probe_tiles(case_names: str, specs: str) -> None:
     import bench_moe
-    from titan_moe.ops.grouped_gemm.triton_kernel import grouped_mm_triton, parse_tile
+    from titan_moe.ops.grouped_gemm.triton_kernel import grouped_mm_triton
 
     bench_moe.GRAPH_TIMING = True
     print("| case | tile | fwd ms | dx ms | fwd x native | dx x native |\n| --- | --- | --- | --- | --- | --- |")
@@ -59,8 +75,8 @@ def probe_tiles(case_names: str, specs: str) -> None:
         products = {"fwd": (x, w), "dx": (dy, w.transpose(1, 2))}
         fns = {("native", p): (lambda a=a, b=b: torch._grouped_mm(a, b, offs)) for p, (a, b) in products.items()}
         for spec in specs.split(","):
-            cfg = parse_tile(spec, "mk") if spec else None
             for p, (a, b) in products.items():
+                cfg = probe_config(spec, b.shape[2])
                 fns[(spec or "default", p)] = lambda a=a, b=b, cfg=cfg: grouped_mm_triton(a, b, offs, config=cfg)
         for (tile, p), fn in fns.items():
             ref = torch._grouped_mm(*products[p], offs).float()
