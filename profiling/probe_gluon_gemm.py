@@ -1,0 +1,261 @@
+"""A warp-specialized grouped GEMM forward written in Gluon, probed beside ``torch._grouped_mm``
+and our Triton kernel on an sm90 GPU (a probe, not a backend of the op).
+
+Why Gluon: Triton 3.6's automatic warp specialization acts on our forward / dx kernel only
+in a form that hung on the H200 (BENCHMARKS.md, "Warp specialization tried ..."). Gluon, the
+lower-level language shipped with the same Triton, states the partitions explicitly:
+
+* a load partition (one warp, few registers) walks the persistent tile list and issues the
+  TMA copies of each k step's A [BM, BK] and B [BK, BN] boxes into a ring of STAGES shared
+  buffers, each guarded by a "ready" mbarrier (the copies' bytes arrive on it) and an
+  "empty" one (the consumer releases the slot);
+* the default partition (num_warps warps, the registers the load warp gives back) waits for
+  each slot, issues an asynchronous wgmma on it, keeps one wgmma in flight, releases the slot
+  of the one before, and at the end of a tile stores it: through a TMA box where all its rows
+  belong to the tile's group, else through masked pointer stores.
+
+Scope (a probe): 16-bit operands, ``out[rows of e] = x[rows of e] @ w[e]`` with w [E, K, N]
+row-major and K a multiple of BK (w is read as an [E*K, N] matrix, so that a [BK, BN] box
+never crosses into the next expert), any group sizes (a group's last tile reads the next
+group's rows and never stores them), rows past offs[-1] left unwritten (the op's kernel
+stores zeros there; the probe's group sizes sum to M, so there are none). Each program walks
+the tiles of the same group-ordered list as `_ragged_m_kernel` (row tiles never straddle a
+group).
+
+    python profiling/probe_gluon_gemm.py           # E = 64 balanced and Zipf, M 64K, K 2,048, N 1,408
+
+Each variant runs in its own process under a time limit (a warp-specialized kernel that
+deadlocks would hold the GPU), checks its output against ``torch._grouped_mm`` (relative
+error below 1e-2) and prints one row of a Markdown table.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {  # name: (BM, BN, BK, STAGES, consumer warps)
+    "128x256x64s3": (128, 256, 64, 3, 8),
+    "256x128x64s3": (256, 128, 64, 3, 8),
+    "128x128x64s4": (128, 128, 64, 4, 8),
+    "128x256x64s3w4": (128, 256, 64, 3, 4),
+}
+
+
+@gluon.jit
+def _tile_place(tile, offs_ptr, M, E, n_tiles, BM: gl.constexpr, BN: gl.constexpr, BLOCK_E: gl.constexpr,
+                WARPS: gl.constexpr):
+    """(row_start, row_end, group, col_start) of a tile of the group-ordered list, computed by
+    any partition (WARPS: its warp count) from offs: the per-group row-tile counts, their
+    inclusive prefix sums as a masked [BLOCK_E, BLOCK_E] reduction, the group = how many
+    prefix entries are <= the tile's row-tile index."""
+    layout_2d: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout_2d)
+    cols_l: gl.constexpr = gl.SliceLayout(0, layout_2d)
+    e_c = gl.arange(0, BLOCK_E, layout=cols_l)
+    m_tiles_c = _group_tiles(offs_ptr, e_c, M, E, BM)
+    e_r = gl.arange(0, BLOCK_E, layout=rows_l)
+    m_tiles_r = _group_tiles(offs_ptr, e_r, M, E, BM)
+    incl_r = gl.sum(gl.where(e_c[None, :] <= e_r[:, None], m_tiles_c[None, :], 0), axis=1)
+    m_tile = tile // n_tiles
+    group = gl.sum((incl_r <= m_tile).to(gl.int32), axis=0)
+    is_group = e_r == group
+    first = gl.sum(gl.where(is_group, incl_r - m_tiles_r, 0), axis=0)
+    starts_r = gl.minimum(gl.load(offs_ptr + e_r - 1, mask=(e_r > 0) & (e_r < E), other=0), M)
+    group_start = gl.sum(gl.where(is_group, starts_r, 0), axis=0)
+    row_end = gl.sum(gl.where(is_group, gl.minimum(gl.load(offs_ptr + e_r, mask=e_r < E, other=0), M), 0), axis=0)
+    return group_start + (m_tile - first) * BM, row_end, group, (tile % n_tiles) * BN
+
+
+@gluon.jit
+def _group_tiles(offs_ptr, e, M, E, BM: gl.constexpr):
+    """Row tiles of the groups e (0 for e >= E), in e's layout."""
+    ends = gl.minimum(gl.load(offs_ptr + e, mask=e < E, other=0), M)
+    starts = gl.minimum(gl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0), M)
+    return gl.where(e < E, (gl.maximum(ends - starts, 0) + BM - 1) // BM, 0)
+
+
+@gluon.jit
+def _total_tiles(offs_ptr, M, E, n_tiles, BM: gl.constexpr, BLOCK_E: gl.constexpr, WARPS: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    e = gl.arange(0, BLOCK_E, layout=layout)
+    return gl.sum(_group_tiles(offs_ptr, e, M, E, BM), axis=0) * n_tiles
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, E, K, n_tiles,
+                    BLOCK_E: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    total = _total_tiles(offs_ptr, M, E, n_tiles, BM, BLOCK_E, 1)
+    it = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        row_start, row_end, group, col = _tile_place(tile, offs_ptr, M, E, n_tiles, BM, BN, BLOCK_E, 1)
+        for k in range(0, K, BK):
+            s = it % STAGES
+            # slots start free: the first pass waits on the phase before the barrier's first
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [group * K + k, col], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _mma_partition(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_cm, offs_ptr, M, N, E, K, n_tiles,
+                   BLOCK_E: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    instr_n: gl.constexpr = BN if BN <= 256 else 256
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, instr_n, 16])
+    total = _total_tiles(offs_ptr, M, E, n_tiles, BM, BLOCK_E, num_warps)
+    it = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        row_start, row_end, group, col = _tile_place(tile, offs_ptr, M, E, n_tiles, BM, BN, BLOCK_E, num_warps)
+        acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
+        prev = 0
+        for k in range(0, K, BK):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            # one wgmma in flight: the one before this is done, and its slot can be refilled
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)
+            prev = s
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(prev), count=1)
+        out = acc.to(c_desc.dtype)
+        if row_start + BM <= row_end:
+            tma.store_wait(pendings=0)  # the staging buffer's previous box has left
+            c_smem.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row_start, col], c_smem)
+        else:  # the group's last, partial tile: its rows past row_end belong to the next group
+            rows = row_start + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+            cols = col + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+            ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+            gl.store(ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, stride_cm,
+                          STAGES: gl.constexpr, BLOCK_E: gl.constexpr, num_warps: gl.constexpr):
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    n_tiles = (N + BN - 1) // BN
+    gl.warp_specialize([
+        (_mma_partition, (a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_cm, offs_ptr, M, N, E, K,
+                          n_tiles, BLOCK_E, num_warps)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, E, K, n_tiles, BLOCK_E)),
+    ], [1], [24])
+
+
+def descriptors(x_MK: torch.Tensor, w_EKN: torch.Tensor, out_MN: torch.Tensor, bm: int, bn: int, bk: int):
+    """Host TMA descriptors (Gluon's, with their shared-memory layouts): x in [bm, bk] boxes,
+    w as an [E*K, N] matrix in [bk, bn] boxes, out in [bm, bn] boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dt = gl.bfloat16 if x_MK.dtype == torch.bfloat16 else gl.float16
+    E, K, N = w_EKN.shape
+    w_2d = w_EKN.reshape(E * K, N)
+
+    def make(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, dt))
+
+    return make(x_MK, [bm, bk]), make(w_2d, [bk, bn]), make(out_MN, [bm, bn])
+
+
+def ws_grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, variant: str,
+                  programs: int | None = None) -> torch.Tensor:
+    """``out[rows of e] = x[rows of e] @ w[e]`` through `_ws_grouped_mm_kernel` (rows past
+    offs[-1] unwritten); the scope of the module docstring."""
+    bm, bn, bk, stages, warps = VARIANTS[variant]
+    M, K = x_MK.shape
+    E, _, N = w_EKN.shape
+    if K % bk:
+        raise ValueError(f"ws_grouped_mm: K ({K}) must be a multiple of BK ({bk})")
+    out_MN = torch.empty(M, N, device=x_MK.device, dtype=x_MK.dtype)
+    a_desc, b_desc, c_desc = descriptors(x_MK, w_EKN, out_MN, bm, bn, bk)
+    n = programs or torch.cuda.get_device_properties(x_MK.device).multi_processor_count
+    _ws_grouped_mm_kernel[(n,)](a_desc, b_desc, c_desc, out_MN, offs_E, M, N, E, K, out_MN.stride(0),
+                                STAGES=stages, BLOCK_E=triton.next_power_of_2(E + 1), num_warps=warps)
+    return out_MN
+
+
+def run_variant(case: str, variant: str) -> None:
+    """One variant at one case: check against torch._grouped_mm, then time it beside the peer
+    and our Triton kernel (CUDA-graph replays, interleaved rounds); prints a table row."""
+    import bench_moe
+    from titan_moe.ops.grouped_gemm.triton_kernel import grouped_mm_triton
+
+    bench_moe.GRAPH_TIMING = True
+    E, M, K, N = 64, 65536, 2048, 1408
+    offs = torch.tensor(bench_moe.group_sizes(M, E, case), device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    ref = torch._grouped_mm(x, w, offs).float()
+    out = ws_grouped_mm(x, w, offs, variant).float()
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    if not err < 1e-2:
+        print(f"| {case} | {variant} | wrong: relative error {err:.3e} | | | |", flush=True)
+        return
+    fns = {"native": lambda: torch._grouped_mm(x, w, offs), "triton": lambda: grouped_mm_triton(x, w, offs),
+           "gluon": lambda: ws_grouped_mm(x, w, offs, variant)}
+    ms, _ = bench_moe.measure_rounds(fns, timed=True)
+    print(f"| {case} | {variant} | {ms['native']:.4f} | {ms['triton']:.4f} | {ms['gluon']:.4f} | "
+          f"{ms['native'] / ms['gluon']:.3f} | {err:.1e} |", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "one":
+        run_variant(sys.argv[2], sys.argv[3])
+        return
+    if len(sys.argv) > 1:
+        sys.exit("usage: probe_gluon_gemm.py   (every variant at E = 64 balanced and Zipf)")
+    limit = float(os.environ.get("PROBE_LIMIT_S", "45"))
+    print("| groups | variant | native ms | triton ms | gluon ms | gluon x native | rel err |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    hung = set()  # a variant that gave no result at balanced groups is not run again
+    for case in ("balanced", "zipf"):
+        for variant in VARIANTS:
+            if variant in hung:
+                continue
+            try:
+                subprocess.run([sys.executable, __file__, "one", case, variant], timeout=limit, check=False)
+            except subprocess.TimeoutExpired:
+                hung.add(variant)
+                print(f"| {case} | {variant} | no result within {limit:.0f} s | | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

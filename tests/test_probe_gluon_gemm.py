@@ -1,0 +1,57 @@
+"""profiling/probe_gluon_gemm.py: its warp-specialized Gluon grouped GEMM builds for sm90 on the
+CPU with the partitions it states (Gluon has no interpreter: its results are checked on the
+GPU, where the probe compares every output with torch._grouped_mm before timing it)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from triton_mode import compiled_script_results
+
+PROFILING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling")
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    sys.path.insert(0, PROFILING)
+    import probe_gluon_gemm as probe
+
+    results = {}
+    x = torch.empty(4096, 2048, dtype=torch.bfloat16)
+    w = torch.empty(8, 2048, 1408, dtype=torch.bfloat16)
+    out = torch.empty(4096, 1408, dtype=torch.bfloat16)
+    for name, (bm, bn, bk, stages, warps) in probe.VARIANTS.items():
+        a, b, c = probe.descriptors(x, w, out, bm, bn, bk)
+        sig = {"a_desc": mangle_type(a), "b_desc": mangle_type(b), "c_desc": mangle_type(c), "c_ptr": "*bf16",
+               "offs_ptr": "*i32", "M": "i32", "N": "i32", "E": "i32", "K": "i32", "stride_cm": "i32",
+               "STAGES": "constexpr", "BLOCK_E": "constexpr", "num_warps": "constexpr"}
+        src = GluonASTSource(fn=probe._ws_grouped_mm_kernel, signature=sig,
+                             constexprs={"STAGES": stages, "BLOCK_E": 128, "num_warps": warps})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        ptx = k.asm["ptx"]
+        results[name] = (warps, k.metadata.num_warps, k.metadata.shared, "setmaxnreg" in ptx,
+                         f"wgmma.mma_async.sync.aligned.m64n{min(bn, 256)}k16" in ptx,
+                         "cp.async.bulk.tensor.2d" in ptx, "mbarrier.try_wait" in ptx)
+    print("RESULT", repr(results))
+    """
+)
+
+
+def test_gluon_probe_builds_warp_specialized_for_sm90():
+    results = compiled_script_results(_SCRIPT.replace("PROFILING", repr(PROFILING)))
+    assert len(results) == 4, results
+    for name, (warps, warps_run, shared, maxnreg, wgmma, tma_copies, waits) in results.items():
+        # the consumer's warps plus one warp group for the load partition's single warp
+        assert warps_run == warps + 4, (name, warps_run)
+        assert maxnreg and wgmma and tma_copies and waits, (name, results[name])
+        assert 0 < shared <= 232448, (name, shared)  # sm90's shared memory per block
+
+
+def test_usage_with_unknown_arguments():
+    proc = subprocess.run([sys.executable, "profiling/probe_gluon_gemm.py", "bogus"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    assert proc.returncode != 0 and "usage" in proc.stderr
