@@ -14,15 +14,17 @@ lower-level language shipped with the same Triton, states the partitions explici
   of the one before, and at the end of a tile stores it: through a TMA box where all its rows
   belong to the tile's group, else through masked pointer stores.
 
-Scope (a probe): 16-bit operands, ``out[rows of e] = x[rows of e] @ w[e]`` with w [E, K, N]
-row-major and K a multiple of BK (w is read as an [E*K, N] matrix, so that a [BK, BN] box
-never crosses into the next expert), any group sizes (a group's last tile reads the next
+Scope (a probe): 16-bit operands, ``out[rows of e] = a[rows of e] @ b[e]`` for the forward
+(b = w [E, K, N] row-major, read as an [E*K, N] matrix in [BK, BN] boxes) and dx (b =
+w.transpose(1, 2), read from w as an [E*N, K] matrix in [BN, BK] boxes that the wgmma takes
+transposed), the reduction a multiple of BK (so that a box never crosses into the next
+expert), any group sizes (a group's last tile reads the next
 group's rows and never stores them), rows past offs[-1] left unwritten (the op's kernel
 stores zeros there; the probe's group sizes sum to M, so there are none). Each program walks
 the tiles of the same group-ordered list as `_ragged_m_kernel` (row tiles never straddle a
 group).
 
-    python profiling/probe_gluon_gemm.py           # E = 64 balanced and Zipf, M 64K, K 2,048, N 1,408
+    python profiling/probe_gluon_gemm.py     # E = 64 balanced and Zipf, M 64K, K 2,048, N 1,408: forward and dx
 
 Each variant runs in its own process under a time limit (a warp-specialized kernel that
 deadlocks would hold the GPU), checks its output against ``torch._grouped_mm`` (relative
@@ -82,6 +84,12 @@ def _tile_place(tile, offs_ptr, M, E, n_tiles, BM: gl.constexpr, BN: gl.constexp
     return group_start + (m_tile - first) * BM, row_end, group, (tile % n_tiles) * BN
 
 
+@gluon.constexpr_function
+def c_block_n(b_desc, b_transposed):
+    """The output tile's width BN from b's box: [BN, BK] transposed, else [BK, BN]."""
+    return b_desc.block_type.shape[0 if b_transposed else 1]
+
+
 @gluon.jit
 def _group_tiles(offs_ptr, e, M, E, BM: gl.constexpr):
     """Row tiles of the groups e (0 for e >= E), in e's layout."""
@@ -98,11 +106,11 @@ def _total_tiles(offs_ptr, M, E, n_tiles, BM: gl.constexpr, BLOCK_E: gl.constexp
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, E, K, n_tiles,
-                    BLOCK_E: gl.constexpr):
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles,
+                    BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[1]
+    BN: gl.constexpr = c_block_n(b_desc, B_TRANSPOSED)
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     total = _total_tiles(offs_ptr, M, E, n_tiles, BM, BLOCK_E, 1)
     it = 0
@@ -114,13 +122,16 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, E
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [group * K + k, col], ready.index(s), b_bufs.index(s))
+            if B_TRANSPOSED:  # b is w [E*N, K]: boxes [BN, BK]
+                tma.async_copy_global_to_shared(b_desc, [group * N + col, k], ready.index(s), b_bufs.index(s))
+            else:  # b is w [E*K, N]: boxes [BK, BN]
+                tma.async_copy_global_to_shared(b_desc, [group * K + k, col], ready.index(s), b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_cm, offs_ptr, M, N, E, K, n_tiles,
-                   BLOCK_E: gl.constexpr, num_warps: gl.constexpr):
+                   BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -137,7 +148,10 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_c
         for k in range(0, K, BK):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            b_tile = b_bufs.index(s)
+            if B_TRANSPOSED:  # a [BK, BN] view of the [BN, BK] box: wgmma reads B either way
+                b_tile = b_tile.permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(s), b_tile, acc, is_async=True)
             # one wgmma in flight: the one before this is done, and its slot can be refilled
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)
@@ -161,8 +175,9 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_c
 
 @gluon.jit
 def _ws_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, stride_cm,
-                          STAGES: gl.constexpr, BLOCK_E: gl.constexpr, num_warps: gl.constexpr):
-    BN: gl.constexpr = b_desc.block_type.shape[1]
+                          STAGES: gl.constexpr, BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr,
+                          num_warps: gl.constexpr):
+    BN: gl.constexpr = c_block_n(b_desc, B_TRANSPOSED)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -174,47 +189,57 @@ def _ws_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, s
     n_tiles = (N + BN - 1) // BN
     gl.warp_specialize([
         (_mma_partition, (a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_cm, offs_ptr, M, N, E, K,
-                          n_tiles, BLOCK_E, num_warps)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, E, K, n_tiles, BLOCK_E)),
+                          n_tiles, BLOCK_E, B_TRANSPOSED, num_warps)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles, BLOCK_E,
+                           B_TRANSPOSED)),
     ], [1], [24])
 
 
-def descriptors(x_MK: torch.Tensor, w_EKN: torch.Tensor, out_MN: torch.Tensor, bm: int, bn: int, bk: int):
-    """Host TMA descriptors (Gluon's, with their shared-memory layouts): x in [bm, bk] boxes,
-    w as an [E*K, N] matrix in [bk, bn] boxes, out in [bm, bn] boxes."""
+def descriptors(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_MN: torch.Tensor, bm: int, bn: int, bk: int):
+    """Host TMA descriptors (Gluon's, with their shared-memory layouts) and whether b is a
+    transposed view: a in [bm, bk] boxes; b [E, K, N] row-major as an [E*K, N] matrix in
+    [bk, bn] boxes, or a transposed view of a row-major w [E, N, K] (the dx product) as an
+    [E*N, K] matrix in [bn, bk] boxes; out in [bm, bn] boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dt = gl.bfloat16 if x_MK.dtype == torch.bfloat16 else gl.float16
-    E, K, N = w_EKN.shape
-    w_2d = w_EKN.reshape(E * K, N)
+    dt = gl.bfloat16 if a_MK.dtype == torch.bfloat16 else gl.float16
+    E, K, N = b_EKN.shape
+    transposed = b_EKN.stride(2) != 1
+    if transposed:
+        b_2d, b_box = b_EKN.transpose(1, 2).reshape(E * N, K), [bn, bk]
+    else:
+        b_2d, b_box = b_EKN.reshape(E * K, N), [bk, bn]
 
     def make(t, block):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
                                 gl.NVMMASharedLayout.get_default_for(block, dt))
 
-    return make(x_MK, [bm, bk]), make(w_2d, [bk, bn]), make(out_MN, [bm, bn])
+    return make(a_MK, [bm, bk]), make(b_2d, b_box), make(out_MN, [bm, bn]), transposed
 
 
-def ws_grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, variant: str,
+def ws_grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor, variant: str,
                   programs: int | None = None) -> torch.Tensor:
-    """``out[rows of e] = x[rows of e] @ w[e]`` through `_ws_grouped_mm_kernel` (rows past
-    offs[-1] unwritten); the scope of the module docstring."""
+    """``out[rows of e] = a[rows of e] @ b[e]`` through `_ws_grouped_mm_kernel` (rows past
+    offs[-1] unwritten): b [E, K, N] row-major (the forward, b = w) or ``w.transpose(1, 2)``
+    of a contiguous w (dx); the scope of the module docstring."""
     bm, bn, bk, stages, warps = VARIANTS[variant]
-    M, K = x_MK.shape
-    E, _, N = w_EKN.shape
+    M, K = a_MK.shape
+    E, _, N = b_EKN.shape
     if K % bk:
-        raise ValueError(f"ws_grouped_mm: K ({K}) must be a multiple of BK ({bk})")
-    out_MN = torch.empty(M, N, device=x_MK.device, dtype=x_MK.dtype)
-    a_desc, b_desc, c_desc = descriptors(x_MK, w_EKN, out_MN, bm, bn, bk)
-    n = programs or torch.cuda.get_device_properties(x_MK.device).multi_processor_count
+        raise ValueError(f"ws_grouped_mm: the reduction K ({K}) must be a multiple of BK ({bk})")
+    out_MN = torch.empty(M, N, device=a_MK.device, dtype=a_MK.dtype)
+    a_desc, b_desc, c_desc, transposed = descriptors(a_MK, b_EKN, out_MN, bm, bn, bk)
+    n = programs or torch.cuda.get_device_properties(a_MK.device).multi_processor_count
     _ws_grouped_mm_kernel[(n,)](a_desc, b_desc, c_desc, out_MN, offs_E, M, N, E, K, out_MN.stride(0),
-                                STAGES=stages, BLOCK_E=triton.next_power_of_2(E + 1), num_warps=warps)
+                                STAGES=stages, BLOCK_E=triton.next_power_of_2(E + 1), B_TRANSPOSED=transposed,
+                                num_warps=warps)
     return out_MN
 
 
 def run_variant(case: str, variant: str) -> None:
-    """One variant at one case: check against torch._grouped_mm, then time it beside the peer
-    and our Triton kernel (CUDA-graph replays, interleaved rounds); prints a table row."""
+    """One variant at one case, the forward and the dx product: each output checked against
+    torch._grouped_mm's, then timed beside the peer and our Triton kernel (CUDA-graph replays,
+    interleaved rounds); prints a table row per product."""
     import bench_moe
     from titan_moe.ops.grouped_gemm.triton_kernel import grouped_mm_triton
 
@@ -223,17 +248,26 @@ def run_variant(case: str, variant: str) -> None:
     offs = torch.tensor(bench_moe.group_sizes(M, E, case), device="cuda").cumsum(0).to(torch.int32)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-    ref = torch._grouped_mm(x, w, offs).float()
-    out = ws_grouped_mm(x, w, offs, variant).float()
-    err = ((out - ref).abs().max() / ref.abs().max()).item()
-    if not err < 1e-2:
-        print(f"| {case} | {variant} | wrong: relative error {err:.3e} | | | |", flush=True)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    products = {"fwd": (x, w), "dx": (dy, w.transpose(1, 2))}
+    fns, errors = {}, {}
+    for p, (a, b) in products.items():
+        ref = torch._grouped_mm(a, b, offs).float()
+        out = ws_grouped_mm(a, b, offs, variant).float()
+        errors[p] = ((out - ref).abs().max() / ref.abs().max()).item()
+        if not errors[p] < 1e-2:
+            print(f"| {case} | {p} | {variant} | wrong: relative error {errors[p]:.3e} | | | | |", flush=True)
+            continue
+        fns[(p, "native")] = lambda a=a, b=b: torch._grouped_mm(a, b, offs)
+        fns[(p, "triton")] = lambda a=a, b=b: grouped_mm_triton(a, b, offs)
+        fns[(p, "gluon")] = lambda a=a, b=b: ws_grouped_mm(a, b, offs, variant)
+    if not fns:
         return
-    fns = {"native": lambda: torch._grouped_mm(x, w, offs), "triton": lambda: grouped_mm_triton(x, w, offs),
-           "gluon": lambda: ws_grouped_mm(x, w, offs, variant)}
     ms, _ = bench_moe.measure_rounds(fns, timed=True)
-    print(f"| {case} | {variant} | {ms['native']:.4f} | {ms['triton']:.4f} | {ms['gluon']:.4f} | "
-          f"{ms['native'] / ms['gluon']:.3f} | {err:.1e} |", flush=True)
+    for p in dict.fromkeys(p for p, _ in fns):
+        native, ours, gluon = ms[(p, "native")], ms[(p, "triton")], ms[(p, "gluon")]
+        print(f"| {case} | {p} | {variant} | {native:.4f} | {ours:.4f} | {gluon:.4f} | {native / gluon:.3f} | "
+              f"{errors[p]:.1e} |", flush=True)
 
 
 def main() -> None:
@@ -241,10 +275,10 @@ def main() -> None:
         run_variant(sys.argv[2], sys.argv[3])
         return
     if len(sys.argv) > 1:
-        sys.exit("usage: probe_gluon_gemm.py   (every variant at E = 64 balanced and Zipf)")
-    limit = float(os.environ.get("PROBE_LIMIT_S", "45"))
-    print("| groups | variant | native ms | triton ms | gluon ms | gluon x native | rel err |\n"
-          "| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+        sys.exit("usage: probe_gluon_gemm.py   (every variant at E = 64 balanced and Zipf, forward and dx)")
+    limit = float(os.environ.get("PROBE_LIMIT_S", "60"))
+    print("| groups | product | variant | native ms | triton ms | gluon ms | gluon x native | rel err |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     hung = set()  # a variant that gave no result at balanced groups is not run again
     for case in ("balanced", "zipf"):
         for variant in VARIANTS:
@@ -254,7 +288,7 @@ def main() -> None:
                 subprocess.run([sys.executable, __file__, "one", case, variant], timeout=limit, check=False)
             except subprocess.TimeoutExpired:
                 hung.add(variant)
-                print(f"| {case} | {variant} | no result within {limit:.0f} s | | | | |", flush=True)
+                print(f"| {case} | | {variant} | no result within {limit:.0f} s | | | | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """profiling/probe_gluon_gemm.py: its warp-specialized Gluon grouped GEMM builds for sm90 on the
-CPU with the partitions it states (Gluon has no interpreter: its results are checked on the
+CPU, forward and dx (transposed weights), with the partitions it states (Gluon has no interpreter: its results are checked on the
 GPU, where the probe compares every output with torch._grouped_mm before timing it)."""
 
 import os
@@ -24,16 +24,22 @@ _SCRIPT = textwrap.dedent(
     x = torch.empty(4096, 2048, dtype=torch.bfloat16)
     w = torch.empty(8, 2048, 1408, dtype=torch.bfloat16)
     out = torch.empty(4096, 1408, dtype=torch.bfloat16)
-    for name, (bm, bn, bk, stages, warps) in probe.VARIANTS.items():
-        a, b, c = probe.descriptors(x, w, out, bm, bn, bk)
+    dx = torch.empty(4096, 2048, dtype=torch.bfloat16)
+    for (name, (bm, bn, bk, stages, warps)), product in zip(probe.VARIANTS.items(), ("fwd", "dx", "fwd", "dx")):
+        if product == "fwd":
+            a, b, c, transposed = probe.descriptors(x, w, out, bm, bn, bk)
+        else:  # dy [M, N] @ w^T: w transposed, the output K wide
+            a, b, c, transposed = probe.descriptors(out, w.transpose(1, 2), dx, bm, bn, bk)
+        assert transposed == (product == "dx")
         sig = {"a_desc": mangle_type(a), "b_desc": mangle_type(b), "c_desc": mangle_type(c), "c_ptr": "*bf16",
                "offs_ptr": "*i32", "M": "i32", "N": "i32", "E": "i32", "K": "i32", "stride_cm": "i32",
-               "STAGES": "constexpr", "BLOCK_E": "constexpr", "num_warps": "constexpr"}
+               "STAGES": "constexpr", "BLOCK_E": "constexpr", "B_TRANSPOSED": "constexpr", "num_warps": "constexpr"}
         src = GluonASTSource(fn=probe._ws_grouped_mm_kernel, signature=sig,
-                             constexprs={"STAGES": stages, "BLOCK_E": 128, "num_warps": warps})
+                             constexprs={"STAGES": stages, "BLOCK_E": 128, "B_TRANSPOSED": transposed,
+                                         "num_warps": warps})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         ptx = k.asm["ptx"]
-        results[name] = (warps, k.metadata.num_warps, k.metadata.shared, "setmaxnreg" in ptx,
+        results[name + "_" + product] = (warps, k.metadata.num_warps, k.metadata.shared, "setmaxnreg" in ptx,
                          f"wgmma.mma_async.sync.aligned.m64n{min(bn, 256)}k16" in ptx,
                          "cp.async.bulk.tensor.2d" in ptx, "mbarrier.try_wait" in ptx)
     print("RESULT", repr(results))
