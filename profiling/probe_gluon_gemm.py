@@ -14,6 +14,12 @@ lower-level language shipped with the same Triton, states the partitions explici
   of the one before, and at the end of a tile stores it: through a TMA box where all its rows
   belong to the tile's group, else through masked pointer stores.
 
+Two consumer schedules: cooperative (`_ws_grouped_mm_kernel`: all consumer warps on every
+tile, the tensor cores idle during its epilogue) and ping-pong (`_pingpong_grouped_mm_kernel`,
+variants "pp...": two 4-warp consumers take the tiles in turn and hand the mainloop to each
+other through a pair of mbarriers, so that one's epilogue overlaps the other's wgmmas, the
+schedule of CUTLASS's "pingpong" Hopper kernels).
+
 Scope (a probe): 16-bit operands, ``out[rows of e] = a[rows of e] @ b[e]`` for the forward
 (b = w [E, K, N] row-major, read as an [E*K, N] matrix in [BK, BN] boxes) and dx (b =
 w.transpose(1, 2), read from w as an [E*N, K] matrix in [BN, BK] boxes that the wgmma takes
@@ -24,7 +30,8 @@ stores zeros there; the probe's group sizes sum to M, so there are none). Each p
 the tiles of the same group-ordered list as `_ragged_m_kernel` (row tiles never straddle a
 group).
 
-    python profiling/probe_gluon_gemm.py     # E = 64 balanced and Zipf, M 64K, K 2,048, N 1,408: forward and dx
+    python profiling/probe_gluon_gemm.py [VARIANT,...]   # E = 64 balanced and Zipf, M 64K, K 2,048,
+                                                         # N 1,408: forward and dx
 
 Each variant runs in its own process under a time limit (a warp-specialized kernel that
 deadlocks would hold the GPU), checks its output against ``torch._grouped_mm`` (relative
@@ -51,12 +58,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-VARIANTS = {  # name: (BM, BN, BK, STAGES, consumer warps)
+VARIANTS = {  # name: (BM, BN, BK, STAGES, consumer warps; "pp": two 4-warp ping-pong consumers)
     "128x256x64s3": (128, 256, 64, 3, 8),
     "256x128x64s3": (256, 128, 64, 3, 8),
     "128x128x64s4": (128, 128, 64, 4, 8),
     "128x256x64s3w4": (128, 256, 64, 3, 4),
+    "pp128x128x64s4": (128, 128, 64, 4, "pp"),
+    "pp128x128x64s5": (128, 128, 64, 5, "pp"),
+    "pp64x256x64s4": (64, 256, 64, 4, "pp"),
 }
+PINGPONG_CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest)
 
 
 @gluon.jit
@@ -129,47 +140,101 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N
             it += 1
 
 
+@gluon.constexpr_function
+def mma_layout_of(bn, warps):
+    """The wgmma accumulator layout of a [*, bn] tile over ``warps`` warps stacked along M."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bn, 16])
+
+
+@gluon.jit
+def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, K, B_TRANSPOSED: gl.constexpr):
+    """acc += the tile's K // BK ring slots from step ``it`` on: wait for each slot, issue its
+    wgmma asynchronously, keep one in flight, release the slot of the one before. Returns
+    (acc, the step after the tile's last)."""
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    prev = 0
+    for k in range(0, K, BK):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        b_tile = b_bufs.index(s)
+        if B_TRANSPOSED:  # a [BK, BN] view of the [BN, BK] box: wgmma reads B either way
+            b_tile = b_tile.permute((1, 0))
+        acc = warpgroup_mma(a_bufs.index(s), b_tile, acc, is_async=True)
+        # one wgmma in flight: the one before this is done, and its slot can be refilled
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)
+        prev = s
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(prev), count=1)
+    return acc, it
+
+
+@gluon.jit
+def _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout: gl.constexpr):
+    """Store a finished tile: through a TMA box where all its rows belong to its group (after
+    the staging buffer's previous box has left), else through masked pointer stores (the
+    group's last, partial tile: its rows past row_end belong to the next group)."""
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    out = acc.to(c_desc.dtype)
+    if row_start + BM <= row_end:
+        tma.store_wait(pendings=0)
+        c_smem.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [row_start, col], c_smem)
+    else:
+        rows = row_start + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+        cols = col + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+        ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+        gl.store(ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_cm, offs_ptr, M, N, E, K, n_tiles,
                    BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr, num_warps: gl.constexpr):
+    """The cooperative consumer: all num_warps warps on every tile (BM / num_warps rows each)."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    instr_n: gl.constexpr = BN if BN <= 256 else 256
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, instr_n, 16])
+    mma_layout: gl.constexpr = mma_layout_of(BN, num_warps)
     total = _total_tiles(offs_ptr, M, E, n_tiles, BM, BLOCK_E, num_warps)
     it = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         row_start, row_end, group, col = _tile_place(tile, offs_ptr, M, E, n_tiles, BM, BN, BLOCK_E, num_warps)
         acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
-        prev = 0
-        for k in range(0, K, BK):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            b_tile = b_bufs.index(s)
-            if B_TRANSPOSED:  # a [BK, BN] view of the [BN, BK] box: wgmma reads B either way
-                b_tile = b_tile.permute((1, 0))
-            acc = warpgroup_mma(a_bufs.index(s), b_tile, acc, is_async=True)
-            # one wgmma in flight: the one before this is done, and its slot can be refilled
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)
-            prev = s
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(prev), count=1)
-        out = acc.to(c_desc.dtype)
-        if row_start + BM <= row_end:
-            tma.store_wait(pendings=0)  # the staging buffer's previous box has left
-            c_smem.store(out)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [row_start, col], c_smem)
-        else:  # the group's last, partial tile: its rows past row_end belong to the next group
-            rows = row_start + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
-            cols = col + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
-            ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
-            gl.store(ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, K, B_TRANSPOSED)
+        _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _pingpong_partition(a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_ptr, stride_cm, offs_ptr, M, N, E,
+                        K, n_tiles, BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr, ME: gl.constexpr):
+    """One of two 4-warp consumers that take this program's tiles in turn (ME: 0 the even
+    ones, 1 the odd ones), each on its own tile and staging buffer, so that one's epilogue
+    runs while the other's wgmmas run. The ring is filled in tile order; a consumer enters its
+    tile's mainloop only once the other has left the previous tile's (``turns``: ME's
+    barrier is the one it waits on, the other's the one it arrives on), so that it never
+    waits on a ring slot more than one phase ahead of the producer."""
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    mma_layout: gl.constexpr = mma_layout_of(BN, 4)
+    c_smem = c_smems.index(ME)
+    steps = K // a_bufs.type.shape[2]
+    total = _total_tiles(offs_ptr, M, E, n_tiles, BM, BLOCK_E, 4)
+    j = 0  # this program's tile count so far
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        if j % 2 == ME:
+            row_start, row_end, group, col = _tile_place(tile, offs_ptr, M, E, n_tiles, BM, BN, BLOCK_E, 4)
+            # my n-th turn (n = j // 2): consumer 0's first passes at once (a fresh barrier
+            # counts as having completed the phase before its first)
+            mbarrier.wait(turns.index(ME), ((j // 2) & 1) ^ (1 - ME))
+            acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
+            acc, _ = _mainloop(acc, a_bufs, b_bufs, ready, empty, j * steps, K, B_TRANSPOSED)
+            mbarrier.arrive(turns.index(1 - ME), count=1)
+            _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout)
+        j += 1
     tma.store_wait(pendings=0)
 
 
@@ -193,6 +258,35 @@ def _ws_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, s
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles, BLOCK_E,
                            B_TRANSPOSED)),
     ], [1], [24])
+
+
+@gluon.jit
+def _pingpong_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, stride_cm,
+                                STAGES: gl.constexpr, BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Ping-pong: consumer 0 is the default partition (num_warps = 4), consumer 1 a 4-warp
+    worker with CONSUMER_REGS registers, the load partition a 1-warp worker."""
+    BN: gl.constexpr = c_block_n(b_desc, B_TRANSPOSED)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smems = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    n_tiles = (N + BN - 1) // BN
+    gl.warp_specialize([  # (the argument tuples written out: a tuple built in the kernel loses constexprs)
+        (_pingpong_partition, (a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_ptr, stride_cm, offs_ptr, M,
+                               N, E, K, n_tiles, BLOCK_E, B_TRANSPOSED, 0)),
+        (_pingpong_partition, (a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_ptr, stride_cm, offs_ptr, M,
+                               N, E, K, n_tiles, BLOCK_E, B_TRANSPOSED, 1)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles, BLOCK_E,
+                           B_TRANSPOSED)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def descriptors(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_MN: torch.Tensor, bm: int, bn: int, bk: int):
@@ -219,8 +313,8 @@ def descriptors(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_MN: torch.Tensor, b
 
 def ws_grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor, variant: str,
                   programs: int | None = None) -> torch.Tensor:
-    """``out[rows of e] = a[rows of e] @ b[e]`` through `_ws_grouped_mm_kernel` (rows past
-    offs[-1] unwritten): b [E, K, N] row-major (the forward, b = w) or ``w.transpose(1, 2)``
+    """``out[rows of e] = a[rows of e] @ b[e]`` through `_ws_grouped_mm_kernel` or, for "pp"
+    variants, `_pingpong_grouped_mm_kernel` (rows past offs[-1] unwritten): b [E, K, N] row-major (the forward, b = w) or ``w.transpose(1, 2)``
     of a contiguous w (dx); the scope of the module docstring."""
     bm, bn, bk, stages, warps = VARIANTS[variant]
     M, K = a_MK.shape
@@ -230,9 +324,12 @@ def ws_grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor,
     out_MN = torch.empty(M, N, device=a_MK.device, dtype=a_MK.dtype)
     a_desc, b_desc, c_desc, transposed = descriptors(a_MK, b_EKN, out_MN, bm, bn, bk)
     n = programs or torch.cuda.get_device_properties(a_MK.device).multi_processor_count
-    _ws_grouped_mm_kernel[(n,)](a_desc, b_desc, c_desc, out_MN, offs_E, M, N, E, K, out_MN.stride(0),
-                                STAGES=stages, BLOCK_E=triton.next_power_of_2(E + 1), B_TRANSPOSED=transposed,
-                                num_warps=warps)
+    args = (a_desc, b_desc, c_desc, out_MN, offs_E, M, N, E, K, out_MN.stride(0))
+    consts = dict(STAGES=stages, BLOCK_E=triton.next_power_of_2(E + 1), B_TRANSPOSED=transposed)
+    if warps == "pp":
+        _pingpong_grouped_mm_kernel[(n,)](*args, **consts, CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4)
+    else:
+        _ws_grouped_mm_kernel[(n,)](*args, **consts, num_warps=warps)
     return out_MN
 
 
@@ -274,14 +371,16 @@ def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "one":
         run_variant(sys.argv[2], sys.argv[3])
         return
-    if len(sys.argv) > 1:
-        sys.exit("usage: probe_gluon_gemm.py   (every variant at E = 64 balanced and Zipf, forward and dx)")
+    names = sys.argv[1].split(",") if len(sys.argv) == 2 else list(VARIANTS)
+    if len(sys.argv) > 2 or any(n not in VARIANTS for n in names):
+        sys.exit(f"usage: probe_gluon_gemm.py [VARIANT,...]   (default all of {', '.join(VARIANTS)}; "
+                 "each at E = 64 balanced and Zipf, forward and dx)")
     limit = float(os.environ.get("PROBE_LIMIT_S", "60"))
     print("| groups | product | variant | native ms | triton ms | gluon ms | gluon x native | rel err |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     hung = set()  # a variant that gave no result at balanced groups is not run again
     for case in ("balanced", "zipf"):
-        for variant in VARIANTS:
+        for variant in names:
             if variant in hung:
                 continue
             try:

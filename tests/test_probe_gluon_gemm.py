@@ -25,23 +25,26 @@ _SCRIPT = textwrap.dedent(
     w = torch.empty(8, 2048, 1408, dtype=torch.bfloat16)
     out = torch.empty(4096, 1408, dtype=torch.bfloat16)
     dx = torch.empty(4096, 2048, dtype=torch.bfloat16)
-    for (name, (bm, bn, bk, stages, warps)), product in zip(probe.VARIANTS.items(), ("fwd", "dx", "fwd", "dx")):
+    for i, (name, (bm, bn, bk, stages, warps)) in enumerate(probe.VARIANTS.items()):
+        product = ("fwd", "dx")[i % 2]
         if product == "fwd":
             a, b, c, transposed = probe.descriptors(x, w, out, bm, bn, bk)
         else:  # dy [M, N] @ w^T: w transposed, the output K wide
             a, b, c, transposed = probe.descriptors(out, w.transpose(1, 2), dx, bm, bn, bk)
         assert transposed == (product == "dx")
         sig = {"a_desc": mangle_type(a), "b_desc": mangle_type(b), "c_desc": mangle_type(c), "c_ptr": "*bf16",
-               "offs_ptr": "*i32", "M": "i32", "N": "i32", "E": "i32", "K": "i32", "stride_cm": "i32",
-               "STAGES": "constexpr", "BLOCK_E": "constexpr", "B_TRANSPOSED": "constexpr", "num_warps": "constexpr"}
-        src = GluonASTSource(fn=probe._ws_grouped_mm_kernel, signature=sig,
-                             constexprs={"STAGES": stages, "BLOCK_E": 128, "B_TRANSPOSED": transposed,
-                                         "num_warps": warps})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+               "offs_ptr": "*i32", "M": "i32", "N": "i32", "E": "i32", "K": "i32", "stride_cm": "i32"}
+        consts = {"STAGES": stages, "BLOCK_E": 128, "B_TRANSPOSED": transposed, "num_warps": warps}
+        kernel = probe._ws_grouped_mm_kernel
+        if warps == "pp":  # two 4-warp consumers
+            kernel, consts = probe._pingpong_grouped_mm_kernel, dict(consts, num_warps=4, CONSUMER_REGS=232)
+        sig.update({n: "constexpr" for n in consts})
+        src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": consts["num_warps"]})
         ptx = k.asm["ptx"]
         results[name + "_" + product] = (warps, k.metadata.num_warps, k.metadata.shared, "setmaxnreg" in ptx,
-                         f"wgmma.mma_async.sync.aligned.m64n{min(bn, 256)}k16" in ptx,
-                         "cp.async.bulk.tensor.2d" in ptx, "mbarrier.try_wait" in ptx)
+                                         f"wgmma.mma_async.sync.aligned.m64n{bn}k16" in ptx,
+                                         "cp.async.bulk.tensor.2d" in ptx, "mbarrier.try_wait" in ptx)
     print("RESULT", repr(results))
     """
 )
@@ -49,15 +52,16 @@ _SCRIPT = textwrap.dedent(
 
 def test_gluon_probe_builds_warp_specialized_for_sm90():
     results = compiled_script_results(_SCRIPT.replace("PROFILING", repr(PROFILING)))
-    assert len(results) == 4, results
+    assert len(results) == 7, results
     for name, (warps, warps_run, shared, maxnreg, wgmma, tma_copies, waits) in results.items():
-        # the consumer's warps plus one warp group for the load partition's single warp
-        assert warps_run == warps + 4, (name, warps_run)
+        # the consumers' warps (ping-pong: two groups of 4) plus one warp group for the load
+        # partition's single warp
+        assert warps_run == (8 if warps == "pp" else warps) + 4, (name, warps_run)
         assert maxnreg and wgmma and tma_copies and waits, (name, results[name])
         assert 0 < shared <= 232448, (name, shared)  # sm90's shared memory per block
 
 
 def test_usage_with_unknown_arguments():
-    proc = subprocess.run([sys.executable, "profiling/probe_gluon_gemm.py", "bogus"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    proc = subprocess.run([sys.executable, "profiling/probe_gluon_gemm.py", "128x256x64s3,bogus"], text=True,
+                          capture_output=True, cwd=os.path.dirname(PROFILING), timeout=120)
     assert proc.returncode != 0 and "usage" in proc.stderr
