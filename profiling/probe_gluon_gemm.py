@@ -14,7 +14,13 @@ lower-level language shipped with the same Triton, states the partitions explici
   of the one before, and at the end of a tile stores it: through a TMA box where all its rows
   belong to the tile's group, else through masked pointer stores.
 
-Two consumer schedules: cooperative (`_ws_grouped_mm_kernel`: all consumer warps on every
+The weight gradient (`_ws_grouped_dw_kernel`, variants "dw..."): dw[e] = x[rows of e]^T @
+grad[rows of e] in [BK, BN] tiles of dw, each reducing over its group's rows in steps of BM;
+the load partition makes a TMA descriptor of the group's rows per tile on the device (the
+copy engine zero-fills past the group's end, as the op's Triton dw does), the consumer reads
+x's [BM, BK] boxes transposed.
+
+Two consumer schedules of the forward / dx: cooperative (`_ws_grouped_mm_kernel`: all consumer warps on every
 tile, the tensor cores idle during its epilogue) and ping-pong (`_pingpong_grouped_mm_kernel`,
 variants "pp...": two 4-warp consumers take the tiles in turn and hand the mainloop to each
 other through a pair of mbarriers, so that one's epilogue overlaps the other's wgmmas, the
@@ -117,6 +123,18 @@ def _total_tiles(offs_ptr, M, E, n_tiles, BM: gl.constexpr, BLOCK_E: gl.constexp
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The ring's "ready" (the copies' bytes arrive) and "empty" (the consumer is done with the
+    slot) mbarriers, one of each per stage."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles,
                     BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -147,27 +165,32 @@ def mma_layout_of(bn, warps):
 
 
 @gluon.jit
-def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, K, B_TRANSPOSED: gl.constexpr):
-    """acc += the tile's K // BK ring slots from step ``it`` on: wait for each slot, issue its
-    wgmma asynchronously, keep one in flight, release the slot of the one before. Returns
+def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, steps, A_TRANSPOSED: gl.constexpr,
+              B_TRANSPOSED: gl.constexpr):
+    """acc += the tile's ``steps`` ring slots from step ``it`` on: wait for each slot, issue
+    its wgmma asynchronously, keep one in flight, release the slot of the one before. A box
+    stored transposed (A_TRANSPOSED: [BK, BM], B_TRANSPOSED: [BN, BK]) is handed to the wgmma
+    as a permuted view (16-bit wgmma reads either major order from shared memory). Returns
     (acc, the step after the tile's last)."""
-    BK: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     prev = 0
-    for k in range(0, K, BK):
+    for i in range(0, steps):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a_tile = a_bufs.index(s)
+        if A_TRANSPOSED:
+            a_tile = a_tile.permute((1, 0))
         b_tile = b_bufs.index(s)
-        if B_TRANSPOSED:  # a [BK, BN] view of the [BN, BK] box: wgmma reads B either way
+        if B_TRANSPOSED:
             b_tile = b_tile.permute((1, 0))
-        acc = warpgroup_mma(a_bufs.index(s), b_tile, acc, is_async=True)
+        acc = warpgroup_mma(a_tile, b_tile, acc, is_async=True)
         # one wgmma in flight: the one before this is done, and its slot can be refilled
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)
+        mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)
         prev = s
         it += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index(prev), count=1)
+    mbarrier.arrive(empty.index(prev), count=1, pred=steps > 0)
     return acc, it
 
 
@@ -203,7 +226,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_c
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         row_start, row_end, group, col = _tile_place(tile, offs_ptr, M, E, n_tiles, BM, BN, BLOCK_E, num_warps)
         acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
-        acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, K, B_TRANSPOSED)
+        acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, K // a_bufs.type.shape[2], False, B_TRANSPOSED)
         _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout)
     tma.store_wait(pendings=0)
 
@@ -231,7 +254,7 @@ def _pingpong_partition(a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_
             # counts as having completed the phase before its first)
             mbarrier.wait(turns.index(ME), ((j // 2) & 1) ^ (1 - ME))
             acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
-            acc, _ = _mainloop(acc, a_bufs, b_bufs, ready, empty, j * steps, K, B_TRANSPOSED)
+            acc, _ = _mainloop(acc, a_bufs, b_bufs, ready, empty, j * steps, steps, False, B_TRANSPOSED)
             mbarrier.arrive(turns.index(1 - ME), count=1)
             _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout)
         j += 1
@@ -246,11 +269,7 @@ def _ws_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, s
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _ring_barriers(STAGES)
     n_tiles = (N + BN - 1) // BN
     gl.warp_specialize([
         (_mma_partition, (a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_cm, offs_ptr, M, N, E, K,
@@ -270,12 +289,8 @@ def _pingpong_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smems = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, empty = _ring_barriers(STAGES)
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turns.index(i), count=1)
     n_tiles = (N + BN - 1) // BN
@@ -287,6 +302,124 @@ def _pingpong_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles, BLOCK_E,
                            B_TRANSPOSED)),
     ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------- dw
+@gluon.constexpr_function
+def shared_layout_of(block, bitwidth):
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if bitwidth == 16 else gl.float32)
+
+
+@gluon.jit
+def _dw_tile_place(tile, offs_ptr, M, K, N, BK: gl.constexpr, BN: gl.constexpr):
+    """(group, k0, n0, row_start, row_end) of dw tile ``tile``: tiles ordered by group, then
+    [BK, BN] output tiles of dw[group] row by row; the group's rows clamped into [0, M]."""
+    k_tiles = K // BK
+    n_tiles = (N + BN - 1) // BN
+    group = tile // (k_tiles * n_tiles)
+    r = tile % (k_tiles * n_tiles)
+    row_start = gl.minimum(gl.maximum(gl.load(offs_ptr + group - 1, mask=group > 0, other=0), 0), M)
+    row_end = gl.maximum(gl.minimum(gl.load(offs_ptr + group), M), row_start)
+    return group, (r // n_tiles) * BK, (r % n_tiles) * BN, row_start, row_end
+
+
+@gluon.jit
+def _dw_load_partition(x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E, stride_xm, stride_gm):
+    """Per tile, TMA descriptors of the group's rows alone (made on the device: the copy
+    engine zero-fills past the group's end), then its steps of BM rows: x [BM, BK] and
+    grad [BM, BN] boxes into the ring."""
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = g_bufs.type.shape[2]
+    total = E * (K // BK) * ((N + BN - 1) // BN)
+    it = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        group, k0, n0, row_start, row_end = _dw_tile_place(tile, offs_ptr, M, K, N, BK, BN)
+        rows = gl.maximum(row_end - row_start, 1)  # an empty group's descriptor is never read
+        x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm, shape=[rows, K],
+                                            strides=[stride_xm, 1], block_shape=[BM, BK],
+                                            layout=shared_layout_of([BM, BK], 16))
+        g_desc = tma.make_tensor_descriptor(g_ptr + row_start.to(gl.int64) * stride_gm, shape=[rows, N],
+                                            strides=[stride_gm, 1], block_shape=[BM, BN],
+                                            layout=shared_layout_of([BM, BN], 16))
+        for m in range(0, row_end - row_start, BM):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + g_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m, k0], ready.index(s), x_bufs.index(s))
+            tma.async_copy_global_to_shared(g_desc, [m, n0], ready.index(s), g_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _dw_mma_partition(x_bufs, g_bufs, ready, empty, c_smem, dw_desc, offs_ptr, M, K, N, E,
+                      num_warps: gl.constexpr):
+    """The cooperative consumer of the dw: dw[group][k0:k0+BK, n0:n0+BN] = x^T grad over the
+    group's rows (x's [BM, BK] boxes read transposed), stored through a TMA box of dw."""
+    BM: gl.constexpr = x_bufs.type.shape[1]
+    BK: gl.constexpr = x_bufs.type.shape[2]
+    BN: gl.constexpr = g_bufs.type.shape[2]
+    mma_layout: gl.constexpr = mma_layout_of(BN, num_warps)
+    total = E * (K // BK) * ((N + BN - 1) // BN)
+    it = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        group, k0, n0, row_start, row_end = _dw_tile_place(tile, offs_ptr, M, K, N, BK, BN)
+        acc = gl.zeros((BK, BN), gl.float32, layout=mma_layout)
+        steps = (row_end - row_start + BM - 1) // BM
+        acc, it = _mainloop(acc, x_bufs, g_bufs, ready, empty, it, steps, True, False)
+        tma.store_wait(pendings=0)
+        c_smem.store(acc.to(dw_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dw_desc, [group * K + k0, n0], c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, offs_ptr, M, K, N, E, stride_xm, stride_gm,
+                          BM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """dw[e] = x[rows of e]^T @ grad[rows of e] (dw [E*K, N] in [BK, BN] boxes, K a multiple
+    of BK; empty groups store zeros), warp-specialized as the forward."""
+    BK: gl.constexpr = dw_desc.block_type.shape[0]
+    BN: gl.constexpr = dw_desc.block_type.shape[1]
+    x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], shared_layout_of([BM, BK], 16))
+    g_bufs = gl.allocate_shared_memory(g_ptr.dtype.element_ty, [STAGES, BM, BN], shared_layout_of([BM, BN], 16))
+    c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
+    ready, empty = _ring_barriers(STAGES)
+    gl.warp_specialize([
+        (_dw_mma_partition, (x_bufs, g_bufs, ready, empty, c_smem, dw_desc, offs_ptr, M, K, N, E, num_warps)),
+        (_dw_load_partition, (x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E, stride_xm,
+                              stride_gm)),
+    ], [1], [24])
+
+
+DW_VARIANTS = {  # name: (BM (rows per step), BK x BN (the dw tile), STAGES, consumer warps)
+    "dw256x128x64s3": (64, 256, 128, 3, 8),
+    "dw128x256x64s3": (64, 128, 256, 3, 8),
+    "dw128x128x64s4": (64, 128, 128, 4, 8),
+}
+
+
+def ws_grouped_dw(x_MK: torch.Tensor, g_MN: torch.Tensor, offs_E: torch.Tensor, variant: str) -> torch.Tensor:
+    """dw [E, K, N] bf16 through `_ws_grouped_dw_kernel` (x, grad row-major, 16-bit)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from titan_moe.ops.triton_runtime import ensure_scratch_allocator
+
+    bm, bk, bn, stages, warps = DW_VARIANTS[variant]
+    M, K = x_MK.shape
+    N, E = g_MN.shape[1], offs_E.shape[0]
+    if K % bk:
+        raise ValueError(f"ws_grouped_dw: K ({K}) must be a multiple of the dw tile's rows ({bk})")
+    dw = torch.empty(E, K, N, device=x_MK.device, dtype=x_MK.dtype)
+    dw_2d = dw.view(E * K, N)
+    dw_desc = TensorDescriptor(dw_2d, [E * K, N], [N, 1], [bk, bn],
+                               gl.NVMMASharedLayout.get_default_for([bk, bn], gl.bfloat16))
+    ensure_scratch_allocator(x_MK.device)  # the device-made descriptors' global scratch
+    n = torch.cuda.get_device_properties(x_MK.device).multi_processor_count
+    _ws_grouped_dw_kernel[(n,)](x_MK, g_MN, dw_desc, offs_E, M, K, N, E, x_MK.stride(0), g_MN.stride(0),
+                                BM=bm, STAGES=stages, num_warps=warps)
+    return dw
 
 
 def descriptors(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_MN: torch.Tensor, bm: int, bn: int, bk: int):
@@ -334,11 +467,12 @@ def ws_grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor,
 
 
 def run_variant(case: str, variant: str) -> None:
-    """One variant at one case, the forward and the dx product: each output checked against
-    torch._grouped_mm's, then timed beside the peer and our Triton kernel (CUDA-graph replays,
-    interleaved rounds); prints a table row per product."""
+    """One variant at one case (E = 64, M 64K, K 2,048, N 1,408): a forward / dx variant
+    runs both products, a dw variant the weight gradient; each output checked against
+    torch._grouped_mm's, then timed beside the peer and our Triton kernel (CUDA-graph
+    replays, interleaved rounds); prints a table row per product."""
     import bench_moe
-    from titan_moe.ops.grouped_gemm.triton_kernel import grouped_mm_triton
+    from titan_moe.ops.grouped_gemm.triton_kernel import grouped_mm_dw_triton, grouped_mm_triton
 
     bench_moe.GRAPH_TIMING = True
     E, M, K, N = 64, 65536, 2048, 1408
@@ -346,24 +480,27 @@ def run_variant(case: str, variant: str) -> None:
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    products = {"fwd": (x, w), "dx": (dy, w.transpose(1, 2))}
+    if variant in DW_VARIANTS:
+        products = {"dw": (lambda: torch._grouped_mm(x.t(), dy, offs=offs), lambda: grouped_mm_dw_triton(x, dy, offs),
+                           lambda: ws_grouped_dw(x, dy, offs, variant))}
+    else:
+        products = {p: (lambda a=a, b=b: torch._grouped_mm(a, b, offs), lambda a=a, b=b: grouped_mm_triton(a, b, offs),
+                        lambda a=a, b=b: ws_grouped_mm(a, b, offs, variant))
+                    for p, (a, b) in {"fwd": (x, w), "dx": (dy, w.transpose(1, 2))}.items()}
     fns, errors = {}, {}
-    for p, (a, b) in products.items():
-        ref = torch._grouped_mm(a, b, offs).float()
-        out = ws_grouped_mm(a, b, offs, variant).float()
-        errors[p] = ((out - ref).abs().max() / ref.abs().max()).item()
+    for p, (native, ours, ws) in products.items():
+        ref = native().float()
+        errors[p] = ((ws().float() - ref).abs().max() / ref.abs().max()).item()
         if not errors[p] < 1e-2:
             print(f"| {case} | {p} | {variant} | wrong: relative error {errors[p]:.3e} | | | | |", flush=True)
             continue
-        fns[(p, "native")] = lambda a=a, b=b: torch._grouped_mm(a, b, offs)
-        fns[(p, "triton")] = lambda a=a, b=b: grouped_mm_triton(a, b, offs)
-        fns[(p, "gluon")] = lambda a=a, b=b: ws_grouped_mm(a, b, offs, variant)
+        fns.update({(p, "native"): native, (p, "triton"): ours, (p, "gluon"): ws})
     if not fns:
         return
     ms, _ = bench_moe.measure_rounds(fns, timed=True)
     for p in dict.fromkeys(p for p, _ in fns):
-        native, ours, gluon = ms[(p, "native")], ms[(p, "triton")], ms[(p, "gluon")]
-        print(f"| {case} | {p} | {variant} | {native:.4f} | {ours:.4f} | {gluon:.4f} | {native / gluon:.3f} | "
+        native, ours, ws = ms[(p, "native")], ms[(p, "triton")], ms[(p, "gluon")]
+        print(f"| {case} | {p} | {variant} | {native:.4f} | {ours:.4f} | {ws:.4f} | {native / ws:.3f} | "
               f"{errors[p]:.1e} |", flush=True)
 
 
@@ -371,10 +508,11 @@ def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "one":
         run_variant(sys.argv[2], sys.argv[3])
         return
-    names = sys.argv[1].split(",") if len(sys.argv) == 2 else list(VARIANTS)
-    if len(sys.argv) > 2 or any(n not in VARIANTS for n in names):
-        sys.exit(f"usage: probe_gluon_gemm.py [VARIANT,...]   (default all of {', '.join(VARIANTS)}; "
-                 "each at E = 64 balanced and Zipf, forward and dx)")
+    known = {**VARIANTS, **DW_VARIANTS}
+    names = sys.argv[1].split(",") if len(sys.argv) == 2 else list(known)
+    if len(sys.argv) > 2 or any(n not in known for n in names):
+        sys.exit(f"usage: probe_gluon_gemm.py [VARIANT,...]   (default all of {', '.join(known)}; "
+                 "each at E = 64 balanced and Zipf: forward and dx, or dw)")
     limit = float(os.environ.get("PROBE_LIMIT_S", "60"))
     print("| groups | product | variant | native ms | triton ms | gluon ms | gluon x native | rel err |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)

@@ -1,5 +1,5 @@
 """profiling/probe_gluon_gemm.py: its warp-specialized Gluon grouped GEMM builds for sm90 on the
-CPU, forward and dx (transposed weights), with the partitions it states (Gluon has no interpreter: its results are checked on the
+CPU, forward, dx (transposed weights) and dw, with the partitions it states (Gluon has no interpreter: its results are checked on the
 GPU, where the probe compares every output with torch._grouped_mm before timing it)."""
 
 import os
@@ -45,6 +45,24 @@ _SCRIPT = textwrap.dedent(
         results[name + "_" + product] = (warps, k.metadata.num_warps, k.metadata.shared, "setmaxnreg" in ptx,
                                          f"wgmma.mma_async.sync.aligned.m64n{bn}k16" in ptx,
                                          "cp.async.bulk.tensor.2d" in ptx, "mbarrier.try_wait" in ptx)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    dw = torch.empty(8 * 2048, 1408, dtype=torch.bfloat16)
+    for name, (bm, bk, bn, stages, warps) in probe.DW_VARIANTS.items():
+        d = TensorDescriptor(dw, list(dw.shape), [1408, 1], [bk, bn],
+                             gl.NVMMASharedLayout.get_default_for([bk, bn], gl.bfloat16))
+        sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "dw_desc": mangle_type(d), "offs_ptr": "*i32", "M": "i32",
+               "K": "i32", "N": "i32", "E": "i32", "stride_xm": "i32", "stride_gm": "i32", "BM": "constexpr",
+               "STAGES": "constexpr", "num_warps": "constexpr"}
+        src = GluonASTSource(fn=probe._ws_grouped_dw_kernel, signature=sig,
+                             constexprs={"BM": bm, "STAGES": stages, "num_warps": warps})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        ptx = k.asm["ptx"]
+        # per-group descriptors made on the device: global scratch and the tensormap fence
+        assert k.metadata.global_scratch_size > 0 and "fence.proxy.tensormap" in ptx, name
+        results[name] = (warps, k.metadata.num_warps, k.metadata.shared, "setmaxnreg" in ptx,
+                         f"wgmma.mma_async.sync.aligned.m64n{bn}k16" in ptx,
+                         "cp.async.bulk.tensor.2d" in ptx, "mbarrier.try_wait" in ptx)
     print("RESULT", repr(results))
     """
 )
@@ -52,7 +70,7 @@ _SCRIPT = textwrap.dedent(
 
 def test_gluon_probe_builds_warp_specialized_for_sm90():
     results = compiled_script_results(_SCRIPT.replace("PROFILING", repr(PROFILING)))
-    assert len(results) == 7, results
+    assert len(results) == 10, results
     for name, (warps, warps_run, shared, maxnreg, wgmma, tma_copies, waits) in results.items():
         # the consumers' warps (ping-pong: two groups of 4) plus one warp group for the load
         # partition's single warp
