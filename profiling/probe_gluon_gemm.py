@@ -68,58 +68,50 @@ VARIANTS = {  # name: (BM, BN, BK, STAGES, consumer warps; "pp": two 4-warp ping
     "128x256x64s3": (128, 256, 64, 3, 8),
     "256x128x64s3": (256, 128, 64, 3, 8),
     "128x128x64s4": (128, 128, 64, 4, 8),
-    "128x256x64s3w4": (128, 256, 64, 3, 4),
     "pp128x128x64s4": (128, 128, 64, 4, "pp"),
     "pp128x128x64s5": (128, 128, 64, 5, "pp"),
     "pp64x256x64s4": (64, 256, 64, 4, "pp"),
 }
 PINGPONG_CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest)
+LOAD_REGS = gl.constexpr(40)  # the load partition's registers: its per-group schedule vectors spill at 24
 
 
 @gluon.jit
-def _tile_place(tile, offs_ptr, M, E, n_tiles, BM: gl.constexpr, BN: gl.constexpr, BLOCK_E: gl.constexpr,
-                WARPS: gl.constexpr):
-    """(row_start, row_end, group, col_start) of a tile of the group-ordered list, computed by
-    any partition (WARPS: its warp count) from offs: the per-group row-tile counts, their
-    inclusive prefix sums as a masked [BLOCK_E, BLOCK_E] reduction, the group = how many
-    prefix entries are <= the tile's row-tile index."""
-    layout_2d: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
-    rows_l: gl.constexpr = gl.SliceLayout(1, layout_2d)
-    cols_l: gl.constexpr = gl.SliceLayout(0, layout_2d)
-    e_c = gl.arange(0, BLOCK_E, layout=cols_l)
-    m_tiles_c = _group_tiles(offs_ptr, e_c, M, E, BM)
-    e_r = gl.arange(0, BLOCK_E, layout=rows_l)
-    m_tiles_r = _group_tiles(offs_ptr, e_r, M, E, BM)
-    incl_r = gl.sum(gl.where(e_c[None, :] <= e_r[:, None], m_tiles_c[None, :], 0), axis=1)
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _schedule(offs_ptr, M, E, BM: gl.constexpr, BLOCK_E: gl.constexpr, WARPS: gl.constexpr):
+    """The group-ordered row-tile list's bookkeeping, computed once per partition (WARPS: its
+    warp count) from offs: per group (a [BLOCK_E] vector, groups >= E empty) its first row,
+    its end, its first row tile and its row tiles' inclusive prefix sum; and the row tiles in
+    all."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    e = gl.arange(0, BLOCK_E, layout=layout)
+    ends = gl.minimum(gl.load(offs_ptr + e, mask=e < E, other=0), M)
+    starts = gl.minimum(gl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0), M)
+    m_tiles = gl.where(e < E, (gl.maximum(ends - starts, 0) + BM - 1) // BM, 0)
+    incl = gl.associative_scan(m_tiles, 0, _add)
+    return e, starts, ends, incl - m_tiles, incl, gl.sum(m_tiles, axis=0)
+
+
+@gluon.jit
+def _tile_place(tile, e, starts, ends, first, incl, n_tiles, BM: gl.constexpr, BN: gl.constexpr):
+    """(row_start, row_end, group, col_start) of a tile: its group is the number of groups
+    whose row tiles all come before its row tile."""
     m_tile = tile // n_tiles
-    group = gl.sum((incl_r <= m_tile).to(gl.int32), axis=0)
-    is_group = e_r == group
-    first = gl.sum(gl.where(is_group, incl_r - m_tiles_r, 0), axis=0)
-    starts_r = gl.minimum(gl.load(offs_ptr + e_r - 1, mask=(e_r > 0) & (e_r < E), other=0), M)
-    group_start = gl.sum(gl.where(is_group, starts_r, 0), axis=0)
-    row_end = gl.sum(gl.where(is_group, gl.minimum(gl.load(offs_ptr + e_r, mask=e_r < E, other=0), M), 0), axis=0)
-    return group_start + (m_tile - first) * BM, row_end, group, (tile % n_tiles) * BN
+    group = gl.sum((incl <= m_tile).to(gl.int32), axis=0)
+    is_group = e == group
+    row_start = gl.sum(gl.where(is_group, starts + (m_tile - first) * BM, 0), axis=0)
+    row_end = gl.sum(gl.where(is_group, ends, 0), axis=0)
+    return row_start, row_end, group, (tile % n_tiles) * BN
 
 
 @gluon.constexpr_function
 def c_block_n(b_desc, b_transposed):
     """The output tile's width BN from b's box: [BN, BK] transposed, else [BK, BN]."""
     return b_desc.block_type.shape[0 if b_transposed else 1]
-
-
-@gluon.jit
-def _group_tiles(offs_ptr, e, M, E, BM: gl.constexpr):
-    """Row tiles of the groups e (0 for e >= E), in e's layout."""
-    ends = gl.minimum(gl.load(offs_ptr + e, mask=e < E, other=0), M)
-    starts = gl.minimum(gl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0), M)
-    return gl.where(e < E, (gl.maximum(ends - starts, 0) + BM - 1) // BM, 0)
-
-
-@gluon.jit
-def _total_tiles(offs_ptr, M, E, n_tiles, BM: gl.constexpr, BLOCK_E: gl.constexpr, WARPS: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    e = gl.arange(0, BLOCK_E, layout=layout)
-    return gl.sum(_group_tiles(offs_ptr, e, M, E, BM), axis=0) * n_tiles
 
 
 @gluon.jit
@@ -141,10 +133,10 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = c_block_n(b_desc, B_TRANSPOSED)
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    total = _total_tiles(offs_ptr, M, E, n_tiles, BM, BLOCK_E, 1)
+    e, starts, ends, first, incl, row_tiles = _schedule(offs_ptr, M, E, BM, BLOCK_E, 1)
     it = 0
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        row_start, row_end, group, col = _tile_place(tile, offs_ptr, M, E, n_tiles, BM, BN, BLOCK_E, 1)
+    for tile in range(gl.program_id(0), row_tiles * n_tiles, gl.num_programs(0)):
+        row_start, row_end, group, col = _tile_place(tile, e, starts, ends, first, incl, n_tiles, BM, BN)
         for k in range(0, K, BK):
             s = it % STAGES
             # slots start free: the first pass waits on the phase before the barrier's first
@@ -221,10 +213,10 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, stride_c
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     mma_layout: gl.constexpr = mma_layout_of(BN, num_warps)
-    total = _total_tiles(offs_ptr, M, E, n_tiles, BM, BLOCK_E, num_warps)
+    e, starts, ends, first, incl, row_tiles = _schedule(offs_ptr, M, E, BM, BLOCK_E, num_warps)
     it = 0
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        row_start, row_end, group, col = _tile_place(tile, offs_ptr, M, E, n_tiles, BM, BN, BLOCK_E, num_warps)
+    for tile in range(gl.program_id(0), row_tiles * n_tiles, gl.num_programs(0)):
+        row_start, row_end, group, col = _tile_place(tile, e, starts, ends, first, incl, n_tiles, BM, BN)
         acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
         acc, it = _mainloop(acc, a_bufs, b_bufs, ready, empty, it, K // a_bufs.type.shape[2], False, B_TRANSPOSED)
         _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout)
@@ -245,11 +237,11 @@ def _pingpong_partition(a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_
     mma_layout: gl.constexpr = mma_layout_of(BN, 4)
     c_smem = c_smems.index(ME)
     steps = K // a_bufs.type.shape[2]
-    total = _total_tiles(offs_ptr, M, E, n_tiles, BM, BLOCK_E, 4)
+    e, starts, ends, first, incl, row_tiles = _schedule(offs_ptr, M, E, BM, BLOCK_E, 4)
     j = 0  # this program's tile count so far
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), row_tiles * n_tiles, gl.num_programs(0)):
         if j % 2 == ME:
-            row_start, row_end, group, col = _tile_place(tile, offs_ptr, M, E, n_tiles, BM, BN, BLOCK_E, 4)
+            row_start, row_end, group, col = _tile_place(tile, e, starts, ends, first, incl, n_tiles, BM, BN)
             # my n-th turn (n = j // 2): consumer 0's first passes at once (a fresh barrier
             # counts as having completed the phase before its first)
             mbarrier.wait(turns.index(ME), ((j // 2) & 1) ^ (1 - ME))
@@ -276,7 +268,7 @@ def _ws_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, s
                           n_tiles, BLOCK_E, B_TRANSPOSED, num_warps)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles, BLOCK_E,
                            B_TRANSPOSED)),
-    ], [1], [24])
+    ], [1], [LOAD_REGS])
 
 
 @gluon.jit
@@ -301,7 +293,7 @@ def _pingpong_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E
                                N, E, K, n_tiles, BLOCK_E, B_TRANSPOSED, 1)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles, BLOCK_E,
                            B_TRANSPOSED)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
 
 
 # ---------------------------------------------------------------------------------------- dw
@@ -390,7 +382,7 @@ def _ws_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, offs_ptr, M, K, N, E, stride_xm
         (_dw_mma_partition, (x_bufs, g_bufs, ready, empty, c_smem, dw_desc, offs_ptr, M, K, N, E, num_warps)),
         (_dw_load_partition, (x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E, stride_xm,
                               stride_gm)),
-    ], [1], [24])
+    ], [1], [LOAD_REGS])
 
 
 DW_VARIANTS = {  # name: (BM (rows per step), BK x BN (the dw tile), STAGES, consumer warps)
