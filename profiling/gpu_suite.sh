@@ -164,7 +164,8 @@
 #              probe: 16-bit upright tail tiles (rTAILu) against the default forward / dx tiles
 #              and native under E = 64's balanced and Zipf groups (not in the default list)
 #   gluon      profiling/probe_gluon_gemm.py: a warp-specialized grouped GEMM forward, dx and dw in
-#              Gluon (one TMA load warp; cooperative or ping-pong wgmma consumers), six variants at
+#              Gluon (one TMA load warp; cooperative or ping-pong wgmma consumers; one kernel without
+#              partitions, pipelined by hand, for comparison), seven variants at
 #              E = 64 balanced and Zipf, each run in its own process under $PROBE_LIMIT_S (default
 #              60) seconds (not in the default list)
 #   dw_bf16    the bf16 dw kernel's forms (--dw-tiles: pointer loads, host descriptors, per-group
@@ -478,7 +479,7 @@ for section in "${SECTIONS[@]}"; do
         gluon)  # a warp-specialized Gluon grouped GEMM forward (probe) beside native and our Triton kernel
             run gluon_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_probe_gluon_gemm.py
             run gluon python profiling/probe_gluon_gemm.py \
-                128x256x64s3,pp128x128x64s4,256x128x64s3,pp128x128x64s5,dw256x128x64s3,dw128x256x64s3 ;;
+                128x256x64s3,pp128x128x64s4,np128x256x64s3,256x128x64s3,pp128x128x64s5,dw256x128x64s3,dw128x256x64s3 ;;
         dw_bf16)  # bf16 dw forms beside torch's
             run dw_bf16 python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,auto,tma_dw_native \

@@ -24,7 +24,9 @@ Two consumer schedules of the forward / dx: cooperative (`_ws_grouped_mm_kernel`
 tile, the tensor cores idle during its epilogue) and ping-pong (`_pingpong_grouped_mm_kernel`,
 variants "pp...": two 4-warp consumers take the tiles in turn and hand the mainloop to each
 other through a pair of mbarriers, so that one's epilogue overlaps the other's wgmmas, the
-schedule of CUTLASS's "pingpong" Hopper kernels).
+schedule of CUTLASS's "pingpong" Hopper kernels). For comparison, one kernel without
+partitions (`_pipelined_grouped_mm_kernel`, variants "np..."): the same warps load and
+multiply, pipelined by hand across tile boundaries.
 
 Scope (a probe): 16-bit operands, ``out[rows of e] = a[rows of e] @ b[e]`` for the forward
 (b = w [E, K, N] row-major, read as an [E*K, N] matrix in [BK, BN] boxes) and dx (b =
@@ -64,13 +66,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-VARIANTS = {  # name: (BM, BN, BK, STAGES, consumer warps; "pp": two 4-warp ping-pong consumers)
+VARIANTS = {  # name: (BM, BN, BK, STAGES, consumer warps; "pp": two 4-warp ping-pong consumers; "np": no
+    # warp specialization, the kernel's warps pipelined by hand)
     "128x256x64s3": (128, 256, 64, 3, 8),
     "256x128x64s3": (256, 128, 64, 3, 8),
     "128x128x64s4": (128, 128, 64, 4, 8),
     "pp128x128x64s4": (128, 128, 64, 4, "pp"),
     "pp128x128x64s5": (128, 128, 64, 5, "pp"),
     "pp64x256x64s4": (64, 256, 64, 4, "pp"),
+    "np128x256x64s3": (128, 256, 64, 3, 8),
+    "np256x128x64s3": (256, 128, 64, 3, 8),
 }
 PINGPONG_CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest)
 LOAD_REGS = gl.constexpr(40)  # the load partition's registers: its per-group schedule vectors spill at 24
@@ -127,6 +132,18 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _issue_step(a_desc, b_desc, a_buf, b_buf, ready_bar, row_start, group, col, k, N, K, B_TRANSPOSED: gl.constexpr):
+    """TMA copies of one k step's A [BM, BK] and B boxes into a ring slot, their bytes
+    arriving on its ready barrier."""
+    mbarrier.expect(ready_bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [row_start, k], ready_bar, a_buf)
+    if B_TRANSPOSED:  # b is w [E*N, K]: boxes [BN, BK]
+        tma.async_copy_global_to_shared(b_desc, [group * N + col, k], ready_bar, b_buf)
+    else:  # b is w [E*K, N]: boxes [BK, BN]
+        tma.async_copy_global_to_shared(b_desc, [group * K + k, col], ready_bar, b_buf)
+
+
+@gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles,
                     BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -141,12 +158,8 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N
             s = it % STAGES
             # slots start free: the first pass waits on the phase before the barrier's first
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row_start, k], ready.index(s), a_bufs.index(s))
-            if B_TRANSPOSED:  # b is w [E*N, K]: boxes [BN, BK]
-                tma.async_copy_global_to_shared(b_desc, [group * N + col, k], ready.index(s), b_bufs.index(s))
-            else:  # b is w [E*K, N]: boxes [BK, BN]
-                tma.async_copy_global_to_shared(b_desc, [group * K + k, col], ready.index(s), b_bufs.index(s))
+            _issue_step(a_desc, b_desc, a_bufs.index(s), b_bufs.index(s), ready.index(s), row_start, group, col, k,
+                        N, K, B_TRANSPOSED)
             it += 1
 
 
@@ -269,6 +282,63 @@ def _ws_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, s
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles, BLOCK_E,
                            B_TRANSPOSED)),
     ], [1], [LOAD_REGS])
+
+
+@gluon.jit
+def _pipelined_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, stride_cm,
+                                 STAGES: gl.constexpr, BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr,
+                                 num_warps: gl.constexpr):
+    """No warp specialization: the same warps issue the loads and the wgmmas, software-
+    pipelined by hand over one flat loop of all this program's k steps (every tile has K // BK
+    of them), the loads STAGES - 1 steps ahead, across tile boundaries: after step i's wgmma
+    is issued and step i - 1's has finished, step i + STAGES - 1 is loaded into i - 1's slot.
+    The variants "np..." (a comparison point for the partitioned kernels, and what is left if
+    they do not run)."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = c_block_n(b_desc, B_TRANSPOSED)
+    mma_layout: gl.constexpr = mma_layout_of(BN, num_warps)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready, _ = _ring_barriers(STAGES)
+    e, starts, ends, first, incl, row_tiles = _schedule(offs_ptr, M, E, BM, BLOCK_E, num_warps)
+    n_tiles = (N + BN - 1) // BN
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    k_steps = K // BK
+    steps = gl.maximum(row_tiles * n_tiles - pid + programs - 1, 0) // programs * k_steps
+    # the load cursor: the tile of the next step to load
+    ld_row, ld_end, ld_group, ld_col = _tile_place(pid, e, starts, ends, first, incl, n_tiles, BM, BN)
+    for j in gl.static_range(STAGES - 1):
+        if j < steps:
+            _issue_step(a_desc, b_desc, a_bufs.index(j), b_bufs.index(j), ready.index(j), ld_row, ld_group, ld_col,
+                        j * BK, N, K, B_TRANSPOSED)  # (K // BK >= STAGES - 1: the first tile's steps)
+    acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
+    for i in range(0, steps):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        if i % k_steps == 0:
+            acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
+        b_tile = b_bufs.index(s)
+        if B_TRANSPOSED:
+            b_tile = b_tile.permute((1, 0))
+        acc = warpgroup_mma(a_bufs.index(s), b_tile, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        nxt = i + STAGES - 1  # into step i - 1's slot, whose wgmma has finished
+        if nxt < steps:
+            if nxt % k_steps == 0:
+                ld_row, ld_end, ld_group, ld_col = _tile_place(pid + (nxt // k_steps) * programs, e, starts, ends,
+                                                               first, incl, n_tiles, BM, BN)
+            t = nxt % STAGES
+            _issue_step(a_desc, b_desc, a_bufs.index(t), b_bufs.index(t), ready.index(t), ld_row, ld_group, ld_col,
+                        (nxt % k_steps) * BK, N, K, B_TRANSPOSED)
+        if i % k_steps == k_steps - 1:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            row_start, row_end, group, col = _tile_place(pid + (i // k_steps) * programs, e, starts, ends, first,
+                                                         incl, n_tiles, BM, BN)
+            _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -438,14 +508,16 @@ def descriptors(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_MN: torch.Tensor, b
 
 def ws_grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor, variant: str,
                   programs: int | None = None) -> torch.Tensor:
-    """``out[rows of e] = a[rows of e] @ b[e]`` through `_ws_grouped_mm_kernel` or, for "pp"
-    variants, `_pingpong_grouped_mm_kernel` (rows past offs[-1] unwritten): b [E, K, N] row-major (the forward, b = w) or ``w.transpose(1, 2)``
-    of a contiguous w (dx); the scope of the module docstring."""
+    """``out[rows of e] = a[rows of e] @ b[e]`` through `_ws_grouped_mm_kernel` (or, for "pp"
+    variants, `_pingpong_grouped_mm_kernel`, for "np" ones `_pipelined_grouped_mm_kernel`),
+    rows past offs[-1] unwritten: b [E, K, N] row-major (the forward, b = w) or
+    ``w.transpose(1, 2)`` of a contiguous w (dx); the scope of the module docstring."""
     bm, bn, bk, stages, warps = VARIANTS[variant]
     M, K = a_MK.shape
     E, _, N = b_EKN.shape
-    if K % bk:
-        raise ValueError(f"ws_grouped_mm: the reduction K ({K}) must be a multiple of BK ({bk})")
+    if K % bk or K // bk < stages - 1:
+        raise ValueError(f"ws_grouped_mm: the reduction K ({K}) must be a multiple of BK ({bk}), "
+                         f"at least {stages - 1} steps")
     out_MN = torch.empty(M, N, device=a_MK.device, dtype=a_MK.dtype)
     a_desc, b_desc, c_desc, transposed = descriptors(a_MK, b_EKN, out_MN, bm, bn, bk)
     n = programs or torch.cuda.get_device_properties(a_MK.device).multi_processor_count
@@ -453,6 +525,8 @@ def ws_grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor,
     consts = dict(STAGES=stages, BLOCK_E=triton.next_power_of_2(E + 1), B_TRANSPOSED=transposed)
     if warps == "pp":
         _pingpong_grouped_mm_kernel[(n,)](*args, **consts, CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4)
+    elif variant.startswith("np"):
+        _pipelined_grouped_mm_kernel[(n,)](*args, **consts, num_warps=warps)
     else:
         _ws_grouped_mm_kernel[(n,)](*args, **consts, num_warps=warps)
     return out_MN

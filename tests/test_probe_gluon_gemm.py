@@ -54,17 +54,21 @@ _SCRIPT = textwrap.dedent(
         sig = {"a_desc": mangle_type(a), "b_desc": mangle_type(b), "c_desc": mangle_type(c), "c_ptr": "*bf16",
                "offs_ptr": "*i32", "M": "i32", "N": "i32", "E": "i32", "K": "i32", "stride_cm": "i32"}
         consts = {"STAGES": stages, "BLOCK_E": 128, "B_TRANSPOSED": transposed, "num_warps": warps}
-        kernel = probe._ws_grouped_mm_kernel
-        if warps == "pp":  # two 4-warp consumers
-            kernel, consts = probe._pingpong_grouped_mm_kernel, dict(consts, num_warps=4, CONSUMER_REGS=232)
-        results[name + "_" + product] = (8 if warps == "pp" else warps, "mk") + build(kernel, sig, consts, bn)
+        if warps == "pp":  # two 4-warp consumers and the load warp's group
+            kernel, kind, expected_warps = probe._pingpong_grouped_mm_kernel, "ws", 12
+            consts = dict(consts, num_warps=4, CONSUMER_REGS=232)
+        elif name.startswith("np"):  # no partitions
+            kernel, kind, expected_warps = probe._pipelined_grouped_mm_kernel, "np", warps
+        else:  # the consumer's warps and the load warp's group
+            kernel, kind, expected_warps = probe._ws_grouped_mm_kernel, "ws", warps + 4
+        results[name + "_" + product] = (expected_warps, kind) + build(kernel, sig, consts, bn)
     dw = torch.empty(8 * 2048, 1408, dtype=torch.bfloat16)
     for name, (bm, bk, bn, stages, warps) in probe.DW_VARIANTS.items():
         d = TensorDescriptor(dw, list(dw.shape), [1408, 1], [bk, bn],
                              gl.NVMMASharedLayout.get_default_for([bk, bn], gl.bfloat16))
         sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "dw_desc": mangle_type(d), "offs_ptr": "*i32", "M": "i32",
                "K": "i32", "N": "i32", "E": "i32", "stride_xm": "i32", "stride_gm": "i32"}
-        results[name] = (warps, "dw") + build(probe._ws_grouped_dw_kernel, sig,
+        results[name] = (warps + 4, "dw") + build(probe._ws_grouped_dw_kernel, sig,
                                               {"BM": bm, "STAGES": stages, "num_warps": warps}, bn)
     print("RESULT", repr(results))
     """
@@ -73,10 +77,12 @@ _SCRIPT = textwrap.dedent(
 
 def test_gluon_probe_builds_warp_specialized_for_sm90():
     results = compiled_script_results(_SCRIPT.replace("PROFILING", repr(PROFILING)))
-    assert len(results) == 9, results
-    for name, (consumer_warps, kind, warps, shared, stack, maxnreg, wgmma, tma, waits, device_descs) in results.items():
-        assert warps == consumer_warps + 4, (name, warps)  # and one warp group for the load warp
-        assert maxnreg and wgmma and tma and waits, (name, results[name])  # setmaxnreg, wgmma, TMA, mbarriers
+    assert len(results) == 11, results
+    for name, (expected_warps, kind, warps, shared, stack, maxnreg, wgmma, tma, waits, device_descs) in results.items():
+        assert warps == expected_warps, (name, warps)
+        # registers moved between the partitions exactly where there are partitions
+        assert maxnreg == (kind != "np"), (name, maxnreg)
+        assert wgmma and tma and waits, (name, results[name])  # wgmma, TMA copies, mbarrier waits
         assert 0 < shared <= 232448, (name, shared)  # sm90's shared memory per block
         assert stack in (0, -1), (name, stack)  # no spills (-1: no cuobjdump to read them)
         # the dw makes its per-group TMA descriptors on the device (scratch, tensormap fence)
