@@ -1,5 +1,5 @@
-"""A warp-specialized grouped GEMM forward written in Gluon, probed beside ``torch._grouped_mm``
-and our Triton kernel on an sm90 GPU (a probe, not a backend of the op).
+"""Grouped GEMM kernels written in Gluon (forward, dx, dw; warp-specialized), probed beside
+``torch._grouped_mm`` and our Triton kernels on an sm90 GPU: a probe, not a backend of the op.
 
 Why Gluon: Triton 3.6's automatic warp specialization acts on our forward / dx kernel only
 in a form that hung on the H200 (BENCHMARKS.md, "Warp specialization tried ..."). Gluon, the
@@ -14,36 +14,35 @@ lower-level language shipped with the same Triton, states the partitions explici
   of the one before, and at the end of a tile stores it: through a TMA box where all its rows
   belong to the tile's group, else through masked pointer stores.
 
+Forward / dx schedules: cooperative (`_ws_grouped_mm_kernel`: all consumer warps on every
+tile, the tensor cores idle during its epilogue); ping-pong (`_pingpong_grouped_mm_kernel`,
+variants "pp...": two 4-warp consumers take the tiles in turn and hand the mainloop to each
+other through a pair of mbarriers, so that one's epilogue overlaps the other's wgmmas, the
+schedule of CUTLASS's "pingpong" Hopper kernels); and for comparison one kernel without
+partitions (`_pipelined_grouped_mm_kernel`, variants "np..."): the same warps load and
+multiply, pipelined by hand across tile boundaries.
+
 The weight gradient (`_ws_grouped_dw_kernel`, variants "dw..."): dw[e] = x[rows of e]^T @
 grad[rows of e] in [BK, BN] tiles of dw, each reducing over its group's rows in steps of BM;
 the load partition makes a TMA descriptor of the group's rows per tile on the device (the
 copy engine zero-fills past the group's end, as the op's Triton dw does), the consumer reads
 x's [BM, BK] boxes transposed.
 
-Two consumer schedules of the forward / dx: cooperative (`_ws_grouped_mm_kernel`: all consumer warps on every
-tile, the tensor cores idle during its epilogue) and ping-pong (`_pingpong_grouped_mm_kernel`,
-variants "pp...": two 4-warp consumers take the tiles in turn and hand the mainloop to each
-other through a pair of mbarriers, so that one's epilogue overlaps the other's wgmmas, the
-schedule of CUTLASS's "pingpong" Hopper kernels). For comparison, one kernel without
-partitions (`_pipelined_grouped_mm_kernel`, variants "np..."): the same warps load and
-multiply, pipelined by hand across tile boundaries.
-
-Scope (a probe): 16-bit operands, ``out[rows of e] = a[rows of e] @ b[e]`` for the forward
+Scope (a probe): 16-bit operands; ``out[rows of e] = a[rows of e] @ b[e]`` for the forward
 (b = w [E, K, N] row-major, read as an [E*K, N] matrix in [BK, BN] boxes) and dx (b =
 w.transpose(1, 2), read from w as an [E*N, K] matrix in [BN, BK] boxes that the wgmma takes
-transposed), the reduction a multiple of BK (so that a box never crosses into the next
-expert), any group sizes (a group's last tile reads the next
-group's rows and never stores them), rows past offs[-1] left unwritten (the op's kernel
-stores zeros there; the probe's group sizes sum to M, so there are none). Each program walks
-the tiles of the same group-ordered list as `_ragged_m_kernel` (row tiles never straddle a
-group).
+transposed); the reduction a multiple of BK (so that a box never crosses into the next
+expert); any group sizes (a group's last tile reads the next group's rows and never stores
+them); rows past offs[-1] left unwritten (the op's kernel stores zeros there; the probe's
+group sizes sum to M, so there are none). Each program walks the tiles of the same
+group-ordered list as `_ragged_m_kernel` (row tiles never straddle a group).
 
-    python profiling/probe_gluon_gemm.py [VARIANT,...]   # E = 64 balanced and Zipf, M 64K, K 2,048,
-                                                         # N 1,408: forward and dx
+    python profiling/probe_gluon_gemm.py [VARIANT,...]   # E = 64 balanced and Zipf, M 64K,
+                                                         # K 2,048, N 1,408
 
 Each variant runs in its own process under a time limit (a warp-specialized kernel that
-deadlocks would hold the GPU), checks its output against ``torch._grouped_mm`` (relative
-error below 1e-2) and prints one row of a Markdown table.
+deadlocks would hold the GPU), checks its outputs against ``torch._grouped_mm``'s (relative
+error below 1e-2) and prints a row of a Markdown table per product.
 """
 
 from __future__ import annotations
