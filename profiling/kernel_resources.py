@@ -110,6 +110,10 @@ def compile_source(fn, args: tuple, kwargs: dict):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif type(value).__name__ == "TensorDescriptor":  # a host TMA descriptor: its block type
+            from triton.runtime.jit import mangle_type
+
+            signature[name] = mangle_type(value)
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__} is not handled")
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options

@@ -355,6 +355,33 @@ def test_keys_kernel_load_order_keeps_results(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("lens, dk, dv", [([5, 0, 70, 16, 139], 32, 16), ([100], 16, 32)])
+def test_keys_kernel_tma_loads_keep_results(monkeypatch, lens, dk, dv):
+    """The keys kernel's TMA loads (`TITAN_MOE_KDA_KEYS_TMA=1`) read, for a sequence's last
+    chunk, the next sequence's rows where the pointer loads read zeros: every gradient still
+    equals the pointer loads' (packed sequences, one empty, one shorter than a tile, initial
+    and final states); bad values refused."""
+    T, H, N = sum(lens), 2, len(lens)
+    inp = make_inputs(1, T, H, dk, dv, "rand", seed=T + 1)
+    gen = torch.Generator().manual_seed(T + 1)
+    do = torch.randn(1, T, H, dv, generator=gen).to(DEVICE)
+    h0, dht = (torch.randn(N, H, dk, dv, generator=gen).to(DEVICE) for _ in range(2))
+    cu_seqlens = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEVICE) if N > 1 else None
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(triton_bwd.KEYS_TMA_ENV, flag)
+        assert triton_bwd.keys_tma_loads() == (flag == "1")
+        runs[flag] = chunk_kda_bwd_triton(**inp, scale=dk**-0.5, do=do, initial_state=h0, cu_seqlens=cu_seqlens,
+                                          dht=dht)
+    for name, got, want in zip(GRAD_NAMES, runs["1"], runs["0"]):
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
+    monkeypatch.setenv(triton_bwd.KEYS_TMA_ENV, "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        triton_bwd.keys_tma_loads()
+
+
+@needs_kernels
 def test_bwd_register_caps_keep_results(monkeypatch):
     """The register-cap knob of stage 2 is a launch option (the interpreter ignores it), so
     results are equal; its parsing and its bounds."""

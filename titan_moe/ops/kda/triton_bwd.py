@@ -68,6 +68,8 @@ from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
 # when the keys kernel loads its chunk's q, k, G: "early" or "late", see `keys_late_loads`
 KEYS_LOADS_ENV = "TITAN_MOE_KDA_KEYS_LOADS"
+# "1": the keys kernel's value-loop operands through TMA descriptors (opt-in), see `keys_tma_loads`
+KEYS_TMA_ENV = "TITAN_MOE_KDA_KEYS_TMA"
 # key columns per program of the backward intra kernel, see `bwd_intra_bk`
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
@@ -111,6 +113,37 @@ def keys_late_loads(keys_warps: int) -> bool:
     if text not in ("early", "late"):
         raise ValueError(f"{KEYS_LOADS_ENV} must be early or late, got {text!r}")
     return text == "late"
+
+
+def keys_tma_loads() -> bool:
+    """Whether `_bwd_chunk_keys_kernel` reads its value loop's operands (S, dS' [BK, BV] boxes
+    of h and dh; dO, V~, dV~ [BT, BV] boxes) through host TMA descriptors instead of masked
+    pointer loads: `$TITAN_MOE_KDA_KEYS_TMA` "1" (read per call; default "0", not yet timed:
+    an experiment on the kernel whose loads wait longest, BENCHMARKS.md "Where each kernel
+    waits"). The boxes of a sequence's last chunk read the next sequence's rows, which only
+    reach output rows that are never stored (see the kernel)."""
+    text = os.environ.get(KEYS_TMA_ENV) or "0"
+    if text not in ("0", "1"):
+        raise ValueError(f"{KEYS_TMA_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+def _keys_descriptors(h, dh, v_new, dv_new, do, BK: int, BV: int):
+    """Host TMA descriptors of the keys kernel's value-loop operands, 2-D views: h and dh
+    [chunks * H * K, V] in [BK, BV] boxes, v_new, dv_new, do [TT, H * V] in [CHUNK, BV] boxes;
+    None where TMA cannot describe one (a row not a multiple of 16 bytes)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from titan_moe.ops.triton_runtime import ensure_cuda_context
+
+    views = [(h.reshape(-1, h.shape[-1]), [BK, BV]), (dh.reshape(-1, dh.shape[-1]), [BK, BV])]
+    views += [(t.reshape(t.shape[0], -1), [CHUNK, BV]) for t in (v_new, dv_new, do.reshape(v_new.shape))]
+    if any((t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16 or BV * t.element_size() < 16
+           for t, _ in views):
+        return None
+    if h.is_cuda:
+        ensure_cuda_context(h.device.index if h.device.index is not None else torch.cuda.current_device())
+    return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block) for t, block in views]
 
 
 def bwd_intra_bk(K: int) -> int:
@@ -311,7 +344,7 @@ def _bwd_chunk_keys_kernel(
     q, k, G, beta, Ainv, h, dh, v_new, dv_new, do,
     dq_part, dk_part, dG_part, dbeta_keys, dX_keys, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, PRECISION: tl.constexpr, LATE_LOADS: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr, LATE_LOADS: tl.constexpr, TMA_LOADS: tl.constexpr = False,
 ):
     """One chunk and BK key columns: the state terms and W = X (beta e^G K) of dq, dk, dG,
     and this block's shares of dbeta and of dX = dW (beta e^G K)^T.
@@ -323,13 +356,18 @@ def _bwd_chunk_keys_kernel(
     fp32 upcasts: tf32 keeps bf16's and fp16's mantissas). Writes dq_part, dk_part,
     dG_part `[TT, H, K]` fp32 for its columns; dbeta_keys `[K // BK, TT, H]` and dX_keys
     `[K // BK, TT, H, BT]` fp32 at its block index (summed by `_bwd_chunk_values_kernel`).
+    With TMA_LOADS, h, dh, v_new, dv_new, do are TMA descriptors (`_keys_descriptors`): no
+    row mask, so a sequence's last chunk reads the next sequence's rows (or zeros past TT)
+    into rows >= T. Every product here is row-wise in them (dO S^T, V~ dS'^T, dV~ S^T), and
+    those rows are never stored: dq, dk, dG are stored under the row mask; X^T dW and
+    dW (beta e^G K)^T meet them only through X's and k's masked (zero) rows or columns.
     Grid: (chunks, H, K // BK).
     """
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, T, i_t, o_t, rows, m_t, tok = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
     m_r = m_t[:, None]
     o_k = i_k * BK + tl.arange(0, BK)
-    walk_dt = h.dtype.element_ty
+    walk_dt = h.dtype if TMA_LOADS else h.dtype.element_ty
 
     # the chunk's own operands before the value loop (their loads overlap it) or after it
     # (their registers free during it): LATE_LOADS, see `keys_late_loads`
@@ -347,14 +385,23 @@ def _bwd_chunk_keys_kernel(
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # -dV~ S^T
     b_s_ds = tl.zeros([BK], dtype=tl.float32)  # Σ_v S ⊙ dS'
     for i_v in range(0, V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        p_v = tok[:, None] * V + o_v[None, :]
-        p_S = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        b_S = tl.load(h + p_S)
-        b_dS = tl.load(dh + p_S)
-        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
-        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
-        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
+        if TMA_LOADS:
+            row_S = (i_c * H + i_h) * K + i_k * BK
+            b_S = h.load([row_S, i_v * BV])
+            b_dS = dh.load([row_S, i_v * BV])
+            row_t, col_v = (bos + i_t * BT).to(tl.int32), i_h * V + i_v * BV  # (box coordinates are 32-bit)
+            b_do = do.load([row_t, col_v]).to(walk_dt)
+            b_vn = v_new.load([row_t, col_v])
+            b_dvn = dv_new.load([row_t, col_v])
+        else:
+            o_v = i_v * BV + tl.arange(0, BV)
+            p_v = tok[:, None] * V + o_v[None, :]
+            p_S = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            b_S = tl.load(h + p_S)
+            b_dS = tl.load(dh + p_S)
+            b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
+            b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
+            b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
         b_dq_state += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
         b_dk_state += tl.dot(b_vn, tl.trans(b_dS), input_precision=PRECISION)
         b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PRECISION)
@@ -685,11 +732,13 @@ def chunk_kda_bwd_triton(
     keys_cap, values_cap, dAkk_cap = bwd_register_caps()
     dbeta_keys = torch.empty(K // BK, TT, H, **f32)
     dX_keys = torch.empty(K // BK, TT, H, CHUNK, **f32)
+    loop_operands = (st.h, dh, st.v_new, dv_new, do)
+    descriptors = _keys_descriptors(*loop_operands, BK, BV) if keys_tma_loads() else None
     _bwd_chunk_keys_kernel[(n_chunks, H, K // BK)](
-        q, k, st.G, beta, st.Ainv, st.h, dh, st.v_new, dv_new, do,
+        q, k, st.G, beta, st.Ainv, *(descriptors or loop_operands),
         dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=st.precision,
-        LATE_LOADS=keys_late_loads(keys_warps), num_warps=keys_warps, num_stages=2,
+        LATE_LOADS=keys_late_loads(keys_warps), TMA_LOADS=descriptors is not None, num_warps=keys_warps, num_stages=2,
         **keys_cap,
     )
     dAqk = torch.empty(TT, H, CHUNK, **f32)
