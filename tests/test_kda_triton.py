@@ -356,11 +356,11 @@ def test_keys_kernel_load_order_keeps_results(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("lens, dk, dv", [([5, 0, 70, 16, 139], 32, 16), ([100], 16, 32)])
-def test_keys_kernel_tma_loads_keep_results(monkeypatch, lens, dk, dv):
-    """The keys kernel's TMA loads (`TITAN_MOE_KDA_KEYS_TMA=1`) read, for a sequence's last
-    chunk, the next sequence's rows where the pointer loads read zeros: every gradient still
-    equals the pointer loads' (packed sequences, one empty, one shorter than a tile, initial
-    and final states); bad values refused."""
+def test_bwd_tma_loads_keep_results(monkeypatch, lens, dk, dv):
+    """Stage 2's TMA loads (`TITAN_MOE_KDA_BWD_TMA`: keys, values, both / all) read, for a
+    sequence's last chunk, the next sequence's rows where the pointer loads read zeros: every
+    gradient still equals the pointer loads' (packed sequences, one empty, one shorter than a
+    tile, initial and final states); unknown kernel names refused."""
     T, H, N = sum(lens), 2, len(lens)
     inp = make_inputs(1, T, H, dk, dv, "rand", seed=T + 1)
     gen = torch.Generator().manual_seed(T + 1)
@@ -368,17 +368,21 @@ def test_keys_kernel_tma_loads_keep_results(monkeypatch, lens, dk, dv):
     h0, dht = (torch.randn(N, H, dk, dv, generator=gen).to(DEVICE) for _ in range(2))
     cu_seqlens = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEVICE) if N > 1 else None
     runs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv(triton_bwd.KEYS_TMA_ENV, flag)
-        assert triton_bwd.keys_tma_loads() == (flag == "1")
-        runs[flag] = chunk_kda_bwd_triton(**inp, scale=dk**-0.5, do=do, initial_state=h0, cu_seqlens=cu_seqlens,
-                                          dht=dht)
-    for name, got, want in zip(GRAD_NAMES, runs["1"], runs["0"]):
-        assert torch.isfinite(got).all(), name
-        assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
-    monkeypatch.setenv(triton_bwd.KEYS_TMA_ENV, "yes")
-    with pytest.raises(ValueError, match="0 or 1"):
-        triton_bwd.keys_tma_loads()
+    for kernels in ("", "keys", "values", "keys,values"):
+        monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, kernels)
+        assert triton_bwd.bwd_tma_kernels() == frozenset(filter(None, kernels.split(",")))
+        if kernels == "keys,values":
+            monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, "all")
+            assert triton_bwd.bwd_tma_kernels() == {"keys", "values"}
+        runs[kernels] = chunk_kda_bwd_triton(**inp, scale=dk**-0.5, do=do, initial_state=h0, cu_seqlens=cu_seqlens,
+                                             dht=dht)
+    for kernels in ("keys", "values", "keys,values"):
+        for name, got, want in zip(GRAD_NAMES, runs[kernels], runs[""]):
+            assert torch.isfinite(got).all(), (kernels, name)
+            assert rel_err(got, want) < 1e-6, (kernels, name, rel_err(got, want))
+    monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, "keys,intra")
+    with pytest.raises(ValueError, match="keys, values"):
+        triton_bwd.bwd_tma_kernels()
 
 
 @needs_kernels

@@ -68,8 +68,9 @@ from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
 # when the keys kernel loads its chunk's q, k, G: "early" or "late", see `keys_late_loads`
 KEYS_LOADS_ENV = "TITAN_MOE_KDA_KEYS_LOADS"
-# "1": the keys kernel's value-loop operands through TMA descriptors (opt-in), see `keys_tma_loads`
-KEYS_TMA_ENV = "TITAN_MOE_KDA_KEYS_TMA"
+# stage 2's kernels whose value-loop operands load through TMA descriptors: "keys", "values",
+# both comma-joined, or "all" (opt-in; default none), see `bwd_tma_kernels`
+BWD_TMA_ENV = "TITAN_MOE_KDA_BWD_TMA"
 # key columns per program of the backward intra kernel, see `bwd_intra_bk`
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
@@ -115,35 +116,42 @@ def keys_late_loads(keys_warps: int) -> bool:
     return text == "late"
 
 
-def keys_tma_loads() -> bool:
-    """Whether `_bwd_chunk_keys_kernel` reads its value loop's operands (S, dS' [BK, BV] boxes
-    of h and dh; dO, V~, dV~ [BT, BV] boxes) through host TMA descriptors instead of masked
-    pointer loads: `$TITAN_MOE_KDA_KEYS_TMA` "1" (read per call; default "0", not yet timed:
-    an experiment on the kernel whose loads wait longest, BENCHMARKS.md "Where each kernel
-    waits"). The boxes of a sequence's last chunk read the next sequence's rows, which only
-    reach output rows that are never stored (see the kernel)."""
-    text = os.environ.get(KEYS_TMA_ENV) or "0"
-    if text not in ("0", "1"):
-        raise ValueError(f"{KEYS_TMA_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
+def bwd_tma_kernels() -> frozenset[str]:
+    """Stage 2's kernels that read their value loop's operands through host TMA descriptors
+    instead of masked pointer loads: "keys" (`_bwd_chunk_keys_kernel`: S and dS' [BK, BV]
+    boxes of h and dh; dO, V~, dV~ [BT, BV] boxes) and "values" (`_bwd_chunk_values_kernel`:
+    v, V~, dV~, dO boxes), from `$TITAN_MOE_KDA_BWD_TMA` (comma-joined, or "all"; read per
+    call; default none, not yet timed: an experiment on the kernels whose loads wait longest,
+    BENCHMARKS.md "Where each kernel waits"). A sequence's last chunk then reads the next
+    sequence's rows, which only reach output rows that are never stored (see the kernels)."""
+    known = frozenset({"keys", "values"})
+    text = os.environ.get(BWD_TMA_ENV) or ""
+    names = known if text == "all" else frozenset(filter(None, text.split(",")))
+    if names - known:
+        raise ValueError(f"{BWD_TMA_ENV} names kernels among keys, values (comma-joined) or all, got {text!r}")
+    return names
 
 
-def _keys_descriptors(h, dh, v_new, dv_new, do, BK: int, BV: int):
-    """Host TMA descriptors of the keys kernel's value-loop operands, 2-D views: h and dh
-    [chunks * H * K, V] in [BK, BV] boxes, v_new, dv_new, do [TT, H * V] in [CHUNK, BV] boxes;
-    None where TMA cannot describe one (a row not a multiple of 16 bytes)."""
+def _row_descriptors(views: list):
+    """Host TMA descriptors of 2-D row-major ``(tensor, box)`` pairs, or None where TMA
+    cannot describe one (a row stride or base not a multiple of 16 bytes, a box row under 16
+    bytes)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from titan_moe.ops.triton_runtime import ensure_cuda_context
 
-    views = [(h.reshape(-1, h.shape[-1]), [BK, BV]), (dh.reshape(-1, dh.shape[-1]), [BK, BV])]
-    views += [(t.reshape(t.shape[0], -1), [CHUNK, BV]) for t in (v_new, dv_new, do.reshape(v_new.shape))]
-    if any((t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16 or BV * t.element_size() < 16
-           for t, _ in views):
+    if any((t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16 or block[1] * t.element_size() < 16
+           for t, block in views):
         return None
-    if h.is_cuda:
-        ensure_cuda_context(h.device.index if h.device.index is not None else torch.cuda.current_device())
+    t0 = views[0][0]
+    if t0.is_cuda:
+        ensure_cuda_context(t0.device.index if t0.device.index is not None else torch.cuda.current_device())
     return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block) for t, block in views]
+
+
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[TT, H, C]`` (or ``[B, T, H, C]``) as the 2-D ``[TT, H * C]`` the TMA boxes index."""
+    return t.reshape(-1, t.shape[-2] * t.shape[-1])
 
 
 def bwd_intra_bk(K: int) -> int:
@@ -356,7 +364,7 @@ def _bwd_chunk_keys_kernel(
     fp32 upcasts: tf32 keeps bf16's and fp16's mantissas). Writes dq_part, dk_part,
     dG_part `[TT, H, K]` fp32 for its columns; dbeta_keys `[K // BK, TT, H]` and dX_keys
     `[K // BK, TT, H, BT]` fp32 at its block index (summed by `_bwd_chunk_values_kernel`).
-    With TMA_LOADS, h, dh, v_new, dv_new, do are TMA descriptors (`_keys_descriptors`): no
+    With TMA_LOADS, h, dh, v_new, dv_new, do are TMA descriptors (`bwd_tma_kernels`): no
     row mask, so a sequence's last chunk reads the next sequence's rows (or zeros past TT)
     into rows >= T. Every product here is row-wise in them (dO S^T, V~ dS'^T, dV~ S^T), and
     those rows are never stored: dq, dk, dG are stored under the row mask; X^T dW and
@@ -435,7 +443,7 @@ def _bwd_chunk_values_kernel(
     v, beta, Ainv, v_new, dv_new, do, dX_keys, dbeta_keys,
     dAqk, dbeta_part, dv, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr = False,
 ):
     """One chunk: dA_qk = dO V~^T, dv and dbeta from U = X (beta V), and, with the key
     blocks' shares of `_bwd_chunk_keys_kernel` added, the whole dX.
@@ -443,12 +451,16 @@ def _bwd_chunk_values_kernel(
     Writes dAqk (= scale dO V~^T, lower incl. diagonal) `[TT, H, BT]` fp32; dbeta_part
     `[TT, H]` fp32 (all but the A_kk tiles' share, which `_bwd_intra_kernel` adds); dv
     `[TT, H, V]` (v's dtype); dX over share 0 of dX_keys (for `_bwd_dAkk_kernel`).
+    With TMA_LOADS, v, v_new, dv_new, do are TMA descriptors (`bwd_tma_kernels`) without a
+    row mask: rows >= T (the next sequence's) reach dA_qk's rows >= T and, in its rows < T,
+    only columns above the diagonal; X^T dU through X's zero rows; dX's columns >= T through
+    beta's zeros; dX's and dv's rows >= T, never stored.
     Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, i_t, o_t, rows, m_t, tok = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
     m_r = m_t[:, None]
-    walk_dt = v_new.dtype.element_ty
+    walk_dt = v_new.dtype if TMA_LOADS else v_new.dtype.element_ty
     m_tril = o_t[:, None] >= o_t[None, :]
     b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & m_tril, other=0.0)
     b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
@@ -462,10 +474,17 @@ def _bwd_chunk_values_kernel(
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, V // BV):
         p_v = tok[:, None] * V + (i_v * BV + tl.arange(0, BV))[None, :]
-        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
-        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
-        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_v, mask=m_r, other=0.0).to(tl.float32)
+        if TMA_LOADS:
+            row_t, col_v = (bos + i_t * BT).to(tl.int32), i_h * V + i_v * BV  # (box coordinates are 32-bit)
+            b_do = do.load([row_t, col_v]).to(walk_dt)
+            b_vn = v_new.load([row_t, col_v])
+            b_dvn = dv_new.load([row_t, col_v]).to(tl.float32)
+            b_v = v.load([row_t, col_v]).to(tl.float32)
+        else:
+            b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
+            b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
+            b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
+            b_v = tl.load(v + p_v, mask=m_r, other=0.0).to(tl.float32)
         b_dAqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PRECISION)
         b_dX += tl.dot(b_dvn, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
         b_z = tl.dot(tl.trans(b_X), b_dvn, input_precision=PRECISION)  # X^T dU
@@ -732,8 +751,12 @@ def chunk_kda_bwd_triton(
     keys_cap, values_cap, dAkk_cap = bwd_register_caps()
     dbeta_keys = torch.empty(K // BK, TT, H, **f32)
     dX_keys = torch.empty(K // BK, TT, H, CHUNK, **f32)
+    tma_kernels = bwd_tma_kernels()
     loop_operands = (st.h, dh, st.v_new, dv_new, do)
-    descriptors = _keys_descriptors(*loop_operands, BK, BV) if keys_tma_loads() else None
+    descriptors = None
+    if "keys" in tma_kernels:
+        states = [(x.reshape(-1, V), [BK, BV]) for x in (st.h, dh)]
+        descriptors = _row_descriptors(states + [(_token_rows(x), [CHUNK, BV]) for x in loop_operands[2:]])
     _bwd_chunk_keys_kernel[(n_chunks, H, K // BK)](
         q, k, st.G, beta, st.Ainv, *(descriptors or loop_operands),
         dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
@@ -744,10 +767,16 @@ def chunk_kda_bwd_triton(
     dAqk = torch.empty(TT, H, CHUNK, **f32)
     dbeta_part = torch.empty(TT, H, **f32)
     dv = torch.empty_like(v)
+    loop_operands = (v, st.v_new, dv_new, do)
+    descriptors = None
+    if "values" in tma_kernels:
+        descriptors = _row_descriptors([(_token_rows(x), [CHUNK, BV]) for x in loop_operands])
+    v_arg, vn_arg, dvn_arg, do_arg = descriptors or loop_operands
     _bwd_chunk_values_kernel[(n_chunks, H)](
-        v, beta, st.Ainv, st.v_new, dv_new, do, dX_keys, dbeta_keys,
+        v_arg, beta, st.Ainv, vn_arg, dvn_arg, do_arg, dX_keys, dbeta_keys,
         dAqk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
-        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, num_warps=values_warps, num_stages=2,
+        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, TMA_LOADS=descriptors is not None,
+        num_warps=values_warps, num_stages=2,
         **values_cap,
     )
     dbeta_keys = None
