@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
 from triton_mode import compiled_script_results
 
 PROFILING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling")
@@ -93,3 +95,20 @@ def test_usage_with_unknown_arguments():
     proc = subprocess.run([sys.executable, "profiling/probe_gluon_gemm.py", "128x256x64s3,bogus"], text=True,
                           capture_output=True, cwd=os.path.dirname(PROFILING), timeout=120)
     assert proc.returncode != 0 and "usage" in proc.stderr
+
+
+def test_probe_refuses_reductions_its_boxes_cannot_tile():
+    """The probe's kernels need the reduction to be a whole number of BK steps (so that a
+    box never crosses into the next expert) and at least STAGES - 1 of them (the unpartitioned
+    kernel's prologue); both are refused on the host, before any launch."""
+    sys.path.insert(0, PROFILING)
+    import probe_gluon_gemm as probe
+
+    offs = torch.tensor([3, 5], dtype=torch.int32)
+    for k in (40, 64):  # 40: not a multiple of 64; 64: one step, the 3-stage variant needs two
+        x, w = torch.zeros(5, k, dtype=torch.bfloat16), torch.zeros(2, k, 256, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="multiple of BK"):
+            probe.ws_grouped_mm(x, w, offs, "np128x256x64s3")
+    with pytest.raises(ValueError, match="multiple of the dw tile"):
+        probe.ws_grouped_dw(torch.zeros(5, 96, dtype=torch.bfloat16), torch.zeros(5, 128, dtype=torch.bfloat16),
+                            offs, "dw128x128x64s4")
