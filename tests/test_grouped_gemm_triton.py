@@ -141,7 +141,7 @@ def test_dw_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype, tma):
     x, _, grad, offs = make_case(m, k, n, e, frac, dtype, seed=m + n)
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     cfg = tk.default_config(dtype, x.device, "k")
-    assert tk._row_major_descriptor(x, [cfg.block_m, cfg.block_k]) is not None
+    assert tk.row_major_descriptor(x, [cfg.block_m, cfg.block_k]) is not None
     assert any(int(s) % cfg.block_m for s in sizes)  # a group ends inside a reduction step
     dw = tk.grouped_mm_dw_triton(x, grad, offs, tma=tma)
     assert rel_err(dw, grouped_mm_dw_reference(x, grad, offs)) < TOL[dtype]
@@ -319,7 +319,7 @@ def test_forward_tma_stores_match_pointer_stores(tail):
     w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, torch.float16)
     cfg = tail_config() if tail else dataclasses.replace(tail_config(), tail_m=0)
     stored = dataclasses.replace(cfg, store_tma=True)
-    assert tk._row_major_descriptor(x.new_empty(m, 24), [cfg.block_m, cfg.block_n]) is not None
+    assert tk.row_major_descriptor(x.new_empty(m, 24), [cfg.block_m, cfg.block_n]) is not None
     for a, b in ((x, w), (torch.randn(m, 24, generator=gen).to(DEVICE, torch.float16), w.transpose(1, 2))):
         for tma in (False, True):
             out = tk.grouped_mm_triton(a, b, offs, config=stored, tma=tma)
@@ -348,8 +348,8 @@ def test_dw_tma_loads_by_environment(monkeypatch):
     leaves ``tma`` unset (the op's call); an explicit ``tma`` wins."""
     x, _, grad, offs = make_case(77, 40, 24, 5, 0.8, torch.float32, seed=5)
     described = []
-    real = tk._row_major_descriptor
-    monkeypatch.setattr(tk, "_row_major_descriptor", lambda t, block: described.append(block) or real(t, block))
+    real = tk.row_major_descriptor
+    monkeypatch.setattr(tk, "row_major_descriptor", lambda t, block: described.append(block) or real(t, block))
     monkeypatch.delenv(tk.DW_TMA_ENV, raising=False)
     plain = tk.grouped_mm_dw_triton(x, grad, offs)
     assert described == []
@@ -374,7 +374,7 @@ def test_tma_falls_back_for_layouts_it_cannot_describe():
     assert tk._tma_operands(x[:, :16], w[:, :16], cfg) is None  # row stride 40 bytes
     out = tk.grouped_mm_triton(x, w, offs, tma=True)
     assert rel_err(out, grouped_mm_reference(x, w, offs)) < TOL[torch.float16]
-    assert tk._row_major_descriptor(x, [16, 16]) is None
+    assert tk.row_major_descriptor(x, [16, 16]) is None
     for tma in (True, "group"):  # both fall back to pointer loads
         dw = tk.grouped_mm_dw_triton(x, x, offs, tma=tma)
         assert rel_err(dw, grouped_mm_dw_reference(x, x, offs)) < TOL[torch.float16]
@@ -448,7 +448,7 @@ def test_scaled_fp8_dw_kernel_matches_dequantized_reference(m, k, n, e, frac, ou
     assert torch.equal(stores[0], stores[1])
     # loads through per-group descriptors made in the kernel, and the flat loop over all tiles'
     # steps: the same sums as pointer loads
-    assert tk._tma_describable(xq, column_major=True) and tk._tma_describable(gq, column_major=True)
+    assert tk.tma_describable(xq, column_major=True) and tk.tma_describable(gq, column_major=True)
     group = tk.scaled_grouped_mm_dw_triton(xq, gq, scale_x, scale_g, offs, out_dtype=out_dtype,
                                            config=dataclasses.replace(tile, store_tma=False), tma="group")
     assert torch.equal(group, stores[0])

@@ -170,3 +170,26 @@ def ensure_scratch_allocator(device: torch.device) -> None:
 
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_cuda_scratch if device.type == "cuda" else _cpu_scratch)
+
+
+def tma_describable(t_MK: torch.Tensor, column_major: bool = False) -> bool:
+    """Whether TMA can describe the 2-D ``t_MK`` (row-major, or with ``column_major`` its
+    transpose) and its slices of whole rows: no empty side, a unit contiguous stride, a
+    16-byte aligned other stride and base pointer. (A column-major slice starting at row r
+    is 16-byte aligned only where r * element size is: the fp8 groups' 16-row starts.)"""
+    unit, other = (0, 1) if column_major else (1, 0)
+    return (min(t_MK.shape) > 0 and t_MK.stride(unit) == 1 and (t_MK.stride(other) * t_MK.element_size()) % 16 == 0
+            and t_MK.data_ptr() % 16 == 0)
+
+
+def row_major_descriptor(t_MK: torch.Tensor, block: list[int]):
+    """A host TMA descriptor of the 2-D ``t_MK`` with boxes of ``block``, or None where TMA
+    cannot describe it (`tma_describable`, or a box row under TMA's 16 bytes); on CUDA after
+    `ensure_cuda_context`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not tma_describable(t_MK) or block[-1] * t_MK.element_size() < 16:
+        return None
+    if t_MK.is_cuda:
+        ensure_cuda_context(t_MK.device.index if t_MK.device.index is not None else torch.cuda.current_device())
+    return TensorDescriptor(t_MK, list(t_MK.shape), [t_MK.stride(0), 1], block)

@@ -113,7 +113,9 @@ from titan_moe.ops.triton_runtime import (
     is_interpreted,
     kernel_runs_on,
     next_power_of_2,
+    row_major_descriptor,
     sm_count,
+    tma_describable,
 )
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -824,7 +826,7 @@ def _tma_operands(a_MK: torch.Tensor, b_EKN: torch.Tensor, cfg: TileConfig):
     es = a_MK.element_size()
     K = a_MK.shape[1]
     E, _, N = b_EKN.shape
-    a_desc = _row_major_descriptor(a_MK, [cfg.block_m, cfg.block_k])
+    a_desc = row_major_descriptor(a_MK, [cfg.block_m, cfg.block_k])
     if a_desc is None or min(E, N) == 0 or b_EKN.data_ptr() % 16:
         return None
     if b_EKN.stride(2) == 1:
@@ -837,30 +839,6 @@ def _tma_operands(a_MK: torch.Tensor, b_EKN: torch.Tensor, cfg: TileConfig):
         return None
     b_desc = TensorDescriptor(b_view, shape, [b_view.stride(0), b_view.stride(1), 1], block)
     return a_desc, b_desc, transposed
-
-
-def _tma_describable(t_MK: torch.Tensor, column_major: bool = False) -> bool:
-    """Whether TMA can describe the 2-D ``t_MK`` (row-major, or with ``column_major`` its
-    transpose) and its slices of whole rows: no empty side, a unit contiguous stride, a
-    16-byte aligned other stride and base pointer. (A column-major slice starting at row r
-    is 16-byte aligned only where r * element size is: the fp8 groups' 16-row starts.)"""
-    unit, other = (0, 1) if column_major else (1, 0)
-    return (min(t_MK.shape) > 0 and t_MK.stride(unit) == 1 and (t_MK.stride(other) * t_MK.element_size()) % 16 == 0
-            and t_MK.data_ptr() % 16 == 0)
-
-
-def _row_major_descriptor(t_MK: torch.Tensor, block: list[int]):
-    """A TMA descriptor of the 2-D ``t_MK`` with boxes of ``block``, or None where TMA cannot
-    describe it (an empty side, a non-unit last stride, a row stride or base pointer that is
-    not 16-byte aligned)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    M, K = t_MK.shape
-    if not _tma_describable(t_MK):
-        return None
-    if t_MK.is_cuda:
-        ensure_cuda_context(t_MK.device.index if t_MK.device.index is not None else torch.cuda.current_device())
-    return TensorDescriptor(t_MK, [M, K], [t_MK.stride(0), 1], block)
 
 
 def _dw_store_descriptor(dw_EKN: torch.Tensor, cfg: TileConfig):
@@ -938,9 +916,9 @@ def _launch_ragged_m(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
     else:
         a_arg, b_arg, b_transposed = descriptors
         # the same layout as a_arg's (already checked), in boxes of the tail tiles' rows
-        a_tail = _row_major_descriptor(a_MK, [cfg.tail_m, cfg.block_k]) if cfg.tail_m else a_arg
+        a_tail = row_major_descriptor(a_MK, [cfg.tail_m, cfg.block_k]) if cfg.tail_m else a_arg
     # full tiles' stores through TMA where asked for and out_MN allows (None: pointer stores)
-    c_desc = _row_major_descriptor(out_MN, [cfg.block_m, cfg.block_n]) if cfg.store_tma else None
+    c_desc = row_major_descriptor(out_MN, [cfg.block_m, cfg.block_n]) if cfg.store_tma else None
     _ragged_m_kernel[(n_prog,)](
         a_arg, b_arg, out_MN, offs_E,
         M, N, K, E,
@@ -1075,13 +1053,13 @@ def grouped_mm_dw_triton(
     tma = _dw_tma_mode(tma, "group" if x_MK.dtype != torch.float32 and _is_sm90(x_MK.device) else False)
     if cfg.flat and tma == "group":  # the flat loop keeps no per-group descriptors
         tma = False
-    group_tma = tma == "group" and _tma_describable(x_MK) and _tma_describable(grad_MN)
+    group_tma = tma == "group" and tma_describable(x_MK) and tma_describable(grad_MN)
     if group_tma:
         ensure_scratch_allocator(x_MK.device)
         tma = False
     elif tma:
-        x_desc = _row_major_descriptor(x_MK, [cfg.block_m, cfg.block_k])
-        g_desc = _row_major_descriptor(grad_MN, [cfg.block_m, cfg.block_n])
+        x_desc = row_major_descriptor(x_MK, [cfg.block_m, cfg.block_k])
+        g_desc = row_major_descriptor(grad_MN, [cfg.block_m, cfg.block_n])
         tma = x_desc is not None and g_desc is not None
         if tma:
             x_arg, g_arg = x_desc, g_desc
@@ -1167,8 +1145,8 @@ def scaled_grouped_mm_dw_triton(
         cfg = replace(cfg, store_tma=False)  # fp32 out: the staging buffer alone is 128 KiB
     max_tiles = E * cdiv(K, cfg.block_k) * cdiv(N, cfg.block_n)
     dw_desc = _dw_store_descriptor(dw_EKN, cfg)
-    group_tma = (_dw_tma_mode(tma) == "group" and not cfg.flat and _tma_describable(xq_MK, True)
-                 and _tma_describable(gq_MN, True))
+    group_tma = (_dw_tma_mode(tma) == "group" and not cfg.flat and tma_describable(xq_MK, True)
+                 and tma_describable(gq_MN, True))
     if group_tma:
         ensure_scratch_allocator(xq_MK.device)
     kernel, extra = _dw_kernel(cfg, E, GROUP_TMA=group_tma, COLUMN_MAJOR=True)

@@ -62,7 +62,7 @@ from titan_moe.ops.kda.triton_fwd import (
     tile_warps,
     walk_tiles_wide,
 )
-from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed
+from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed, row_major_descriptor
 
 # stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 128x64x16x8 (the default at dk >= 128)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
@@ -134,19 +134,9 @@ def bwd_tma_kernels() -> frozenset[str]:
 
 def _row_descriptors(views: list):
     """Host TMA descriptors of 2-D row-major ``(tensor, box)`` pairs, or None where TMA
-    cannot describe one (a row stride or base not a multiple of 16 bytes, a box row under 16
-    bytes)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from titan_moe.ops.triton_runtime import ensure_cuda_context
-
-    if any((t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16 or block[1] * t.element_size() < 16
-           for t, block in views):
-        return None
-    t0 = views[0][0]
-    if t0.is_cuda:
-        ensure_cuda_context(t0.device.index if t0.device.index is not None else torch.cuda.current_device())
-    return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block) for t, block in views]
+    cannot describe one of them (`row_major_descriptor`)."""
+    descriptors = [row_major_descriptor(t, block) for t, block in views]
+    return None if any(d is None for d in descriptors) else descriptors
 
 
 def _token_rows(t: torch.Tensor) -> torch.Tensor:
