@@ -484,7 +484,7 @@ for section in "${SECTIONS[@]}"; do
             run mk_tails_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py -k tail
             run mk_tails python profiling/probe_mk_kernel.py tiles e64_bal,e64_zipf,e64_m32k_zipf \
                 ,256x128x64x8x3r128ut,256x128x64x8x3r64ut,128x256x64x8x3r64ut,128x256x64x8x3t ;;
-        gluon)  # a warp-specialized Gluon grouped GEMM forward (probe) beside native and our Triton kernel
+        gluon)  # Gluon grouped GEMM kernels (a probe): their GPU tests, then each beside native and our Triton kernel
             run gluon_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_probe_gluon_gemm.py
             run gluon python profiling/probe_gluon_gemm.py \
                 128x256x64s3,pp128x128x64s4,np128x256x64s3,256x128x64s3,pp128x128x64s5,dw256x128x64s3,dw128x256x64s3 ;;
