@@ -31,7 +31,8 @@
 #              (TITAN_MOE_KDA_KEYS_LOADS=early) (not in the default list)
 #   kda_bwd_tma  the KDA GPU tests with the keys and values kernels' loads through TMA
 #              descriptors (TITAN_MOE_KDA_BWD_TMA=all), then profiling/bench_kda.py at 32K and 8 x 4K:
-#              each kernel's TMA loads, and both, beside the default (not in the default list)
+#              pointer loads in both (none), the keys kernel's TMA loads, and both, beside the
+#              default (values) (not in the default list)
 #   kda_prepare  profiling/bench_kda.py at 32K and 8 x 4K: the input maps' chunk mode
 #              (TITAN_MOE_KDA_PREPARE_CHUNK, FWD,BWD): the default split64 forward, fused backward,
 #              beside fused and split32 / split64 in both (not in the default list)
@@ -273,11 +274,11 @@ for section in "${SECTIONS[@]}"; do
                 --variants bk128w8:TITAN_MOE_KDA_BWD_INTRA_BK=128+TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk128w4:TITAN_MOE_KDA_BWD_INTRA_BK=128,bk64w2:TITAN_MOE_KDA_TILE_WARPS=4x1x4x2,bk64w8:TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk32w2:TITAN_MOE_KDA_BWD_INTRA_BK=32+TITAN_MOE_KDA_TILE_WARPS=4x1x4x2 ;;
         kda_keys) run kda_keys python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
                 --variants k64w8:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8,k128w16bv32:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,k128w8:TITAN_MOE_KDA_BWD_CHUNK=128x64x8x8,k128early:TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8+TITAN_MOE_KDA_KEYS_LOADS=early ;;
-        kda_bwd_tma)  # stage 2's value-loop operands through TMA descriptors (opt-in)
+        kda_bwd_tma)  # stage 2's value-loop operands through TMA descriptors
             run kda_bwd_tma_tests env TITAN_MOE_KDA_BWD_TMA=all python -m pytest -m gpu -q -rsx \
                 -p no:cacheprovider tests/test_kda_triton.py tests/test_kda_kept.py
             run kda_bwd_tma python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants keys:TITAN_MOE_KDA_BWD_TMA=keys,values:TITAN_MOE_KDA_BWD_TMA=values,both:TITAN_MOE_KDA_BWD_TMA=all ;;
+                --variants none:TITAN_MOE_KDA_BWD_TMA=none,keys:TITAN_MOE_KDA_BWD_TMA=keys,both:TITAN_MOE_KDA_BWD_TMA=all ;;
         kda_prepare) run kda_prepare python profiling/bench_kda.py --no-fla --kernels 10 --shapes 32768,4096 \
                 --variants fused:TITAN_MOE_KDA_PREPARE_CHUNK=fused,split32:TITAN_MOE_KDA_PREPARE_CHUNK=split32,split64:TITAN_MOE_KDA_PREPARE_CHUNK=split64 ;;
         kda_ncu)

@@ -360,7 +360,7 @@ def test_bwd_tma_loads_keep_results(monkeypatch, lens, dk, dv):
     """Stage 2's TMA loads (`TITAN_MOE_KDA_BWD_TMA`: keys, values, both / all) read, for a
     sequence's last chunk, the next sequence's rows where the pointer loads read zeros: every
     gradient still equals the pointer loads' (packed sequences, one empty, one shorter than a
-    tile, initial and final states); unknown kernel names refused."""
+    tile, initial and final states); unknown kernel names refused; "values" by default."""
     T, H, N = sum(lens), 2, len(lens)
     inp = make_inputs(1, T, H, dk, dv, "rand", seed=T + 1)
     gen = torch.Generator().manual_seed(T + 1)
@@ -368,21 +368,24 @@ def test_bwd_tma_loads_keep_results(monkeypatch, lens, dk, dv):
     h0, dht = (torch.randn(N, H, dk, dv, generator=gen).to(DEVICE) for _ in range(2))
     cu_seqlens = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEVICE) if N > 1 else None
     runs = {}
-    for kernels in ("", "keys", "values", "keys,values"):
+    monkeypatch.delenv(triton_bwd.BWD_TMA_ENV, raising=False)
+    assert triton_bwd.bwd_tma_kernels() == {"values"}
+    for kernels in ("none", "keys", "values", "keys,values"):
         monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, kernels)
-        assert triton_bwd.bwd_tma_kernels() == frozenset(filter(None, kernels.split(",")))
+        assert triton_bwd.bwd_tma_kernels() == frozenset(filter(None, kernels.split(","))) - {"none"}
         if kernels == "keys,values":
             monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, "all")
             assert triton_bwd.bwd_tma_kernels() == {"keys", "values"}
         runs[kernels] = chunk_kda_bwd_triton(**inp, scale=dk**-0.5, do=do, initial_state=h0, cu_seqlens=cu_seqlens,
                                              dht=dht)
     for kernels in ("keys", "values", "keys,values"):
-        for name, got, want in zip(GRAD_NAMES, runs[kernels], runs[""]):
+        for name, got, want in zip(GRAD_NAMES, runs[kernels], runs["none"]):
             assert torch.isfinite(got).all(), (kernels, name)
             assert rel_err(got, want) < 1e-6, (kernels, name, rel_err(got, want))
-    monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, "keys,intra")
-    with pytest.raises(ValueError, match="keys, values"):
-        triton_bwd.bwd_tma_kernels()
+    for bad in ("keys,intra", ","):
+        monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, bad)
+        with pytest.raises(ValueError, match="keys, values"):
+            triton_bwd.bwd_tma_kernels()
 
 
 @needs_kernels

@@ -69,7 +69,7 @@ BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
 # when the keys kernel loads its chunk's q, k, G: "early" or "late", see `keys_late_loads`
 KEYS_LOADS_ENV = "TITAN_MOE_KDA_KEYS_LOADS"
 # stage 2's kernels whose value-loop operands load through TMA descriptors: "keys", "values",
-# both comma-joined, or "all" (opt-in; default none), see `bwd_tma_kernels`
+# both comma-joined, "all" or "none" (default "values"), see `bwd_tma_kernels`
 BWD_TMA_ENV = "TITAN_MOE_KDA_BWD_TMA"
 # key columns per program of the backward intra kernel, see `bwd_intra_bk`
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
@@ -120,15 +120,21 @@ def bwd_tma_kernels() -> frozenset[str]:
     """Stage 2's kernels that read their value loop's operands through host TMA descriptors
     instead of masked pointer loads: "keys" (`_bwd_chunk_keys_kernel`: S and dS' [BK, BV]
     boxes of h and dh; dO, V~, dV~ [BT, BV] boxes) and "values" (`_bwd_chunk_values_kernel`:
-    v, V~, dV~, dO boxes), from `$TITAN_MOE_KDA_BWD_TMA` (comma-joined, or "all"; read per
-    call; default none, not yet timed: an experiment on the kernels whose loads wait longest,
-    BENCHMARKS.md "Where each kernel waits"). A sequence's last chunk then reads the next
-    sequence's rows, which only reach output rows that are never stored (see the kernels)."""
+    v, V~, dV~, dO boxes), from `$TITAN_MOE_KDA_BWD_TMA` (comma-joined, "all" or "none"; read
+    per call). Default "values": on the H200 it took the values kernel from 0.600 to 0.476 ms
+    at T = 32K (forward+backward 6.89 -> 6.77 ms), while TMA in the keys kernel gained under 1%
+    (1.368 -> 1.358 ms), BENCHMARKS.md "KDA: stage 2's loads through TMA descriptors, timed".
+    A sequence's last chunk then reads the next sequence's rows, which only reach output rows
+    that are never stored (see the kernels). Where TMA cannot describe a tensor (alignment,
+    `row_major_descriptor`) the kernel keeps its pointer loads."""
     known = frozenset({"keys", "values"})
-    text = os.environ.get(BWD_TMA_ENV) or ""
+    text = os.environ.get(BWD_TMA_ENV) or "values"
+    if text == "none":
+        return frozenset()
     names = known if text == "all" else frozenset(filter(None, text.split(",")))
-    if names - known:
-        raise ValueError(f"{BWD_TMA_ENV} names kernels among keys, values (comma-joined) or all, got {text!r}")
+    if names - known or not names:
+        raise ValueError(f"{BWD_TMA_ENV} names kernels among keys, values (comma-joined), all or none, "
+                         f"got {text!r}")
     return names
 
 
