@@ -22,6 +22,10 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
   (adds the zeroing of unowned rows / empty groups);
 * ``auto``: ``grouped_mm(..., backend="auto")``, the backend chosen per call from the shapes
   (``titan_moe.ops.grouped_gemm.op.auto_backend``);
+* ``gluon`` (sm90 only): ``grouped_mm(..., backend="gluon")``, our warp-specialized Gluon
+  kernels (ping-pong forward / dx, the default dw tile); ``gluon_dwtriton``: the same forward
+  and dx with our Triton dw; ``gluon_<dw tile>``: each dw tile of
+  ``titan_moe.ops.grouped_gemm.gluon_kernel.DW_TILES``;
 * ``torch``:  raw ``torch._grouped_mm`` with its own autograd (what torchtitan calls);
 * ``fp8`` (compute capability >= 8.9, bf16 only): :func:`titan_moe.float8.experts.fp8_grouped_mm`,
   the path of the ``titan_float8_experts`` converter: dynamic rowwise e4m3 quantization of
@@ -290,6 +294,14 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         providers["tma_dw_native"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1"})
     providers["native"] = (ours("native"), {})
     providers["auto"] = (ours("auto"), {TMA_ENV: "1"})  # per shape: TMA forward and dx for large groups on sm90
+    if with_tma:  # our Gluon kernels (ping-pong forward / dx, dw by tile) on sm90
+        from titan_moe.ops.grouped_gemm.gluon_kernel import DEFAULT_TILES, DW_TILES as GLUON_DW_TILES
+        from titan_moe.ops.grouped_gemm.gluon_kernel import TILES_ENV as GLUON_TILES_ENV
+
+        providers["gluon"] = (ours("gluon"), {})
+        providers["gluon_dwtriton"] = (ours("fwd=gluon,dx=gluon,dw=triton"), {TMA_ENV: "1"})
+        for tile in GLUON_DW_TILES:
+            providers[f"gluon_{tile}"] = (ours("gluon"), {GLUON_TILES_ENV: ",".join(DEFAULT_TILES[:2] + (tile,))})
     providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
     for tile in DW_TILES:
         providers[f"dw_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"), {TMA_ENV: "1", TILES_ENV: f"k={tile}"})
@@ -361,7 +373,7 @@ def _with_quantized_weight(fp8_gemm):
     return call
 
 
-ERR_PROVIDERS = ("triton", "triton_tma", "tma_dw_native", "auto", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8",
+ERR_PROVIDERS = ("triton", "triton_tma", "tma_dw_native", "auto", "gluon", "gluon_dwtriton", "fp8", "fp8_compiled", "fp8_fused", "fp8_fused_dw8",
                  "fp8_cached_w", "fp8_cached_w_dw8rows", "fp8_cached_w_auto", "fp8_rows_torch", "fp8_rows_triton",
                  "fp8_rows_triton_dw", "fp8_rows_triton_all")
 """The GEMM providers whose output, dx and dw are compared with ``torch._grouped_mm``'s
@@ -616,7 +628,8 @@ also widens the weight gradients with the Triton kernel (``FP8_ROWS_SITU_ENV``).
 FP8_ROWS_SITU_ENV = {"TITAN_MOE_FP8_WIDEN": "triton"}
 
 
-def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool, kernels: int = 0) -> dict:
+def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool, kernels: int = 0,
+                keep: frozenset = frozenset()) -> dict:
     import torch
 
     from titan_moe.ops.grouped_gemm.op import BACKEND_ENV
@@ -656,6 +669,8 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
     }
     if tma_available(device):
         runs["ours_triton_tma"] = (ours, {BACKEND_ENV: "triton", TMA_ENV: "1"})
+        runs["ours_gluon"] = (ours, {BACKEND_ENV: "gluon"})
+        runs["ours_gluon_dwtriton"] = (ours, {BACKEND_ENV: "fwd=gluon,dx=gluon,dw=triton", TMA_ENV: "1"})
     if ours_fp8 is not None:
         runs["ours_fp8_experts"] = (ours_fp8, {BACKEND_ENV: "native"})
         runs["ours_fp8_cached"] = (ours_fp8_cached, {BACKEND_ENV: "native"})
@@ -663,6 +678,11 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
         # GEMM's quantization and the Triton widening of the weight gradients
         runs["ours_fp8_rows_situ"] = (ours_fp8_rows_situ, {BACKEND_ENV: "native", **FP8_ROWS_SITU_ENV})
     runs["torchtitan"] = (theirs, {})
+    if keep:  # --layer-providers: those named, with ours_native and torchtitan always
+        unknown = keep - set(runs)
+        if unknown:
+            raise SystemExit(f"bench_moe: --layer-providers: unknown {sorted(unknown)}; known {sorted(runs)}")
+        runs = {name: run for name, run in runs.items() if name in keep | {"ours_native", "torchtitan"}}
     out = dict(config=cfg, compiled=compile_layers, providers={})
     timers = {}
     for name, (layer, env) in runs.items():
@@ -938,6 +958,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gemm-providers", default="",
                         help="comma-separated GEMM providers to keep (default all; torch._grouped_mm always runs)")
     parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--layer-providers", default="",
+                        help="comma-separated MoE layer runs to keep, e.g. ours_gluon (default all; ours_native and "
+                             "torchtitan always run)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the interleaved rounds as CUDA-graph replays (GPU time without host "
                              "launch gaps) instead of host launches with an L2 flush per call")
@@ -1024,7 +1047,7 @@ def main(argv=None) -> dict:
                 torch.cuda.empty_cache()
     if not args.skip_layer:
         report["moe_layer"] = bench_layer(layer_config(args), args.device, dtype, timed, args.compile,
-                                          args.layer_kernels)
+                                          args.layer_kernels, frozenset(p for p in args.layer_providers.split(",") if p))
     if args.dispatch:
         report["dispatch"] = [bench_dispatch_case(case, args.device, dtype, timed)
                               for case in dispatch_cases(args.tiny)]

@@ -167,6 +167,11 @@
 #   mk_tails   the grouped-GEMM tail-tile tests compiled, then profiling/probe_mk_kernel.py's tile
 #              probe: 16-bit upright tail tiles (rTAILu) against the default forward / dx tiles
 #              and native under E = 64's balanced and Zipf groups (not in the default list)
+#   gluon_op   the op's "gluon" backend: its GPU tests (every tile against the loop through autograd),
+#              then profiling/bench_moe.py through the op at E = 64 and the MoE layer's expert
+#              shapes: native, auto, gluon (default tiles), its forward / dx with our Triton dw,
+#              and two ping-pong dw tiles; then the MoE layer with the gluon backend beside
+#              native, auto and torchtitan (not in the default list)
 #   gluon      profiling/probe_gluon_gemm.py: a warp-specialized grouped GEMM forward, dx and dw in
 #              Gluon (one TMA load warp; cooperative or ping-pong wgmma consumers; one kernel without
 #              partitions, pipelined by hand, for comparison), seven variants at
@@ -485,6 +490,12 @@ for section in "${SECTIONS[@]}"; do
             run mk_tails_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_triton.py -k tail
             run mk_tails python profiling/probe_mk_kernel.py tiles e64_bal,e64_zipf,e64_m32k_zipf \
                 ,256x128x64x8x3r128ut,256x128x64x8x3r64ut,128x256x64x8x3r64ut,128x256x64x8x3t ;;
+        gluon_op)  # the op's Gluon backend: GPU tests, GEMM products through the op, the MoE layer
+            run gluon_op_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_gluon.py
+            run gluon_op python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,auto,gluon,gluon_dwtriton,gluon_ppdw128x128x64s5,gluon_ppdw128x128x128s2 \
+                --gemm-cases e64_balanced,e64_zipf1.1,layer_gate_up,layer_down
+            run gluon_layer python profiling/bench_moe.py --skip-gemm --layer-providers ours_auto,ours_gluon,ours_gluon_dwtriton ;;
         gluon)  # Gluon grouped GEMM kernels (a probe): their GPU tests, then each beside native and our Triton kernel
             run gluon_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_probe_gluon_gemm.py
             run gluon python profiling/probe_gluon_gemm.py \

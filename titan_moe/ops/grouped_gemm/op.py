@@ -21,6 +21,9 @@ named takes ``"native"``), so that each product can run where it was measured fa
 * ``"triton"``: our persistent Triton kernels (:mod:`.triton_kernel`; any dtype, width and
   alignment) on CUDA, or on CPU when ``TRITON_INTERPRET=1`` was set before the kernel
   module was first imported (tests); elsewhere a ``ValueError``.
+* ``"gluon"``: our warp-specialized Gluon kernels on sm90 (:mod:`.gluon_kernel`: ping-pong
+  forward / dx, dw) where their scope covers the call (16-bit, TMA-describable, reductions a
+  multiple of 64), else the Triton kernels on CUDA and ``"native"`` elsewhere.
 * ``"loop"``: always the per-group loop of the reference.
 * ``"auto"``: per call from the shapes (`auto_backend`): the Triton TMA kernels on sm90 where
   the groups are large, ``"native"`` otherwise.
@@ -63,7 +66,7 @@ from titan_moe.ops.grouped_gemm.reference import (
 from titan_moe.ops.nvtx import nvtx_range
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKENDS = ("native", "triton", "loop", "auto")
+BACKENDS = ("native", "triton", "gluon", "loop", "auto")
 PRODUCTS = ("fwd", "dx", "dw")
 BACKEND_ENV = "TITAN_MOE_GROUPED_MM_BACKEND"
 
@@ -121,6 +124,25 @@ def _triton_kernels():
     from titan_moe.ops.grouped_gemm import triton_kernel
 
     return triton_kernel
+
+
+def _gluon_kernels():
+    # Imported on first use, as `_triton_kernels`: Gluon needs a Triton with its experimental
+    # frontend, and only this backend needs it.
+    from titan_moe.ops.grouped_gemm import gluon_kernel
+
+    return gluon_kernel
+
+
+def _resolve_gluon(product: str, a: Tensor, b: Tensor) -> str:
+    """What the "gluon" backend runs for this call: "gluon" where its kernels' scope covers it
+    (product "fwd"/"dx": a = x or grad, b = w or its transposed view; "dw": a = x, b = grad),
+    else "triton" on CUDA, "native" elsewhere."""
+    if a.device.type != "cuda":
+        return "native"
+    gk = _gluon_kernels()
+    ok = gk.gluon_dw_supported(a, b) if product == "dw" else gk.gluon_supported(a, b)
+    return "gluon" if ok else "triton"
 
 
 def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> None:
@@ -210,6 +232,10 @@ def _forward_impl(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | No
     name = resolve_backend(backend, product)
     if name == "auto":
         name = auto_backend(product, x_MK, offs_E)
+    if name == "gluon":
+        name = _resolve_gluon(product, x_MK, w_EKN)
+        if name == "gluon":
+            return _gluon_kernels().grouped_mm_gluon(x_MK, w_EKN, offs_E)
     m = x_MK.shape[0]
     if name == "triton":
         if x_MK.device.type == "cpu":
@@ -260,6 +286,10 @@ def _grouped_mm_dw_impl(x_MK: Tensor, grad_MN: Tensor, offs_E: Tensor, backend: 
         name = resolve_backend(backend, "dw")
         if name == "auto":
             name = auto_backend("dw", x_MK, offs_E)
+        if name == "gluon":
+            name = _resolve_gluon("dw", x_MK, grad_MN)
+            if name == "gluon":
+                return _gluon_kernels().grouped_mm_dw_gluon(x_MK, grad_MN, offs_E)
         if name == "triton":
             if x_MK.device.type == "cpu":
                 group_bounds(offs_E, x_MK.shape[0])
