@@ -37,6 +37,7 @@ load warp's few registers). Gluon has no interpreter: these kernels are checked 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -72,6 +73,9 @@ DW_TILES = {
 # On the H200 at E = 64, M 64K, K 2,048, N 1,408 (BENCHMARKS.md, "Grouped GEMM in Gluon"):
 # pp128x128x64s5 1.10x / 1.16x torch._grouped_mm's forward balanced / Zipf 1.1, dx 1.06x / 1.11x
 DEFAULT_TILES = ("pp128x128x64s5", "pp128x128x64s5", "dw256x128x64s3")
+# dw by K: 256 rows of dw per tile where K allows (the MoE layer's up projection, K 1,024), else
+# 128 (its down projection, K 1,408)
+DEFAULT_DW_TILES = ("dw256x128x64s3", "dw128x256x64s3")
 PINGPONG_CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest)
 LOAD_REGS = gl.constexpr(40)  # the load partition's registers: its per-group schedule vectors spill at 24
 MAX_GROUPS = 255  # BLOCK_E = next_power_of_2(E + 1) <= 256: 8 schedule registers per vector in the load warp
@@ -243,7 +247,24 @@ def _pingpong_partition(a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_
             mbarrier.arrive(turns.index(1 - ME), count=1)
             _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout)
         j += 1
+    if ME == 0:
+        _zero_rows_past(c_ptr, stride_cm, offs_ptr, M, N, E, BM, BN, mma_layout)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _zero_rows_past(c_ptr, stride_cm, offs_ptr, M, N, E, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    """Rows [offs[-1], M) of the output set to zero, in BM-row blocks spread over the
+    programs (the op's contract; no tile covers them, so no other store races these). With
+    every row owned, training's usual case, a program loads one scalar and is done."""
+    owned = gl.minimum(gl.maximum(gl.load(offs_ptr + E - 1), 0), M)
+    zeros = gl.zeros((BM, BN), c_ptr.dtype.element_ty, layout=layout)
+    for row0 in range(owned + gl.program_id(0) * BM, M, gl.num_programs(0) * BM):
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        for col0 in range(0, N, BN):
+            cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+            ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+            gl.store(ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
@@ -419,10 +440,13 @@ def _pingpong_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, offs_ptr, M, K, N, E, str
 
 
 # ---------------------------------------------------------------------------------------- host
-def tiles(product: str) -> str:
+def tiles(product: str, K: int | None = None) -> str:
     """The tile name ``product`` ("fwd", "dx" or "dw") uses: from ``$TITAN_MOE_GLUON_GEMM_TILES``
-    ("FWD,DX,DW", read per call), else `DEFAULT_TILES`."""
+    ("FWD,DX,DW", read per call), else `DEFAULT_TILES`; for dw with ``K`` given and no
+    environment choice, the first of `DEFAULT_DW_TILES` whose BK divides K."""
     text = os.environ.get(TILES_ENV)
+    if product == "dw" and K is not None and not text:
+        return next((n for n in DEFAULT_DW_TILES if K % DW_TILES[n][1] == 0), DEFAULT_TILES[2])
     names = tuple(text.split(",")) if text else DEFAULT_TILES
     if (len(names) != 3 or any(n not in MM_TILES for n in names[:2]) or names[2] not in DW_TILES):
         raise ValueError(f"{TILES_ENV} must be FWD,DX,DW with FWD, DX of {sorted(MM_TILES)} and DW of "
@@ -460,7 +484,8 @@ def gluon_dw_supported(x_MK: torch.Tensor, grad_MN: torch.Tensor) -> bool:
     with K a multiple of the dw tile's BK."""
     if x_MK.device.type != "cuda" or grad_MN.dtype != x_MK.dtype or not _on_sm90(x_MK):
         return False
-    return (x_MK.shape[1] % DW_TILES[tiles("dw")][1] == 0 and _describable(x_MK) and _describable(grad_MN)
+    K = x_MK.shape[1]
+    return (K % DW_TILES[tiles("dw", K)][1] == 0 and _describable(x_MK) and _describable(grad_MN)
             and (grad_MN.shape[1] * grad_MN.element_size()) % 16 == 0)
 
 
@@ -468,11 +493,17 @@ def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The swizzled shared-memory layout of a box (made once: building one costs the host about
+    as much as a bare ``torch._grouped_mm`` launch, measured on the H200's host)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
+
+
 def _descriptor(t: torch.Tensor, block: list[int]):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype)))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
 def mm_descriptors(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_MN: torch.Tensor, bm: int, bn: int, bk: int):
@@ -498,7 +529,7 @@ def _programs(device: torch.device) -> int:
 def grouped_mm_gluon(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor, tile: str | None = None,
                      programs: int | None = None) -> torch.Tensor:
     """``out[rows of e] = a[rows of e] @ b[e]`` -> [M, N] through `_pingpong_grouped_mm_kernel`;
-    rows past ``offs[-1]`` are zero.
+    rows past ``offs[-1]`` are zero (stored by the kernel: no second launch).
 
     Args:
         a_MK: [M, K] rows sorted by group, row-major.
@@ -508,8 +539,6 @@ def grouped_mm_gluon(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
         tile: a name of `MM_TILES` (default: `tiles` of the product).
         programs: persistent programs (default one per SM).
     """
-    from titan_moe.ops.grouped_gemm.zero_fill import zero_rows_past_
-
     M, K = a_MK.shape
     E, _, N = b_EKN.shape
     transposed = b_EKN.stride(2) != 1
@@ -526,7 +555,7 @@ def grouped_mm_gluon(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
         a_desc, b_desc, c_desc, out_MN, offs_E, M, N, E, K, out_MN.stride(0),
         STAGES=stages, BLOCK_E=triton.next_power_of_2(E + 1), B_TRANSPOSED=transposed,
         CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4)
-    return zero_rows_past_(out_MN, offs_E)
+    return out_MN
 
 
 def grouped_mm_dw_gluon(x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch.Tensor,
@@ -538,12 +567,12 @@ def grouped_mm_dw_gluon(x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch
         x_MK: [M, K], grad_MN: [M, N], rows sorted by group, row-major, same 16-bit dtype, K a
             multiple of the tile's BK (`gluon_supported`).
         offs_E: [E] int32 cumulative group ends (read on the device only).
-        tile: a name of `DW_TILES` (default: `tiles("dw")`).
+        tile: a name of `DW_TILES` (default: `tiles("dw", K)`).
     """
     from titan_moe.ops.triton_runtime import ensure_scratch_allocator
 
-    bm, bk, bn, stages, schedule = DW_TILES[tile or tiles("dw")]
     M, K = x_MK.shape
+    bm, bk, bn, stages, schedule = DW_TILES[tile or tiles("dw", K)]
     N, E = grad_MN.shape[1], offs_E.shape[0]
     if K % bk:
         raise ValueError(f"grouped_mm_dw_gluon: K ({K}) must be a multiple of the dw tile's rows ({bk})")
