@@ -24,8 +24,9 @@ Part 1, grouped GEMM ``out[rows of e] = x[rows of e] @ w[e]``, forward and forwa
   (``titan_moe.ops.grouped_gemm.op.auto_backend``);
 * ``gluon`` (sm90 only): ``grouped_mm(..., backend="gluon")``, our warp-specialized Gluon
   kernels (ping-pong forward / dx, the default dw tile); ``gluon_dwtriton``: the same forward
-  and dx with our Triton dw; ``gluon_<dw tile>``: each dw tile of
-  ``titan_moe.ops.grouped_gemm.gluon_kernel.DW_TILES``;
+  and dx with our Triton dw; ``gluon_<tile>``: each dw tile of
+  ``titan_moe.ops.grouped_gemm.gluon_kernel.DW_TILES`` (default forward / dx), each forward / dx
+  tile of its ``MM_TILES`` (for both products; the default dw);
 * ``torch``:  raw ``torch._grouped_mm`` with its own autograd (what torchtitan calls);
 * ``fp8`` (compute capability >= 8.9, bf16 only): :func:`titan_moe.float8.experts.fp8_grouped_mm`,
   the path of the ``titan_float8_experts`` converter: dynamic rowwise e4m3 quantization of
@@ -293,15 +294,18 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # forward and dx on our TMA kernel (where it led), dw on torch._grouped_mm
         providers["tma_dw_native"] = (ours("fwd=triton,dx=triton,dw=native"), {TMA_ENV: "1"})
     providers["native"] = (ours("native"), {})
-    providers["auto"] = (ours("auto"), {TMA_ENV: "1"})  # per shape: TMA forward and dx for large groups on sm90
+    providers["auto"] = (ours("auto"), {TMA_ENV: "1"})  # per shape on sm90: Gluon for large groups, Triton midsize
     if with_tma:  # our Gluon kernels (ping-pong forward / dx, dw by tile) on sm90
-        from titan_moe.ops.grouped_gemm.gluon_kernel import DEFAULT_TILES, DW_TILES as GLUON_DW_TILES
+        from titan_moe.ops.grouped_gemm.gluon_kernel import DW_TILES as GLUON_DW_TILES
+        from titan_moe.ops.grouped_gemm.gluon_kernel import MM_TILES as GLUON_MM_TILES
         from titan_moe.ops.grouped_gemm.gluon_kernel import TILES_ENV as GLUON_TILES_ENV
 
         providers["gluon"] = (ours("gluon"), {})
         providers["gluon_dwtriton"] = (ours("fwd=gluon,dx=gluon,dw=triton"), {TMA_ENV: "1"})
         for tile in GLUON_DW_TILES:
-            providers[f"gluon_{tile}"] = (ours("gluon"), {GLUON_TILES_ENV: ",".join(DEFAULT_TILES[:2] + (tile,))})
+            providers[f"gluon_{tile}"] = (ours("gluon"), {GLUON_TILES_ENV: f",,{tile}"})
+        for tile in GLUON_MM_TILES:  # one forward / dx tile for both, the default dw
+            providers[f"gluon_{tile}"] = (ours("gluon"), {GLUON_TILES_ENV: f"{tile},{tile},"})
     providers["torch"] = (lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), {})
     for tile in DW_TILES:
         providers[f"dw_{tile}"] = (ours("fwd=triton,dx=triton,dw=triton"), {TMA_ENV: "1", TILES_ENV: f"k={tile}"})

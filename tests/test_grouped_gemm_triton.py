@@ -1058,8 +1058,9 @@ def test_fp8_dw_default_tile_shared_memory():
 
 def test_auto_backend_rule_and_routing(monkeypatch):
     """"auto": our kernels only on sm90, 16-bit, with at least AUTO_MIN_GROUP_ROWS rows per
-    group on average for the forward and dx, AUTO_DW_MIN_GROUP_ROWS for dw; native for fp32,
-    small groups, other devices. The op routes each product through the rule's choice."""
+    group on average for the forward and dx, AUTO_DW_MIN_GROUP_ROWS for dw, the Gluon ones from
+    AUTO_GLUON_MIN_GROUP_ROWS; native for fp32, small groups, other devices. The op routes each
+    product through the rule's choice."""
     from types import SimpleNamespace
 
     def operand(rows, dtype=torch.bfloat16, device="cuda"):
@@ -1071,8 +1072,9 @@ def test_auto_backend_rule_and_routing(monkeypatch):
     monkeypatch.setattr(tk, "_is_sm90", lambda device: device.type == "cuda")
     assert [gg_op.auto_backend(p, operand(big), offs) for p in gg_op.PRODUCTS] == ["triton", "triton", "native"]
     dw_big = gg_op.AUTO_DW_MIN_GROUP_ROWS * E
-    assert [gg_op.auto_backend(p, operand(dw_big), offs) for p in gg_op.PRODUCTS] == ["triton"] * 3
-    assert gg_op.auto_backend("dw", operand(dw_big - 1), offs) == "native"
+    assert gg_op.AUTO_GLUON_MIN_GROUP_ROWS == gg_op.AUTO_DW_MIN_GROUP_ROWS > gg_op.AUTO_MIN_GROUP_ROWS
+    assert [gg_op.auto_backend(p, operand(dw_big), offs) for p in gg_op.PRODUCTS] == ["gluon"] * 3
+    assert [gg_op.auto_backend(p, operand(dw_big - 1), offs) for p in gg_op.PRODUCTS] == ["triton", "triton", "native"]
     assert gg_op.auto_backend("fwd", operand(big, torch.float16), offs) == "triton"
     for args in ((operand(small),), (operand(big, torch.float32),), (operand(big, device="cpu"),)):
         assert gg_op.auto_backend("fwd", *args, offs) == "native", args

@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# "FWD,DX,DW" tile names (`MM_TILES`, `DW_TILES`) for tuning; default `DEFAULT_TILES`
+# "FWD,DX,DW" tile names (`MM_TILES`, `DW_TILES`; empty: the default) for tuning, see `tiles`
 TILES_ENV = "TITAN_MOE_GLUON_GEMM_TILES"
 # forward / dx: name -> (BM, BN, BK, STAGES) of the ping-pong kernel (each consumer a BM x BN tile)
 MM_TILES = {
@@ -442,16 +442,20 @@ def _pingpong_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, offs_ptr, M, K, N, E, str
 # ---------------------------------------------------------------------------------------- host
 def tiles(product: str, K: int | None = None) -> str:
     """The tile name ``product`` ("fwd", "dx" or "dw") uses: from ``$TITAN_MOE_GLUON_GEMM_TILES``
-    ("FWD,DX,DW", read per call), else `DEFAULT_TILES`; for dw with ``K`` given and no
-    environment choice, the first of `DEFAULT_DW_TILES` whose BK divides K."""
+    ("FWD,DX,DW", read per call; an empty entry keeps that product's default), else
+    `DEFAULT_TILES`; the default dw with ``K`` given is the first of `DEFAULT_DW_TILES` whose BK
+    divides K."""
     text = os.environ.get(TILES_ENV)
-    if product == "dw" and K is not None and not text:
-        return next((n for n in DEFAULT_DW_TILES if K % DW_TILES[n][1] == 0), DEFAULT_TILES[2])
-    names = tuple(text.split(",")) if text else DEFAULT_TILES
-    if (len(names) != 3 or any(n not in MM_TILES for n in names[:2]) or names[2] not in DW_TILES):
+    names = tuple(text.split(",")) if text else ("", "", "")
+    if (len(names) != 3 or any(n not in MM_TILES for n in names[:2] if n) or (names[2] and names[2] not in DW_TILES)):
         raise ValueError(f"{TILES_ENV} must be FWD,DX,DW with FWD, DX of {sorted(MM_TILES)} and DW of "
-                         f"{sorted(DW_TILES)}, got {text!r}")
-    return names[("fwd", "dx", "dw").index(product)]
+                         f"{sorted(DW_TILES)} (an empty entry: the default), got {text!r}")
+    index = ("fwd", "dx", "dw").index(product)
+    if names[index]:
+        return names[index]
+    if product == "dw" and K is not None:
+        return next((n for n in DEFAULT_DW_TILES if K % DW_TILES[n][1] == 0), DEFAULT_TILES[2])
+    return DEFAULT_TILES[index]
 
 
 def _describable(t: torch.Tensor) -> bool:

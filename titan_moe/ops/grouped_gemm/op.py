@@ -25,8 +25,8 @@ named takes ``"native"``), so that each product can run where it was measured fa
   forward / dx, dw) where their scope covers the call (16-bit, TMA-describable, reductions a
   multiple of 64), else the Triton kernels on CUDA and ``"native"`` elsewhere.
 * ``"loop"``: always the per-group loop of the reference.
-* ``"auto"``: per call from the shapes (`auto_backend`): the Triton TMA kernels on sm90 where
-  the groups are large, ``"native"`` otherwise.
+* ``"auto"``: per call from the shapes (`auto_backend`): on sm90 the Gluon kernels where the
+  groups are large, the Triton TMA kernels where they are midsize, ``"native"`` otherwise.
 
 ``"native"`` in detail:
 
@@ -104,18 +104,28 @@ AUTO_MIN_GROUP_ROWS = 512
 # auto's forward and dx 2-3% faster, balanced and Zipf 1.1) and trailed by 3% at K3's 146;
 # nothing between was measured
 AUTO_DW_MIN_GROUP_ROWS = 1024
+# "auto": the Gluon kernels (which fall back to the Triton ones outside their scope) for all
+# three products where the groups average at least this many rows (BENCHMARKS.md, "Grouped GEMM
+# in Gluon ..."): on the H200 through the op, forward+backward 3.1-3.3% faster than with the
+# Triton kernels at E = 64's 1,024 rows per group (balanced and Zipf 1.1) and 2.3-3.2% at the MoE
+# layer benchmark's expert shapes (CUDA-graph replays); fewer rows per group were not measured
+AUTO_GLUON_MIN_GROUP_ROWS = 1024
 
 
 def auto_backend(product: str, x_MK: Tensor, offs_E: Tensor) -> str:
-    """The backend "auto" picks for ``product`` on this call, from shapes only (no sync):
-    "triton" on sm90 with 16-bit operands and at least ``AUTO_MIN_GROUP_ROWS`` rows per group
-    on average for the forward and dx (``AUTO_DW_MIN_GROUP_ROWS`` for dw), else "native".
-    Measured with the Triton kernels' sm90 defaults (TMA loads and stores)."""
+    """The backend "auto" picks for ``product`` on this call, from shapes only (no sync), on
+    sm90 with 16-bit operands: "gluon" with at least ``AUTO_GLUON_MIN_GROUP_ROWS`` rows per
+    group on average, else "triton" with at least ``AUTO_MIN_GROUP_ROWS`` for the forward and
+    dx (``AUTO_DW_MIN_GROUP_ROWS`` for dw); "native" otherwise and elsewhere. Measured on the
+    GPU alone (CUDA-graph replays): each of our launches costs the host more than
+    ``torch._grouped_mm``'s, which an eager layer waiting on the host feels."""
     min_rows = AUTO_DW_MIN_GROUP_ROWS if product == "dw" else AUTO_MIN_GROUP_ROWS
-    if (x_MK.device.type != "cuda" or x_MK.dtype == torch.float32
-            or x_MK.shape[0] < min_rows * offs_E.shape[0]):
+    rows, groups = x_MK.shape[0], offs_E.shape[0]
+    if x_MK.device.type != "cuda" or x_MK.dtype == torch.float32 or rows < min_rows * groups:
         return "native"
-    return "triton" if _triton_kernels()._is_sm90(x_MK.device) else "native"
+    if not _triton_kernels()._is_sm90(x_MK.device):
+        return "native"
+    return "gluon" if rows >= AUTO_GLUON_MIN_GROUP_ROWS * groups else "triton"
 
 
 def _triton_kernels():
