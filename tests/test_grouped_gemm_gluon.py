@@ -44,11 +44,11 @@ def test_tiles_from_the_environment(monkeypatch):
     assert [gk.tiles("dw", k) for k in (2048, 1024, 1408, 64)] == [
         "dw256x128x64s3", "dw256x128x64s3", "dw128x256x64s3", "dw256x128x64s3"]
     monkeypatch.setenv(gk.TILES_ENV, "pp64x256x64s4,pp128x128x64s4,ppdw128x128x128s2")
+    assert [gk.tiles(p) for p in ("fwd", "dx", "dw")] == ["pp64x256x64s4", "pp128x128x64s4", "ppdw128x128x128s2"]
     assert gk.tiles("dw", 1408) == "ppdw128x128x128s2"  # the environment's choice holds at any K
     monkeypatch.setenv(gk.TILES_ENV, ",pp64x256x64s4,")  # empty entries keep the defaults
     assert [gk.tiles("fwd"), gk.tiles("dx"), gk.tiles("dw", 1408)] == ["pp128x128x64s5", "pp64x256x64s4",
                                                                          "dw128x256x64s3"]
-    assert [gk.tiles(p) for p in ("fwd", "dx", "dw")] == ["pp64x256x64s4", "pp128x128x64s4", "ppdw128x128x128s2"]
     for bad in ("pp128x128x64s5", "pp128x128x64s5,pp128x128x64s5,pp128x128x64s5", "x,pp128x128x64s5,dw256x128x64s3",
                 ",,,"):
         monkeypatch.setenv(gk.TILES_ENV, bad)

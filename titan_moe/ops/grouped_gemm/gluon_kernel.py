@@ -41,7 +41,6 @@ import functools
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,6 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from titan_moe.ops.triton_runtime import cuda_capability, ensure_scratch_allocator, next_power_of_2, sm_count
 
 # "FWD,DX,DW" tile names (`MM_TILES`, `DW_TILES`; empty: the default) for tuning, see `tiles`
 TILES_ENV = "TITAN_MOE_GLUON_GEMM_TILES"
@@ -464,8 +465,6 @@ def _describable(t: torch.Tensor) -> bool:
 
 
 def _on_sm90(t: torch.Tensor) -> bool:
-    from titan_moe.ops.triton_runtime import cuda_capability
-
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return t.dtype in (torch.bfloat16, torch.float16) and cuda_capability(index)[0] == 9
 
@@ -525,8 +524,6 @@ def mm_descriptors(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_MN: torch.Tensor
 
 
 def _programs(device: torch.device) -> int:
-    from titan_moe.ops.triton_runtime import sm_count
-
     return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -557,7 +554,7 @@ def grouped_mm_gluon(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
     a_desc, b_desc, c_desc, transposed = mm_descriptors(a_MK, b_EKN, out_MN, bm, bn, bk)
     _pingpong_grouped_mm_kernel[(programs or _programs(a_MK.device),)](
         a_desc, b_desc, c_desc, out_MN, offs_E, M, N, E, K, out_MN.stride(0),
-        STAGES=stages, BLOCK_E=triton.next_power_of_2(E + 1), B_TRANSPOSED=transposed,
+        STAGES=stages, BLOCK_E=next_power_of_2(E + 1), B_TRANSPOSED=transposed,
         CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4)
     return out_MN
 
@@ -573,8 +570,6 @@ def grouped_mm_dw_gluon(x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch
         offs_E: [E] int32 cumulative group ends (read on the device only).
         tile: a name of `DW_TILES` (default: `tiles("dw", K)`).
     """
-    from titan_moe.ops.triton_runtime import ensure_scratch_allocator
-
     M, K = x_MK.shape
     bm, bk, bn, stages, schedule = DW_TILES[tile or tiles("dw", K)]
     N, E = grad_MN.shape[1], offs_E.shape[0]
