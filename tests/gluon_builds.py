@@ -50,7 +50,7 @@ _SCRIPT = textwrap.dedent(
         consts = {"STAGES": stages, "BLOCK_E": 128, "B_TRANSPOSED": transposed, "num_warps": warps}
         if warps == "pp":  # two 4-warp consumers and the load warp's group
             kernel, kind, expected_warps = gk._pingpong_grouped_mm_kernel, "ws", 12
-            consts = dict(consts, num_warps=4, CONSUMER_REGS=gk.PINGPONG_CONSUMER_REGS)
+            consts = dict(consts, num_warps=4, CONSUMER_REGS=gk.PINGPONG_CONSUMER_REGS, DIRECT=name.endswith("d"))
         elif name.startswith("np"):  # no partitions
             kernel, kind, expected_warps = probe._pipelined_grouped_mm_kernel, "np", warps
         else:  # the consumer's warps and the load warp's group

@@ -26,12 +26,13 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def test_backend_kernels_build_warp_specialized_for_sm90():
-    """The ping-pong forward (both tiles' shapes) and dx, the ping-pong dw (BM 64 and 128 rows
-    per step) and the cooperative dw build with 12 warps (two 4-warp consumers and the load
+    """The ping-pong forward (both tiles' shapes) and dx (staged and from registers), the
+    ping-pong dw (BM 64 and 128 rows per step) and the cooperative dw build with 12 warps (two 4-warp consumers and the load
     warp's group) or 8 + 4, register moves, wgmma, TMA, mbarriers, no spills."""
-    results = build_results(PROFILING, [("pp128x128x64s5", "fwd"), ("pp128x128x64s5", "dx"), ("pp64x256x64s4", "fwd")],
+    results = build_results(PROFILING, [("pp128x128x64s5", "fwd"), ("pp128x128x64s5", "dx"), ("pp64x256x64s4", "fwd"),
+                                        ("pp128x128x64s6d", "dx")],
                             ["ppdw128x128x64s5", "ppdw128x128x128s2", "dw256x128x64s3"])
-    assert len(results) == 6, results
+    assert len(results) == 7, results
     check_builds(results)
     assert [results[n][2] for n in ("ppdw128x128x64s5", "dw256x128x64s3")] == [12, 12]
 
@@ -58,8 +59,9 @@ def test_tiles_from_the_environment(monkeypatch):
 
 def test_every_tile_fits_sm90_shared_memory():
     """Ring stages plus the staging buffers (two for ping-pong) within sm90's 227 KiB."""
-    for bm, bn, bk, stages in gk.MM_TILES.values():
-        assert stages * (bm * bk + bk * bn) * 2 + 2 * bm * bn * 2 <= 232448
+    for name, (bm, bn, bk, stages) in gk.MM_TILES.items():
+        staging_rows = 8 if name.endswith("d") else bm  # "d": stored from registers, 8-row stand-ins
+        assert stages * (bm * bk + bk * bn) * 2 + 2 * staging_rows * bn * 2 <= 232448, name
     for bm, bk, bn, stages, schedule in gk.DW_TILES.values():
         assert stages * (bm * bk + bm * bn) * 2 + (2 if schedule == "pp" else 1) * bk * bn * 2 <= 232448
 
@@ -138,7 +140,7 @@ _GPU_SCRIPT = textwrap.dedent(
     ("pp128x128x64s4,pp64x256x64s4,ppdw128x128x64s5", "bfloat16"),
     ("pp64x256x64s4,pp128x128x64s5,ppdw128x128x128s2", "float16"),
     ("pp128x128x64s5,pp128x128x64s4,dw128x128x64s4", "bfloat16"),
-    ("pp128x128x64s5,pp128x128x64s5,ppdw128x128x64s4", "bfloat16"),
+    ("pp128x128x64s6d,pp64x256x64s5d,ppdw128x128x64s4", "bfloat16"),
     ("pp128x128x64s5,pp128x128x64s5,dw128x256x64s3", "bfloat16"),
 ])
 def test_gluon_backend_matches_the_loop_through_autograd(tiles, dtype):

@@ -55,11 +55,15 @@ from titan_moe.ops.triton_runtime import cuda_capability, ensure_scratch_allocat
 
 # "FWD,DX,DW" tile names (`MM_TILES`, `DW_TILES`; empty: the default) for tuning, see `tiles`
 TILES_ENV = "TITAN_MOE_GLUON_GEMM_TILES"
-# forward / dx: name -> (BM, BN, BK, STAGES) of the ping-pong kernel (each consumer a BM x BN tile)
+# forward / dx: name -> (BM, BN, BK, STAGES) of the ping-pong kernel (each consumer a BM x BN tile;
+# a name ending in "d" stores tiles from registers)
 MM_TILES = {
     "pp128x128x64s5": (128, 128, 64, 5),
     "pp128x128x64s4": (128, 128, 64, 4),
     "pp64x256x64s4": (64, 256, 64, 4),
+    # "d": tiles stored from registers, the staging buffers' shared memory given to the ring
+    "pp128x128x64s6d": (128, 128, 64, 6),
+    "pp64x256x64s5d": (64, 256, 64, 5),
 }
 # dw: name -> (BM rows per step, BK, BN (the dw tile), STAGES, schedule: "pp" ping-pong, or the
 # number of warps of one cooperative consumer)
@@ -166,6 +170,13 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N
 
 
 @gluon.constexpr_function
+def staging_shape(block, direct):
+    """The ping-pong kernel's two staging buffers: [2, BM, BN], or [2, 8, BN] stand-ins when
+    tiles are stored from registers."""
+    return [2, 8 if direct else block[0], block[1]]
+
+
+@gluon.constexpr_function
 def mma_layout_of(bn, warps):
     """The wgmma accumulator layout of a [*, bn] tile over ``warps`` warps stacked along M."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, bn, 16])
@@ -202,14 +213,16 @@ def _mainloop(acc, a_bufs, b_bufs, ready, empty, it, steps, A_TRANSPOSED: gl.con
 
 
 @gluon.jit
-def _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout: gl.constexpr):
+def _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout: gl.constexpr,
+              DIRECT: gl.constexpr = False):
     """Store a finished tile: through a TMA box where all its rows belong to its group (after
     the staging buffer's previous box has left), else through masked pointer stores (the
-    group's last, partial tile: its rows past row_end belong to the next group)."""
+    group's last, partial tile: its rows past row_end belong to the next group). DIRECT: every
+    tile through pointer stores from the registers (no staging buffer)."""
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     out = acc.to(c_desc.dtype)
-    if row_start + BM <= row_end:
+    if not DIRECT and row_start + BM <= row_end:
         tma.store_wait(pendings=0)
         c_smem.store(out)
         fence_async_shared()
@@ -223,7 +236,8 @@ def _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N,
 
 @gluon.jit
 def _pingpong_partition(a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_ptr, stride_cm, offs_ptr, M, N, E,
-                        K, n_tiles, BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr, ME: gl.constexpr):
+                        K, n_tiles, BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr, DIRECT: gl.constexpr,
+                        ME: gl.constexpr):
     """One of two 4-warp consumers that take this program's tiles in turn (ME: 0 the even
     ones, 1 the odd ones), each on its own tile and staging buffer, so that one's epilogue
     runs while the other's wgmmas run. The ring is filled in tile order; a consumer enters its
@@ -246,7 +260,7 @@ def _pingpong_partition(a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_
             acc = gl.zeros((BM, BN), gl.float32, layout=mma_layout)
             acc, _ = _mainloop(acc, a_bufs, b_bufs, ready, empty, j * steps, steps, False, B_TRANSPOSED)
             mbarrier.arrive(turns.index(1 - ME), count=1)
-            _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout)
+            _epilogue(acc, c_smem, c_desc, c_ptr, stride_cm, row_start, row_end, col, N, mma_layout, DIRECT)
         j += 1
     if ME == 0:
         _zero_rows_past(c_ptr, stride_cm, offs_ptr, M, N, E, BM, BN, mma_layout)
@@ -271,13 +285,15 @@ def _zero_rows_past(c_ptr, stride_cm, offs_ptr, M, N, E, BM: gl.constexpr, BN: g
 @gluon.jit
 def _pingpong_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E, K, stride_cm,
                                 STAGES: gl.constexpr, BLOCK_E: gl.constexpr, B_TRANSPOSED: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                DIRECT: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Ping-pong: consumer 0 is the default partition (num_warps = 4), consumer 1 a 4-warp
-    worker with CONSUMER_REGS registers, the load partition a 1-warp worker."""
+    worker with CONSUMER_REGS registers, the load partition a 1-warp worker. DIRECT: tiles
+    stored from registers, the two staging buffers' shared memory left to the ring (their
+    8-row stand-ins are never used)."""
     BN: gl.constexpr = c_block_n(b_desc, B_TRANSPOSED)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smems = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    c_smems = gl.allocate_shared_memory(c_desc.dtype, staging_shape(c_desc.block_type.shape, DIRECT), c_desc.layout)
     ready, empty = _ring_barriers(STAGES)
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -285,9 +301,9 @@ def _pingpong_grouped_mm_kernel(a_desc, b_desc, c_desc, c_ptr, offs_ptr, M, N, E
     n_tiles = (N + BN - 1) // BN
     gl.warp_specialize([  # (the argument tuples written out: a tuple built in the kernel loses constexprs)
         (_pingpong_partition, (a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_ptr, stride_cm, offs_ptr, M,
-                               N, E, K, n_tiles, BLOCK_E, B_TRANSPOSED, 0)),
+                               N, E, K, n_tiles, BLOCK_E, B_TRANSPOSED, DIRECT, 0)),
         (_pingpong_partition, (a_bufs, b_bufs, ready, empty, turns, c_smems, c_desc, c_ptr, stride_cm, offs_ptr, M,
-                               N, E, K, n_tiles, BLOCK_E, B_TRANSPOSED, 1)),
+                               N, E, K, n_tiles, BLOCK_E, B_TRANSPOSED, DIRECT, 1)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N, E, K, n_tiles, BLOCK_E,
                            B_TRANSPOSED)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
@@ -543,7 +559,8 @@ def grouped_mm_gluon(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
     M, K = a_MK.shape
     E, _, N = b_EKN.shape
     transposed = b_EKN.stride(2) != 1
-    bm, bn, bk, stages = MM_TILES[tile or tiles("dx" if transposed else "fwd")]
+    name = tile or tiles("dx" if transposed else "fwd")
+    bm, bn, bk, stages = MM_TILES[name]
     if K % bk:
         raise ValueError(f"grouped_mm_gluon: the reduction K ({K}) must be a multiple of {bk}")
     out_MN = torch.empty(M, N, device=a_MK.device, dtype=a_MK.dtype)
@@ -554,7 +571,7 @@ def grouped_mm_gluon(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
     a_desc, b_desc, c_desc, transposed = mm_descriptors(a_MK, b_EKN, out_MN, bm, bn, bk)
     _pingpong_grouped_mm_kernel[(programs or _programs(a_MK.device),)](
         a_desc, b_desc, c_desc, out_MN, offs_E, M, N, E, K, out_MN.stride(0),
-        STAGES=stages, BLOCK_E=next_power_of_2(E + 1), B_TRANSPOSED=transposed,
+        STAGES=stages, BLOCK_E=next_power_of_2(E + 1), B_TRANSPOSED=transposed, DIRECT=name.endswith("d"),
         CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4)
     return out_MN
 
