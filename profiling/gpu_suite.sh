@@ -175,9 +175,9 @@
 #   gluon_host the op's "gluon" backend after its host-cost cuts: all its GPU tests, the host time
 #              per call of each backend (profiling/host_cost_gemm.py), the MoE layer with gluon
 #              beside native, auto and torchtitan with each one's device kernels, then the GEMM
-#              products through the op with the other forward / dx tiles, among them tiles stored
-#              from registers with the staging buffers' memory given to the ring ("...d") (not in
-#              the default list)
+#              products through the op with the other forward / dx and dw tiles, among them tiles
+#              stored from registers with the staging buffers' memory given to the ring ("...d")
+#              (not in the default list)
 #   gluon      profiling/probe_gluon_gemm.py: a warp-specialized grouped GEMM forward, dx and dw in
 #              Gluon (one TMA load warp; cooperative or ping-pong wgmma consumers; one kernel without
 #              partitions, pipelined by hand, for comparison), seven variants at
@@ -508,7 +508,7 @@ for section in "${SECTIONS[@]}"; do
             run gluon_host_layer python profiling/bench_moe.py --skip-gemm --layer-providers ours_auto,ours_gluon \
                 --layer-kernels 14
             run gluon_host_gemm python profiling/bench_moe.py --skip-layer --cuda-graph \
-                --gemm-providers native,gluon,gluon_pp64x256x64s4,gluon_pp128x128x64s6d,gluon_pp64x256x64s5d \
+                --gemm-providers native,gluon,gluon_pp64x256x64s4,gluon_pp128x128x64s6d,gluon_pp64x256x64s5d,gluon_dw256x128x64s4d,gluon_dw128x256x64s4d \
                 --gemm-cases e64_balanced,e64_zipf1.1,layer_gate_up,layer_down ;;
         gluon)  # Gluon grouped GEMM kernels (a probe): their GPU tests, then each beside native and our Triton kernel
             run gluon_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_probe_gluon_gemm.py

@@ -67,7 +67,9 @@ _SCRIPT = textwrap.dedent(
             consts = {"BM": bm, "STAGES": stages, "CONSUMER_REGS": gk.PINGPONG_CONSUMER_REGS, "num_warps": 4}
         else:
             kernel, expected_warps = gk._ws_grouped_dw_kernel, warps + 4
-            consts = {"BM": bm, "STAGES": stages, "num_warps": warps}
+            sig = {n: ("*bf16" if n == "dw_ptr" else sig[n]) for n in gk._ws_grouped_dw_kernel.arg_names
+                   if n in sig or n == "dw_ptr"}
+            consts = {"BM": bm, "STAGES": stages, "DIRECT": name.endswith("d"), "num_warps": warps}
         results[name] = (expected_warps, "dw") + build(kernel, sig, consts, bn)
     print("RESULT", repr(results))
     """

@@ -27,12 +27,13 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 def test_backend_kernels_build_warp_specialized_for_sm90():
     """The ping-pong forward (both tiles' shapes) and dx (staged and from registers), the
-    ping-pong dw (BM 64 and 128 rows per step) and the cooperative dw build with 12 warps (two 4-warp consumers and the load
+    ping-pong dw (BM 64 and 128 rows per step) and the cooperative dw (staged and from
+    registers) build with 12 warps (two 4-warp consumers and the load
     warp's group) or 8 + 4, register moves, wgmma, TMA, mbarriers, no spills."""
     results = build_results(PROFILING, [("pp128x128x64s5", "fwd"), ("pp128x128x64s5", "dx"), ("pp64x256x64s4", "fwd"),
                                         ("pp128x128x64s6d", "dx")],
-                            ["ppdw128x128x64s5", "ppdw128x128x128s2", "dw256x128x64s3"])
-    assert len(results) == 7, results
+                            ["ppdw128x128x64s5", "ppdw128x128x128s2", "dw256x128x64s3", "dw128x256x64s4d"])
+    assert len(results) == 8, results
     check_builds(results)
     assert [results[n][2] for n in ("ppdw128x128x64s5", "dw256x128x64s3")] == [12, 12]
 
@@ -62,8 +63,9 @@ def test_every_tile_fits_sm90_shared_memory():
     for name, (bm, bn, bk, stages) in gk.MM_TILES.items():
         staging_rows = 8 if name.endswith("d") else bm  # "d": stored from registers, 8-row stand-ins
         assert stages * (bm * bk + bk * bn) * 2 + 2 * staging_rows * bn * 2 <= 232448, name
-    for bm, bk, bn, stages, schedule in gk.DW_TILES.values():
-        assert stages * (bm * bk + bm * bn) * 2 + (2 if schedule == "pp" else 1) * bk * bn * 2 <= 232448
+    for name, (bm, bk, bn, stages, schedule) in gk.DW_TILES.items():
+        staging_rows = 8 if name.endswith("d") else bk
+        assert stages * (bm * bk + bm * bn) * 2 + (2 if schedule == "pp" else 1) * staging_rows * bn * 2 <= 232448
 
 
 def test_off_sm90_the_backend_falls_back_with_the_same_results():
@@ -142,6 +144,8 @@ _GPU_SCRIPT = textwrap.dedent(
     ("pp128x128x64s5,pp128x128x64s4,dw128x128x64s4", "bfloat16"),
     ("pp128x128x64s6d,pp64x256x64s5d,ppdw128x128x64s4", "bfloat16"),
     ("pp128x128x64s5,pp128x128x64s5,dw128x256x64s3", "bfloat16"),
+    ("pp128x128x64s5,pp128x128x64s5,dw256x128x64s4d", "bfloat16"),
+    ("pp128x128x64s5,pp128x128x64s5,dw128x256x64s4d", "float16"),
 ])
 def test_gluon_backend_matches_the_loop_through_autograd(tiles, dtype):
     """The op with backend="gluon" (forward, dx, dw) against the fp32 loop on random ragged

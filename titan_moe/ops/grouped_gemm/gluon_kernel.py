@@ -74,6 +74,9 @@ DW_TILES = {
     "dw256x128x64s3": (64, 256, 128, 3, 8),
     "dw128x256x64s3": (64, 128, 256, 3, 8),
     "dw128x128x64s4": (64, 128, 128, 4, 8),
+    # "d": tiles stored from registers, the staging buffer's shared memory given to the ring
+    "dw256x128x64s4d": (64, 256, 128, 4, 8),
+    "dw128x256x64s4d": (64, 128, 256, 4, 8),
 }
 # On the H200 at E = 64, M 64K, K 2,048, N 1,408 (BENCHMARKS.md, "Grouped GEMM in Gluon"):
 # pp128x128x64s5 1.10x / 1.16x torch._grouped_mm's forward balanced / Zipf 1.1, dx 1.06x / 1.11x
@@ -171,9 +174,16 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, M, N
 
 @gluon.constexpr_function
 def staging_shape(block, direct):
-    """The ping-pong kernel's two staging buffers: [2, BM, BN], or [2, 8, BN] stand-ins when
+    """The ping-pong kernels' two staging buffers: [2, BM, BN], or [2, 8, BN] stand-ins when
     tiles are stored from registers."""
     return [2, 8 if direct else block[0], block[1]]
+
+
+@gluon.constexpr_function
+def staging_block(block, direct):
+    """A cooperative kernel's staging buffer: [BM, BN], or an [8, BN] stand-in when tiles are
+    stored from registers."""
+    return [8 if direct else block[0], block[1]]
 
 
 @gluon.constexpr_function
@@ -359,10 +369,11 @@ def _dw_load_partition(x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, 
 
 
 @gluon.jit
-def _dw_mma_partition(x_bufs, g_bufs, ready, empty, c_smem, dw_desc, offs_ptr, M, K, N, E,
-                      num_warps: gl.constexpr):
+def _dw_mma_partition(x_bufs, g_bufs, ready, empty, c_smem, dw_desc, dw_ptr, offs_ptr, M, K, N, E,
+                      DIRECT: gl.constexpr, num_warps: gl.constexpr):
     """The cooperative consumer of the dw: dw[group][k0:k0+BK, n0:n0+BN] = x^T grad over the
-    group's rows (x's [BM, BK] boxes read transposed), stored through a TMA box of dw."""
+    group's rows (x's [BM, BK] boxes read transposed), stored through a TMA box of dw, or with
+    DIRECT from the registers through pointer stores into dw [E*K, N] (row-major)."""
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[2]
@@ -374,26 +385,35 @@ def _dw_mma_partition(x_bufs, g_bufs, ready, empty, c_smem, dw_desc, offs_ptr, M
         acc = gl.zeros((BK, BN), gl.float32, layout=mma_layout)
         steps = (row_end - row_start + BM - 1) // BM
         acc, it = _mainloop(acc, x_bufs, g_bufs, ready, empty, it, steps, True, False)
-        tma.store_wait(pendings=0)
-        c_smem.store(acc.to(dw_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dw_desc, [group * K + k0, n0], c_smem)
+        if DIRECT:
+            rows = group * K + k0 + gl.arange(0, BK, layout=gl.SliceLayout(1, mma_layout))
+            cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+            ptrs = dw_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :]
+            gl.store(ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(cols < N)[None, :])
+        else:
+            tma.store_wait(pendings=0)
+            c_smem.store(acc.to(dw_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dw_desc, [group * K + k0, n0], c_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _ws_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, offs_ptr, M, K, N, E, stride_xm, stride_gm,
-                          BM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _ws_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, dw_ptr, offs_ptr, M, K, N, E, stride_xm, stride_gm,
+                          BM: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
     """dw[e] = x[rows of e]^T @ grad[rows of e] (dw [E*K, N] in [BK, BN] boxes, K a multiple
-    of BK; empty groups store zeros), warp-specialized as the forward."""
+    of BK; empty groups store zeros), warp-specialized as the forward. DIRECT: tiles stored
+    from registers, the staging buffer (an 8-row stand-in) left to the ring."""
     BK: gl.constexpr = dw_desc.block_type.shape[0]
     BN: gl.constexpr = dw_desc.block_type.shape[1]
     x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BM, BK], shared_layout_of([BM, BK], 16))
     g_bufs = gl.allocate_shared_memory(g_ptr.dtype.element_ty, [STAGES, BM, BN], shared_layout_of([BM, BN], 16))
-    c_smem = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
+    c_smem = gl.allocate_shared_memory(dw_desc.dtype, staging_block(dw_desc.block_type.shape, DIRECT),
+                                       dw_desc.layout)
     ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
-        (_dw_mma_partition, (x_bufs, g_bufs, ready, empty, c_smem, dw_desc, offs_ptr, M, K, N, E, num_warps)),
+        (_dw_mma_partition, (x_bufs, g_bufs, ready, empty, c_smem, dw_desc, dw_ptr, offs_ptr, M, K, N, E, DIRECT,
+                             num_warps)),
         (_dw_load_partition, (x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E, stride_xm,
                               stride_gm)),
     ], [1], [LOAD_REGS])
@@ -588,7 +608,8 @@ def grouped_mm_dw_gluon(x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch
         tile: a name of `DW_TILES` (default: `tiles("dw", K)`).
     """
     M, K = x_MK.shape
-    bm, bk, bn, stages, schedule = DW_TILES[tile or tiles("dw", K)]
+    name = tile or tiles("dw", K)
+    bm, bk, bn, stages, schedule = DW_TILES[name]
     N, E = grad_MN.shape[1], offs_E.shape[0]
     if K % bk:
         raise ValueError(f"grouped_mm_dw_gluon: K ({K}) must be a multiple of the dw tile's rows ({bk})")
@@ -603,5 +624,6 @@ def grouped_mm_dw_gluon(x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch
         _pingpong_grouped_dw_kernel[grid](*args, BM=bm, STAGES=stages, CONSUMER_REGS=PINGPONG_CONSUMER_REGS,
                                           num_warps=4)
     else:
-        _ws_grouped_dw_kernel[grid](*args, BM=bm, STAGES=stages, num_warps=schedule)
+        _ws_grouped_dw_kernel[grid](x_MK, grad_MN, dw_desc, dw_EKN, *args[3:], BM=bm, STAGES=stages,
+                                    DIRECT=name.endswith("d"), num_warps=schedule)
     return dw_EKN
