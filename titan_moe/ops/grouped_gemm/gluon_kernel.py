@@ -12,7 +12,13 @@ mbarrier (the TMA copies' bytes arrive on it) and an "empty" one (the consumer i
   take the program's tiles in turn: each waits for its ring slots, issues asynchronous
   wgmmas with one in flight, releases the slot of the one before, and stores its tile while
   the other consumer's wgmmas run. A consumer enters its tile's mainloop only once the other
-  has left the previous tile's (a pair of "turn" mbarriers).
+  has left the previous tile's (a pair of "turn" mbarriers). The forward / dx take these;
+  the dw also has a cooperative form (one 8-warp consumer on [256, 128] or [128, 256] tiles),
+  faster there on the H200 (BENCHMARKS.md, "Grouped GEMM in Gluon ...").
+
+Tiles leave through a shared-memory staging buffer and a TMA store, or, for tile names ending
+in "d", from the registers through pointer stores, the staging buffers' shared memory then
+going to one more ring stage (an experiment, not the default).
 
 Products (the op's; `grouped_mm_gluon`, `grouped_mm_dw_gluon`):
 
@@ -21,7 +27,8 @@ Products (the op's; `grouped_mm_gluon`, `grouped_mm_dw_gluon`):
   from w as an [E*N, K] matrix in [BN, BK] boxes that the wgmma takes transposed. Row tiles
   never straddle a group (`_schedule`, the group-ordered list of the Triton kernel's
   `_ragged_m_kernel`); a group's last, partial row tile reads the next group's rows and never
-  stores them (masked pointer stores; full tiles leave through TMA boxes).
+  stores them (masked pointer stores). Rows past ``offs[-1]`` are zeroed by the kernel's
+  first consumer after its tiles (`_zero_rows_past`).
 * dw ``dw[e] = x[rows of e]^T @ grad[rows of e]`` in [BK, BN] tiles of dw, each reducing over
   its group's rows in steps of BM; the load partition makes TMA descriptors of the group's
   rows per tile on the device (the copy engine zero-fills past the group's end), the consumer
@@ -30,7 +37,7 @@ Products (the op's; `grouped_mm_gluon`, `grouped_mm_dw_gluon`):
 Scope (`gluon_supported`, checked on the host; the op falls back to the Triton kernels
 elsewhere): CUDA sm90, 16-bit operands, row-major operands TMA can describe (16-byte aligned
 rows and base), the reduction and the weight's K a multiple of 64 (a box never crosses into
-the next expert), at most `MAX_GROUPS` groups (the schedule keeps a per-group vector in the
+the next expert; for dw, of the dw tile's 128 or 256 rows), at most `MAX_GROUPS` groups (the schedule keeps a per-group vector in the
 load warp's few registers). Gluon has no interpreter: these kernels are checked on the GPU
 (tests/test_grouped_gemm_gluon.py) and, on the CPU, by building them for sm90.
 """
