@@ -33,6 +33,10 @@ def host_ms(fn, calls: int) -> float:
 
 
 def main() -> None:
+    if len(sys.argv) > 2 or (len(sys.argv) == 2 and not sys.argv[1].isdigit()):
+        sys.exit("usage: host_cost_gemm.py [CALLS]")
+    if not torch.cuda.is_available():
+        sys.exit("host_cost_gemm.py: needs a CUDA GPU (it times the host's side of GPU launches)")
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     E, K, N, rows = 64, 2048, 1408, 16
     offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * rows

@@ -836,3 +836,16 @@ def test_step_table_mean_after_a_warmup_step(tmp_path, capsys):
     assert summary["runs"]["short"]["mean_tokens_per_s"] is None and summary["runs"]["short"]["mean_ratio"] is None
     out = capsys.readouterr().out
     assert "mean tokens/s after step 4" in out and "| 1,800 (steps 8-12) | 1.200x |" in out
+
+
+# ---------------------------------------------------------------------------------------------- host cost
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_host_cost_tool_refuses_bad_arguments_and_a_machine_without_cuda():
+    def run(*args):
+        return subprocess.run([sys.executable, str(REPO / "profiling" / "host_cost_gemm.py"), *args],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+
+    bad = run("many")
+    assert bad.returncode != 0 and "usage" in bad.stderr
+    no_gpu = run("10")
+    assert no_gpu.returncode != 0 and "needs a CUDA GPU" in no_gpu.stderr
