@@ -58,7 +58,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from titan_moe.ops.triton_runtime import cuda_capability, ensure_scratch_allocator, next_power_of_2, sm_count
+from titan_moe.ops.triton_runtime import (
+    cuda_capability,
+    ensure_cuda_context,
+    ensure_scratch_allocator,
+    next_power_of_2,
+    sm_count,
+    tma_describable,
+)
 
 # "FWD,DX,DW" tile names (`MM_TILES`, `DW_TILES`; empty: the default) for tuning, see `tiles`
 TILES_ENV = "TITAN_MOE_GLUON_GEMM_TILES"
@@ -502,11 +509,6 @@ def tiles(product: str, K: int | None = None) -> str:
     return DEFAULT_TILES[index]
 
 
-def _describable(t: torch.Tensor) -> bool:
-    """Row-major with 16-byte aligned rows and base (what a TMA descriptor needs)."""
-    return t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 def _on_sm90(t: torch.Tensor) -> bool:
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return t.dtype in (torch.bfloat16, torch.float16) and cuda_capability(index)[0] == 9
@@ -521,7 +523,7 @@ def gluon_supported(a_MK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
     E, K, N = b_EKN.shape
     weight = b_EKN.transpose(1, 2) if b_EKN.stride(2) != 1 else b_EKN
     bk = MM_TILES[tiles("dx" if weight is not b_EKN else "fwd")][2]
-    return (E <= MAX_GROUPS and K % bk == 0 and weight.is_contiguous() and _describable(a_MK)
+    return (E <= MAX_GROUPS and K % bk == 0 and weight.is_contiguous() and tma_describable(a_MK)
             and (N * a_MK.element_size()) % 16 == 0 and (weight.shape[2] * a_MK.element_size()) % 16 == 0)
 
 
@@ -531,7 +533,7 @@ def gluon_dw_supported(x_MK: torch.Tensor, grad_MN: torch.Tensor) -> bool:
     if x_MK.device.type != "cuda" or grad_MN.dtype != x_MK.dtype or not _on_sm90(x_MK):
         return False
     K = x_MK.shape[1]
-    return (K % DW_TILES[tiles("dw", K)][1] == 0 and _describable(x_MK) and _describable(grad_MN)
+    return (K % DW_TILES[tiles("dw", K)][1] == 0 and tma_describable(x_MK) and tma_describable(grad_MN)
             and (grad_MN.shape[1] * grad_MN.element_size()) % 16 == 0)
 
 
@@ -547,8 +549,13 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
+    """A Gluon host TMA descriptor of the 2-D row-major ``t``; on CUDA after
+    `ensure_cuda_context` (its encoding needs a current context, which autograd's device thread
+    may lack at its first backward, as for the Triton kernels' descriptors)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if t.is_cuda:
+        ensure_cuda_context(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
@@ -567,7 +574,7 @@ def mm_descriptors(a_MK: torch.Tensor, b_EKN: torch.Tensor, out_MN: torch.Tensor
 
 
 def _programs(device: torch.device) -> int:
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device.index)
 
 
 def grouped_mm_gluon(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tensor, tile: str | None = None,
