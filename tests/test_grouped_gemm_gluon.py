@@ -88,6 +88,32 @@ def test_off_sm90_the_backend_falls_back_with_the_same_results():
     assert "gluon" in gg_op.BACKENDS and gg_op.resolve_backend("dw=gluon", "dw") == "gluon"
 
 
+def test_a_triton_without_gluon_takes_the_triton_kernels(monkeypatch):
+    """Where the installed Triton lacks Gluon, "gluon" (and so "auto", the default, on sm90)
+    takes the Triton kernels instead of failing on import; with Gluon it asks the kernels'
+    scope."""
+    from types import SimpleNamespace
+
+    cuda_operand = SimpleNamespace(device=torch.device("cuda"))
+
+    def no_gluon():
+        raise ImportError("no triton.experimental.gluon")
+
+    monkeypatch.setattr(gg_op, "_gluon_kernels", no_gluon)
+    gg_op._gluon_importable.cache_clear()
+    try:
+        assert not gg_op._gluon_importable()
+        assert gg_op._resolve_gluon("fwd", cuda_operand, cuda_operand) == "triton"
+        assert gg_op._resolve_gluon("dw", cuda_operand, cuda_operand) == "triton"
+        scope = SimpleNamespace(gluon_supported=lambda a, b: True, gluon_dw_supported=lambda a, b: False)
+        monkeypatch.setattr(gg_op, "_gluon_kernels", lambda: scope)
+        gg_op._gluon_importable.cache_clear()
+        assert gg_op._resolve_gluon("fwd", cuda_operand, cuda_operand) == "gluon"
+        assert gg_op._resolve_gluon("dw", cuda_operand, cuda_operand) == "triton"
+    finally:
+        gg_op._gluon_importable.cache_clear()
+
+
 def test_reductions_the_tiles_cannot_step_are_refused_on_the_host():
     offs = torch.tensor([3, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -637,6 +637,7 @@ def test_backend_per_product(monkeypatch):
 
 def test_backend_names():
     assert gg_op.resolve_backend("loop") == "loop"
+    assert gg_op.DEFAULT_BACKEND == "auto" and gg_op.DEFAULT_BACKEND in gg_op.BACKENDS
     with pytest.raises(ValueError, match="backend argument"):
         grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), torch.tensor([2, 4], dtype=torch.int32), backend="cuda")
 
@@ -1088,6 +1089,11 @@ def test_auto_backend_rule_and_routing(monkeypatch):
     monkeypatch.setattr(gg_op, "auto_backend", lambda product, x, offs: "triton" if product == "dx" else "loop")
     routed = run_backend(x, w, grad, offs, "auto")
     assert calls == ["grouped_mm_triton"]  # dx only
+    monkeypatch.delenv(gg_op.BACKEND_ENV, raising=False)
+    default = run_backend(x, w, grad, offs)  # the default backend is auto: dx on triton again
+    assert calls == ["grouped_mm_triton"] * 2
+    for got, ref in zip(default, routed):
+        assert torch.equal(got, ref)
     for got, ref in zip(routed, runs["loop"]):
         assert rel_err(got, ref) < TOL[torch.float32]
     for got, ref in zip(runs["auto"], runs["loop"]):

@@ -12,12 +12,13 @@ nodes in both the forward and the backward graph:
 * ``titan_moe::grouped_mm_dw`` (x [M,K], grad [M,N], offs [E]) -> [E,K,N] = x^T @ grad per group
 
 Backends, chosen per call by the ``backend`` argument of the ops, else the environment
-variable ``TITAN_MOE_GROUPED_MM_BACKEND``, else ``"native"``; either names one backend for
-the three products, or one per product, ``"fwd=triton,dx=triton,dw=native"`` (a product not
-named takes ``"native"``), so that each product can run where it was measured fastest:
+variable ``TITAN_MOE_GROUPED_MM_BACKEND``, else ``DEFAULT_BACKEND`` (``"auto"``); either names
+one backend for the three products, or one per product, ``"fwd=triton,dx=triton,dw=native"``
+(a product not named takes ``"native"``), so that each product can run where it was measured
+fastest:
 
-* ``"native"`` (default): ``torch._grouped_mm`` where it supports the case (below), else
-  the per-group loop.
+* ``"native"``: ``torch._grouped_mm`` where it supports the case (below), else the per-group
+  loop.
 * ``"triton"``: our persistent Triton kernels (:mod:`.triton_kernel`; any dtype, width and
   alignment) on CUDA, or on CPU when ``TRITON_INTERPRET=1`` was set before the kernel
   module was first imported (tests); elsewhere a ``ValueError``.
@@ -25,8 +26,9 @@ named takes ``"native"``), so that each product can run where it was measured fa
   forward / dx, dw) where their scope covers the call (16-bit, TMA-describable, reductions a
   multiple of 64), else the Triton kernels on CUDA and ``"native"`` elsewhere.
 * ``"loop"``: always the per-group loop of the reference.
-* ``"auto"``: per call from the shapes (`auto_backend`): on sm90 the Gluon kernels where the
-  groups are large, the Triton TMA kernels where they are midsize, ``"native"`` otherwise.
+* ``"auto"`` (default): per call from the shapes (`auto_backend`): on sm90 the Gluon kernels
+  where the groups are large, the Triton TMA kernels where they are midsize, ``"native"``
+  otherwise (every other device and dtype: CPU, fp32, GPUs other than sm90).
 
 ``"native"`` in detail:
 
@@ -52,6 +54,7 @@ they never access memory out of bounds).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -69,13 +72,19 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("native", "triton", "gluon", "loop", "auto")
 PRODUCTS = ("fwd", "dx", "dw")
 BACKEND_ENV = "TITAN_MOE_GROUPED_MM_BACKEND"
+# The default backend. "auto" since the H200 measurements of BENCHMARKS.md ("Grouped GEMM in
+# Gluon ..., default"): through the op (CUDA-graph replays) its Gluon kernels ran the E = 64
+# forward 1.12x / 1.17x torch._grouped_mm's (balanced / Zipf 1.1) and forward+backward 1.08x /
+# 1.12x; at the MoE layer benchmark's expert shapes 1.02x / 1.12x (gate-up / down). Where
+# "auto" takes native (small groups, K3's latent experts, anything off sm90) nothing changes.
+DEFAULT_BACKEND = "auto"
 
 
 def resolve_backend(backend: str | None = None, product: str = "fwd") -> str:
     """The backend ``product`` ("fwd", "dx" or "dw") uses: from ``backend`` if given, else
-    ``$TITAN_MOE_GROUPED_MM_BACKEND``, else "native". The spec is one backend name, or
-    ``PRODUCT=NAME`` pairs joined by commas (products not named: "native")."""
-    spec = backend or os.environ.get(BACKEND_ENV) or "native"
+    ``$TITAN_MOE_GROUPED_MM_BACKEND``, else `DEFAULT_BACKEND`. The spec is one backend name,
+    or ``PRODUCT=NAME`` pairs joined by commas (products not named: "native")."""
+    spec = backend or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
     source = "backend argument" if backend else BACKEND_ENV
     if "=" not in spec:
         names = dict.fromkeys(PRODUCTS, spec)
@@ -96,7 +105,7 @@ def resolve_backend(backend: str | None = None, product: str = "fwd") -> str:
 # rows, else torch._grouped_mm (BENCHMARKS.md, "Grouped GEMM: the tile sweep per product, ..."):
 # on the H200 our TMA forward led torch._grouped_mm's by 2-5% at 1,024 rows per group (E = 64,
 # interleaved timing) and trailed at 256 and at 146 (K3's 112 local experts); at 512 it led
-# slightly. A marginal, opt-in choice: the op's default stays "native".
+# slightly.
 AUTO_MIN_GROUP_ROWS = 512
 # "auto" for dw: our dw kernel (on sm90: per-group TMA descriptors, TMA stores) where the groups
 # average at least this many rows (BENCHMARKS.md, "The dw kernels' load forms ..."): on the
@@ -144,12 +153,26 @@ def _gluon_kernels():
     return gluon_kernel
 
 
+@functools.cache
+def _gluon_importable() -> bool:
+    """Whether the installed Triton has the Gluon frontend our Gluon kernels are written in
+    (Triton 3.6 has; an older one makes the "gluon" backend, hence "auto", take the Triton
+    kernels instead of failing on import)."""
+    try:
+        _gluon_kernels()
+    except ImportError:
+        return False
+    return True
+
+
 def _resolve_gluon(product: str, a: Tensor, b: Tensor) -> str:
     """What the "gluon" backend runs for this call: "gluon" where its kernels' scope covers it
-    (product "fwd"/"dx": a = x or grad, b = w or its transposed view; "dw": a = x, b = grad),
-    else "triton" on CUDA, "native" elsewhere."""
+    (product "fwd"/"dx": a = x or grad, b = w or its transposed view; "dw": a = x, b = grad)
+    and the installed Triton has Gluon, else "triton" on CUDA, "native" elsewhere."""
     if a.device.type != "cuda":
         return "native"
+    if not _gluon_importable():
+        return "triton"
     gk = _gluon_kernels()
     ok = gk.gluon_dw_supported(a, b) if product == "dw" else gk.gluon_supported(a, b)
     return "gluon" if ok else "triton"
@@ -351,9 +374,10 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None 
         x_MK: [M, K] rows sorted by group.
         w_EKN: [E, K, N] per-group weights, same dtype as ``x_MK`` (fp32, bf16 or fp16).
         offs_E: [E] int32 cumulative group ends, non-decreasing, ``offs[-1] <= M``.
-        backend: "native", "triton" or "loop" (module docstring) for the forward and
-            both backward products, or one per product ("fwd=triton,dx=triton,dw=native");
-            None reads ``$TITAN_MOE_GROUPED_MM_BACKEND`` at run time, default "native".
+        backend: "auto", "native", "triton", "gluon" or "loop" (module docstring) for the
+            forward and both backward products, or one per product
+            ("fwd=triton,dx=triton,dw=native"); None reads ``$TITAN_MOE_GROUPED_MM_BACKEND``
+            at run time, default `DEFAULT_BACKEND` ("auto").
 
     Returns:
         [M, N] in ``x_MK.dtype`` (fp32 accumulation); rows ``offs[-1]:`` are zero and
