@@ -33,6 +33,11 @@
 #              descriptors (TITAN_MOE_KDA_BWD_TMA=all), then profiling/bench_kda.py at 32K and 8 x 4K:
 #              pointer loads in both (none), the keys kernel's TMA loads, and both, beside the
 #              default (values) (not in the default list)
+#   kda_forms  the forward's A tiles by column tile (TITAN_MOE_KDA_INTRA, the default columns32x4)
+#              against the row-tile kernel (tiles) and other launches: their GPU tests, then
+#              profiling/bench_kda.py at 32K and 8 x 4K (not in the default list)
+#   gemm_default  10 eager training steps of small_1gpu with the grouped GEMM's default backend
+#              (auto), then the same with TITAN_MOE_GROUPED_MM_BACKEND=native (not in the default list)
 #   kda_prepare  profiling/bench_kda.py at 32K and 8 x 4K: the input maps' chunk mode
 #              (TITAN_MOE_KDA_PREPARE_CHUNK, FWD,BWD): the default split64 forward, fused backward,
 #              beside fused and split32 / split64 in both (not in the default list)
@@ -217,6 +222,8 @@ DUMP=${SUITE_DUMP:-$OUT}  # the training runs' dump folders (traces, metrics, ch
 export PYTHONUNBUFFERED=1
 SMALL=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 30
        --metrics.log_freq 5 --validation.freq 1000)
+SMALL10=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 10
+         --metrics.log_freq 5 --validation.freq 1000)
 WIDE=(-m titan_moe.train --job.config_file configs/wide_1gpu.toml --training.steps 12 --metrics.log_freq 4)
 FP8=(--model.converters titan_float8,titan_float8_experts --quantize.linear.float8.recipe_name rowwise)
 # fp8_all's recipe: every fp8 option on (the Triton widening is a kernel choice, set by environment)
@@ -290,6 +297,16 @@ for section in "${SECTIONS[@]}"; do
                 -p no:cacheprovider tests/test_kda_triton.py tests/test_kda_kept.py
             run kda_bwd_tma python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
                 --variants none:TITAN_MOE_KDA_BWD_TMA=none,keys:TITAN_MOE_KDA_BWD_TMA=keys,both:TITAN_MOE_KDA_BWD_TMA=all ;;
+        kda_forms)  # the forward's A tiles by column tile
+            run kda_forms_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_kda_triton.py \
+                -k "intra_columns"
+            run kda_forms python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
+                --variants tiles:TITAN_MOE_KDA_INTRA=tiles,c64:TITAN_MOE_KDA_INTRA=columns64x4,c16:TITAN_MOE_KDA_INTRA=columns16x4 ;;
+        gemm_default)  # training steps with the grouped GEMM's default beside native
+            run gemm_default_auto torchrun --standalone --nproc_per_node=1 "${SMALL10[@]}" \
+                --job.dump_folder "$DUMP/gemm_default_auto"
+            run gemm_default_native env TITAN_MOE_GROUPED_MM_BACKEND=native torchrun --standalone \
+                --nproc_per_node=1 "${SMALL10[@]}" --job.dump_folder "$DUMP/gemm_default_native" ;;
         kda_prepare) run kda_prepare python profiling/bench_kda.py --no-fla --kernels 10 --shapes 32768,4096 \
                 --variants fused:TITAN_MOE_KDA_PREPARE_CHUNK=fused,split32:TITAN_MOE_KDA_PREPARE_CHUNK=split32,split64:TITAN_MOE_KDA_PREPARE_CHUNK=split64 ;;
         kda_ncu)

@@ -449,6 +449,51 @@ def test_output_config_override_keeps_results(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("gate, spec", [("rand", "columns32x4"), ("min", "columns32x4"), ("rand", "columns")])
+def test_intra_columns_match_tiles(monkeypatch, gate, spec):
+    """The column-tile kernel (the default, one program per column tile, dk in steps of BK) writes the
+    A_qk tiles, the inverse (I + A_kk)^-1 and q_decay of the row-tile kernel (equal up to the
+    order of fp32 sums), hence its output and final state: packed sequences with a tile cut short and one shorter
+    than a tile, g at its bound over whole chunks (finite), an initial state; the knob's
+    parsing."""
+    lens = [5, 70, 83]
+    T, H, N = sum(lens), 2, len(lens)
+    inp = make_inputs(1, T, H, 32, 16, gate, seed=11)
+    cu_seqlens = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEVICE)
+    h0 = torch.randn(N, H, 32, 16, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    runs = {}
+    for name in ("tiles", spec):
+        monkeypatch.setenv(triton_fwd.INTRA_ENV, name)
+        st = kda_fwd_states(**inp, scale=0.25, initial_state=h0, cu_seqlens=cu_seqlens, output_final_state=True,
+                            output_q_decay=True)
+        o, ht = chunk_kda_fwd_triton(**inp, scale=0.25, initial_state=h0, cu_seqlens=cu_seqlens,
+                                     output_final_state=True)
+        runs[name] = dict(Aqk=st.Aqk, Ainv=st.Ainv, q_decay=st.q_decay, o=o, ht=ht)
+    # the kernels write only tiles (I, J <= I) and valid rows: compare those
+    rows = torch.arange(T, device=DEVICE) - torch.repeat_interleave(cu_seqlens[:-1], torch.tensor(lens).to(DEVICE))
+    lower_tiles = (torch.arange(64, device=DEVICE)[None, :] // 16 <= (rows % 64)[:, None] // 16)[:, None, :]
+    for name, want in runs["tiles"].items():
+        got = runs[spec][name]
+        if got is None and want is None:
+            continue
+        if name in ("Aqk", "Ainv"):
+            got, want = torch.where(lower_tiles, got, 0.0), torch.where(lower_tiles, want, 0.0)
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
+    assert triton_fwd.intra_config(128) == ((32, 4) if spec == "columns32x4" else (64, 4))
+    monkeypatch.setenv(triton_fwd.INTRA_ENV, "columns128x4")
+    assert triton_fwd.intra_config(32) == (32, 4)  # clipped to dk
+    monkeypatch.setenv(triton_fwd.INTRA_ENV, "tiles")
+    assert triton_fwd.intra_config(128) is None  # the row-tile kernel
+    monkeypatch.delenv(triton_fwd.INTRA_ENV)
+    assert triton_fwd.intra_config(128) == (32, 4)  # the default
+    for bad in ("column", "columns48x4", "columns64x3", "rows"):
+        monkeypatch.setenv(triton_fwd.INTRA_ENV, bad)
+        with pytest.raises(ValueError, match=triton_fwd.INTRA_ENV):
+            triton_fwd.intra_config(128)
+
+
+@needs_kernels
 def test_tile_warps_override_keeps_results(monkeypatch):
     """The per-tile kernels' warps knob changes launches only: results stay the default's,
     forward and backward; malformed values are refused with the variable's name."""

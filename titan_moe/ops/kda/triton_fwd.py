@@ -9,9 +9,11 @@ inside the chunk):
 
     stage 1  `_chunk_cumsum_kernel`   G = chunk-local cumsum(g) (skipped with `g_cumsum`: the
                                       input-map op `kda_prepare` then hands over G itself)
-    stage 2  `_intra_tiles_kernel`    A_qk[i,j] = scale Σ_c q_ic k_jc e^{G_ic - G_jc}   (j <= i)
+    stage 2  `_intra_columns_kernel`  A_qk[i,j] = scale Σ_c q_ic k_jc e^{G_ic - G_jc}   (j <= i)
                                       A_kk[i,j] = beta_i Σ_c k_ic k_jc e^{G_ic - G_jc}  (j <  i)
-                                      Q^ = scale Q ⊙ e^G (the output's operand)
+                                      Q^ = scale Q ⊙ e^G (the output's operand); per
+                                      column tile (or per row tile, `_intra_tiles_kernel`,
+                                      see `intra_config`)
              `_diag_inverse_kernel`   X_II = (I + A_kk[I,I])^{-1} (diagonal 16x16 blocks)
              `_wy_kernel`             X = (I + A_kk)^{-1} (off-diagonal blocks),
                                       W = X (beta e^G ⊙ K),  U = X (beta V)
@@ -99,6 +101,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -236,6 +239,64 @@ def _intra_tile_pair(k, G, Aqk, Akk, b_q_row, b_k_row, b_beta, b_c, rows, m_r, i
     p_a = ((bos + rows) * H + i_h)[:, None] * BT + (i_j * BC + o_r)[None, :]
     tl.store(Aqk + p_a, tl.where(keep_qk, b_aqk, 0.0), mask=m_r[:, None])
     tl.store(Akk + p_a, tl.where(keep_kk, b_akk, 0.0), mask=m_r[:, None])
+
+
+@triton.jit
+def _intra_columns_kernel(
+    q, k, G, beta, Aqk, Akk, q_decay, scale, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    PRECISION: tl.constexpr, STORE_Q_DECAY: tl.constexpr,
+):
+    """Column tile J of one chunk: tiles (I >= J, J) of A_qk and A_kk as one `[BT, BC]` dot
+    pair over the chunk's rows (the default, see `intra_config`; the same contract as
+    `_intra_tiles_kernel`).
+
+    One anchor c_J = G at the column tile's middle row serves every row tile: rows i >= 16 J
+    have G_i - c_J <= 40 (G falls along the chunk) and the columns c_J - G_j <= 40 (the
+    module docstring's bounds with the roles of rows and columns swapped); rows before the
+    column tile get exp(-inf) = 0 (their factor could overflow, and their entries lie above
+    the diagonal). The reduction over dk runs in K // BK steps of BK columns (registers).
+    With STORE_Q_DECAY also the column tile's own rows of q_decay = scale Q ⊙ e^G.
+    Grid: (chunks * BT // BC, H).
+    """
+    bos, T, i_t, i_j, i_h, col0 = _tile_location(cu_seqlens, chunk_indices, BT, BC)
+    if col0 >= T:
+        return
+    o_t = tl.arange(0, BT)
+    o_r = tl.arange(0, BC)
+    rows = i_t * BT + o_t
+    m_rows = (rows < T) & (o_t >= i_j * BC)  # the rows at or below the column tile
+    cols = col0 + o_r
+    m_c = cols < T
+    tok_r = (bos + rows) * H + i_h
+    tok_c = (bos + cols) * H + i_h
+    anchor = col0 + tl.minimum(T - col0, BC) // 2  # middle of the valid rows
+    b_beta = tl.load(beta + tok_r, mask=m_rows, other=0.0).to(tl.float32)
+    b_aqk = tl.zeros([BT, BC], dtype=tl.float32)
+    b_akk = tl.zeros([BT, BC], dtype=tl.float32)
+    for i_k in tl.static_range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_c = tl.load(G + ((bos + anchor) * H + i_h) * K + o_k)
+        p_c = tok_c[:, None] * K + o_k[None, :]
+        b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
+        b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
+        b_k_col_t = tl.trans(b_kc * tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf"))))  # <= e^40
+        p_r = tok_r[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + p_r, mask=m_rows[:, None], other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_r, mask=m_rows[:, None], other=0.0).to(tl.float32)
+        b_G = tl.load(G + p_r, mask=m_rows[:, None], other=0.0)
+        b_row_decay = tl.exp(tl.where(m_rows[:, None], b_G - b_c[None, :], float("-inf")))  # <= e^40
+        b_aqk += tl.dot(b_q * b_row_decay * scale, b_k_col_t, input_precision=PRECISION)
+        b_akk += tl.dot(b_k * b_row_decay, b_k_col_t, input_precision=PRECISION)
+        if STORE_Q_DECAY:  # the column tile's own rows (e^G <= 1)
+            b_qc = tl.load(q + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
+            tl.store(q_decay + p_c, (b_qc * tl.exp(b_Gc) * scale).to(q_decay.dtype.element_ty), mask=m_c[:, None])
+    # causal masks in chunk coordinates: j <= i for A_qk, j < i for A_kk (entries dropped in
+    # the diagonal tile are finite: each factor is at most e^40)
+    o_col = i_j * BC + o_r
+    p_a = tok_r[:, None] * BT + o_col[None, :]
+    tl.store(Aqk + p_a, tl.where(o_t[:, None] >= o_col[None, :], b_aqk, 0.0), mask=m_rows[:, None])
+    tl.store(Akk + p_a, tl.where(o_t[:, None] > o_col[None, :], b_akk * b_beta[:, None], 0.0), mask=m_rows[:, None])
 
 
 # ----------------------------------------------------------------------------------------
@@ -822,11 +883,19 @@ def kda_fwd_states(
     intra_warps, inverse_warps, wy_warps, _ = tile_warps()
     if not g_cumsum:
         _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
-    _intra_tiles_kernel[(n_chunks * N_TILES, H)](
-        q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
-        H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, STORE_Q_DECAY=output_q_decay,
-        num_warps=intra_warps,
-    )
+    columns = intra_config(K)
+    if columns is None:
+        _intra_tiles_kernel[(n_chunks * N_TILES, H)](
+            q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
+            H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, STORE_Q_DECAY=output_q_decay,
+            num_warps=intra_warps,
+        )
+    else:
+        _intra_columns_kernel[(n_chunks * N_TILES, H)](
+            q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
+            H=H, K=K, BT=CHUNK, BC=TILE, BK=columns[0], PRECISION=precision, STORE_Q_DECAY=output_q_decay,
+            num_warps=columns[1],
+        )
     _diag_inverse_kernel[(n_chunks * N_TILES, H)](
         Akk, Ainv, cu, chunk_indices, H=H, BT=CHUNK, BC=TILE, num_warps=inverse_warps,
     )
@@ -1028,8 +1097,32 @@ def output_config(V: int) -> tuple[int, int]:
     return min(bv, V), warps
 
 
+INTRA_ENV = "TITAN_MOE_KDA_INTRA"  # the forward's A tiles: "tiles" or "columns[BKxWARPS]" (`intra_config`)
+
+
+def intra_config(K: int) -> tuple[int, int] | None:
+    """How the forward computes the A_qk / A_kk tiles, from `$TITAN_MOE_KDA_INTRA` (read per
+    call; default "columns32x4"): "columns" or "columnsBKxWARPS" (default 64x4 for a bare
+    "columns") gives (BK, warps) of `_intra_columns_kernel` (one program per column tile, one
+    [BT, BC] dot pair over the chunk's rows, dk in steps of BK, clipped to dk); "tiles" gives
+    None: `_intra_tiles_kernel` (one program per row tile, one dot pair per tile (I, J <= I)).
+    Measured on the H200 at T = 32K, H = 16, dk = 128 (BENCHMARKS.md, "KDA: the forward's A
+    tiles by column tile"): columns32x4 0.538 ms against the row tiles' 0.635 (forward+backward
+    6.694 against 6.784 ms); 64x4 0.619, 16x4 0.691, 32x2 0.733, 64x8 0.797, 32x8 0.910."""
+    text = os.environ.get(INTRA_ENV) or "columns32x4"
+    if text == "tiles":
+        return None
+    match = re.fullmatch(r"columns(?:(\d+)x(\d+))?", text)
+    bk, warps = (int(match[1]), int(match[2])) if match and match[1] else (64, 4)
+    if not match or bk not in (16, 32, 64, 128) or warps not in _WARPS:
+        raise ValueError(f"{INTRA_ENV} must be tiles, columns or columnsBKxWARPS (BK 16, 32, 64 or 128, "
+                         f"warps a power of two <= 16), got {text!r}")
+    return min(bk, K), warps
+
+
 def tile_warps() -> tuple[int, int, int, int]:
-    """num_warps of `_intra_tiles_kernel`, `_diag_inverse_kernel`, `_wy_kernel` and
+    """num_warps of `_intra_tiles_kernel` (with `TITAN_MOE_KDA_INTRA=tiles`; the default column
+    kernel takes its warps from `intra_config`), `_diag_inverse_kernel`, `_wy_kernel` and
     `triton_bwd._bwd_intra_kernel`: default 4, 1, 4, 4 (H200, BENCHMARKS.md; the last with
     `triton_bwd.bwd_intra_bk`'s 64 key columns per program);
     `$TITAN_MOE_KDA_TILE_WARPS` ("AxBxCxD", read per call) overrides them for tuning."""
