@@ -544,7 +544,7 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
     kernels = {r["kernel"] for r in rows}
-    assert kernels >= {"_chunk_cumsum_kernel", "_intra_tiles_kernel", "_wy_kernel", "_state_scan_kernel",
+    assert kernels >= {"_chunk_cumsum_kernel", "_intra_columns_kernel", "_wy_kernel", "_state_scan_kernel",
                        "_output_kernel", "_bwd_walk_prep_kernel", "_bwd_state_scan_kernel", "_bwd_chunk_keys_kernel", "_bwd_chunk_values_kernel",
                        "_bwd_intra_kernel", "_bwd_reverse_cumsum_kernel", "_prepare_fwd_kernel",
                        "_prepare_bwd_kernel", "_situ_fwd_kernel", "_situ_bwd_kernel"}
