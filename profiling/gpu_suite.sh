@@ -203,6 +203,11 @@
 # go under $SUITE_DUMP (default OUT). SUITE_DRY_RUN=1 writes each
 # command to summary.txt instead of running it; SUITE_GPUS overrides the GPU count (both for
 # checking the script without a GPU).
+# Triton's cache (compiled kernels, and the autotuning results that fla's kernels keep on disk)
+# is $TRITON_CACHE_DIR, by default build/triton_cache in the checkout (ignored by git), so that a
+# later call on the same machine reuses it; the suite then copies the autotuning results
+# (*.autotune.json, a few KiB) to OUT/triton_autotune, with their folders: put them back under
+# build/triton_cache on a fresh machine and fla's autotuning (minutes at 32K) is skipped there.
 set -u
 OUT=${1:?usage: bash profiling/gpu_suite.sh OUT [SECTION ...]}
 shift
@@ -220,6 +225,7 @@ fi
 LIMIT=${SUITE_TIMEOUT:-540}
 DUMP=${SUITE_DUMP:-$OUT}  # the training runs' dump folders (traces, metrics, checkpoints)
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton_cache}
 SMALL=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 30
        --metrics.log_freq 5 --validation.freq 1000)
 SMALL10=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 10
@@ -544,3 +550,8 @@ for section in "${SECTIONS[@]}"; do
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done
+if [ -d "$TRITON_CACHE_DIR" ]; then  # the autotuning results, for a later machine
+    AUTOTUNE_OUT=$(cd "$OUT" && pwd)/triton_autotune
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' \
+        -exec sh -c 'mkdir -p "$0/$(dirname "$1")" && cp "$1" "$0/$1"' "$AUTOTUNE_OUT" {} \;)
+fi

@@ -298,6 +298,27 @@ def test_gpu_suite_deadline_skips_commands_that_would_overrun_it(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["summary.txt"]
 
 
+def test_gpu_suite_copies_the_autotuning_results_out(tmp_path):
+    """After its sections the suite copies Triton's autotuning results (and nothing else of
+    its cache) to OUT/triton_autotune, each in its cache folder, for a later machine; with
+    none there, no such folder."""
+    cache = tmp_path / "cache"
+    (cache / "k1").mkdir(parents=True)
+    (cache / "k1" / "_kernel.autotune.json").write_text('{"configs_timings": []}')
+    (cache / "k1" / "_kernel.cubin").write_bytes(b"\0")
+    (cache / "k2").mkdir()
+    (cache / "k2" / "_other.json").write_text("{}")
+    proc = _gpu_suite(tmp_path, "kda_forms", gpus="1", TRITON_CACHE_DIR=str(cache))
+    assert proc.returncode == 0, proc.stderr
+    copied = tmp_path / "out" / "triton_autotune"
+    assert sorted(str(p.relative_to(copied)) for p in copied.rglob("*") if p.is_file()) == ["k1/_kernel.autotune.json"]
+    assert (copied / "k1" / "_kernel.autotune.json").read_text() == '{"configs_timings": []}'
+    (cache / "k1" / "_kernel.autotune.json").unlink()
+    proc = _gpu_suite(tmp_path / "again", "kda_forms", gpus="1", TRITON_CACHE_DIR=str(cache))
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "again" / "out" / "triton_autotune").exists()
+
+
 def test_gpu_suite_fp8_gemm_section(tmp_path):
     """fp8_gemm: the GPU tests of the GEMM code, the host-profiled probe, then the GEMM
     providers as graph replays and with host launches."""
