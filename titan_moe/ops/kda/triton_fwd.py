@@ -38,7 +38,8 @@ tile J <= I,
 so both factors stay below e^40 ~ 2.4e17, far inside fp32 (max ~e^88.7): the tile is
 `(x_I ⊙ e^{G_I - c_I}) @ (k_J ⊙ e^{c_I - G_J})^T`, one `tl.dot`, for the diagonal tile as
 for the others. The diagonal tile differs only in the causal mask applied to the dot's
-result (see `_intra_tiles_kernel`); there is no per-position path. Factors that underflow
+result (see `_intra_tiles_kernel`; `_intra_columns_kernel`, the default, anchors each column
+tile instead, with the same bounds); there is no per-position path. Factors that underflow
 (c_I - G_j < -87 for distant tiles) flush entries whose true value is below e^{40-87}, i.e.
 negligible next to the O(1) entries. e^80 would overflow fp16, so exp-scaled operands are always fp32 here.
 
@@ -307,8 +308,8 @@ def _diag_inverse_kernel(Akk, Ainv, cu_seqlens, chunk_indices, H: tl.constexpr, 
                          BC: tl.constexpr):
     """X_II = (I + A_kk[I,I])^{-1} for diagonal tile I of one chunk, into Ainv's diagonal.
 
-    Akk, Ainv: `[TT, H, BT]` fp32 (A_kk's diagonal tiles are strictly lower, from
-    `_intra_tiles_kernel`). The substitution is a chain of BC - 1 dependent row steps, each
+    Akk, Ainv: `[TT, H, BT]` fp32 (A_kk's diagonal tiles are strictly lower, from the A-tiles
+    kernel, `intra_config`). The substitution is a chain of BC - 1 dependent row steps, each
     a reduction across the tile; launched with one warp, those reductions are register
     shuffles inside the warp, with no barrier between warps. On the H200 at T = 32K this
     kernel takes 0.07 ms, where the same four chains per chunk interleaved inside
@@ -424,7 +425,7 @@ def _wy_kernel(
 ):
     """X = (I + A_kk)^{-1} for one chunk, then W = X (beta e^G ⊙ K) and U = X (beta V).
 
-    Akk: `[TT, H, BT]` off-diagonal tiles from `_intra_tiles_kernel`; Ainv: `[TT, H, BT]`
+    Akk: `[TT, H, BT]` off-diagonal tiles from the A-tiles kernel (`intra_config`); Ainv: `[TT, H, BT]`
     fp32 holds X's diagonal blocks (from `_diag_inverse_kernel`) and receives the
     rest of its lower block triangle; W `[TT, H, K]`, U `[TT, H, V]` (fp32 in the classic
     walk, the input dtype in the lean one: stores cast). The chunk is 4 tiles of 16
@@ -706,7 +707,7 @@ def _output_kernel(
 ):
     """O = (scale Q ⊙ e^G) S + A_qk V~ for one chunk, head and block of BV outputs.
 
-    q_decay: `[TT, H, K]` scale Q ⊙ e^G from `_intra_tiles_kernel`, h: `[chunks, H, K, V]`,
+    q_decay: `[TT, H, K]` scale Q ⊙ e^G from the A-tiles kernel (`intra_config`), h: `[chunks, H, K, V]`,
     v_new `[TT, H, V]`, all three in the walk's dtype (module docstring): the first dot
     takes them as they are (lean: 16-bit operands, fp32 accumulation, as the walk's own
     dots; classic: fp32); Aqk: `[TT, H, BT]` fp32 (scale included, lower triangle incl. the
