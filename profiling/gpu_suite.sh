@@ -36,6 +36,12 @@
 #   kda_forms  the forward's A tiles by column tile (TITAN_MOE_KDA_INTRA, the default columns32x4)
 #              against the row-tile kernel (tiles) and other launches: their GPU tests, then
 #              profiling/bench_kda.py at 32K and 8 x 4K (not in the default list)
+#   kda_dakk   dA_kk formed in the values kernel (TITAN_MOE_KDA_DAKK, the default "values"):
+#              profiling/bench_kda.py at 32K and 8 x 4K beside the inverse form and tf32 dots, then
+#              the KDA GPU tests (float64 references, each form's gradient errors printed) and the
+#              forms against each other and against autograd, compiled (not in the default list)
+#   kda_fla_all  profiling/bench_kda.py --kernels 8 at the four shapes with fla in the same run
+#              (its autotuning results: see TRITON_CACHE_DIR below) (not in the default list)
 #   gemm_default  10 eager training steps of small_1gpu with the grouped GEMM's default backend
 #              (auto), then the same with TITAN_MOE_GROUPED_MM_BACKEND=native (not in the default list)
 #   kda_prepare  profiling/bench_kda.py at 32K and 8 x 4K: the input maps' chunk mode
@@ -308,6 +314,14 @@ for section in "${SECTIONS[@]}"; do
                 -k "intra_columns"
             run kda_forms python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
                 --variants tiles:TITAN_MOE_KDA_INTRA=tiles,c64:TITAN_MOE_KDA_INTRA=columns64x4,c16:TITAN_MOE_KDA_INTRA=columns16x4 ;;
+        kda_dakk)  # dA_kk = -X^T (dV~ V~^T) in the values kernel
+            run kda_dakk python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
+                --variants inverse:TITAN_MOE_KDA_DAKK=inverse,tf32:TITAN_MOE_KDA_DAKK=values:tf32
+            run kda_dakk_tests python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py \
+                tests/test_kda_kept.py
+            run kda_dakk_forms python -m pytest -q -rsx -p no:cacheprovider tests/test_kda_triton.py \
+                -k "dakk or bwd_matches_autograd" ;;
+        kda_fla_all) run kda_fla_all python profiling/bench_kda.py --kernels 8 --watchdog 300 ;;
         gemm_default)  # training steps with the grouped GEMM's default beside native
             run gemm_default_auto torchrun --standalone --nproc_per_node=1 "${SMALL10[@]}" \
                 --job.dump_folder "$DUMP/gemm_default_auto"

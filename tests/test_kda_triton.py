@@ -408,6 +408,42 @@ def test_bwd_register_caps_keep_results(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("gate", ["rand", "min"])
+def test_dakk_from_values_matches_the_inverse_form(monkeypatch, gate):
+    """dA_kk = -(X^T dV~) V~^T in the values kernel (the default) against -X^T dX X^T from
+    the keys kernel's dX shares (`TITAN_MOE_KDA_DAKK=inverse`): the same gradients up to
+    fp32 rounding, over packed sequences (a chunk cut short mid-tile, an empty sequence),
+    an initial state, two key blocks in stage 2 and g = g_min on whole chunks."""
+    inp = make_inputs(1, 150, 2, 64, 32, gate, seed=12)
+    inp["cu_seqlens"] = torch.tensor([0, 5, 5, 70, 150], dtype=torch.int32).to(DEVICE)
+    gen = torch.Generator().manual_seed(12)
+    do = torch.randn(1, 150, 2, 32, generator=gen).to(DEVICE)
+    h0 = torch.randn(4, 2, 64, 32, generator=gen).to(DEVICE)
+    monkeypatch.setenv(triton_bwd.BWD_CHUNK_ENV, "32x16x8x8")  # two key blocks: two dX shares
+    runs = {}
+    for form in ("values", "inverse"):
+        monkeypatch.setenv(triton_bwd.DAKK_ENV, form)
+        runs[form] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do, initial_state=h0)
+    for name, got, want in zip(GRAD_NAMES, runs["values"], runs["inverse"]):
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, want) < 2e-5, (name, rel_err(got, want))
+
+
+def test_dakk_form_parsing(monkeypatch):
+    monkeypatch.delenv(triton_bwd.DAKK_ENV, raising=False)
+    assert triton_bwd.dakk_form("tf32") == (True, "tf32x3")
+    assert triton_bwd.dakk_form("ieee") == (True, "ieee")  # fp32 inputs keep exact dots
+    monkeypatch.setenv(triton_bwd.DAKK_ENV, "values:tf32")
+    assert triton_bwd.dakk_form("tf32") == (True, "tf32")
+    monkeypatch.setenv(triton_bwd.DAKK_ENV, "inverse")
+    assert triton_bwd.dakk_form("tf32") == (False, "tf32x3")
+    for bad in ("keys", "values:ieee", "inverse:"):
+        monkeypatch.setenv(triton_bwd.DAKK_ENV, bad)
+        with pytest.raises(ValueError, match="values or inverse"):
+            triton_bwd.dakk_form("tf32")
+
+
+@needs_kernels
 def test_bwd_intra_key_split_keeps_results(monkeypatch):
     """`TITAN_MOE_KDA_BWD_INTRA_BK` splits each tile's key columns over adjacent programs:
     dq, dk, dg are the same sums column by column, dbeta sums its key shares in another
@@ -835,11 +871,14 @@ def test_bf16_long_sequence_vs_float64(T):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("T", [1024])
-def test_bf16_backward_vs_float64(T):
-    """bf16 gradients against float64 autograd through the recurrence; bounds are fla's own
-    bf16 test ratios (dq/dk/dv/dh0 8e-3, dg/dbeta 2e-2), and fla's error on the same inputs
-    is printed beside ours when fla's Triton kernels run and `TITAN_MOE_TEST_FLA_BWD=1` (fla's
-    backward autotunes its kernels over minutes on a fresh machine; the bounds do not need it)."""
+@pytest.mark.parametrize("dakk", ["values", "values:tf32", "inverse"])
+def test_bf16_backward_vs_float64(T, dakk, monkeypatch):
+    """bf16 gradients against float64 autograd through the recurrence, for each form of
+    dA_kk (`triton_bwd.dakk_form`); bounds are fla's own bf16 test ratios (dq/dk/dv/dh0 8e-3,
+    dg/dbeta 2e-2). Our errors are printed (``-s``), and fla's on the same inputs beside them
+    when fla's Triton kernels run and `TITAN_MOE_TEST_FLA_BWD=1` (fla's backward autotunes
+    its kernels over minutes on a fresh machine; the bounds do not need it)."""
+    monkeypatch.setenv(triton_bwd.DAKK_ENV, dakk)
     B, H, dk, dv = 1, 4, 128, 128
     gen = torch.Generator().manual_seed(T + 1)
     q = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1).to("cuda", torch.bfloat16)
@@ -869,6 +908,8 @@ def test_bf16_backward_vs_float64(T):
                                   output_final_state=True, safe_gate=True, lower_bound=-5.0)
         fla_grads = torch.autograd.grad((o_f.float() * do.float()).sum() + (ht_f * dht).sum(), fla_leaves)
         fla_errs = {name: rel_err(x, x_ref) for name, x, x_ref in zip(GRAD_NAMES, fla_grads, ref)}
-        print(f"T={T}: " + ", ".join(f"{n} {errs[n]:.1e} (fla {fla_errs[n]:.1e})" for n in GRAD_NAMES))
+        print(f"T={T} dA_kk {dakk}: " + ", ".join(f"{n} {errs[n]:.2e} (fla {fla_errs[n]:.2e})" for n in GRAD_NAMES))
+    else:
+        print(f"T={T} dA_kk {dakk}: " + ", ".join(f"{n} {errs[n]:.2e}" for n in GRAD_NAMES))
     for name, err in errs.items():
         assert err < (2e-2 if name in ("dg", "dbeta") else 8e-3), (name, err)

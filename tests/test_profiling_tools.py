@@ -661,6 +661,18 @@ def test_gpu_suite_kda_intra_section_sweeps_the_backward_intra_split(tmp_path):
     assert set(bench_kda.parse_variants(",".join(variants))) == {"bk128w8", "bk128w4", "bk64w2", "bk64w8", "bk32w2"}
 
 
+def test_gpu_suite_kda_dakk_section_tests_then_times_the_dakk_forms(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_dakk", "kda_fla_all", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["kda_dakk", "kda_dakk_tests", "kda_dakk_forms", "kda_fla_all"]
+    assert "-k dakk or bwd_matches_autograd" in commands["kda_dakk_forms"]
+    assert "-m gpu" in commands["kda_dakk_tests"] and "tests/test_kda_triton.py" in commands["kda_dakk_tests"]
+    variants = _load("bench_kda").parse_variants(commands["kda_dakk"].split("--variants ", 1)[1])
+    assert variants == {"inverse": {"TITAN_MOE_KDA_DAKK": "inverse"}, "tf32": {"TITAN_MOE_KDA_DAKK": "values:tf32"}}
+    assert "--no-fla" not in commands["kda_fla_all"] and "--shapes" not in commands["kda_fla_all"]
+
+
 def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_keys", gpus="1")
     assert proc.returncode == 0, proc.stderr
@@ -792,7 +804,8 @@ def test_kda_host_cost_counts_the_launches_of_each_direction():
     assert (fwd["direction"], both["direction"]) == ("fwd", "fwd+bwd")
     assert set(fwd["launches"]) < set(both["launches"])
     assert set(fwd["launches"].values()) == set(both["launches"].values()) == {1.0}  # each kernel once
-    assert {"_wy_kernel", "_state_scan_kernel", "_bwd_chunk_keys_kernel", "_bwd_dAkk_kernel"} <= set(both["launches"])
+    assert {"_wy_kernel", "_state_scan_kernel", "_bwd_chunk_keys_kernel", "_bwd_chunk_values_kernel"} <= set(both["launches"])
+    assert "_bwd_dAkk_kernel" not in both["launches"]  # dA_kk formed in the values kernel
     assert both["triton_launches"] == len(both["launches"]) and both["aten_ops"] > fwd["aten_ops"] > 0
     for row in (fwd, both):  # the top-level ops by name: a subset of all, allocations among them
         top = row["top_level_aten_ops"]

@@ -20,10 +20,17 @@ scan below is always sequential, see `triton_scan` for the forward's parallel on
     stage 2  everything that needs whole-chunk matrices, in two kernels:
              `_bwd_chunk_keys_kernel` per chunk and block of key columns: dW = -dV~ S^T;
              dK, dQ, dG from the state terms and from W = X (beta e^G K), and the block's
-             share of dX = dW (beta e^G K)^T and of dbeta;
+             share of dbeta;
              `_bwd_chunk_values_kernel` per chunk: dA_qk = dO V~^T; dU = dV~;
-             dv = beta ⊙ X^T dU; dX += dU (beta V)^T; then `_bwd_dAkk_kernel`:
-             dA_kk = -X^T dX X^T (strictly lower)
+             dv = beta ⊙ X^T dU, and dA_kk = -X^T (dV~ V~^T) (strictly lower; see below)
+
+The gradient of A_kk without dX. Through X = (I + A_kk)^{-1}, dA_kk = -X^T dX X^T with
+dX = dU (beta V)^T + dW (beta e^G K)^T = dV~ (beta V - (beta e^G K) S)^T, since U and W reach
+the loss only through V~ = U - W S. The forward's own relation X (beta V - (beta e^G K) S) = V~
+makes that dV~ ((I + A_kk) V~)^T, so dA_kk = -X^T dV~ V~^T (I + A_kk)^T X^T = -X^T (dV~ V~^T):
+no S, no dX, and no cancellation between the two terms of dX. `$TITAN_MOE_KDA_DAKK` ("inverse",
+read per call) restores the previous form for comparison: the keys kernel's dX shares, the
+values kernel's dX, and `_bwd_dAkk_kernel`'s -X^T dX X^T.
     stage 3  `_bwd_intra_kernel`  per 16-token tile, the gradients of A_qk and A_kk into
              q, k, beta and G, with the same anchored dense tile dots as the forward
     stage 4  `_bwd_reverse_cumsum_kernel`  dg = reverse cumsum of dG inside each chunk
@@ -75,7 +82,10 @@ BWD_TMA_ENV = "TITAN_MOE_KDA_BWD_TMA"
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
-# dA_kk = -X^T dX X^T for 16-bit inputs (fp32 inputs: "ieee"), see `_bwd_dAkk_kernel`
+# where dA_kk is formed: "values" (default: -X^T (dV~ V~^T) in `_bwd_chunk_values_kernel`) or
+# "inverse" (-X^T dX X^T in `_bwd_dAkk_kernel`), optionally suffixed ":tf32" for that product's
+# dots on 16-bit inputs (default "tf32x3"; fp32 inputs: "ieee"), see `dakk_form`
+DAKK_ENV = "TITAN_MOE_KDA_DAKK"
 DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
 
 
@@ -136,6 +146,18 @@ def bwd_tma_kernels() -> frozenset[str]:
         raise ValueError(f"{BWD_TMA_ENV} names kernels among keys, values (comma-joined), all or none, "
                          f"got {text!r}")
     return names
+
+
+def dakk_form(precision: str) -> tuple[bool, str]:
+    """(whether dA_kk is formed in the values kernel, the precision of its dots) from
+    `$TITAN_MOE_KDA_DAKK` (read per call): "values" (the default; see the module docstring)
+    or "inverse", each optionally ":tf32" or ":tf32x3" (the default) for 16-bit inputs;
+    ``precision`` is the kernels' own, "ieee" for fp32 inputs, which these dots keep."""
+    text = os.environ.get(DAKK_ENV) or "values"
+    form, sep, dots = text.partition(":")
+    if form not in ("values", "inverse") or (sep and dots not in ("tf32", "tf32x3")):
+        raise ValueError(f"{DAKK_ENV} must be values or inverse, optionally :tf32 or :tf32x3, got {text!r}")
+    return form == "values", "ieee" if precision == "ieee" else (dots or DA_KK_PRECISION)
 
 
 def _row_descriptors(views: list):
@@ -349,9 +371,11 @@ def _bwd_chunk_keys_kernel(
     dq_part, dk_part, dG_part, dbeta_keys, dX_keys, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr, LATE_LOADS: tl.constexpr, TMA_LOADS: tl.constexpr = False,
+    DX_SHARES: tl.constexpr = False,
 ):
     """One chunk and BK key columns: the state terms and W = X (beta e^G K) of dq, dk, dG,
-    and this block's shares of dbeta and of dX = dW (beta e^G K)^T.
+    and this block's share of dbeta (with DX_SHARES, the "inverse" form of `dakk_form`, also
+    of dX = dW (beta e^G K)^T).
 
     Inputs as in the forward (`[TT, H, ·]`, h/dh `[chunks, H, K, V]`), dv_new = dV~ from
     stage 1. h, dh, v_new, dv_new are in the walk's dtype (fp32 classic, the input dtype
@@ -359,7 +383,8 @@ def _bwd_chunk_keys_kernel(
     every caller), so 16-bit tiles are 16-bit dot operands (exactly the tf32 dot of their
     fp32 upcasts: tf32 keeps bf16's and fp16's mantissas). Writes dq_part, dk_part,
     dG_part `[TT, H, K]` fp32 for its columns; dbeta_keys `[K // BK, TT, H]` and dX_keys
-    `[K // BK, TT, H, BT]` fp32 at its block index (summed by `_bwd_chunk_values_kernel`).
+    `[K // BK, TT, H, BT]` fp32 (DX_SHARES only) at its block index (summed by
+    `_bwd_chunk_values_kernel`).
     With TMA_LOADS, h, dh, v_new, dv_new, do are TMA descriptors (`bwd_tma_kernels`): no
     row mask, so a sequence's last chunk reads the next sequence's rows (or zeros past TT)
     into rows >= T. Every product here is row-wise in them (dO S^T, V~ dS'^T, dV~ S^T), and
@@ -430,27 +455,33 @@ def _bwd_chunk_keys_kernel(
     tl.store(dG_part + p_k, b_dG, mask=m_r)
     share = i_k.to(tl.int64) * TT * H + tok
     tl.store(dbeta_keys + share, tl.sum(b_y * b_eG * b_k, axis=1), mask=m_t)
-    b_dX = tl.dot(b_dw, tl.trans(b_kg), input_precision=PRECISION)
-    tl.store(dX_keys + share[:, None] * BT + o_t[None, :], b_dX, mask=m_r)
+    if DX_SHARES:
+        b_dX = tl.dot(b_dw, tl.trans(b_kg), input_precision=PRECISION)
+        tl.store(dX_keys + share[:, None] * BT + o_t[None, :], b_dX, mask=m_r)
 
 
 @triton.jit
 def _bwd_chunk_values_kernel(
     v, beta, Ainv, v_new, dv_new, do, dX_keys, dbeta_keys,
-    dAqk, dbeta_part, dv, scale, cu_seqlens, chunk_indices, TT,
+    dAqk, dAkk, dbeta_part, dv, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
-    PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr = False,
+    PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr = False, DAKK: tl.constexpr = True,
+    PRECISION_DA: tl.constexpr = "ieee",
 ):
-    """One chunk: dA_qk = dO V~^T, dv and dbeta from U = X (beta V), and, with the key
-    blocks' shares of `_bwd_chunk_keys_kernel` added, the whole dX.
+    """One chunk: dA_qk = dO V~^T, dv and dbeta from U = X (beta V), with the key blocks'
+    dbeta shares of `_bwd_chunk_keys_kernel` added, and dA_kk = -X^T (dV~ V~^T) (the module
+    docstring): dV~ V~^T over the value loop in the walk's dtype, as dO V~^T, then one
+    [BT, BT] product with X at PRECISION_DA. Without DAKK (the "inverse" form of
+    `dakk_form`), the whole dX = Σ shares + dU (beta V)^T instead of dA_kk.
 
-    Writes dAqk (= scale dO V~^T, lower incl. diagonal) `[TT, H, BT]` fp32; dbeta_part
-    `[TT, H]` fp32 (all but the A_kk tiles' share, which `_bwd_intra_kernel` adds); dv
-    `[TT, H, V]` (v's dtype); dX over share 0 of dX_keys (for `_bwd_dAkk_kernel`).
+    Writes dAqk (= scale dO V~^T, lower incl. diagonal) and dAkk (strictly lower) `[TT, H,
+    BT]` fp32; dbeta_part `[TT, H]` fp32 (all but the A_kk tiles' share, which
+    `_bwd_intra_kernel` adds); dv `[TT, H, V]` (v's dtype); without DAKK, dX over share 0
+    of dX_keys (for `_bwd_dAkk_kernel`) and nothing to dAkk.
     With TMA_LOADS, v, v_new, dv_new, do are TMA descriptors (`bwd_tma_kernels`) without a
-    row mask: rows >= T (the next sequence's) reach dA_qk's rows >= T and, in its rows < T,
-    only columns above the diagonal; X^T dU through X's zero rows; dX's columns >= T through
-    beta's zeros; dX's and dv's rows >= T, never stored.
+    row mask: rows >= T (the next sequence's) reach dA_qk's and dA_kk's rows >= T and, in
+    their rows < T, only columns above the diagonal; X^T dU through X's zero rows; dX's
+    columns >= T through beta's zeros; dX's and dv's rows >= T, never stored.
     Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -460,11 +491,12 @@ def _bwd_chunk_values_kernel(
     m_tril = o_t[:, None] >= o_t[None, :]
     b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & m_tril, other=0.0)
     b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
-    b_dX = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)  # dV~ V~^T, then dA_kk (DAKK); else dX
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_k in tl.static_range(NK):
         share = i_k * TT * H + tok.to(tl.int64)
-        b_dX += tl.load(dX_keys + share[:, None] * BT + o_t[None, :], mask=m_r, other=0.0)
+        if not DAKK:
+            b_dA += tl.load(dX_keys + share[:, None] * BT + o_t[None, :], mask=m_r, other=0.0)
         b_dbeta += tl.load(dbeta_keys + share, mask=m_t, other=0.0)
 
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -474,21 +506,30 @@ def _bwd_chunk_values_kernel(
             row_t, col_v = (bos + i_t * BT).to(tl.int32), i_h * V + i_v * BV  # (box coordinates are 32-bit)
             b_do = do.load([row_t, col_v]).to(walk_dt)
             b_vn = v_new.load([row_t, col_v])
-            b_dvn = dv_new.load([row_t, col_v]).to(tl.float32)
+            b_dvn_w = dv_new.load([row_t, col_v])
             b_v = v.load([row_t, col_v]).to(tl.float32)
         else:
             b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
             b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
-            b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0).to(tl.float32)
+            b_dvn_w = tl.load(dv_new + p_v, mask=m_r, other=0.0)
             b_v = tl.load(v + p_v, mask=m_r, other=0.0).to(tl.float32)
+        b_dvn = b_dvn_w.to(tl.float32)
         b_dAqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PRECISION)
-        b_dX += tl.dot(b_dvn, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
-        b_z = tl.dot(tl.trans(b_X), b_dvn, input_precision=PRECISION)  # X^T dU
+        b_z = tl.dot(tl.trans(b_X), b_dvn, input_precision=PRECISION)  # Z = X^T dU
+        if DAKK:
+            b_dA += tl.dot(b_dvn_w, tl.trans(b_vn), input_precision=PRECISION)  # dV~ V~^T
+        else:
+            b_dA += tl.dot(b_dvn, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
         tl.store(dv + p_v, (b_z * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_r)
         b_dbeta += tl.sum(b_z * b_v, axis=1)
-    tl.store(dAqk + tok[:, None] * BT + o_t[None, :], tl.where(m_tril, b_dAqk * scale, 0.0), mask=m_r)
+    p_a = tok.to(tl.int64)[:, None] * BT + o_t[None, :]
+    tl.store(dAqk + p_a, tl.where(m_tril, b_dAqk * scale, 0.0), mask=m_r)
     tl.store(dbeta_part + tok, b_dbeta, mask=m_t)
-    tl.store(dX_keys + tok.to(tl.int64)[:, None] * BT + o_t[None, :], b_dX, mask=m_r)  # the whole dX, in share 0
+    if DAKK:
+        b_dA = -tl.dot(tl.trans(b_X), b_dA, input_precision=PRECISION_DA)  # -X^T (dV~ V~^T)
+        tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
+    else:
+        tl.store(dX_keys + p_a, b_dA, mask=m_r)  # the whole dX, in share 0
 
 
 @triton.jit
@@ -745,8 +786,9 @@ def chunk_kda_bwd_triton(
     dG = torch.empty(TT, H, K, **f32)
     BK, BV, keys_warps, values_warps = bwd_chunk_config(K, V)
     keys_cap, values_cap, dAkk_cap = bwd_register_caps()
+    dakk_in_values, precision_da = dakk_form(st.precision)
     dbeta_keys = torch.empty(K // BK, TT, H, **f32)
-    dX_keys = torch.empty(K // BK, TT, H, CHUNK, **f32)
+    dX_keys = None if dakk_in_values else torch.empty(K // BK, TT, H, CHUNK, **f32)
     tma_kernels = bwd_tma_kernels()
     loop_operands = (st.h, dh, st.v_new, dv_new, do)
     descriptors = None
@@ -757,10 +799,11 @@ def chunk_kda_bwd_triton(
         q, k, st.G, beta, st.Ainv, *(descriptors or loop_operands),
         dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=st.precision,
-        LATE_LOADS=keys_late_loads(keys_warps), TMA_LOADS=descriptors is not None, num_warps=keys_warps, num_stages=2,
-        **keys_cap,
+        LATE_LOADS=keys_late_loads(keys_warps), TMA_LOADS=descriptors is not None, DX_SHARES=not dakk_in_values,
+        num_warps=keys_warps, num_stages=2, **keys_cap,
     )
     dAqk = torch.empty(TT, H, CHUNK, **f32)
+    dAkk = torch.empty(TT, H, CHUNK, **f32)
     dbeta_part = torch.empty(TT, H, **f32)
     dv = torch.empty_like(v)
     loop_operands = (v, st.v_new, dv_new, do)
@@ -770,17 +813,17 @@ def chunk_kda_bwd_triton(
     v_arg, vn_arg, dvn_arg, do_arg = descriptors or loop_operands
     _bwd_chunk_values_kernel[(n_chunks, H)](
         v_arg, beta, st.Ainv, vn_arg, dvn_arg, do_arg, dX_keys, dbeta_keys,
-        dAqk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
+        dAqk, dAkk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
         H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, TMA_LOADS=descriptors is not None,
-        num_warps=values_warps, num_stages=2,
+        DAKK=dakk_in_values, PRECISION_DA=precision_da, num_warps=values_warps, num_stages=2,
         **values_cap,
     )
     dbeta_keys = None
-    dAkk = torch.empty(TT, H, CHUNK, **f32)
-    _bwd_dAkk_kernel[(n_chunks, H)](
-        st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
-        PRECISION_DA="ieee" if st.precision == "ieee" else DA_KK_PRECISION, num_warps=DA_KK_WARPS, **dAkk_cap,
-    )
+    if not dakk_in_values:
+        _bwd_dAkk_kernel[(n_chunks, H)](
+            st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
+            PRECISION_DA=precision_da, num_warps=DA_KK_WARPS, **dAkk_cap,
+        )
     dX_keys = None
 
     dq = torch.empty_like(q)
