@@ -40,8 +40,13 @@
 #              profiling/bench_kda.py at 32K and 8 x 4K beside the inverse form and tf32 dots, then
 #              the KDA GPU tests (float64 references, each form's gradient errors printed) and the
 #              forms against each other and against autograd, compiled (not in the default list)
-#   kda_fla_all  profiling/bench_kda.py --kernels 8 at the four shapes with fla in the same run
-#              (its autotuning results: see TRITON_CACHE_DIR below) (not in the default list)
+#   kda_parts  profiling/bench_kda.py at 32K and 8 x 4K: the keys kernel's dq / dk partials in bf16
+#              (TITAN_MOE_KDA_BWD_PARTS) and its launch (64 or 128 key columns, early or late loads)
+#              beside the default, then the bf16 gradient test against float64 in each backward form
+#              (errors printed) (not in the default list)
+#   kda_fla_all  profiling/bench_kda.py --kernels 8 at the four shapes ($SUITE_KDA_SHAPES: the
+#              sequence lengths to keep) with fla in the same run (its autotuning results: see
+#              TRITON_CACHE_DIR below) (not in the default list)
 #   gemm_default  10 eager training steps of small_1gpu with the grouped GEMM's default backend
 #              (auto), then the same with TITAN_MOE_GROUPED_MM_BACKEND=native (not in the default list)
 #   kda_prepare  profiling/bench_kda.py at 32K and 8 x 4K: the input maps' chunk mode
@@ -212,8 +217,9 @@
 # Triton's cache (compiled kernels, and the autotuning results that fla's kernels keep on disk)
 # is $TRITON_CACHE_DIR, by default build/triton_cache in the checkout (ignored by git), so that a
 # later call on the same machine reuses it; the suite then copies the autotuning results
-# (*.autotune.json, a few KiB) to OUT/triton_autotune, with their folders: put them back under
-# build/triton_cache on a fresh machine and fla's autotuning (minutes at 32K) is skipped there.
+# (*.autotune.json, a few KiB each) into one archive, OUT/triton_autotune.tar.gz, with their
+# folders: `tar -xzf triton_autotune.tar.gz -C build/triton_cache` on a fresh machine and fla's
+# autotuning (minutes at 32K) is skipped there.
 set -u
 OUT=${1:?usage: bash profiling/gpu_suite.sh OUT [SECTION ...]}
 shift
@@ -321,7 +327,13 @@ for section in "${SECTIONS[@]}"; do
                 tests/test_kda_kept.py
             run kda_dakk_forms python -m pytest -q -rsx -p no:cacheprovider tests/test_kda_triton.py \
                 -k "dakk or bwd_matches_autograd" ;;
-        kda_fla_all) run kda_fla_all python profiling/bench_kda.py --kernels 8 --watchdog 300 ;;
+        kda_parts)  # the keys kernel after dA_kk left it: bf16 partials, its launch, the bf16 gradient errors
+            run kda_parts python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
+                --variants parts:TITAN_MOE_KDA_BWD_PARTS=bf16,k64late:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=late,k64early:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=early,k128early:TITAN_MOE_KDA_KEYS_LOADS=early,parts_k64late:TITAN_MOE_KDA_BWD_PARTS=bf16+TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=late
+            run kda_parts_tests python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py \
+                -k "backward_vs_float64" ;;
+        kda_fla_all) run kda_fla_all python profiling/bench_kda.py --kernels 8 --watchdog 300 \
+                --shapes "${SUITE_KDA_SHAPES:-8192,32768,131072,4096}" ;;
         gemm_default)  # training steps with the grouped GEMM's default beside native
             run gemm_default_auto torchrun --standalone --nproc_per_node=1 "${SMALL10[@]}" \
                 --job.dump_folder "$DUMP/gemm_default_auto"
@@ -564,8 +576,9 @@ for section in "${SECTIONS[@]}"; do
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done
-if [ -d "$TRITON_CACHE_DIR" ]; then  # the autotuning results, for a later machine
-    AUTOTUNE_OUT=$(cd "$OUT" && pwd)/triton_autotune
-    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' \
-        -exec sh -c 'mkdir -p "$0/$(dirname "$1")" && cp "$1" "$0/$1"' "$AUTOTUNE_OUT" {} \;)
+if [ -d "$TRITON_CACHE_DIR" ]; then  # the autotuning results, for a later machine: one archive
+    AUTOTUNE_OUT=$(cd "$OUT" && pwd)/triton_autotune.tar.gz
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | sort > "$AUTOTUNE_OUT.list"
+     [ -s "$AUTOTUNE_OUT.list" ] && tar -czf "$AUTOTUNE_OUT" -T "$AUTOTUNE_OUT.list"
+     rm -f "$AUTOTUNE_OUT.list")
 fi

@@ -429,12 +429,39 @@ def test_dakk_from_values_matches_the_inverse_form(monkeypatch, gate):
         assert rel_err(got, want) < 2e-5, (name, rel_err(got, want))
 
 
+@needs_kernels
+def test_bf16_partials_stay_close_to_fp32(monkeypatch):
+    """`TITAN_MOE_KDA_BWD_PARTS=bf16`: fp16 inputs hand dq / dk's state terms to the intra
+    kernel in bf16, one more rounding (2^-9 of those terms) than fp32; fp32 inputs keep fp32
+    partials, so their gradients are unchanged."""
+    monkeypatch.delenv(triton_bwd.BWD_PARTS_ENV, raising=False)
+    assert triton_bwd.bwd_parts_dtype(torch.bfloat16) == torch.float32  # the default
+    for dtype, bound in ((torch.float16, 4e-3), (torch.float32, 0.0)):
+        inp = make_inputs(1, 150, 2, 32, 32, "rand", seed=13, dtype=dtype)
+        do = torch.randn(1, 150, 2, 32, generator=torch.Generator().manual_seed(13)).to(DEVICE, dtype)
+        monkeypatch.setenv(triton_bwd.BWD_PARTS_ENV, "fp32")
+        want = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+        monkeypatch.setenv(triton_bwd.BWD_PARTS_ENV, "bf16")
+        assert triton_bwd.bwd_parts_dtype(dtype) == (torch.float32 if dtype == torch.float32 else torch.bfloat16)
+        got = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+        for name, x, x_want in zip(GRAD_NAMES, got, want):
+            if x_want is None:
+                continue
+            err = rel_err(x.float(), x_want.float())
+            assert err <= bound, (dtype, name, err)
+            if name in ("dq", "dk") and dtype == torch.float16:
+                assert err > 0, name  # the partials did go through bf16
+    monkeypatch.setenv(triton_bwd.BWD_PARTS_ENV, "fp16")
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        triton_bwd.bwd_parts_dtype(torch.bfloat16)
+
+
 def test_dakk_form_parsing(monkeypatch):
     monkeypatch.delenv(triton_bwd.DAKK_ENV, raising=False)
-    assert triton_bwd.dakk_form("tf32") == (True, "tf32x3")
-    assert triton_bwd.dakk_form("ieee") == (True, "ieee")  # fp32 inputs keep exact dots
-    monkeypatch.setenv(triton_bwd.DAKK_ENV, "values:tf32")
     assert triton_bwd.dakk_form("tf32") == (True, "tf32")
+    assert triton_bwd.dakk_form("ieee") == (True, "ieee")  # fp32 inputs keep exact dots
+    monkeypatch.setenv(triton_bwd.DAKK_ENV, "values:tf32x3")
+    assert triton_bwd.dakk_form("tf32") == (True, "tf32x3")
     monkeypatch.setenv(triton_bwd.DAKK_ENV, "inverse")
     assert triton_bwd.dakk_form("tf32") == (False, "tf32x3")
     for bad in ("keys", "values:ieee", "inverse:"):
@@ -868,17 +895,28 @@ def test_bf16_long_sequence_vs_float64(T):
     assert err_o <= FLA_RATIO * rel_err(o_fla, o_ref), (err_o, rel_err(o_fla, o_ref))
 
 
+BWD_FORMS = {  # the backward's switches the bf16 gradient test runs under (`triton_bwd`)
+    "values": {"TITAN_MOE_KDA_DAKK": "values"},
+    "values:tf32x3": {"TITAN_MOE_KDA_DAKK": "values:tf32x3"},
+    "inverse": {"TITAN_MOE_KDA_DAKK": "inverse"},
+    "parts_bf16": {"TITAN_MOE_KDA_BWD_PARTS": "bf16"},
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("T", [1024])
-@pytest.mark.parametrize("dakk", ["values", "values:tf32", "inverse"])
-def test_bf16_backward_vs_float64(T, dakk, monkeypatch):
+@pytest.mark.parametrize("form", list(BWD_FORMS))
+def test_bf16_backward_vs_float64(T, form, monkeypatch):
     """bf16 gradients against float64 autograd through the recurrence, for each form of
-    dA_kk (`triton_bwd.dakk_form`); bounds are fla's own bf16 test ratios (dq/dk/dv/dh0 8e-3,
-    dg/dbeta 2e-2). Our errors are printed (``-s``), and fla's on the same inputs beside them
-    when fla's Triton kernels run and `TITAN_MOE_TEST_FLA_BWD=1` (fla's backward autotunes
-    its kernels over minutes on a fresh machine; the bounds do not need it)."""
-    monkeypatch.setenv(triton_bwd.DAKK_ENV, dakk)
+    dA_kk (`triton_bwd.dakk_form`) and with bf16 partials (`triton_bwd.bwd_parts_dtype`);
+    bounds are fla's own bf16 test ratios (dq/dk/dv/dh0 8e-3, dg/dbeta 2e-2). Our errors are
+    printed (``-s``), and fla's on the same inputs beside them when fla's Triton kernels run
+    and `TITAN_MOE_TEST_FLA_BWD=1` (fla's backward autotunes its kernels over minutes on a
+    fresh machine; the bounds do not need it)."""
+    for name, value in BWD_FORMS[form].items():
+        monkeypatch.setenv(name, value)
+    dakk = form
     B, H, dk, dv = 1, 4, 128, 128
     gen = torch.Generator().manual_seed(T + 1)
     q = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1).to("cuda", torch.bfloat16)

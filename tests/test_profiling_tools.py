@@ -299,24 +299,34 @@ def test_gpu_suite_deadline_skips_commands_that_would_overrun_it(tmp_path):
 
 
 def test_gpu_suite_copies_the_autotuning_results_out(tmp_path):
-    """After its sections the suite copies Triton's autotuning results (and nothing else of
-    its cache) to OUT/triton_autotune, each in its cache folder, for a later machine; with
-    none there, no such folder."""
+    """After its sections the suite packs Triton's autotuning results (and nothing else of
+    its cache) into OUT/triton_autotune.tar.gz, each under its cache folder, for a later
+    machine (one file: few files come back from a run); with none there, no archive."""
+    import tarfile
+
     cache = tmp_path / "cache"
     (cache / "k1").mkdir(parents=True)
     (cache / "k1" / "_kernel.autotune.json").write_text('{"configs_timings": []}')
     (cache / "k1" / "_kernel.cubin").write_bytes(b"\0")
     (cache / "k2").mkdir()
     (cache / "k2" / "_other.json").write_text("{}")
+    (cache / "k3").mkdir()
+    (cache / "k3" / "_third.autotune.json").write_text("[]")
     proc = _gpu_suite(tmp_path, "kda_forms", gpus="1", TRITON_CACHE_DIR=str(cache))
     assert proc.returncode == 0, proc.stderr
-    copied = tmp_path / "out" / "triton_autotune"
-    assert sorted(str(p.relative_to(copied)) for p in copied.rglob("*") if p.is_file()) == ["k1/_kernel.autotune.json"]
-    assert (copied / "k1" / "_kernel.autotune.json").read_text() == '{"configs_timings": []}'
-    (cache / "k1" / "_kernel.autotune.json").unlink()
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["summary.txt", "triton_autotune.tar.gz"]
+    restored = tmp_path / "restored"
+    with tarfile.open(out / "triton_autotune.tar.gz") as archive:
+        archive.extractall(restored, filter="data")
+    files = sorted(str(p.relative_to(restored)) for p in restored.rglob("*") if p.is_file())
+    assert files == ["k1/_kernel.autotune.json", "k3/_third.autotune.json"]
+    assert (restored / "k1" / "_kernel.autotune.json").read_text() == '{"configs_timings": []}'
+    for name in ("k1/_kernel.autotune.json", "k3/_third.autotune.json"):
+        (cache / name).unlink()
     proc = _gpu_suite(tmp_path / "again", "kda_forms", gpus="1", TRITON_CACHE_DIR=str(cache))
     assert proc.returncode == 0, proc.stderr
-    assert not (tmp_path / "again" / "out" / "triton_autotune").exists()
+    assert sorted(p.name for p in (tmp_path / "again" / "out").iterdir()) == ["summary.txt"]
 
 
 def test_gpu_suite_fp8_gemm_section(tmp_path):
@@ -670,7 +680,8 @@ def test_gpu_suite_kda_dakk_section_tests_then_times_the_dakk_forms(tmp_path):
     assert "-m gpu" in commands["kda_dakk_tests"] and "tests/test_kda_triton.py" in commands["kda_dakk_tests"]
     variants = _load("bench_kda").parse_variants(commands["kda_dakk"].split("--variants ", 1)[1])
     assert variants == {"inverse": {"TITAN_MOE_KDA_DAKK": "inverse"}, "tf32": {"TITAN_MOE_KDA_DAKK": "values:tf32"}}
-    assert "--no-fla" not in commands["kda_fla_all"] and "--shapes" not in commands["kda_fla_all"]
+    assert "--no-fla" not in commands["kda_fla_all"]
+    assert commands["kda_fla_all"].endswith("--shapes 8192,32768,131072,4096")  # bench_kda's four shapes
 
 
 def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):

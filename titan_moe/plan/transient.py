@@ -324,12 +324,13 @@ def kda_bwd_allocations(
         scan.append(("q_decay", TT * H * K * q.element_size()))
         walk_only = ["q_decay"] if kept else ["q_decay", "W", "k_to_end", "decay"]
     # imported here: importing Triton decides interpreted vs compiled kernels for the process
-    from titan_moe.ops.kda.triton_bwd import bwd_chunk_config, bwd_intra_bk, dakk_form
+    from titan_moe.ops.kda.triton_bwd import bwd_chunk_config, bwd_intra_bk, bwd_parts_dtype, dakk_form
 
     NK = K // bwd_chunk_config(K, V)[0]  # stage 2's key blocks: their dbeta (and dX) shares
     dakk_in_values = dakk_form("tf32")[0]
     shares = [("dbeta_keys", NK * TT * H * f32)] + ([] if dakk_in_values else [("dX_keys", NK * TT * H * C * f32)])
-    chunk = [("dq_part", TT * H * K * f32), ("dk_part", TT * H * K * f32), ("dG", TT * H * K * f32), *shares,
+    part = TT * H * K * bwd_parts_dtype(q.dtype).itemsize
+    chunk = [("dq_part", part), ("dk_part", part), ("dG", TT * H * K * f32), *shares,
              ("dAqk", TT * H * C * f32), ("dAkk", TT * H * C * f32), ("dbeta_part", TT * H * f32), ("dv", _nbytes(v)),
              *[(name, -n) for name, n in shares]]  # stage 2
     intra = [("dq", _nbytes(q)), ("dk", _nbytes(k))]  # stage 3

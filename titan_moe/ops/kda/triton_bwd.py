@@ -83,10 +83,13 @@ BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 # where dA_kk is formed: "values" (default: -X^T (dV~ V~^T) in `_bwd_chunk_values_kernel`) or
-# "inverse" (-X^T dX X^T in `_bwd_dAkk_kernel`), optionally suffixed ":tf32" for that product's
-# dots on 16-bit inputs (default "tf32x3"; fp32 inputs: "ieee"), see `dakk_form`
+# "inverse" (-X^T dX X^T in `_bwd_dAkk_kernel`), optionally suffixed ":tf32" or ":tf32x3" for
+# that product's dots on 16-bit inputs (fp32 inputs: "ieee"), see `dakk_form`
 DAKK_ENV = "TITAN_MOE_KDA_DAKK"
-DA_KK_PRECISION, DA_KK_WARPS = "tf32x3", 4
+DA_KK_PRECISION = {"values": "tf32", "inverse": "tf32x3"}  # the forms' default dots on 16-bit inputs
+DA_KK_WARPS = 4
+# the dtype of the keys kernel's dq / dk partials for 16-bit inputs: "fp32" or "bf16", see `bwd_parts_dtype`
+BWD_PARTS_ENV = "TITAN_MOE_KDA_BWD_PARTS"
 
 
 def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
@@ -151,13 +154,29 @@ def bwd_tma_kernels() -> frozenset[str]:
 def dakk_form(precision: str) -> tuple[bool, str]:
     """(whether dA_kk is formed in the values kernel, the precision of its dots) from
     `$TITAN_MOE_KDA_DAKK` (read per call): "values" (the default; see the module docstring)
-    or "inverse", each optionally ":tf32" or ":tf32x3" (the default) for 16-bit inputs;
-    ``precision`` is the kernels' own, "ieee" for fp32 inputs, which these dots keep."""
+    or "inverse", each optionally ":tf32" or ":tf32x3" for 16-bit inputs; ``precision`` is
+    the kernels' own, "ieee" for fp32 inputs, which these dots keep.
+    Defaults: "values" with tf32 dots, "inverse" with tf32x3 (its -X^T dX X^T carries dX's
+    cancellation; -X^T (dV~ V~^T) has none). Measured on the H200 (BENCHMARKS.md, "KDA: dA_kk
+    without dX"): bf16 gradients at T = 1,024 against float64 equal to three digits in every
+    form (dq 2.63e-3, dbeta 2.89e-3 / 2.90e-3 tf32x3 / tf32); forward+backward at T = 32K
+    6.728 ms inverse, 6.311 values tf32x3, 6.258 values tf32."""
     text = os.environ.get(DAKK_ENV) or "values"
     form, sep, dots = text.partition(":")
     if form not in ("values", "inverse") or (sep and dots not in ("tf32", "tf32x3")):
         raise ValueError(f"{DAKK_ENV} must be values or inverse, optionally :tf32 or :tf32x3, got {text!r}")
-    return form == "values", "ieee" if precision == "ieee" else (dots or DA_KK_PRECISION)
+    return form == "values", "ieee" if precision == "ieee" else (dots or DA_KK_PRECISION[form])
+
+
+def bwd_parts_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which `_bwd_chunk_keys_kernel` hands its dq and dk terms to
+    `_bwd_intra_kernel` (dG's stays fp32: it is summed over the chunk): fp32, or with
+    `$TITAN_MOE_KDA_BWD_PARTS=bf16` (read per call) bf16 for 16-bit inputs, half the bytes
+    of two `[T, H, dk]` passes at one more rounding of those terms; fp32 inputs keep fp32."""
+    text = os.environ.get(BWD_PARTS_ENV) or "fp32"
+    if text not in ("fp32", "bf16"):
+        raise ValueError(f"{BWD_PARTS_ENV} must be fp32 or bf16, got {text!r}")
+    return torch.bfloat16 if text == "bf16" and input_dtype != torch.float32 else torch.float32
 
 
 def _row_descriptors(views: list):
@@ -381,8 +400,8 @@ def _bwd_chunk_keys_kernel(
     stage 1. h, dh, v_new, dv_new are in the walk's dtype (fp32 classic, the input dtype
     lean) and meet the tensor cores in it; do is cast to it (o, hence do, has q's dtype in
     every caller), so 16-bit tiles are 16-bit dot operands (exactly the tf32 dot of their
-    fp32 upcasts: tf32 keeps bf16's and fp16's mantissas). Writes dq_part, dk_part,
-    dG_part `[TT, H, K]` fp32 for its columns; dbeta_keys `[K // BK, TT, H]` and dX_keys
+    fp32 upcasts: tf32 keeps bf16's and fp16's mantissas). Writes dq_part, dk_part
+    `[TT, H, K]` (fp32, or bf16: `bwd_parts_dtype`) and dG_part `[TT, H, K]` fp32 for its columns; dbeta_keys `[K // BK, TT, H]` and dX_keys
     `[K // BK, TT, H, BT]` fp32 (DX_SHARES only) at its block index (summed by
     `_bwd_chunk_values_kernel`).
     With TMA_LOADS, h, dh, v_new, dv_new, do are TMA descriptors (`bwd_tma_kernels`): no
@@ -450,8 +469,8 @@ def _bwd_chunk_keys_kernel(
     # G_last = G at the chunk's last token: its gradient lands on that row
     b_dG_last = tl.exp(b_G_last) * b_s_ds + tl.sum(b_k * b_dk_state, axis=0)
     b_dG += tl.where((rows == last)[:, None], b_dG_last[None, :], 0.0)
-    tl.store(dq_part + p_k, b_dq, mask=m_r)
-    tl.store(dk_part + p_k, b_dk, mask=m_r)
+    tl.store(dq_part + p_k, b_dq.to(dq_part.dtype.element_ty), mask=m_r)
+    tl.store(dk_part + p_k, b_dk.to(dk_part.dtype.element_ty), mask=m_r)
     tl.store(dG_part + p_k, b_dG, mask=m_r)
     share = i_k.to(tl.int64) * TT * H + tok
     tl.store(dbeta_keys + share, tl.sum(b_y * b_eG * b_k, axis=1), mask=m_t)
@@ -675,8 +694,8 @@ def _bwd_intra_kernel(
     m_rk = m_r[:, None]
     b_dG = tl.load(dG_part + p_r, mask=m_rk, other=0.0)
     b_dG += b_q * b_dq + b_beta[:, None] * b_k * b_R - b_k * b_dk_col
-    b_dq += tl.load(dq_part + p_r, mask=m_rk, other=0.0)
-    b_dk = tl.load(dk_part + p_r, mask=m_rk, other=0.0) + b_beta[:, None] * b_R + b_dk_col
+    b_dq += tl.load(dq_part + p_r, mask=m_rk, other=0.0).to(tl.float32)
+    b_dk = tl.load(dk_part + p_r, mask=m_rk, other=0.0).to(tl.float32) + b_beta[:, None] * b_R + b_dk_col
     tl.store(dq + p_r, b_dq.to(dq.dtype.element_ty), mask=m_rk)
     tl.store(dk + p_r, b_dk.to(dk.dtype.element_ty), mask=m_rk)
     tl.store(dG_part + p_r, b_dG, mask=m_rk)
@@ -781,8 +800,9 @@ def chunk_kda_bwd_triton(
     if lean:  # read by the walks only: free them before the stages below
         q_decay = st.W = st.k_to_end = st.decay = None
 
-    dq_part = torch.empty(TT, H, K, **f32)
-    dk_part = torch.empty(TT, H, K, **f32)
+    parts_dt = dict(dtype=bwd_parts_dtype(q.dtype), device=q.device)
+    dq_part = torch.empty(TT, H, K, **parts_dt)
+    dk_part = torch.empty(TT, H, K, **parts_dt)
     dG = torch.empty(TT, H, K, **f32)
     BK, BV, keys_warps, values_warps = bwd_chunk_config(K, V)
     keys_cap, values_cap, dAkk_cap = bwd_register_caps()
