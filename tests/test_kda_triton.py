@@ -319,8 +319,9 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
     default's single key block."""
     inp = make_inputs(1, 100, 2, 64, 64, "rand", seed=6)
     do = torch.randn(1, 100, 2, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    assert triton_bwd.bwd_chunk_config(64, 64) == (64, 64, 8, 8)  # the defaults: below dk = 128
-    assert triton_bwd.bwd_chunk_config(128, 128) == (128, 64, 16, 8)  # and at it
+    assert triton_bwd.bwd_chunk_config(64, 64) == (64, 64, 8, 8)  # the default
+    assert triton_bwd.bwd_chunk_config(128, 128) == (64, 64, 8, 8)
+    assert triton_bwd.bwd_chunk_config(32, 16) == (32, 16, 8, 8)  # clipped to dk and dv
     default = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
     monkeypatch.setenv(triton_bwd.BWD_CHUNK_ENV, "16x16x2x4")
     assert triton_bwd.bwd_chunk_config(64, 64) == (16, 16, 2, 4)
@@ -336,22 +337,22 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
 @needs_kernels
 def test_keys_kernel_load_order_keeps_results(monkeypatch):
     """When the keys kernel loads its chunk's q, k, G (`TITAN_MOE_KDA_KEYS_LOADS`) changes
-    the schedule, not the maths; default late at 16 warps, early below; bad values refused."""
+    the schedule, not the maths; default late; bad values refused."""
     monkeypatch.delenv(triton_bwd.KEYS_LOADS_ENV, raising=False)
-    assert triton_bwd.keys_late_loads(16) and not triton_bwd.keys_late_loads(8)
+    assert triton_bwd.keys_late_loads()
     inp = make_inputs(1, 100, 2, 32, 32, "rand", seed=10)
     do = torch.randn(1, 100, 2, 32, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     runs = {}
     for order in ("early", "late"):
         monkeypatch.setenv(triton_bwd.KEYS_LOADS_ENV, order)
-        assert triton_bwd.keys_late_loads(8) == (order == "late")  # the setting overrides the warps rule
+        assert triton_bwd.keys_late_loads() == (order == "late")
         runs[order] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
     for name, got, want in zip(GRAD_NAMES, runs["late"], runs["early"]):
         if want is not None:  # the same operations (compiled, the FMA contraction may differ)
             assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
     monkeypatch.setenv(triton_bwd.KEYS_LOADS_ENV, "never")
     with pytest.raises(ValueError, match="early or late"):
-        triton_bwd.keys_late_loads(16)
+        triton_bwd.keys_late_loads()
 
 
 @needs_kernels
@@ -431,11 +432,14 @@ def test_dakk_from_values_matches_the_inverse_form(monkeypatch, gate):
 
 @needs_kernels
 def test_bf16_partials_stay_close_to_fp32(monkeypatch):
-    """`TITAN_MOE_KDA_BWD_PARTS=bf16`: fp16 inputs hand dq / dk's state terms to the intra
-    kernel in bf16, one more rounding (2^-9 of those terms) than fp32; fp32 inputs keep fp32
-    partials, so their gradients are unchanged."""
+    """`TITAN_MOE_KDA_BWD_PARTS`: by default ("auto") bf16 inputs hand dq / dk's state terms
+    to the intra kernel in bf16, fp16 and fp32 inputs in fp32. "bf16" also takes fp16 inputs
+    through bf16 (here: the interpreter computes bf16 dots wrongly, so fp16 inputs test that
+    path): one more rounding (2^-9 of those terms) than fp32; fp32 inputs keep fp32."""
     monkeypatch.delenv(triton_bwd.BWD_PARTS_ENV, raising=False)
-    assert triton_bwd.bwd_parts_dtype(torch.bfloat16) == torch.float32  # the default
+    assert triton_bwd.bwd_parts_dtype(torch.bfloat16) == torch.bfloat16  # the default
+    assert triton_bwd.bwd_parts_dtype(torch.float16) == torch.float32
+    assert triton_bwd.bwd_parts_dtype(torch.float32) == torch.float32
     for dtype, bound in ((torch.float16, 4e-3), (torch.float32, 0.0)):
         inp = make_inputs(1, 150, 2, 32, 32, "rand", seed=13, dtype=dtype)
         do = torch.randn(1, 150, 2, 32, generator=torch.Generator().manual_seed(13)).to(DEVICE, dtype)
@@ -452,7 +456,7 @@ def test_bf16_partials_stay_close_to_fp32(monkeypatch):
             if name in ("dq", "dk") and dtype == torch.float16:
                 assert err > 0, name  # the partials did go through bf16
     monkeypatch.setenv(triton_bwd.BWD_PARTS_ENV, "fp16")
-    with pytest.raises(ValueError, match="fp32 or bf16"):
+    with pytest.raises(ValueError, match="auto, fp32 or bf16"):
         triton_bwd.bwd_parts_dtype(torch.bfloat16)
 
 
@@ -899,7 +903,7 @@ BWD_FORMS = {  # the backward's switches the bf16 gradient test runs under (`tri
     "values": {"TITAN_MOE_KDA_DAKK": "values"},
     "values:tf32x3": {"TITAN_MOE_KDA_DAKK": "values:tf32x3"},
     "inverse": {"TITAN_MOE_KDA_DAKK": "inverse"},
-    "parts_bf16": {"TITAN_MOE_KDA_BWD_PARTS": "bf16"},
+    "parts_fp32": {"TITAN_MOE_KDA_BWD_PARTS": "fp32"},
 }
 
 

@@ -157,9 +157,9 @@ def test_kda_allocations_replay_the_triton_launchers(direction, walk, K, g_cumsu
 @pytest.mark.parametrize("walk", ["lean", "classic"])
 def test_kda_workspace_is_the_documented_formula(walk, monkeypatch):
     """Per token, the backward launcher's own tensors at its peak (plus the chunk layout's
-    few int32s): lean (the default) `(4C + 4dk + dv + dk dv / C + 1 + s) * 4 * H`, small_1gpu
-    36 KiB; classic `(4C + 5dk + 3dv + 2 dk dv / C + 1 + s) * 4 * H`, 56 KiB; s = dk / 64
-    where the backward intra kernel splits the key columns (dk > 64), else 0."""
+    few int32s), bf16 inputs: lean (the default) `(4C + 3dk + dv + dk dv / C + 1 + s) * 4 * H`,
+    small_1gpu 32 KiB; classic `(4C + 4dk + 3dv + 2 dk dv / C + 1 + s) * 4 * H`, 52 KiB; s =
+    dk / 64 where the backward intra kernel splits the key columns (dk > 64), else 0."""
     from titan_moe.ops.kda.triton_fwd import WALK_ENV
 
     monkeypatch.setenv(WALK_ENV, walk)
@@ -167,11 +167,11 @@ def test_kda_workspace_is_the_documented_formula(walk, monkeypatch):
     for H, dk, dv in ((8, 128, 128), (4, 64, 32), (96, 128, 128)):
         split = dk // 64 if dk > 64 else 0
         if walk == "lean":
-            formula = (4 * C + 4 * dk + dv + dk * dv / C + 1 + split) * 4 * H
+            formula = (4 * C + 3 * dk + dv + dk * dv / C + 1 + split) * 4 * H
         else:
-            formula = (4 * C + 5 * dk + 3 * dv + 2 * dk * dv / C + 1 + split) * 4 * H
+            formula = (4 * C + 4 * dk + 3 * dv + 2 * dk * dv / C + 1 + split) * 4 * H
         assert kda_bwd_workspace_per_token(H, dk, dv) == pytest.approx(formula, rel=1e-4, abs=0.1)
-    assert round(kda_bwd_workspace_per_token(8, 128, 128) / 1024) == (36 if walk == "lean" else 56)
+    assert round(kda_bwd_workspace_per_token(8, 128, 128) / 1024) == (32 if walk == "lean" else 52)
 
 
 # ----------------------------------------------------------------------------- GPU kernel stand-ins

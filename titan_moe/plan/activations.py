@@ -44,10 +44,10 @@ slots = `attn_res.max_sources`):
     step walk's forward phases); fused layers a heuristic, `2 *
     largest kept tensor` (the gradients of the op being differentiated) plus workspaces: KDA
     op, the Triton backward launcher's tensors at its peak (`transient.kda_bwd_allocations`,
-    contiguous inputs; `kda_bwd_workspace_per_token`): lean walk `(4C + 4dk + dv + dk dv / C
+    contiguous inputs; `kda_bwd_workspace_per_token`): lean walk `(4C + 3dk + dv + dk dv / C
     + 1) * 4 * H` (the recomputed forward's fp32 G, A_qk, A_inv and bf16 chunk states h,
-    v_new; bf16 dh, dv_new; fp32 dA_qk, dA_kk, dq/dk partials, dG, dbeta partial), classic
-    `(4C + 5dk + 3dv + 2 dk dv / C + 1) * 4 * H` (all fp32, W and U too); QB histogram
+    v_new; bf16 dh, dv_new, dq/dk partials; fp32 dA_qk, dA_kk, dG, dbeta partial), classic
+    `(4C + 4dk + 3dv + 2 dk dv / C + 1) * 4 * H` (fp32 but the partials, W and U too); QB histogram
     `32 n` (fp32 margins + temporary, three int64 [T, n] index tensors: the recompute's). Both add, by layout: EP all-to-all
     send + receive buffers `2 k L a` (ep > 1); MLA ring-attention K/V double buffer
     `2 H (n + r + v) a` (cp > 1). The AttnRes stream gradients `(S+1) D s` are counted by the
@@ -218,10 +218,10 @@ def kda_bwd_workspace_per_token(H: int, dk: int, dv: int) -> float:
     """Bytes per token of the KDA Triton backward launcher's own tensors at its peak (its
     outputs, the op's gradients, excluded), from `transient.kda_bwd_allocations` with
     contiguous bf16 inputs over whole chunks, for the walk `$TITAN_MOE_KDA_WALK` selects:
-    lean `(4C + 4dk + dv + dk dv / C + 1 + s) * 4 * H`, classic `(4C + 5dk + 3dv + 2 dk dv / C +
-    1 + s) * 4 * H` (and the chunk layout's int32s), where s = dk / 64 when the backward
-    intra kernel splits the key columns (dk > 64, `triton_bwd.bwd_intra_bk`: its dbeta
-    shares), else 0."""
+    lean `(4C + 3dk + dv + dk dv / C + 1 + s) * 4 * H`, classic `(4C + 4dk + 3dv + 2 dk dv / C +
+    1 + s) * 4 * H` (and the chunk layout's int32s; the dq / dk partials in bf16,
+    `triton_bwd.bwd_parts_dtype`), where s = dk / 64 when the backward intra kernel splits
+    the key columns (dk > 64, `triton_bwd.bwd_intra_bk`: its dbeta shares), else 0."""
     T = 16 * KDA_CHUNK
     with torch.device("meta"):
         q = torch.empty(1, T, H, dk, dtype=torch.bfloat16)

@@ -38,12 +38,13 @@ GPU kernels, whose CPU counterparts allocate differently:
     kernels stubbed out and compares, for both walks). The classic backward's
     peak, per token and head in fp32 words (C = 64, K = dk, V = dv), all alive at its end:
     G K, A_qk C, A_inv C, W K, U V, v_new V, h K V / C (the recomputed forward; A_kk C was
-    freed on return), dh K V / C, dv_new V, dA_qk C, dA_kk C, dq/dk partials 2 K, dG K,
-    dbeta partial 1 = `4C + 5K + 3V + 2KV/C + 1` words; then the outputs dq, dk, dv in the
-    input dtype, dg fp32 K and dbeta fp32, and a contiguous copy of v (a slice of the short
-    convolution's q|k|v output). small_1gpu (H 8, K = V = 128): 56 KiB per token, 68 with the
-    outputs and the copy. The lean walk (the default) stores h, v_new, dh, dv_new in bf16 and
-    frees W and its precomputed factors before stage 2: `4C + 4K + V + KV/C + 1` words, 36 KiB.
+    freed on return), dh K V / C, dv_new V, dA_qk C, dA_kk C, dq/dk partials K (bf16 for bf16
+    inputs, `triton_bwd.bwd_parts_dtype`), dG K, dbeta partial 1 = `4C + 4K + 3V + 2KV/C + 1`
+    words; then the outputs dq, dk, dv in the input dtype, dg fp32 K and dbeta fp32, and a
+    contiguous copy of v (a slice of the short convolution's q|k|v output). small_1gpu (H 8,
+    K = V = 128): 52 KiB per token. The lean walk (the default) stores h, v_new, dh, dv_new in
+    bf16 and frees W and its precomputed factors before stage 2: `4C + 3K + V + KV/C + 1`
+    words, 32 KiB.
   * Grouped GEMM and token dispatch ops: their outputs are what the CUDA paths allocate
     (`torch._grouped_mm` and the Triton kernels need no workspace beyond cuBLAS's constant).
     Any other custom op (`titan_moe::*`) is counted through the Python function it was defined

@@ -88,26 +88,21 @@ BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 DAKK_ENV = "TITAN_MOE_KDA_DAKK"
 DA_KK_PRECISION = {"values": "tf32", "inverse": "tf32x3"}  # the forms' default dots on 16-bit inputs
 DA_KK_WARPS = 4
-# the dtype of the keys kernel's dq / dk partials for 16-bit inputs: "fp32" or "bf16", see `bwd_parts_dtype`
+# the dtype of the keys kernel's dq / dk partials: "auto" (default), "bf16" or "fp32", see `bwd_parts_dtype`
 BWD_PARTS_ENV = "TITAN_MOE_KDA_BWD_PARTS"
 
 
 def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     """(BK, BV, keys warps, values warps) of stage 2: `_bwd_chunk_keys_kernel` runs one
     program per chunk, head and BK key columns, both stage-2 kernels loop over BV value
-    columns. Default at dk >= 128: 128 x 64 with 16 keys warps and 8 values warps (one keys
-    program per chunk at dk = 128, reading do, V~, dV~ once instead of once per key block; on
-    sm_90 the same 128-register cap as 64 columns at 8 warps and the same 248-byte spill with
-    the chunk's operands loaded before the value loop, 144 with them after it, the default
-    here, `keys_late_loads`, `profiling/kernel_resources.py`; on the H200 at T = 32K, early
-    loads: keys 1.456 + values 0.606 ms against 64 x 64 x 8 x 8's 1.520 + 0.619, BENCHMARKS.md
-    "keys kernel over all key columns");
-    below dk = 128: 64 x 64 x 8 x 8, clipped to dk and dv (the earlier default: sixteen warps
-    on a `[64, dk < 128]` tile are correct, the GPU tests pass with them at dk = 32, but they
-    were never timed). `$TITAN_MOE_KDA_BWD_CHUNK` ("BKxBVxWKxWV", read per call) overrides it
-    for tuning."""
-    default = "128x64x16x8" if K >= 128 else "64x64x8x8"
-    bk, bv, wk, wv = _env_ints(BWD_CHUNK_ENV, default, "64x32x8x8 (BKxBVxKEYS_WARPSxVALUES_WARPS)", 4)
+    columns. Default 64 x 64 with 8 warps each, clipped to dk and dv: since dA_kk left the
+    keys kernel (`dakk_form`), 64 key columns at 8 warps with late loads (`keys_late_loads`)
+    need 128 registers and spill 24 bytes on sm_90, two blocks per SM
+    (`profiling/kernel_resources.py`), and on the H200 at T = 32K forward+backward took 6.109 ms
+    against 6.196 with all 128 key columns at 16 warps, the default before (one block per SM,
+    104 bytes spilled), and 6.241 with early loads (BENCHMARKS.md, "KDA: dA_kk without dX").
+    `$TITAN_MOE_KDA_BWD_CHUNK` ("BKxBVxWKxWV", read per call) overrides it for tuning."""
+    bk, bv, wk, wv = _env_ints(BWD_CHUNK_ENV, "64x64x8x8", "64x32x8x8 (BKxBVxKEYS_WARPSxVALUES_WARPS)", 4)
     if bk not in (16, 32, 64, 128) or bv not in (16, 32, 64, 128):
         raise ValueError(f"{BWD_CHUNK_ENV}: BK and BV must be 16, 32, 64 or 128, got {bk}x{bv}")
     if wk not in _WARPS or wv not in _WARPS:
@@ -115,15 +110,16 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     return min(bk, K), min(bv, V), wk, wv
 
 
-def keys_late_loads(keys_warps: int) -> bool:
+def keys_late_loads() -> bool:
     """Whether `_bwd_chunk_keys_kernel` loads its chunk's q, k, G after the value loop
-    (LATE_LOADS) rather than before it. `$TITAN_MOE_KDA_KEYS_LOADS` ("early" or "late", read
-    per call) decides; by default late at 16 warps, early below. Measured on the H200 at
-    T = 32K: with 128 key columns at 16 warps (one block per SM, 128 registers) the early
-    tiles are what spills (248 bytes per thread on sm_90 against 144 late) and late loads
-    take the kernel from 1.455 to 1.382 ms; with 64 columns at 8 warps (two blocks per SM)
-    early loads overlap the loop and won, 1.51 against 1.61 ms (BENCHMARKS.md)."""
-    text = os.environ.get(KEYS_LOADS_ENV) or ("late" if keys_warps >= 16 else "early")
+    (LATE_LOADS, the default) rather than before it; `$TITAN_MOE_KDA_KEYS_LOADS` ("early" or
+    "late", read per call) decides. Late loads free those tiles' registers during the loop:
+    measured on the H200 at T = 32K with the default launch, forward+backward 6.109 ms late
+    against 6.241 early (24 against 168 bytes spilled per thread); with 128 key columns at 16
+    warps 6.196 late against 6.198 early (BENCHMARKS.md, "KDA: dA_kk without dX"). Before
+    dA_kk left the kernel, 64 columns at 8 warps ran faster with early loads (1.51 against
+    1.61 ms for the kernel)."""
+    text = os.environ.get(KEYS_LOADS_ENV) or "late"
     if text not in ("early", "late"):
         raise ValueError(f"{KEYS_LOADS_ENV} must be early or late, got {text!r}")
     return text == "late"
@@ -170,13 +166,19 @@ def dakk_form(precision: str) -> tuple[bool, str]:
 
 def bwd_parts_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """The dtype in which `_bwd_chunk_keys_kernel` hands its dq and dk terms to
-    `_bwd_intra_kernel` (dG's stays fp32: it is summed over the chunk): fp32, or with
-    `$TITAN_MOE_KDA_BWD_PARTS=bf16` (read per call) bf16 for 16-bit inputs, half the bytes
-    of two `[T, H, dk]` passes at one more rounding of those terms; fp32 inputs keep fp32."""
-    text = os.environ.get(BWD_PARTS_ENV) or "fp32"
-    if text not in ("fp32", "bf16"):
-        raise ValueError(f"{BWD_PARTS_ENV} must be fp32 or bf16, got {text!r}")
-    return torch.bfloat16 if text == "bf16" and input_dtype != torch.float32 else torch.float32
+    `_bwd_intra_kernel` (dG's stays fp32: it is summed over the chunk), from
+    `$TITAN_MOE_KDA_BWD_PARTS` (read per call): "auto" (default) bf16 for bf16 inputs, whose
+    gradients are bf16 anyway, fp32 for the others (fp16 keeps three more mantissa bits than
+    bf16: its gradients' bounds would not hold); "bf16" for every 16-bit input; "fp32".
+    bf16 halves the bytes of two `[T, H, dk]` fp32 passes at one more rounding of those
+    terms. Measured on the H200 (BENCHMARKS.md, "KDA: dA_kk without dX"): forward+backward at
+    T = 32K 6.056 ms against 6.196 with fp32 partials; bf16 gradients at T = 1,024 against
+    float64: dk's error 2.71e-3 against 2.65e-3, the others unchanged."""
+    text = os.environ.get(BWD_PARTS_ENV) or "auto"
+    if text not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"{BWD_PARTS_ENV} must be auto, fp32 or bf16, got {text!r}")
+    bf16 = input_dtype == torch.bfloat16 if text == "auto" else text == "bf16" and input_dtype != torch.float32
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def _row_descriptors(views: list):
@@ -819,7 +821,7 @@ def chunk_kda_bwd_triton(
         q, k, st.G, beta, st.Ainv, *(descriptors or loop_operands),
         dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=st.precision,
-        LATE_LOADS=keys_late_loads(keys_warps), TMA_LOADS=descriptors is not None, DX_SHARES=not dakk_in_values,
+        LATE_LOADS=keys_late_loads(), TMA_LOADS=descriptors is not None, DX_SHARES=not dakk_in_values,
         num_warps=keys_warps, num_stages=2, **keys_cap,
     )
     dAqk = torch.empty(TT, H, CHUNK, **f32)
