@@ -214,7 +214,8 @@ def bwd_register_caps() -> tuple[dict, dict, dict]:
     248 bytes per thread for it, the values kernel nothing) and three 4-warp blocks of dA_kk
     instead of two. Measured on the H200 (BENCHMARKS.md, "register caps"), forward+backward:
     T = 32K 8.198 ms against 8.466 uncapped, 8 x 4K 7.218 against 7.484 (keys 1.604 against
-    1.700 ms, values 0.616 against 0.778). A kernel that needs fewer registers is unaffected.
+    1.700 ms, values 0.616 against 0.778). A kernel that needs fewer registers is unaffected;
+    `_bwd_dAkk_kernel` runs only in the "inverse" form of `dakk_form`.
     """
     caps = _env_ints(BWD_MAXNREG_ENV, "128x128x168", "0x128x168 (KEYSxVALUESxDAKK, 0: no cap)", 3)
     if any(c and not 32 <= c <= 255 for c in caps):
