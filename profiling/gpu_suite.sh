@@ -219,7 +219,9 @@
 # later call on the same machine reuses it; the suite then copies the autotuning results
 # (*.autotune.json, a few KiB each) into one archive, OUT/triton_autotune.tar.gz, with their
 # folders: `tar -xzf triton_autotune.tar.gz -C build/triton_cache` on a fresh machine and fla's
-# autotuning (minutes at 32K) is skipped there.
+# autotuning (minutes at 32K) is skipped there. The suite does that itself with
+# $SUITE_AUTOTUNE_IN (default profiling/fla_autotune_h200.tar.gz: fla-core 0.6.0's kernels under
+# triton 3.6 at the benchmark's shapes, from the 102nd GPU run; empty: none).
 set -u
 OUT=${1:?usage: bash profiling/gpu_suite.sh OUT [SECTION ...]}
 shift
@@ -238,6 +240,12 @@ LIMIT=${SUITE_TIMEOUT:-540}
 DUMP=${SUITE_DUMP:-$OUT}  # the training runs' dump folders (traces, metrics, checkpoints)
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton_cache}
+# autotuning results measured before (fla's kernels on the H200): put where Triton looks for them,
+# files already there kept, so that fla's autotuning is skipped where the Triton and fla versions match
+AUTOTUNE_IN=${SUITE_AUTOTUNE_IN-$PWD/profiling/fla_autotune_h200.tar.gz}
+if [ "${SUITE_DRY_RUN:-0}" != 1 ] && [ -n "$AUTOTUNE_IN" ] && [ -f "$AUTOTUNE_IN" ]; then
+    mkdir -p "$TRITON_CACHE_DIR" && tar -xzf "$AUTOTUNE_IN" -C "$TRITON_CACHE_DIR" --skip-old-files
+fi
 SMALL=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 30
        --metrics.log_freq 5 --validation.freq 1000)
 SMALL10=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --training.steps 10

@@ -290,7 +290,7 @@ def test_gpu_suite_deadline_skips_commands_that_would_overrun_it(tmp_path):
     """With SUITE_DEADLINE reached, every command of a section is skipped (rc 124, nothing
     started, no output file) instead of starting a run the outer time limit would cut."""
     proc = _gpu_suite(tmp_path, "fp8_all_b8", gpus="1", dry=False, SUITE_DEADLINE="5",
-                      TRITON_CACHE_DIR=str(tmp_path / "no_cache"))
+                      TRITON_CACHE_DIR=str(tmp_path / "no_cache"), SUITE_AUTOTUNE_IN="")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out"
     lines = (out / "summary.txt").read_text().splitlines()
@@ -328,6 +328,37 @@ def test_gpu_suite_copies_the_autotuning_results_out(tmp_path):
     proc = _gpu_suite(tmp_path / "again", "kda_forms", gpus="1", TRITON_CACHE_DIR=str(cache))
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "again" / "out").iterdir()) == ["summary.txt"]
+
+
+def test_gpu_suite_puts_the_stored_autotuning_results_in_the_cache(tmp_path):
+    """Before its sections the suite unpacks $SUITE_AUTOTUNE_IN (by default the stored fla
+    results) into Triton's cache, keeping files already there; not in a dry run."""
+    import tarfile
+
+    stored = tmp_path / "stored"
+    (stored / "k1").mkdir(parents=True)
+    (stored / "k1" / "_fla.autotune.json").write_text('{"key": [1]}')
+    (stored / "k2").mkdir()
+    (stored / "k2" / "_kept.autotune.json").write_text('{"key": "stored"}')
+    archive = tmp_path / "in.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(stored, arcname=".")
+    cache = tmp_path / "cache"
+    (cache / "k2").mkdir(parents=True)
+    (cache / "k2" / "_kept.autotune.json").write_text('{"key": "newer"}')
+    proc = _gpu_suite(tmp_path, "fp8_all_b8", gpus="1", dry=False, SUITE_DEADLINE="5", TRITON_CACHE_DIR=str(cache),
+                      SUITE_AUTOTUNE_IN=str(archive))
+    assert proc.returncode == 0, proc.stderr
+    assert (cache / "k1" / "_fla.autotune.json").read_text() == '{"key": [1]}'
+    assert (cache / "k2" / "_kept.autotune.json").read_text() == '{"key": "newer"}'
+    default = REPO / "profiling" / "fla_autotune_h200.tar.gz"  # the stored results: fla's kernels
+    with tarfile.open(default) as tar:
+        names = [n for n in tar.getnames() if n.endswith(".autotune.json")]
+    assert any("chunk_kda_bwd_kernel_wy_dqkg_fused" in n for n in names) and len(names) >= 10
+    dry = tmp_path / "dry_cache"
+    proc = _gpu_suite(tmp_path / "dry", "kda_fla_all", gpus="1", TRITON_CACHE_DIR=str(dry))
+    assert proc.returncode == 0, proc.stderr
+    assert not dry.exists()
 
 
 def test_gpu_suite_fp8_gemm_section(tmp_path):
