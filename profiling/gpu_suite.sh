@@ -25,10 +25,10 @@
 #              per program (TITAN_MOE_KDA_BWD_INTRA_BK) and warps (TITAN_MOE_KDA_TILE_WARPS' last
 #              value) beside the default 64 x 4 (not in the default list)
 #   kda_keys   profiling/bench_kda.py at 32K and 8 x 4K: the keys kernel's launch
-#              (TITAN_MOE_KDA_BWD_CHUNK): the default, all 128 key columns per program at 16 warps
-#              with the chunk's q, k, G loaded after the value loop, beside 64 columns at 8 warps
-#              (the earlier default), 32 value columns, 8 warps, and early loads
-#              (TITAN_MOE_KDA_KEYS_LOADS=early) (not in the default list)
+#              (TITAN_MOE_KDA_BWD_CHUNK) beside the default, 64 key columns per program at 8 warps
+#              with the chunk's q, k, G loaded after the value loop: all 128 key columns at 16
+#              warps (the earlier default), with 32 value columns, at 8 warps, and with early
+#              loads (TITAN_MOE_KDA_KEYS_LOADS=early) (not in the default list)
 #   kda_bwd_tma  the KDA GPU tests with the keys and values kernels' loads through TMA
 #              descriptors (TITAN_MOE_KDA_BWD_TMA=all), then profiling/bench_kda.py at 32K and 8 x 4K:
 #              pointer loads in both (none), the keys kernel's TMA loads, and both, beside the
@@ -317,7 +317,7 @@ for section in "${SECTIONS[@]}"; do
         kda_intra) run kda_intra python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
                 --variants bk128w8:TITAN_MOE_KDA_BWD_INTRA_BK=128+TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk128w4:TITAN_MOE_KDA_BWD_INTRA_BK=128,bk64w2:TITAN_MOE_KDA_TILE_WARPS=4x1x4x2,bk64w8:TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk32w2:TITAN_MOE_KDA_BWD_INTRA_BK=32+TITAN_MOE_KDA_TILE_WARPS=4x1x4x2 ;;
         kda_keys) run kda_keys python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants k64w8:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8,k128w16bv32:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,k128w8:TITAN_MOE_KDA_BWD_CHUNK=128x64x8x8,k128early:TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8+TITAN_MOE_KDA_KEYS_LOADS=early ;;
+                --variants k128w16:TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8,k128w16bv32:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,k128w8:TITAN_MOE_KDA_BWD_CHUNK=128x64x8x8,k128early:TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8+TITAN_MOE_KDA_KEYS_LOADS=early ;;
         kda_bwd_tma)  # stage 2's value-loop operands through TMA descriptors
             run kda_bwd_tma_tests env TITAN_MOE_KDA_BWD_TMA=all python -m pytest -m gpu -q -rsx \
                 -p no:cacheprovider tests/test_kda_triton.py tests/test_kda_kept.py

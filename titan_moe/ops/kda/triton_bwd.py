@@ -71,7 +71,7 @@ from titan_moe.ops.kda.triton_fwd import (
 )
 from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed, row_major_descriptor
 
-# stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 128x64x16x8 (the default at dk >= 128)
+# stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x64x8x8 (the default, see `bwd_chunk_config`)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
 # when the keys kernel loads its chunk's q, k, G: "early" or "late", see `keys_late_loads`
 KEYS_LOADS_ENV = "TITAN_MOE_KDA_KEYS_LOADS"
