@@ -44,6 +44,9 @@
 #              (TITAN_MOE_KDA_BWD_PARTS) and its launch (64 or 128 key columns, early or late loads)
 #              beside the default, then the bf16 gradient test against float64 in each backward form
 #              (errors printed) (not in the default list)
+#   kda_verify the KDA GPU tests (-m gpu: float64 references, fla beside them, kept against
+#              recomputed, input maps, scans) and the kernel-form tests compiled on the GPU (dA_kk
+#              forms, bf16 partials, the keys and intra launches, autograd) (not in the default list)
 #   kda_fla_all  profiling/bench_kda.py --kernels 8 at the four shapes ($SUITE_KDA_SHAPES: the
 #              sequence lengths to keep) with fla in the same run (its autotuning results: see
 #              TRITON_CACHE_DIR below) (not in the default list)
@@ -340,6 +343,11 @@ for section in "${SECTIONS[@]}"; do
                 --variants parts:TITAN_MOE_KDA_BWD_PARTS=bf16,k64late:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=late,k64early:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=early,k128early:TITAN_MOE_KDA_KEYS_LOADS=early,parts_k64late:TITAN_MOE_KDA_BWD_PARTS=bf16+TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=late
             run kda_parts_tests python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py \
                 -k "backward_vs_float64" ;;
+        kda_verify)  # the KDA GPU tests with today's defaults, compiled: float64 references, forms, partials
+            run kda_verify_tests python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py \
+                tests/test_kda_kept.py tests/test_kda_prepare.py tests/test_kda_scan.py
+            run kda_verify_forms python -m pytest -q -rsx -p no:cacheprovider tests/test_kda_triton.py \
+                -k "dakk or partials or bwd_matches_autograd or intra_columns or keys_kernel or key_split" ;;
         kda_fla_all) run kda_fla_all python profiling/bench_kda.py --kernels 8 --watchdog 300 \
                 --shapes "${SUITE_KDA_SHAPES:-8192,32768,131072,4096}" ;;
         gemm_default)  # training steps with the grouped GEMM's default beside native

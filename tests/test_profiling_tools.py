@@ -716,6 +716,16 @@ def test_gpu_suite_kda_dakk_section_tests_then_times_the_dakk_forms(tmp_path):
     assert commands["kda_fla_all"].endswith("--shapes 8192,32768,131072,4096")  # bench_kda's four shapes
 
 
+def test_gpu_suite_kda_verify_section_runs_the_kda_gpu_tests(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_verify", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["kda_verify_tests", "kda_verify_forms"]
+    files = [word for word in commands["kda_verify_tests"].split() if word.startswith("tests/")]
+    assert files and all((REPO / f).is_file() for f in files) and "-m gpu" in commands["kda_verify_tests"]
+    assert "-m gpu" not in commands["kda_verify_forms"] and "dakk or partials" in commands["kda_verify_forms"]
+
+
 def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_keys", gpus="1")
     assert proc.returncode == 0, proc.stderr

@@ -404,9 +404,9 @@ def _bwd_chunk_keys_kernel(
     lean) and meet the tensor cores in it; do is cast to it (o, hence do, has q's dtype in
     every caller), so 16-bit tiles are 16-bit dot operands (exactly the tf32 dot of their
     fp32 upcasts: tf32 keeps bf16's and fp16's mantissas). Writes dq_part, dk_part
-    `[TT, H, K]` (fp32, or bf16: `bwd_parts_dtype`) and dG_part `[TT, H, K]` fp32 for its columns; dbeta_keys `[K // BK, TT, H]` and dX_keys
-    `[K // BK, TT, H, BT]` fp32 (DX_SHARES only) at its block index (summed by
-    `_bwd_chunk_values_kernel`).
+    `[TT, H, K]` (fp32, or bf16: `bwd_parts_dtype`) and dG_part `[TT, H, K]` fp32 for its
+    columns; dbeta_keys `[K // BK, TT, H]` and dX_keys `[K // BK, TT, H, BT]` fp32
+    (DX_SHARES only) at its block index (summed by `_bwd_chunk_values_kernel`).
     With TMA_LOADS, h, dh, v_new, dv_new, do are TMA descriptors (`bwd_tma_kernels`): no
     row mask, so a sequence's last chunk reads the next sequence's rows (or zeros past TT)
     into rows >= T. Every product here is row-wise in them (dO S^T, V~ dS'^T, dV~ S^T), and
