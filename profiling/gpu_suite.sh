@@ -36,14 +36,13 @@
 #   kda_forms  the forward's A tiles by column tile (TITAN_MOE_KDA_INTRA, the default columns32x4)
 #              against the row-tile kernel (tiles) and other launches: their GPU tests, then
 #              profiling/bench_kda.py at 32K and 8 x 4K (not in the default list)
-#   kda_dakk   dA_kk formed in the values kernel (TITAN_MOE_KDA_DAKK, the default "values"):
-#              profiling/bench_kda.py at 32K and 8 x 4K beside the inverse form and tf32 dots, then
-#              the KDA GPU tests (float64 references, each form's gradient errors printed) and the
-#              forms against each other and against autograd, compiled (not in the default list)
-#   kda_parts  profiling/bench_kda.py at 32K and 8 x 4K: the keys kernel's dq / dk partials in bf16
-#              (TITAN_MOE_KDA_BWD_PARTS) and its launch (64 or 128 key columns, early or late loads)
-#              beside the default, then the bf16 gradient test against float64 in each backward form
-#              (errors printed) (not in the default list)
+#   kda_dakk   profiling/bench_kda.py at 32K and 8 x 4K: dA_kk formed in the values kernel with tf32
+#              dots (TITAN_MOE_KDA_DAKK, the default) beside the inverse form and tf32x3 dots (their
+#              tests: kda_verify) (not in the default list)
+#   kda_parts  profiling/bench_kda.py at 32K and 8 x 4K: the default (bf16 dq / dk partials, 64 key
+#              columns at 8 warps, late loads) beside fp32 partials (TITAN_MOE_KDA_BWD_PARTS), 128 key
+#              columns at 16 warps, early loads, and the previous default (fp32, 128 columns)
+#              (their tests: kda_verify) (not in the default list)
 #   kda_verify the KDA GPU tests (-m gpu: float64 references, fla beside them, kept against
 #              recomputed, input maps, scans) and the kernel-form tests compiled on the GPU (dA_kk
 #              forms, bf16 partials, the keys and intra launches, autograd) (not in the default list)
@@ -333,16 +332,10 @@ for section in "${SECTIONS[@]}"; do
                 --variants tiles:TITAN_MOE_KDA_INTRA=tiles,c64:TITAN_MOE_KDA_INTRA=columns64x4,c16:TITAN_MOE_KDA_INTRA=columns16x4 ;;
         kda_dakk)  # dA_kk = -X^T (dV~ V~^T) in the values kernel
             run kda_dakk python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants inverse:TITAN_MOE_KDA_DAKK=inverse,tf32:TITAN_MOE_KDA_DAKK=values:tf32
-            run kda_dakk_tests python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py \
-                tests/test_kda_kept.py
-            run kda_dakk_forms python -m pytest -q -rsx -p no:cacheprovider tests/test_kda_triton.py \
-                -k "dakk or bwd_matches_autograd" ;;
+                --variants inverse:TITAN_MOE_KDA_DAKK=inverse,tf32x3:TITAN_MOE_KDA_DAKK=values:tf32x3 ;;
         kda_parts)  # the keys kernel after dA_kk left it: bf16 partials, its launch, the bf16 gradient errors
             run kda_parts python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants parts:TITAN_MOE_KDA_BWD_PARTS=bf16,k64late:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=late,k64early:TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=early,k128early:TITAN_MOE_KDA_KEYS_LOADS=early,parts_k64late:TITAN_MOE_KDA_BWD_PARTS=bf16+TITAN_MOE_KDA_BWD_CHUNK=64x64x8x8+TITAN_MOE_KDA_KEYS_LOADS=late
-            run kda_parts_tests python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py \
-                -k "backward_vs_float64" ;;
+                --variants parts_fp32:TITAN_MOE_KDA_BWD_PARTS=fp32,k128:TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8,k64early:TITAN_MOE_KDA_KEYS_LOADS=early,k128fp32:TITAN_MOE_KDA_BWD_PARTS=fp32+TITAN_MOE_KDA_BWD_CHUNK=128x64x16x8 ;;
         kda_verify)  # the KDA GPU tests with today's defaults, compiled: float64 references, forms, partials
             run kda_verify_tests python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py \
                 tests/test_kda_kept.py tests/test_kda_prepare.py tests/test_kda_scan.py

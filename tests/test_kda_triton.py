@@ -411,7 +411,7 @@ def test_bwd_register_caps_keep_results(monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("gate", ["rand", "min"])
 def test_dakk_from_values_matches_the_inverse_form(monkeypatch, gate):
-    """dA_kk = -(X^T dV~) V~^T in the values kernel (the default) against -X^T dX X^T from
+    """dA_kk = -X^T (dV~ V~^T) in the values kernel (the default) against -X^T dX X^T from
     the keys kernel's dX shares (`TITAN_MOE_KDA_DAKK=inverse`): the same gradients up to
     fp32 rounding, over packed sequences (a chunk cut short mid-tile, an empty sequence),
     an initial state, two key blocks in stage 2 and g = g_min on whole chunks."""
@@ -920,7 +920,6 @@ def test_bf16_backward_vs_float64(T, form, monkeypatch):
     fresh machine; the bounds do not need it)."""
     for name, value in BWD_FORMS[form].items():
         monkeypatch.setenv(name, value)
-    dakk = form
     B, H, dk, dv = 1, 4, 128, 128
     gen = torch.Generator().manual_seed(T + 1)
     q = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1).to("cuda", torch.bfloat16)
@@ -950,8 +949,8 @@ def test_bf16_backward_vs_float64(T, form, monkeypatch):
                                   output_final_state=True, safe_gate=True, lower_bound=-5.0)
         fla_grads = torch.autograd.grad((o_f.float() * do.float()).sum() + (ht_f * dht).sum(), fla_leaves)
         fla_errs = {name: rel_err(x, x_ref) for name, x, x_ref in zip(GRAD_NAMES, fla_grads, ref)}
-        print(f"T={T} dA_kk {dakk}: " + ", ".join(f"{n} {errs[n]:.2e} (fla {fla_errs[n]:.2e})" for n in GRAD_NAMES))
+        print(f"T={T} {form}: " + ", ".join(f"{n} {errs[n]:.2e} (fla {fla_errs[n]:.2e})" for n in GRAD_NAMES))
     else:
-        print(f"T={T} dA_kk {dakk}: " + ", ".join(f"{n} {errs[n]:.2e}" for n in GRAD_NAMES))
+        print(f"T={T} {form}: " + ", ".join(f"{n} {errs[n]:.2e}" for n in GRAD_NAMES))
     for name, err in errs.items():
         assert err < (2e-2 if name in ("dg", "dbeta") else 8e-3), (name, err)

@@ -703,15 +703,26 @@ def test_gpu_suite_kda_intra_section_sweeps_the_backward_intra_split(tmp_path):
     assert set(bench_kda.parse_variants(",".join(variants))) == {"bk128w8", "bk128w4", "bk64w2", "bk64w8", "bk32w2"}
 
 
-def test_gpu_suite_kda_dakk_section_tests_then_times_the_dakk_forms(tmp_path):
-    proc = _gpu_suite(tmp_path, "kda_dakk", "kda_fla_all", gpus="1")
+def test_gpu_suite_kda_dakk_and_parts_sections_time_the_backward_forms(tmp_path):
+    proc = _gpu_suite(tmp_path, "kda_dakk", "kda_parts", "kda_fla_all", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_dakk", "kda_dakk_tests", "kda_dakk_forms", "kda_fla_all"]
-    assert "-k dakk or bwd_matches_autograd" in commands["kda_dakk_forms"]
-    assert "-m gpu" in commands["kda_dakk_tests"] and "tests/test_kda_triton.py" in commands["kda_dakk_tests"]
-    variants = _load("bench_kda").parse_variants(commands["kda_dakk"].split("--variants ", 1)[1])
-    assert variants == {"inverse": {"TITAN_MOE_KDA_DAKK": "inverse"}, "tf32": {"TITAN_MOE_KDA_DAKK": "values:tf32"}}
+    assert list(commands) == ["kda_dakk", "kda_parts", "kda_fla_all"]
+    bench_kda = _load("bench_kda")
+    variants = bench_kda.parse_variants(commands["kda_dakk"].split("--variants ", 1)[1])
+    assert variants == {"inverse": {"TITAN_MOE_KDA_DAKK": "inverse"}, "tf32x3": {"TITAN_MOE_KDA_DAKK": "values:tf32x3"}}
+    variants = bench_kda.parse_variants(commands["kda_parts"].split("--variants ", 1)[1])
+    assert set(variants) == {"parts_fp32", "k128", "k64early", "k128fp32"}
+    triton_bwd = pytest.importorskip("titan_moe.ops.kda.triton_bwd")
+    import torch
+
+    for env in variants.values():  # each differs from the default at dk = dv = 128 with bf16 inputs
+        with pytest.MonkeyPatch.context() as mp:
+            for var, value in env.items():
+                mp.setenv(var, value)
+            launch = (triton_bwd.bwd_chunk_config(128, 128), triton_bwd.keys_late_loads(),
+                      triton_bwd.bwd_parts_dtype(torch.bfloat16))
+        assert launch != ((64, 64, 8, 8), True, torch.bfloat16), env
     assert "--no-fla" not in commands["kda_fla_all"]
     assert commands["kda_fla_all"].endswith("--shapes 8192,32768,131072,4096")  # bench_kda's four shapes
 
