@@ -46,6 +46,9 @@
 #   kda_verify the KDA GPU tests (-m gpu: float64 references, fla beside them, kept against
 #              recomputed, input maps, scans) and the kernel-form tests compiled on the GPU (dA_kk
 #              forms, bf16 partials, the keys and intra launches, autograd) (not in the default list)
+#   kda_long   the long-context KDA GPU tests (tests/test_kda_long_context.py: 32K and 128K in bf16
+#              against our chunked path in fp32 and fla, 128K with g = g_min); also run by
+#              kda_verify (not in the default list)
 #   kda_fla_all  profiling/bench_kda.py --kernels 8 at the four shapes ($SUITE_KDA_SHAPES: the
 #              sequence lengths to keep) with fla in the same run (its autotuning results: see
 #              TRITON_CACHE_DIR below) (not in the default list)
@@ -284,6 +287,10 @@ run() {  # run NAME COMMAND...: COMMAND's output to OUT/NAME.txt, a summary line
     echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt" >&2
 }
 
+run_kda_long() {  # the long-context KDA GPU tests (kda_long, kda_verify)
+    run kda_long python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_long_context.py
+}
+
 # fp8_all_pair NAME [TRAINER ARGS...]: wide_1gpu bf16, then the fp8_all recipe, then their table.
 # 24 steps (compiling takes about 2 minutes, a step under a second), so that the ratio is the
 # mean over five logged windows after the warm-up instead of two.
@@ -340,7 +347,9 @@ for section in "${SECTIONS[@]}"; do
             run kda_verify_tests python -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py \
                 tests/test_kda_kept.py tests/test_kda_prepare.py tests/test_kda_scan.py
             run kda_verify_forms python -m pytest -q -rsx -p no:cacheprovider tests/test_kda_triton.py \
-                -k "dakk or partials or bwd_matches_autograd or intra_columns or keys_kernel or key_split" ;;
+                -k "dakk or partials or bwd_matches_autograd or intra_columns or keys_kernel or key_split"
+            run_kda_long ;;
+        kda_long) run_kda_long ;;
         kda_fla_all) run kda_fla_all python profiling/bench_kda.py --kernels 8 --watchdog 300 \
                 --shapes "${SUITE_KDA_SHAPES:-8192,32768,131072,4096}" ;;
         gemm_default)  # training steps with the grouped GEMM's default beside native

@@ -763,6 +763,10 @@ def test_kept_forward_backward_equals_recomputing(walk, dtype, monkeypatch):
     assert len(residuals) == len(triton_fwd.RESIDUAL_NAMES) == N_RESIDUALS
     assert [(tuple(r.shape), r.dtype) for r in residuals] == specs
     assert residuals[triton_fwd.RESIDUAL_NAMES.index("h")].shape[0] == 4
+    # the kept op returns these: none may alias an input or another return (the classic
+    # walk's two missing residuals once shared one empty tensor, which the op rejects)
+    torch._library.utils._c_check_aliasing_constraint(
+        "kept_forward", (*inp.values(), h0, cu_seqlens), {}, (o, ht, *residuals))
     grads = chunk_kda_bwd_triton(**inp, scale=scale, do=do, initial_state=h0, cu_seqlens=cu_seqlens, dht=dht,
                                  kept=residuals)
     for name, x, y in zip(("o", "ht", *GRAD_NAMES), [o, ht, *grads], got_recompute, strict=True):

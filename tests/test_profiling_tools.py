@@ -731,7 +731,8 @@ def test_gpu_suite_kda_verify_section_runs_the_kda_gpu_tests(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_verify", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_verify_tests", "kda_verify_forms"]
+    assert list(commands) == ["kda_verify_tests", "kda_verify_forms", "kda_long"]
+    assert commands["kda_long"].endswith("-m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_long_context.py")
     files = [word for word in commands["kda_verify_tests"].split() if word.startswith("tests/")]
     assert files and all((REPO / f).is_file() for f in files) and "-m gpu" in commands["kda_verify_tests"]
     assert "-m gpu" not in commands["kda_verify_forms"] and "dakk or partials" in commands["kda_verify_forms"]

@@ -62,6 +62,7 @@ from titan_moe.ops.kda.triton_fwd import (
     _env_ints,
     _interpreted,
     _prefetch_decay,
+    dot_precision,
     kda_fwd_states,
     scan_stages,
     sequential_scan_config,
@@ -776,6 +777,7 @@ def chunk_kda_bwd_triton(
     TT = B * T
     f32 = dict(dtype=torch.float32, device=q.device)
     lean = st.walk == "lean"
+    precision, precision_intra = (dot_precision(q.dtype, stage) for stage in ("backward", "backward_intra"))
     # what the walk writes: fp32 (classic) or the input dtype (lean, `triton_fwd`'s docstring)
     walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
     dh = torch.empty(n_chunks, H, K, V, **walk_dt)
@@ -788,7 +790,7 @@ def chunk_kda_bwd_triton(
         q_decay = torch.empty(TT, H, K, dtype=q.dtype, device=q.device)
         _bwd_walk_prep_kernel[(n_chunks, H)](
             q, st.G, st.Aqk, do, q_decay, dv_new, scale, st.cu_seqlens, st.chunk_indices,
-            H=H, K=K, V=V, BT=CHUNK, BV=min(V, 64), PRECISION=st.precision, num_warps=4,
+            H=H, K=K, V=V, BT=CHUNK, BV=min(V, 64), PRECISION=precision, num_warps=4,
         )
     BV, warps = sequential_scan_config(K, V, walks=N * H)
     launch_with_fewer_stages_if_needed(
@@ -796,7 +798,7 @@ def chunk_kda_bwd_triton(
         q, k, st.G, st.W, st.Aqk, st.k_to_end, q_decay, st.decay, do, dh, dv_new, dht, dh0, scale,
         st.cu_seqlens, st.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        LEAN=lean, PRECISION=st.precision, INTERPRETED=interp, num_warps=warps,
+        LEAN=lean, PRECISION=precision, INTERPRETED=interp, num_warps=warps,
         # fp32 tiles at dk = 128 (classic): 2 stages would need 226 KB of shared memory
         num_stages=scan_stages(BV, walk_tiles_wide(K, lean, q.dtype))[1],
     )
@@ -809,7 +811,7 @@ def chunk_kda_bwd_triton(
     dG = torch.empty(TT, H, K, **f32)
     BK, BV, keys_warps, values_warps = bwd_chunk_config(K, V)
     keys_cap, values_cap, dAkk_cap = bwd_register_caps()
-    dakk_in_values, precision_da = dakk_form(st.precision)
+    dakk_in_values, precision_da = dakk_form(precision)
     dbeta_keys = torch.empty(K // BK, TT, H, **f32)
     dX_keys = None if dakk_in_values else torch.empty(K // BK, TT, H, CHUNK, **f32)
     tma_kernels = bwd_tma_kernels()
@@ -821,7 +823,7 @@ def chunk_kda_bwd_triton(
     _bwd_chunk_keys_kernel[(n_chunks, H, K // BK)](
         q, k, st.G, beta, st.Ainv, *(descriptors or loop_operands),
         dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
-        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=st.precision,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=precision,
         LATE_LOADS=keys_late_loads(), TMA_LOADS=descriptors is not None, DX_SHARES=not dakk_in_values,
         num_warps=keys_warps, num_stages=2, **keys_cap,
     )
@@ -837,7 +839,7 @@ def chunk_kda_bwd_triton(
     _bwd_chunk_values_kernel[(n_chunks, H)](
         v_arg, beta, st.Ainv, vn_arg, dvn_arg, do_arg, dX_keys, dbeta_keys,
         dAqk, dAkk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
-        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=st.precision, TMA_LOADS=descriptors is not None,
+        H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=precision, TMA_LOADS=descriptors is not None,
         DAKK=dakk_in_values, PRECISION_DA=precision_da, num_warps=values_warps, num_stages=2,
         **values_cap,
     )
@@ -856,7 +858,7 @@ def chunk_kda_bwd_triton(
     dbeta_keys = torch.empty(K // intra_bk, TT, H, **f32) if intra_bk < K else None
     _bwd_intra_kernel[(n_chunks * N_TILES * (K // intra_bk), H)](
         q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta, dbeta_keys,
-        st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=st.precision,
+        st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=precision_intra,
         num_warps=tile_warps()[3],
     )
     if dbeta_keys is not None:

@@ -581,6 +581,41 @@ def selected_walk() -> str:
     return walk
 
 
+DOTS_ENV = "TITAN_MOE_KDA_DOTS"  # FWD[/BWD[/BWD_INTRA]] of tf32 | tf32x3 | ieee, for 16-bit inputs
+DOTS = ("tf32", "tf32x3", "ieee")
+DOT_STAGES = ("forward", "backward", "backward_intra")
+DEFAULT_DOTS = "tf32/tf32/tf32x3"
+
+
+def dot_precision(dtype: torch.dtype, stage: str = "forward") -> str:
+    """`tl.dot` input precision of the kernels' fp32-operand products (the anchored tiles
+    e^(G - c) q / k, the WY products, the walks' fp32 terms) in `stage` (`DOT_STAGES`:
+    the forward's kernels, the backward's, or the backward's intra-chunk kernel alone).
+    "ieee" for fp32 (and wider) inputs. For 16-bit inputs `$TITAN_MOE_KDA_DOTS`, read per
+    call: one value for every stage, or "FWD/BWD" or "FWD/BWD/BWD_INTRA" (a missing entry
+    repeats the one before it); default `DEFAULT_DOTS`, tf32 except in the backward's
+    intra-chunk kernel. Dots of 16-bit operands run at the operands' precision whatever this
+    says.
+
+    Why tf32x3 there: dg is the reverse cumsum inside each chunk of dG, where every pair
+    (i, j) adds +x at i (through dq_i, a row-tile dot over k_j e^(c - G_j)) and -x at j
+    (through dk_j, a column-tile dot over q_i e^(G_i - c)). The two sides round different
+    operands, so in tf32 (2^-11) the pair no longer cancels, and dg, up to e^5 times smaller
+    than its terms, inherits the difference. Measured on the H200 at T = 32K, bf16, against
+    the chunked path in fp32 (`profiling/kda_grad_errors.py`, BENCHMARKS.md): dg 1.11e-2 with
+    tf32 everywhere (fla 3.77e-3), 3.36e-3 with tf32x3 in that kernel; with g = g_min on every
+    token 2.56e-1 against 2.91e-3 (fla 5.25e-3). The forward's and the other backward
+    kernels' tf32 moves no error past 1.2x fla's."""
+    if dtype.itemsize >= 4:
+        return "ieee"
+    text = os.environ.get(DOTS_ENV) or DEFAULT_DOTS
+    values = text.split("/")
+    if len(values) > len(DOT_STAGES) or any(v not in DOTS for v in values):
+        raise ValueError(f"{DOTS_ENV} must be up to {len(DOT_STAGES)} of {DOTS} joined by '/', got {text!r}")
+    index = DOT_STAGES.index(stage)
+    return values[min(index, len(values) - 1)]
+
+
 SCAN_BV_ENV = "TITAN_MOE_KDA_SCAN_BV"  # state columns per program of the sequential walks
 SCAN_WARPS_ENV = "TITAN_MOE_KDA_SCAN_WARPS"  # warps per program of the sequential walks
 SCAN_STAGES_ENV = "TITAN_MOE_KDA_SCAN_STAGES"  # "FWDxBWD" software-pipeline stages of the walks
@@ -860,7 +895,7 @@ def kda_fwd_states(
     rows = n_chunks if chunk_rows is None else chunk_rows
     if rows < n_chunks:
         raise ValueError(f"chunk_rows={chunk_rows} is below the chunk count {n_chunks}")
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = dot_precision(q.dtype)
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     TT = B * T
@@ -976,11 +1011,11 @@ def kept_forward(
     st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
                         scan="sequential", chunk_rows=rows, g_cumsum=g_cumsum)
     o = kda_fwd_output(q, v, st)
-    empty = q.new_empty(0, dtype=torch.float32)
     residuals = [getattr(st, name) for name in RESIDUAL_NAMES]
     if g_cumsum:  # G is the input g (or its fp32 copy): the backward reads it there
         residuals[0] = None
-    return o, st.final_state, [empty if r is None else r for r in residuals]
+    # one empty tensor per missing residual: an op's returns may not alias each other
+    return o, st.final_state, [q.new_empty(0, dtype=torch.float32) if r is None else r for r in residuals]
 
 
 def state_from_residuals(
@@ -1007,7 +1042,7 @@ def state_from_residuals(
         fields["k_to_end"] = fields["decay"] = None
     return KDAForwardState(
         U=None, final_state=None, cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-        precision="ieee" if q.dtype == torch.float32 else "tf32", walk=walk, **fields,
+        precision=dot_precision(q.dtype), walk=walk, **fields,
     )
 
 
