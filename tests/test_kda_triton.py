@@ -722,6 +722,24 @@ def test_lean_walk_storage(monkeypatch):
             assert getattr(st, name).dtype == torch.float32, name
 
 
+def test_dot_precision_per_stage(monkeypatch):
+    """`TITAN_MOE_KDA_DOTS`: unset is tf32 except tf32x3 in the backward's intra kernel (the
+    gate's gradient, `dot_precision`'s docstring); one value sets every stage, a shorter list
+    repeats its last entry; fp32 inputs are always ieee; anything else raises."""
+    monkeypatch.delenv(triton_fwd.DOTS_ENV, raising=False)
+    stages = triton_fwd.DOT_STAGES
+    assert [triton_fwd.dot_precision(torch.bfloat16, s) for s in stages] == ["tf32", "tf32", "tf32x3"]
+    assert [triton_fwd.dot_precision(torch.float32, s) for s in stages] == ["ieee"] * 3
+    for text, want in (("ieee", ["ieee"] * 3), ("tf32x3/tf32", ["tf32x3", "tf32", "tf32"]),
+                       ("tf32/ieee/tf32", ["tf32", "ieee", "tf32"])):
+        monkeypatch.setenv(triton_fwd.DOTS_ENV, text)
+        assert [triton_fwd.dot_precision(torch.float16, s) for s in stages] == want, text
+    for bad in ("tf32,tf32x3", "tf32/tf32/tf32/tf32", "bf16"):
+        monkeypatch.setenv(triton_fwd.DOTS_ENV, bad)
+        with pytest.raises(ValueError, match="TITAN_MOE_KDA_DOTS"):
+            triton_fwd.dot_precision(torch.bfloat16)
+
+
 def test_walk_switch_rejects_unknown_values(monkeypatch):
     """`TITAN_MOE_KDA_WALK`: unset or empty is lean, lean and classic are taken, anything
     else raises before a kernel runs."""
