@@ -431,6 +431,39 @@ def test_dakk_from_values_matches_the_inverse_form(monkeypatch, gate):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype,bound,dg_bound", [(torch.float32, 2e-5, 2e-4), (torch.float16, 2e-3, 2e-3)])
+def test_bwd_intra_paired_matches_anchored(monkeypatch, dtype, bound, dg_bound):
+    """`TITAN_MOE_KDA_BWD_INTRA_FORM=paired` (the column side per row tile around that tile's
+    anchor) against the default anchored form, with g = g_min on whole chunks, packed
+    sequences (an empty one, tiles past a sequence's end) and an initial state. fp32 inputs
+    (ieee dots): the same sums reassociated. fp16 inputs take tf32 dots, where the paired
+    form rounds its exp-scaled operands to tf32 itself (the interpreter's tf32 dots are
+    exact, so the anchored form here is unrounded): dq, dk move by that rounding, and dg,
+    whose terms cancel pairwise up to e^5 times their sum at g_min, stays as close only
+    because both sides of each pair round alike (with the row side's q operand left
+    unrounded in dG, tried by hand: dg 6.8e-2 against 1.4e-4). fp32's dg bound is its own cancellation noise (`FP32_DG_TOL`'s docstring:
+    each form sits ~7e-5 from float64 at g_min)."""
+    inp = make_inputs(1, 150, 2, 32, 32, "min", seed=14, dtype=dtype)
+    inp["cu_seqlens"] = torch.tensor([0, 5, 5, 70, 150], dtype=torch.int32).to(DEVICE)
+    gen = torch.Generator().manual_seed(14)
+    do = torch.randn(1, 150, 2, 32, generator=gen).to(DEVICE, dtype)
+    h0 = torch.randn(4, 2, 32, 32, generator=gen).to(DEVICE)
+    runs = {}
+    for form in ("anchored", "paired"):
+        monkeypatch.setenv(triton_bwd.BWD_INTRA_FORM_ENV, form)
+        monkeypatch.setenv(triton_fwd.DOTS_ENV, "tf32")
+        runs[form] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do, initial_state=h0)
+    for name, got, want in zip(GRAD_NAMES, runs["paired"], runs["anchored"]):
+        assert torch.isfinite(got).all(), name
+        err = rel_err(got.float(), want.float())
+        print(f"{dtype} paired against anchored: {name} {err:.2e}")
+        assert err < (dg_bound if name == "dg" else bound), (name, err)
+    monkeypatch.setenv(triton_bwd.BWD_INTRA_FORM_ENV, "tiles")
+    with pytest.raises(ValueError, match="anchored or paired"):
+        triton_bwd.bwd_intra_paired()
+
+
+@needs_kernels
 def test_bf16_partials_stay_close_to_fp32(monkeypatch):
     """`TITAN_MOE_KDA_BWD_PARTS`: by default ("auto") bf16 inputs hand dq / dk's state terms
     to the intra kernel in bf16, fp16 and fp32 inputs in fp32. "bf16" also takes fp16 inputs

@@ -81,6 +81,8 @@ KEYS_LOADS_ENV = "TITAN_MOE_KDA_KEYS_LOADS"
 BWD_TMA_ENV = "TITAN_MOE_KDA_BWD_TMA"
 # key columns per program of the backward intra kernel, see `bwd_intra_bk`
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
+# the backward intra kernel's column side: "anchored" (default) or "paired", see `bwd_intra_paired`
+BWD_INTRA_FORM_ENV = "TITAN_MOE_KDA_BWD_INTRA_FORM"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 # where dA_kk is formed: "values" (default: -X^T (dV~ V~^T) in `_bwd_chunk_values_kernel`) or
@@ -204,6 +206,27 @@ def bwd_intra_bk(K: int) -> int:
     if text not in ("16", "32", "64", "128"):
         raise ValueError(f"{BWD_INTRA_BK_ENV} must be 16, 32, 64 or 128, got {text!r}")
     return min(int(text), K)
+
+
+def bwd_intra_paired() -> bool:
+    """Whether `_bwd_intra_kernel` pairs its two sides (`$TITAN_MOE_KDA_BWD_INTRA_FORM`, read
+    per call: "anchored", the default, or "paired"; a measured candidate, not yet the default).
+
+    dG gets each pair (i, j), i after j in the chunk, twice: +x_ij at i from the row side
+    (dq_i, R_i) and -x_ij at j from the column side (dk_j), and dg, their reverse cumsum,
+    keeps only what does not cancel. "anchored" forms the column side around the column
+    tile's own anchor and multiplies dG's terms by unrounded factors, so with tf32 dots the
+    two copies of x_ij differ by the tf32 rounding of different operands (hence tf32x3 in
+    this kernel by default, `triton_fwd.dot_precision`). "paired" forms the column side per
+    row tile I around I's anchor, the one the row side of I uses, and with tf32 dots rounds
+    the exp-scaled operands a_i = q_i e^(G_i - c_I), beta_i k_i e^(G_i - c_I) and
+    b_j = k_j e^(c_I - G_j) to tf32 itself, using the same rounded values in the dots and in
+    dG's products on both sides: both copies are then a_i dA_ij b_j of the same tf32 numbers,
+    which cancel to fp32 accumulation. dq and dk themselves keep tf32's rounding."""
+    text = os.environ.get(BWD_INTRA_FORM_ENV) or "anchored"
+    if text not in ("anchored", "paired"):
+        raise ValueError(f"{BWD_INTRA_FORM_ENV} must be anchored or paired, got {text!r}")
+    return text == "paired"
 
 
 def bwd_register_caps() -> tuple[dict, dict, dict]:
@@ -598,17 +621,29 @@ def _load_rows(q, k, G, beta, tok, m, o_k, K: tl.constexpr):
 
 
 @triton.jit
+def _round_tf32(x, ROUND: tl.constexpr):
+    """fp32 x rounded to the nearest tf32 (ties away from zero, as cvt.rna.tf32.f32) when
+    ROUND, so that a tf32 dot takes it unchanged; x itself otherwise. |x| far below fp32's
+    largest value (the exp-scaled operands here are at most e^40 |q|)."""
+    if ROUND:
+        bits = x.to(tl.uint32, bitcast=True)
+        return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
 def _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h, o_r, o_k,
                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, ROUND: tl.constexpr = False):
     """Tile J's terms (J <= the row tile) of a row tile's dq and R (before the row decay),
-    added to b_dq, b_R `[BC, BK]`."""
+    added to b_dq, b_R `[BC, BK]`. ROUND: the column operand k_j e^(c - G_j) rounded to tf32
+    first (`_round_tf32`, the paired form)."""
     cols = i_t * BT + i_j * BC + o_r
     m_c = cols < T
     p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
     b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
     b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
-    b_k_col = b_kc * tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf")))  # <= e^40
+    b_k_col = _round_tf32(b_kc * tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf"))), ROUND)  # <= e^40
     p_a = tok[:, None] * BT + (i_j * BC + o_r)[None, :]
     b_dAqk = tl.load(dAqk + p_a, mask=m_r[:, None], other=0.0)
     b_dAkk = tl.load(dAkk + p_a, mask=m_r[:, None], other=0.0)
@@ -637,11 +672,42 @@ def _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, 
 
 
 @triton.jit
+def _bwd_intra_paired_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_dG_col, b_k, b_G, m_r, i_t, i_r, i_i,
+                                   bos, T, i_h, o_r, o_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                                   BC: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr):
+    """The paired form of `_bwd_intra_column_terms` (`bwd_intra_paired`): row tile I's terms
+    of column tile i_i's dk, around I's anchor c_I, each decayed to the column rows here
+    (b_dk_col += e^(c_I - G_j) t), and their dG share with the column operand the row side
+    of I rounds the same way (b_dG_col += round(k_j e^(c_I - G_j)) t), where
+    t = dAqk[I, j]^T round(q_I e^(G_I - c_I)) + dAkk[I, j]^T round(beta_I k_I e^(G_I - c_I)).
+    b_k, b_G `[BC, BK]`: the column tile's own rows (fp32)."""
+    row0_r = i_t * BT + i_r * BC
+    if row0_r < T:
+        rows_r = row0_r + o_r
+        m_rr = rows_r < T
+        tok_r = (bos + rows_r) * H + i_h
+        b_qr, b_kr, b_Gr, b_br = _load_rows(q, k, G, beta, tok_r, m_rr, o_k, K)
+        anchor = row0_r + tl.minimum(T - row0_r, BC) // 2  # as the row side of tile I takes it
+        b_cr = tl.load(G + ((bos + anchor) * H + i_h) * K + o_k)
+        b_e = tl.exp(tl.where(m_rr[:, None], b_Gr - b_cr[None, :], float("-inf")))  # <= e^40
+        p_a = tok_r[:, None] * BT + (i_i * BC + o_r)[None, :]
+        b_dAqk = tl.load(dAqk + p_a, mask=m_rr[:, None], other=0.0)
+        b_dAkk = tl.load(dAkk + p_a, mask=m_rr[:, None], other=0.0)
+        b_t = tl.dot(tl.trans(b_dAqk), _round_tf32(b_qr * b_e, ROUND), input_precision=PRECISION)
+        b_t = tl.dot(tl.trans(b_dAkk), _round_tf32(b_kr * b_e * b_br[:, None], ROUND), acc=b_t,
+                     input_precision=PRECISION)
+        b_col_decay = tl.exp(tl.where(m_r[:, None], b_cr[None, :] - b_G, float("-inf")))  # <= 1 off I's tile
+        b_dk_col += b_col_decay * b_t
+        b_dG_col += _round_tf32(b_k * b_col_decay, ROUND) * b_t
+    return b_dk_col, b_dG_col
+
+
+@triton.jit
 def _bwd_intra_kernel(
     q, k, G, beta, dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dq, dk, dbeta, dbeta_keys,
     cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PAIRED: tl.constexpr = False,
 ):
     """Tile T of one chunk: add the A_qk / A_kk gradients to its rows' dq, dk, dG, dbeta.
 
@@ -657,7 +723,10 @@ def _bwd_intra_kernel(
     and dG_part is completed in place for those columns; dbeta (beta's dtype) directly when
     BK == K, else each program's share of Σ_c k ⊙ R into dbeta_keys `[K // BK, TT, H]` fp32
     (the launcher adds them to dbeta_part). Grid: (chunks * BT // BC * K // BK, H).
+    PAIRED: the column side per row tile around that tile's anchor, and with tf32 dots the
+    exp-scaled operands rounded alike on both sides (`bwd_intra_paired`).
     """
+    ROUND: tl.constexpr = PAIRED and PRECISION == "tf32"
     NC: tl.constexpr = BT // BC
     NK: tl.constexpr = K // BK
     i_ci, i_kb = tl.program_id(0) // NK, tl.program_id(0) % NK
@@ -682,22 +751,33 @@ def _bwd_intra_kernel(
     for i_j in tl.static_range(NC):
         if i_j <= i_i:
             b_dq, b_R = _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, bos, T, i_h,
-                                             o_r, o_k, H, K, BT, BC, PRECISION)
+                                             o_r, o_k, H, K, BT, BC, PRECISION, ROUND)
     b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))  # <= e^40
+    m_rk = m_r[:, None]
+    b_dG = tl.load(dG_part + p_r, mask=m_rk, other=0.0)
+    if PAIRED:  # dG's row terms from the operands the column sides round alike
+        b_dG += (_round_tf32(b_q * b_row_decay, ROUND) * b_dq
+                 + _round_tf32(b_k * b_row_decay * b_beta[:, None], ROUND) * b_R)
     b_dq *= b_row_decay
     b_R *= b_row_decay
 
     # this tile as columns: tiles I >= T
     b_dk_col = tl.zeros([BC, BK], dtype=tl.float32)
-    for i_r in tl.static_range(NC):
-        if i_r >= i_i:
-            b_dk_col = _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T,
-                                               i_h, o_r, o_k, H, K, BT, BC, PRECISION)
-    b_dk_col *= tl.exp(tl.where(m_r[:, None], b_c[None, :] - b_G, float("-inf")))  # <= e^40
-
-    m_rk = m_r[:, None]
-    b_dG = tl.load(dG_part + p_r, mask=m_rk, other=0.0)
-    b_dG += b_q * b_dq + b_beta[:, None] * b_k * b_R - b_k * b_dk_col
+    if PAIRED:
+        b_dG_col = tl.zeros([BC, BK], dtype=tl.float32)
+        for i_r in tl.static_range(NC):
+            if i_r >= i_i:
+                b_dk_col, b_dG_col = _bwd_intra_paired_column_terms(
+                    q, k, G, beta, dAqk, dAkk, b_dk_col, b_dG_col, b_k, b_G, m_r, i_t, i_r, i_i, bos, T, i_h,
+                    o_r, o_k, H, K, BT, BC, PRECISION, ROUND)
+        b_dG -= b_dG_col
+    else:
+        for i_r in tl.static_range(NC):
+            if i_r >= i_i:
+                b_dk_col = _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos,
+                                                   T, i_h, o_r, o_k, H, K, BT, BC, PRECISION)
+        b_dk_col *= tl.exp(tl.where(m_r[:, None], b_c[None, :] - b_G, float("-inf")))  # <= e^40
+        b_dG += b_q * b_dq + b_beta[:, None] * b_k * b_R - b_k * b_dk_col
     b_dq += tl.load(dq_part + p_r, mask=m_rk, other=0.0).to(tl.float32)
     b_dk = tl.load(dk_part + p_r, mask=m_rk, other=0.0).to(tl.float32) + b_beta[:, None] * b_R + b_dk_col
     tl.store(dq + p_r, b_dq.to(dq.dtype.element_ty), mask=m_rk)
@@ -859,7 +939,7 @@ def chunk_kda_bwd_triton(
     _bwd_intra_kernel[(n_chunks * N_TILES * (K // intra_bk), H)](
         q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta, dbeta_keys,
         st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=precision_intra,
-        num_warps=tile_warps()[3],
+        PAIRED=bwd_intra_paired(), num_warps=tile_warps()[3],
     )
     if dbeta_keys is not None:
         dbeta = (dbeta_part + dbeta_keys.sum(0)).to(beta.dtype).view(beta.shape)
