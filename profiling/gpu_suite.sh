@@ -53,6 +53,7 @@
 #              dots: its GPU tests (the long-context ones included), its errors beside the default
 #              (tf32x3 there) and plain tf32 (profiling/kda_grad_errors.py, also at g = g_min), and
 #              its timing at 32K and 8 x 4K (not in the default list)
+#   kda_fla_paired  kda_fla_all with the paired form and tf32 dots (not in the default list)
 #   kda_fla_all  profiling/bench_kda.py --kernels 8 at the four shapes ($SUITE_KDA_SHAPES: the
 #              sequence lengths to keep) with fla in the same run (its autotuning results: see
 #              TRITON_CACHE_DIR below) (not in the default list)
@@ -365,6 +366,9 @@ for section in "${SECTIONS[@]}"; do
                 --variants "$PAIRED,tf32:TITAN_MOE_KDA_DOTS=tf32"
             run kda_paired python profiling/bench_kda.py --no-fla --kernels 4 --shapes 32768,4096 \
                 --variants "$PAIRED,tf32:TITAN_MOE_KDA_DOTS=tf32" ;;
+        kda_fla_paired) run kda_fla_paired env TITAN_MOE_KDA_BWD_INTRA_FORM=paired TITAN_MOE_KDA_DOTS=tf32 \
+                python profiling/bench_kda.py --kernels 8 --watchdog 300 \
+                --shapes "${SUITE_KDA_SHAPES:-8192,32768,131072,4096}" ;;
         kda_fla_all) run kda_fla_all python profiling/bench_kda.py --kernels 8 --watchdog 300 \
                 --shapes "${SUITE_KDA_SHAPES:-8192,32768,131072,4096}" ;;
         gemm_default)  # training steps with the grouped GEMM's default beside native

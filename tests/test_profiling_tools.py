@@ -738,6 +738,33 @@ def test_gpu_suite_kda_verify_section_runs_the_kda_gpu_tests(tmp_path):
     assert "-m gpu" not in commands["kda_verify_forms"] and "dakk or partials" in commands["kda_verify_forms"]
 
 
+def test_gpu_suite_kda_paired_sections_select_the_paired_form(tmp_path):
+    """kda_paired: the paired form's GPU tests, errors and timing beside the default;
+    kda_fla_paired: the fla comparison under it. Their environment selects the paired form
+    with tf32 dots in the intra kernel (checked through the selectors themselves)."""
+    proc = _gpu_suite(tmp_path, "kda_paired", "kda_fla_paired", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["kda_paired_tests", "kda_paired_errors", "kda_paired_errors_gmin", "kda_paired",
+                              "kda_fla_paired"]
+    files = [word for word in commands["kda_paired_tests"].split() if word.startswith("tests/")]
+    assert files and all((REPO / f).is_file() for f in files)
+    assert "--gate-min" in commands["kda_paired_errors_gmin"] and "--no-fla" not in commands["kda_fla_paired"]
+    triton_fwd = pytest.importorskip("titan_moe.ops.kda.triton_fwd")
+    triton_bwd = pytest.importorskip("titan_moe.ops.kda.triton_bwd")
+    import torch
+
+    settings = [commands["kda_paired_tests"], commands["kda_fla_paired"],
+                commands["kda_paired"].split("paired:", 1)[1].split(",", 1)[0].replace("+", " ")]
+    for text in settings:
+        env = dict(word.split("=", 1) for word in text.split() if word.startswith("TITAN_MOE_KDA_"))
+        with pytest.MonkeyPatch.context() as mp:
+            for var, value in env.items():
+                mp.setenv(var, value)
+            assert triton_bwd.bwd_intra_paired(), text
+            assert triton_fwd.dot_precision(torch.bfloat16, "backward_intra") == "tf32", text
+
+
 def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_keys", gpus="1")
     assert proc.returncode == 0, proc.stderr
