@@ -72,3 +72,24 @@ def test_bench_kda_cuda_graphs_capture_our_op():
     graphed = {(r["B"], r["T"], r["direction"]) for r in rows if r["impl"] == "ours+graph"}
     assert len(plain) == 4 and graphed == plain
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_kda_grad_errors_cpu_reports_each_setting():
+    """profiling/kda_grad_errors.py on the CPU (the PyTorch path in bf16 against itself in
+    fp32): a row per setting with every quantity near bf16's rounding of the outputs and
+    gradients (~3e-3 seen), the gate-min inputs too; a setting that raises prints its error
+    and a row of dashes instead of stopping the others."""
+    for extra in ([], ["--gate-min"]):
+        proc = subprocess.run(
+            [sys.executable, "profiling/kda_grad_errors.py", "--device", "cpu", "--T", "70", "--H", "1",
+             "--dk", "32", "--variants", "recompute:TITAN_MOE_KDA_KEEP=0,bad:TITAN_MOE_KDA_KEEP=nonsense",
+             *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = proc.stdout.splitlines()
+        assert any(line.startswith("bad: ValueError") for line in lines), lines
+        table = lines[lines.index(next(line for line in lines if line.startswith("impl"))) + 1:]
+        rows = {line.split()[0]: line.split()[1:] for line in table}
+        assert list(rows) == ["ours", "recompute", "bad"] and rows["bad"] == ["-"] * 6
+        for name in ("ours", "recompute"):
+            errs = [float(x) for x in rows[name]]
+            assert len(errs) == 6 and all(0 < e < 1e-2 for e in errs), (name, errs)
