@@ -20,9 +20,10 @@ of the raw gate input (of g itself with ``--gate-min``). The GPU test
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
+from bench_kda import parse_variants  # profiling/ is on the path when this runs as a script
+from bench_moe import env_vars
 
 LOWER_BOUND = -5.0
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
@@ -109,18 +110,6 @@ def errors(got: dict[str, torch.Tensor] | None, ref: dict[str, torch.Tensor]) ->
     return None if got is None else {n: rel_err(got[n], ref[n]) for n in NAMES}
 
 
-def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
-    """"NAME:VAR=VALUE[+VAR=VALUE],..." -> [(NAME, {VAR: VALUE})]."""
-    variants = []
-    for item in filter(None, text.split(",")):
-        name, _, settings = item.partition(":")
-        env = dict(pair.split("=", 1) for pair in settings.split("+") if pair)
-        if not name or not env:
-            raise SystemExit(f"--variants: expected NAME:VAR=VALUE[+VAR=VALUE], got {item!r}")
-        variants.append((name, env))
-    return variants
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--T", type=int, default=32768)
@@ -139,17 +128,13 @@ def main() -> None:
     rows = [("ours", errors(ours(inputs, do), ref))]
     if not args.no_fla and args.device == "cuda":
         rows.append(("fla", errors(fla(inputs, do), ref)))
-    for name, env in parse_variants(args.variants):
-        saved = {var: os.environ.get(var) for var in env}
-        os.environ.update(env)
+    for name, env in parse_variants(args.variants).items():
         try:
-            rows.append((name, errors(ours(inputs, do), ref)))
+            with env_vars(env):
+                rows.append((name, errors(ours(inputs, do), ref)))
         except Exception as exc:  # one broken setting must not cost the others' rows
             print(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
             rows.append((name, None))
-        finally:
-            for var, value in saved.items():
-                os.environ.pop(var) if value is None else os.environ.__setitem__(var, value)
     print(f"B {args.B} T {args.T} H {args.H} dk {args.dk} seed {args.seed}"
           f"{' g = g_min' if args.gate_min else ''}: relative error against the chunked fp32 path")
     print(f"{'impl':<12}" + "".join(f"{n:>10}" for n in NAMES))
