@@ -438,7 +438,7 @@ def test_bwd_intra_paired_matches_anchored(monkeypatch, dtype, bound, dg_bound):
     sequences (an empty one, tiles past a sequence's end) and an initial state. fp32 inputs
     (ieee dots): the same sums reassociated. fp16 inputs take tf32 dots, where the paired
     form rounds its exp-scaled operands to tf32 itself; the anchored reference runs its
-    intra kernel in tf32x3 (the default), since on hardware its plain tf32 dots are what
+    intra kernel in tf32x3 (named, not the default, so it stays right if that changes): on hardware plain tf32 dots are what
     break dg's pairwise cancellation (the interpreter's dots are exact either way): dq, dk
     move by the paired form's rounding, and dg,
     whose terms cancel pairwise up to e^5 times their sum at g_min, stays as close only
