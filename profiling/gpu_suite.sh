@@ -49,11 +49,13 @@
 #   kda_long   the long-context KDA GPU tests (tests/test_kda_long_context.py: 32K and 128K in bf16
 #              against our chunked path in fp32 and fla, 128K with g = g_min); also run by
 #              kda_verify (not in the default list)
-#   kda_paired the backward intra kernel's paired form (TITAN_MOE_KDA_BWD_INTRA_FORM=paired) with tf32
-#              dots: its GPU tests (the long-context ones included), its errors beside the default
-#              (tf32x3 there) and plain tf32 (profiling/kda_grad_errors.py, also at g = g_min), and
-#              its timing at 32K and 8 x 4K (not in the default list)
-#   kda_fla_paired  kda_fla_all with the paired form and tf32 dots (not in the default list)
+#   kda_paired the backward intra kernel's paired form with tf32 dots (the default): its GPU tests (the
+#              long-context ones included), its errors beside the anchored form
+#              (TITAN_MOE_KDA_BWD_INTRA_FORM=anchored) in tf32x3 (the earlier default) and in plain tf32
+#              (profiling/kda_grad_errors.py, also at g = g_min), and their timing at 32K and 8 x 4K
+#              (not in the default list)
+#   kda_fla_paired  kda_fla_all with the paired form and tf32 dots named (today's defaults) (not in
+#              the default list)
 #   kda_fla_all  profiling/bench_kda.py --kernels 8 at the four shapes ($SUITE_KDA_SHAPES: the
 #              sequence lengths to keep) with fla in the same run (its autotuning results: see
 #              TRITON_CACHE_DIR below) (not in the default list)
@@ -355,17 +357,18 @@ for section in "${SECTIONS[@]}"; do
                 -k "dakk or partials or bwd_matches_autograd or intra_columns or keys_kernel or key_split"
             run_kda_long ;;
         kda_long) run_kda_long ;;
-        kda_paired)  # the backward intra kernel's paired form in tf32 beside tf32x3 (default) and plain tf32
-            PAIRED=paired:TITAN_MOE_KDA_BWD_INTRA_FORM=paired+TITAN_MOE_KDA_DOTS=tf32
-            run kda_paired_tests env TITAN_MOE_KDA_BWD_INTRA_FORM=paired TITAN_MOE_KDA_DOTS=tf32 python -m pytest \
+        kda_paired)  # the backward intra kernel's default paired form beside its anchored form
+            ANCHORED=anchored:TITAN_MOE_KDA_BWD_INTRA_FORM=anchored
+            ANCHORED_TF32=anchored_tf32:TITAN_MOE_KDA_BWD_INTRA_FORM=anchored+TITAN_MOE_KDA_DOTS=tf32
+            run kda_paired_tests python -m pytest \
                 -q -s -rsx -p no:cacheprovider tests/test_kda_triton.py tests/test_kda_long_context.py \
                 -k "paired or bwd_matches_autograd or backward_vs_float64 or long_context or bound_everywhere"
             run kda_paired_errors python profiling/kda_grad_errors.py --T 32768 \
-                --variants "$PAIRED,tf32:TITAN_MOE_KDA_DOTS=tf32"
+                --variants "$ANCHORED,$ANCHORED_TF32"
             run kda_paired_errors_gmin python profiling/kda_grad_errors.py --T 32768 --gate-min \
-                --variants "$PAIRED,tf32:TITAN_MOE_KDA_DOTS=tf32"
+                --variants "$ANCHORED,$ANCHORED_TF32"
             run kda_paired python profiling/bench_kda.py --no-fla --kernels 4 --shapes 32768,4096 \
-                --variants "$PAIRED,tf32:TITAN_MOE_KDA_DOTS=tf32" ;;
+                --variants "$ANCHORED,$ANCHORED_TF32" ;;
         kda_fla_paired) run kda_fla_paired env TITAN_MOE_KDA_BWD_INTRA_FORM=paired TITAN_MOE_KDA_DOTS=tf32 \
                 python profiling/bench_kda.py --kernels 8 --watchdog 300 \
                 --shapes "${SUITE_KDA_SHAPES:-8192,32768,131072,4096}" ;;

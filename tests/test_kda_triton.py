@@ -433,12 +433,13 @@ def test_dakk_from_values_matches_the_inverse_form(monkeypatch, gate):
 @needs_kernels
 @pytest.mark.parametrize("dtype,bound,dg_bound", [(torch.float32, 2e-5, 2e-4), (torch.float16, 2e-3, 2e-3)])
 def test_bwd_intra_paired_matches_anchored(monkeypatch, dtype, bound, dg_bound):
-    """`TITAN_MOE_KDA_BWD_INTRA_FORM=paired` (the column side per row tile around that tile's
-    anchor) against the default anchored form, with g = g_min on whole chunks, packed
+    """The default paired form of the backward intra kernel (the column side per row tile
+    around that tile's anchor; `TITAN_MOE_KDA_BWD_INTRA_FORM` and `TITAN_MOE_KDA_DOTS` unset)
+    against the anchored form, with g = g_min on whole chunks, packed
     sequences (an empty one, tiles past a sequence's end) and an initial state. fp32 inputs
     (ieee dots): the same sums reassociated. fp16 inputs take tf32 dots, where the paired
     form rounds its exp-scaled operands to tf32 itself; the anchored reference runs its
-    intra kernel in tf32x3 (named, not the default, so it stays right if that changes): on hardware plain tf32 dots are what
+    intra kernel in tf32x3 (`triton_fwd.ANCHORED_DOTS`, named here): on hardware plain tf32 dots are what
     break dg's pairwise cancellation (the interpreter's dots are exact either way): dq, dk
     move by the paired form's rounding, and dg,
     whose terms cancel pairwise up to e^5 times their sum at g_min, stays as close only
@@ -451,9 +452,15 @@ def test_bwd_intra_paired_matches_anchored(monkeypatch, dtype, bound, dg_bound):
     do = torch.randn(1, 150, 2, 32, generator=gen).to(DEVICE, dtype)
     h0 = torch.randn(4, 2, 32, 32, generator=gen).to(DEVICE)
     runs = {}
-    for form, dots in (("anchored", "tf32/tf32/tf32x3"), ("paired", "tf32")):
-        monkeypatch.setenv(triton_bwd.BWD_INTRA_FORM_ENV, form)
-        monkeypatch.setenv(triton_fwd.DOTS_ENV, dots)
+    for form, dots in (("anchored", "tf32/tf32/tf32x3"), ("paired", None)):
+        if dots is None:  # the defaults
+            monkeypatch.delenv(triton_bwd.BWD_INTRA_FORM_ENV, raising=False)
+            monkeypatch.delenv(triton_fwd.DOTS_ENV, raising=False)
+            assert triton_bwd.bwd_intra_paired()
+            assert triton_fwd.dot_precision(torch.float16, "backward_intra") == "tf32"
+        else:
+            monkeypatch.setenv(triton_bwd.BWD_INTRA_FORM_ENV, form)
+            monkeypatch.setenv(triton_fwd.DOTS_ENV, dots)
         runs[form] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do, initial_state=h0)
     for name, got, want in zip(GRAD_NAMES, runs["paired"], runs["anchored"]):
         assert torch.isfinite(got).all(), name
@@ -758,17 +765,21 @@ def test_lean_walk_storage(monkeypatch):
 
 
 def test_dot_precision_per_stage(monkeypatch):
-    """`TITAN_MOE_KDA_DOTS`: unset is tf32 except tf32x3 in the backward's intra kernel (the
-    gate's gradient, `dot_precision`'s docstring); one value sets every stage, a shorter list
-    repeats its last entry; fp32 inputs are always ieee; anything else raises."""
+    """`TITAN_MOE_KDA_DOTS`: unset is tf32 everywhere, or tf32x3 in the backward's intra
+    kernel under the anchored form's default (the gate's gradient, `dot_precision`'s
+    docstring); one value sets every stage, a shorter list repeats its last entry and
+    overrides either default; fp32 inputs are always ieee; anything else raises."""
     monkeypatch.delenv(triton_fwd.DOTS_ENV, raising=False)
     stages = triton_fwd.DOT_STAGES
-    assert [triton_fwd.dot_precision(torch.bfloat16, s) for s in stages] == ["tf32", "tf32", "tf32x3"]
+    assert [triton_fwd.dot_precision(torch.bfloat16, s) for s in stages] == ["tf32"] * 3
+    anchored = [triton_fwd.dot_precision(torch.bfloat16, s, triton_fwd.ANCHORED_DOTS) for s in stages]
+    assert anchored == ["tf32", "tf32", "tf32x3"]
     assert [triton_fwd.dot_precision(torch.float32, s) for s in stages] == ["ieee"] * 3
     for text, want in (("ieee", ["ieee"] * 3), ("tf32x3/tf32", ["tf32x3", "tf32", "tf32"]),
                        ("tf32/ieee/tf32", ["tf32", "ieee", "tf32"])):
         monkeypatch.setenv(triton_fwd.DOTS_ENV, text)
         assert [triton_fwd.dot_precision(torch.float16, s) for s in stages] == want, text
+        assert [triton_fwd.dot_precision(torch.float16, s, triton_fwd.ANCHORED_DOTS) for s in stages] == want, text
     for bad in ("tf32,tf32x3", "tf32/tf32/tf32/tf32", "bf16"):
         monkeypatch.setenv(triton_fwd.DOTS_ENV, bad)
         with pytest.raises(ValueError, match="TITAN_MOE_KDA_DOTS"):

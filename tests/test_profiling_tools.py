@@ -739,9 +739,10 @@ def test_gpu_suite_kda_verify_section_runs_the_kda_gpu_tests(tmp_path):
 
 
 def test_gpu_suite_kda_paired_sections_select_the_paired_form(tmp_path):
-    """kda_paired: the paired form's GPU tests, errors and timing beside the default;
-    kda_fla_paired: the fla comparison under it. Their environment selects the paired form
-    with tf32 dots in the intra kernel (checked through the selectors themselves)."""
+    """kda_paired: the default paired form's GPU tests, errors and timing beside the anchored
+    form in tf32x3 and in tf32; kda_fla_paired: the fla comparison with the paired form named.
+    Each command's environment selects what its name says (checked through the selectors
+    themselves, with the environment otherwise clear)."""
     proc = _gpu_suite(tmp_path, "kda_paired", "kda_fla_paired", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
@@ -754,15 +755,21 @@ def test_gpu_suite_kda_paired_sections_select_the_paired_form(tmp_path):
     triton_bwd = pytest.importorskip("titan_moe.ops.kda.triton_bwd")
     import torch
 
-    settings = [commands["kda_paired_tests"], commands["kda_fla_paired"],
-                commands["kda_paired"].split("paired:", 1)[1].split(",", 1)[0].replace("+", " ")]
-    for text in settings:
+    def variant(name: str) -> str:
+        return commands["kda_paired"].split(f"{name}:", 1)[1].split(",", 1)[0].split()[0].replace("+", " ")
+
+    settings = [(commands["kda_paired_tests"], True, "tf32"), (commands["kda_fla_paired"], True, "tf32"),
+                (variant("anchored"), False, "tf32x3"), (variant("anchored_tf32"), False, "tf32")]
+    for text, paired, dots in settings:
         env = dict(word.split("=", 1) for word in text.split() if word.startswith("TITAN_MOE_KDA_"))
         with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(triton_bwd.BWD_INTRA_FORM_ENV, raising=False)
+            mp.delenv(triton_fwd.DOTS_ENV, raising=False)
             for var, value in env.items():
                 mp.setenv(var, value)
-            assert triton_bwd.bwd_intra_paired(), text
-            assert triton_fwd.dot_precision(torch.bfloat16, "backward_intra") == "tf32", text
+            assert triton_bwd.bwd_intra_paired() == paired, text
+            default = triton_fwd.DEFAULT_DOTS if paired else triton_fwd.ANCHORED_DOTS
+            assert triton_fwd.dot_precision(torch.bfloat16, "backward_intra", default) == dots, text
 
 
 def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):

@@ -54,7 +54,9 @@ import triton
 import triton.language as tl
 
 from titan_moe.ops.kda.triton_fwd import (
+    ANCHORED_DOTS,
     CHUNK,
+    DEFAULT_DOTS,
     N_TILES,
     TILE,
     _WARPS,
@@ -81,7 +83,7 @@ KEYS_LOADS_ENV = "TITAN_MOE_KDA_KEYS_LOADS"
 BWD_TMA_ENV = "TITAN_MOE_KDA_BWD_TMA"
 # key columns per program of the backward intra kernel, see `bwd_intra_bk`
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
-# the backward intra kernel's column side: "anchored" (default) or "paired", see `bwd_intra_paired`
+# the backward intra kernel's column side: "paired" (default) or "anchored", see `bwd_intra_paired`
 BWD_INTRA_FORM_ENV = "TITAN_MOE_KDA_BWD_INTRA_FORM"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
@@ -210,20 +212,23 @@ def bwd_intra_bk(K: int) -> int:
 
 def bwd_intra_paired() -> bool:
     """Whether `_bwd_intra_kernel` pairs its two sides (`$TITAN_MOE_KDA_BWD_INTRA_FORM`, read
-    per call: "anchored", the default, or "paired"; a measured candidate, not yet the default).
+    per call: "paired", the default, or "anchored", the earlier default).
 
     dG gets each pair (i, j), i after j in the chunk, twice: +x_ij at i from the row side
     (dq_i, R_i) and -x_ij at j from the column side (dk_j), and dg, their reverse cumsum,
     keeps only what does not cancel. "anchored" forms the column side around the column
     tile's own anchor and multiplies dG's terms by unrounded factors, so with tf32 dots the
     two copies of x_ij differ by the tf32 rounding of different operands (hence tf32x3 in
-    this kernel by default, `triton_fwd.dot_precision`). "paired" forms the column side per
+    this kernel under that form by default, `triton_fwd.ANCHORED_DOTS`). "paired" forms the column side per
     row tile I around I's anchor, the one the row side of I uses, and with tf32 dots rounds
     the exp-scaled operands a_i = q_i e^(G_i - c_I), beta_i k_i e^(G_i - c_I) and
     b_j = k_j e^(c_I - G_j) to tf32 itself, using the same rounded values in the dots and in
     dG's products on both sides: both copies are then a_i dA_ij b_j of the same tf32 numbers,
-    which cancel to fp32 accumulation. dq and dk themselves keep tf32's rounding."""
-    text = os.environ.get(BWD_INTRA_FORM_ENV) or "anchored"
+    which cancel to fp32 accumulation. dq and dk themselves keep tf32's rounding. Measured
+    on the H200 at T = 32K, bf16 (BENCHMARKS.md, "The paired form on the GPU"): the kernel
+    took 1.580 ms paired in tf32 against 1.935 anchored in tf32x3, with dg 3.43e-3 against
+    our chunked path in fp32 (fla 3.77e-3), 2.99e-3 with g = g_min everywhere (fla 5.25e-3)."""
+    text = os.environ.get(BWD_INTRA_FORM_ENV) or "paired"
     if text not in ("anchored", "paired"):
         raise ValueError(f"{BWD_INTRA_FORM_ENV} must be anchored or paired, got {text!r}")
     return text == "paired"
@@ -857,7 +862,9 @@ def chunk_kda_bwd_triton(
     TT = B * T
     f32 = dict(dtype=torch.float32, device=q.device)
     lean = st.walk == "lean"
-    precision, precision_intra = (dot_precision(q.dtype, stage) for stage in ("backward", "backward_intra"))
+    paired = bwd_intra_paired()
+    precision = dot_precision(q.dtype, "backward")
+    precision_intra = dot_precision(q.dtype, "backward_intra", DEFAULT_DOTS if paired else ANCHORED_DOTS)
     # what the walk writes: fp32 (classic) or the input dtype (lean, `triton_fwd`'s docstring)
     walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
     dh = torch.empty(n_chunks, H, K, V, **walk_dt)
@@ -939,7 +946,7 @@ def chunk_kda_bwd_triton(
     _bwd_intra_kernel[(n_chunks * N_TILES * (K // intra_bk), H)](
         q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta, dbeta_keys,
         st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=precision_intra,
-        PAIRED=bwd_intra_paired(), num_warps=tile_warps()[3],
+        PAIRED=paired, num_warps=tile_warps()[3],
     )
     if dbeta_keys is not None:
         dbeta = (dbeta_part + dbeta_keys.sum(0)).to(beta.dtype).view(beta.shape)

@@ -584,31 +584,36 @@ def selected_walk() -> str:
 DOTS_ENV = "TITAN_MOE_KDA_DOTS"  # FWD[/BWD[/BWD_INTRA]] of tf32 | tf32x3 | ieee, for 16-bit inputs
 DOTS = ("tf32", "tf32x3", "ieee")
 DOT_STAGES = ("forward", "backward", "backward_intra")
-DEFAULT_DOTS = "tf32/tf32/tf32x3"
+DEFAULT_DOTS = "tf32"
+# the default under the backward intra kernel's anchored form (`triton_bwd.bwd_intra_paired`)
+ANCHORED_DOTS = "tf32/tf32/tf32x3"
 
 
-def dot_precision(dtype: torch.dtype, stage: str = "forward") -> str:
+def dot_precision(dtype: torch.dtype, stage: str = "forward", default: str = DEFAULT_DOTS) -> str:
     """`tl.dot` input precision of the kernels' fp32-operand products (the anchored tiles
     e^(G - c) q / k, the WY products, the walks' fp32 terms) in `stage` (`DOT_STAGES`:
     the forward's kernels, the backward's, or the backward's intra-chunk kernel alone).
     "ieee" for fp32 (and wider) inputs. For 16-bit inputs `$TITAN_MOE_KDA_DOTS`, read per
     call: one value for every stage, or "FWD/BWD" or "FWD/BWD/BWD_INTRA" (a missing entry
-    repeats the one before it); default `DEFAULT_DOTS`, tf32 except in the backward's
-    intra-chunk kernel. Dots of 16-bit operands run at the operands' precision whatever this
-    says.
+    repeats the one before it); unset, `default`: `DEFAULT_DOTS`, tf32 everywhere, or
+    `ANCHORED_DOTS`, tf32x3 in the backward's intra-chunk kernel, which the backward passes
+    when that kernel runs its anchored form. Dots of 16-bit operands run at the operands'
+    precision whatever this says.
 
-    Why tf32x3 there: dg is the reverse cumsum inside each chunk of dG, where every pair
-    (i, j) adds +x at i (through dq_i, a row-tile dot over k_j e^(c - G_j)) and -x at j
-    (through dk_j, a column-tile dot over q_i e^(G_i - c)). The two sides round different
-    operands, so in tf32 (2^-11) the pair no longer cancels, and dg, up to e^5 times smaller
-    than its terms, inherits the difference. Measured on the H200 at T = 32K, bf16, against
-    the chunked path in fp32 (`profiling/kda_grad_errors.py`, BENCHMARKS.md): dg 1.11e-2 with
-    tf32 everywhere (fla 3.77e-3), 3.36e-3 with tf32x3 in that kernel; with g = g_min on every
-    token 2.56e-1 against 2.91e-3 (fla 5.25e-3). The forward's and the other backward
+    Why the anchored form needs tf32x3 there: dg is the reverse cumsum inside each chunk of
+    dG, where every pair (i, j) adds +x at i (through dq_i, a row-tile dot over k_j e^(c - G_j))
+    and -x at j (through dk_j, a column-tile dot over q_i e^(G_i - c)). The anchored form's two
+    sides round different operands, so in tf32 (2^-11) the pair no longer cancels, and dg, up
+    to e^5 times smaller than its terms, inherits the difference. Measured on the H200 at
+    T = 32K, bf16, against the chunked path in fp32 (`profiling/kda_grad_errors.py`,
+    BENCHMARKS.md): anchored dg 1.11e-2 with tf32 everywhere (fla 3.77e-3), 3.36e-3 with
+    tf32x3 in that kernel; with g = g_min on every token 2.56e-1 against 2.91e-3 (fla 5.25e-3).
+    The paired form (the default) rounds the same operands on both sides, so tf32 cancels
+    there: dg 3.43e-3, and 2.99e-3 at g = g_min. The forward's and the other backward
     kernels' tf32 moves no error past 1.2x fla's."""
     if dtype.itemsize >= 4:
         return "ieee"
-    text = os.environ.get(DOTS_ENV) or DEFAULT_DOTS
+    text = os.environ.get(DOTS_ENV) or default
     values = text.split("/")
     if len(values) > len(DOT_STAGES) or any(v not in DOTS for v in values):
         raise ValueError(f"{DOTS_ENV} must be up to {len(DOT_STAGES)} of {DOTS} joined by '/', got {text!r}")
