@@ -391,14 +391,16 @@ def test_bwd_tma_loads_keep_results(monkeypatch, lens, dk, dv):
 
 @needs_kernels
 def test_bwd_register_caps_keep_results(monkeypatch):
-    """The register-cap knob of stage 2 is a launch option (the interpreter ignores it), so
-    results are equal; its parsing and its bounds."""
+    """The register caps of stage 2 and of the intra kernel are launch options (the
+    interpreter ignores them), so results are equal; their parsing and their bounds."""
     assert triton_bwd.bwd_register_caps() == ({"maxnreg": 128}, {"maxnreg": 128}, {"maxnreg": 168})  # the default
+    assert triton_bwd.bwd_intra_register_cap() == {"maxnreg": 128}
     inp = make_inputs(1, 70, 2, 32, 32, "rand", seed=8)
     do = torch.randn(1, 70, 2, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     default = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
     monkeypatch.setenv(triton_bwd.BWD_MAXNREG_ENV, "0x0x0")
-    assert triton_bwd.bwd_register_caps() == ({}, {}, {})
+    monkeypatch.setenv(triton_bwd.BWD_INTRA_MAXNREG_ENV, "0")
+    assert triton_bwd.bwd_register_caps() == ({}, {}, {}) and triton_bwd.bwd_intra_register_cap() == {}
     for name, got, want in zip(GRAD_NAMES, chunk_kda_bwd_triton(**inp, scale=0.25, do=do), default):
         if want is not None:
             assert torch.equal(got, want), name
@@ -406,6 +408,10 @@ def test_bwd_register_caps_keep_results(monkeypatch):
         monkeypatch.setenv(triton_bwd.BWD_MAXNREG_ENV, bad)
         with pytest.raises(ValueError, match=match):
             triton_bwd.bwd_register_caps()
+    for bad, match in (("128x128", "1 integers"), ("16", "32 to 255"), ("256", "32 to 255")):
+        monkeypatch.setenv(triton_bwd.BWD_INTRA_MAXNREG_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            triton_bwd.bwd_intra_register_cap()
 
 
 @needs_kernels

@@ -535,6 +535,7 @@ def test_gpu_suite_kda_caps_section_times_the_default_caps_beside_none(tmp_path)
     assert "profiling/bench_kda.py --no-fla" in commands["kda_caps"]
     assert "TITAN_MOE_KDA_BWD_MAXNREG=0x0x0" in commands["kda_caps"]
     assert "TITAN_MOE_KDA_BWD_MAXNREG=0x128x168" in commands["kda_caps"]
+    assert "TITAN_MOE_KDA_BWD_INTRA_MAXNREG=0" in commands["kda_caps"]
 
 
 def test_gpu_suite_gemm_sections_run_the_tma_tests_and_the_sweep_winners(tmp_path):
@@ -625,10 +626,12 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
 
 def test_bwd_intra_key_split_compiles_for_the_h200(tmp_path, monkeypatch):
     """The backward intra kernel at 32 key columns per program (`TITAN_MOE_KDA_BWD_INTRA_BK`,
-    the tuning sweep's main case) builds for sm_90 with fewer registers than the default."""
+    the tuning sweep's main case) builds for sm_90 with fewer registers than at 128; the
+    default (64 columns, capped at 128 registers, `bwd_intra_register_cap`) fits four
+    4-warp blocks per SM."""
     pytest.importorskip("triton")
     rows = {}
-    for bk in ("128", "32"):
+    for bk in ("128", "32", "64"):
         monkeypatch.setenv("TITAN_MOE_KDA_BWD_INTRA_BK", bk)
         out = tmp_path / f"rows{bk}.json"
         proc = _kernel_resources(tmp_path, "--cases", "kda_bwd_lean", "--kernels", "_bwd_intra_kernel",
@@ -636,6 +639,7 @@ def test_bwd_intra_key_split_compiles_for_the_h200(tmp_path, monkeypatch):
         assert proc.returncode == 0, proc.stderr[-2000:]
         (rows[bk],) = json.loads(out.read_text())
     assert rows["32"]["registers"] < rows["128"]["registers"] and rows["32"]["stack_bytes"] == 0, rows
+    assert rows["64"]["registers"] <= 128 and rows["64"]["blocks_per_sm"] == 4, rows["64"]
 
 
 def test_kernel_resources_sass_shows_whether_the_code_changed(tmp_path):

@@ -85,6 +85,8 @@ BWD_TMA_ENV = "TITAN_MOE_KDA_BWD_TMA"
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
 # the backward intra kernel's column side: "paired" (default) or "anchored", see `bwd_intra_paired`
 BWD_INTRA_FORM_ENV = "TITAN_MOE_KDA_BWD_INTRA_FORM"
+# register cap of the backward intra kernel (0: none), see `bwd_intra_register_cap`
+BWD_INTRA_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_INTRA_MAXNREG"
 # register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
 # where dA_kk is formed: "values" (default: -X^T (dV~ V~^T) in `_bwd_chunk_values_kernel`) or
@@ -250,6 +252,20 @@ def bwd_register_caps() -> tuple[dict, dict, dict]:
     if any(c and not 32 <= c <= 255 for c in caps):
         raise ValueError(f"{BWD_MAXNREG_ENV}: caps must be 0 (none) or 32 to 255 registers, got {caps}")
     return tuple({"maxnreg": c} if c else {} for c in caps)
+
+
+def bwd_intra_register_cap() -> dict:
+    """Launch option of `_bwd_intra_kernel` capping its registers per thread (Triton's
+    `maxnreg`), read per call from `$TITAN_MOE_KDA_BWD_INTRA_MAXNREG` (0: no cap, else 32 to
+    255). Default 128: at dk = 128 on sm_90 (`profiling/kernel_resources.py`) the paired
+    kernel holds 162 registers at 4 warps uncapped, three blocks per SM; capped it spills
+    88 bytes per thread and four fit. Measured on the H200 (BENCHMARKS.md, "the backward
+    intra kernel's register cap"): the kernel 1.467 ms against 1.588 at T = 32K and at
+    8 x 4K; uncapped 64-column programs at 8 warps (123 registers) took 2.03."""
+    (cap,) = _env_ints(BWD_INTRA_MAXNREG_ENV, "128", "128 (0: no cap)", 1)
+    if cap and not 32 <= cap <= 255:
+        raise ValueError(f"{BWD_INTRA_MAXNREG_ENV} must be 0 (none) or 32 to 255 registers, got {cap}")
+    return {"maxnreg": cap} if cap else {}
 
 
 # ----------------------------------------------------------------------------------------
@@ -946,7 +962,7 @@ def chunk_kda_bwd_triton(
     _bwd_intra_kernel[(n_chunks * N_TILES * (K // intra_bk), H)](
         q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta, dbeta_keys,
         st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=precision_intra,
-        PAIRED=paired, num_warps=tile_warps()[3],
+        PAIRED=paired, num_warps=tile_warps()[3], **bwd_intra_register_cap(),
     )
     if dbeta_keys is not None:
         dbeta = (dbeta_part + dbeta_keys.sum(0)).to(beta.dtype).view(beta.shape)
