@@ -391,16 +391,20 @@ def test_bwd_tma_loads_keep_results(monkeypatch, lens, dk, dv):
 
 @needs_kernels
 def test_bwd_register_caps_keep_results(monkeypatch):
-    """The register caps of stage 2 and of the intra kernel are launch options (the
-    interpreter ignores them), so results are equal; their parsing and their bounds."""
+    """The register caps of stage 2, of the backward intra kernel and of the forward's A-tile
+    kernel (run by the backward's recompute) are launch options (the interpreter ignores
+    them), so results are equal; their parsing and their bounds."""
     assert triton_bwd.bwd_register_caps() == ({"maxnreg": 128}, {"maxnreg": 128}, {"maxnreg": 168})  # the default
     assert triton_bwd.bwd_intra_register_cap() == {"maxnreg": 128}
+    assert triton_fwd.intra_register_cap() == {"maxnreg": 96}
     inp = make_inputs(1, 70, 2, 32, 32, "rand", seed=8)
     do = torch.randn(1, 70, 2, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     default = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
     monkeypatch.setenv(triton_bwd.BWD_MAXNREG_ENV, "0x0x0")
     monkeypatch.setenv(triton_bwd.BWD_INTRA_MAXNREG_ENV, "0")
+    monkeypatch.setenv(triton_fwd.INTRA_MAXNREG_ENV, "0")
     assert triton_bwd.bwd_register_caps() == ({}, {}, {}) and triton_bwd.bwd_intra_register_cap() == {}
+    assert triton_fwd.intra_register_cap() == {}
     for name, got, want in zip(GRAD_NAMES, chunk_kda_bwd_triton(**inp, scale=0.25, do=do), default):
         if want is not None:
             assert torch.equal(got, want), name
@@ -409,9 +413,11 @@ def test_bwd_register_caps_keep_results(monkeypatch):
         with pytest.raises(ValueError, match=match):
             triton_bwd.bwd_register_caps()
     for bad, match in (("128x128", "1 integers"), ("16", "32 to 255"), ("256", "32 to 255")):
-        monkeypatch.setenv(triton_bwd.BWD_INTRA_MAXNREG_ENV, bad)
-        with pytest.raises(ValueError, match=match):
-            triton_bwd.bwd_intra_register_cap()
+        for env, cap in ((triton_bwd.BWD_INTRA_MAXNREG_ENV, triton_bwd.bwd_intra_register_cap),
+                         (triton_fwd.INTRA_MAXNREG_ENV, triton_fwd.intra_register_cap)):
+            monkeypatch.setenv(env, bad)
+            with pytest.raises(ValueError, match=match):
+                cap()
 
 
 @needs_kernels

@@ -935,7 +935,7 @@ def kda_fwd_states(
         _intra_columns_kernel[(n_chunks * N_TILES, H)](
             q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
             H=H, K=K, BT=CHUNK, BC=TILE, BK=columns[0], PRECISION=precision, STORE_Q_DECAY=output_q_decay,
-            num_warps=columns[1],
+            num_warps=columns[1], **intra_register_cap(),
         )
     _diag_inverse_kernel[(n_chunks * N_TILES, H)](
         Akk, Ainv, cu, chunk_indices, H=H, BT=CHUNK, BC=TILE, num_warps=inverse_warps,
@@ -1139,6 +1139,20 @@ def output_config(V: int) -> tuple[int, int]:
 
 
 INTRA_ENV = "TITAN_MOE_KDA_INTRA"  # the forward's A tiles: "tiles" or "columns[BKxWARPS]" (`intra_config`)
+INTRA_MAXNREG_ENV = "TITAN_MOE_KDA_INTRA_MAXNREG"  # register cap of `_intra_columns_kernel` (`intra_register_cap`)
+
+
+def intra_register_cap() -> dict:
+    """Launch option of `_intra_columns_kernel` capping its registers per thread (Triton's
+    `maxnreg`), read per call from `$TITAN_MOE_KDA_INTRA_MAXNREG` (0: no cap, else 32 to
+    255). Default 96: at 32 key columns and 4 warps the kernel holds 127 registers on sm_90
+    uncapped (four blocks per SM); capped it spills 40 bytes per thread and five fit (80:
+    136 bytes, six). Measured on the H200 (BENCHMARKS.md, "the forward's A-tile kernel's
+    register cap"): the kernel 0.522 ms against 0.535 at T = 32K and at 8 x 4K; 80 took 0.568."""
+    (cap,) = _env_ints(INTRA_MAXNREG_ENV, "96", "96 (0: no cap)", 1)
+    if cap and not 32 <= cap <= 255:
+        raise ValueError(f"{INTRA_MAXNREG_ENV} must be 0 (none) or 32 to 255 registers, got {cap}")
+    return {"maxnreg": cap} if cap else {}
 
 
 def intra_config(K: int) -> tuple[int, int] | None:
