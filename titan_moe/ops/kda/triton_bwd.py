@@ -65,6 +65,7 @@ from titan_moe.ops.kda.triton_fwd import (
     _interpreted,
     _prefetch_decay,
     dot_precision,
+    env_register_cap,
     kda_fwd_states,
     scan_stages,
     sequential_scan_config,
@@ -262,10 +263,7 @@ def bwd_intra_register_cap() -> dict:
     88 bytes per thread and four fit. Measured on the H200 (BENCHMARKS.md, "the backward
     intra kernel's register cap"): the kernel 1.467 ms against 1.588 at T = 32K and at
     8 x 4K; uncapped 64-column programs at 8 warps (123 registers) took 2.03."""
-    (cap,) = _env_ints(BWD_INTRA_MAXNREG_ENV, "128", "128 (0: no cap)", 1)
-    if cap and not 32 <= cap <= 255:
-        raise ValueError(f"{BWD_INTRA_MAXNREG_ENV} must be 0 (none) or 32 to 255 registers, got {cap}")
-    return {"maxnreg": cap} if cap else {}
+    return env_register_cap(BWD_INTRA_MAXNREG_ENV, 128)
 
 
 # ----------------------------------------------------------------------------------------

@@ -1149,9 +1149,16 @@ def intra_register_cap() -> dict:
     uncapped (four blocks per SM); capped it spills 40 bytes per thread and five fit (80:
     136 bytes, six). Measured on the H200 (BENCHMARKS.md, "the forward's A-tile kernel's
     register cap"): the kernel 0.522 ms against 0.535 at T = 32K and at 8 x 4K; 80 took 0.568."""
-    (cap,) = _env_ints(INTRA_MAXNREG_ENV, "96", "96 (0: no cap)", 1)
+    return env_register_cap(INTRA_MAXNREG_ENV, 96)
+
+
+def env_register_cap(name: str, default: int) -> dict:
+    """`{"maxnreg": cap}` from `$name` (read per call; `default` when unset), or {} for 0 (no
+    cap); caps outside 32 to 255 raise. The cap holds for whatever launch the other tuning
+    switches pick, so set 0 when timing launches other than the default."""
+    (cap,) = _env_ints(name, str(default), f"{default} (0: no cap)", 1)
     if cap and not 32 <= cap <= 255:
-        raise ValueError(f"{INTRA_MAXNREG_ENV} must be 0 (none) or 32 to 255 registers, got {cap}")
+        raise ValueError(f"{name} must be 0 (none) or 32 to 255 registers, got {cap}")
     return {"maxnreg": cap} if cap else {}
 
 
