@@ -451,13 +451,13 @@ def test_bwd_intra_paired_matches_anchored(monkeypatch, dtype, bound, dg_bound):
     sequences (an empty one, tiles past a sequence's end) and an initial state. fp32 inputs
     (ieee dots): the same sums reassociated. fp16 inputs take tf32 dots, where the paired
     form rounds its exp-scaled operands to tf32 itself; the anchored reference runs its
-    intra kernel in tf32x3 (`triton_fwd.ANCHORED_DOTS`, named here): on hardware plain tf32 dots are what
-    break dg's pairwise cancellation (the interpreter's dots are exact either way): dq, dk
-    move by the paired form's rounding, and dg,
-    whose terms cancel pairwise up to e^5 times their sum at g_min, stays as close only
-    because both sides of each pair round alike (with the row side's q operand left
-    unrounded in dG, tried by hand: dg 6.8e-2 against 1.4e-4). fp32's dg bound is its own cancellation noise (`FP32_DG_TOL`'s docstring:
-    each form sits ~7e-5 from float64 at g_min)."""
+    intra kernel in tf32x3 (`triton_fwd.ANCHORED_DOTS`, named here), since on hardware plain
+    tf32 dots are what break dg's pairwise cancellation (the interpreter's dots are exact
+    either way). dq, dk move by the paired form's rounding, and dg, whose terms cancel
+    pairwise up to e^5 times their sum at g_min, stays as close only because both sides of
+    each pair round alike (with the row side's q operand left unrounded in dG, tried by
+    hand: dg 6.8e-2 against 1.4e-4). fp32's dg bound is its own cancellation noise
+    (`FP32_DG_TOL`'s docstring: each form sits ~7e-5 from float64 at g_min)."""
     inp = make_inputs(1, 150, 2, 32, 32, "min", seed=14, dtype=dtype)
     inp["cu_seqlens"] = torch.tensor([0, 5, 5, 70, 150], dtype=torch.int32).to(DEVICE)
     gen = torch.Generator().manual_seed(14)
@@ -468,8 +468,7 @@ def test_bwd_intra_paired_matches_anchored(monkeypatch, dtype, bound, dg_bound):
         if dots is None:  # the defaults
             monkeypatch.delenv(triton_bwd.BWD_INTRA_FORM_ENV, raising=False)
             monkeypatch.delenv(triton_fwd.DOTS_ENV, raising=False)
-            assert triton_bwd.bwd_intra_paired()
-            assert triton_fwd.dot_precision(torch.float16, "backward_intra") == "tf32"
+            assert triton_bwd.bwd_intra_paired() and triton_bwd.bwd_intra_precision(torch.float16) == "tf32"
         else:
             monkeypatch.setenv(triton_bwd.BWD_INTRA_FORM_ENV, form)
             monkeypatch.setenv(triton_fwd.DOTS_ENV, dots)

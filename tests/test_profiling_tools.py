@@ -536,6 +536,7 @@ def test_gpu_suite_kda_caps_section_times_the_default_caps_beside_none(tmp_path)
     assert "TITAN_MOE_KDA_BWD_MAXNREG=0x0x0" in commands["kda_caps"]
     assert "TITAN_MOE_KDA_BWD_MAXNREG=0x128x168" in commands["kda_caps"]
     assert "TITAN_MOE_KDA_BWD_INTRA_MAXNREG=0" in commands["kda_caps"]
+    assert "TITAN_MOE_KDA_INTRA_MAXNREG=0" in commands["kda_caps"]
 
 
 def test_gpu_suite_gemm_sections_run_the_tma_tests_and_the_sweep_winners(tmp_path):
@@ -772,8 +773,7 @@ def test_gpu_suite_kda_paired_sections_select_the_paired_form(tmp_path):
             for var, value in env.items():
                 mp.setenv(var, value)
             assert triton_bwd.bwd_intra_paired() == paired, text
-            default = triton_fwd.DEFAULT_DOTS if paired else triton_fwd.ANCHORED_DOTS
-            assert triton_fwd.dot_precision(torch.bfloat16, "backward_intra", default) == dots, text
+            assert triton_bwd.bwd_intra_precision(torch.bfloat16) == dots, text
 
 
 def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):

@@ -237,6 +237,13 @@ def bwd_intra_paired() -> bool:
     return text == "paired"
 
 
+def bwd_intra_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision of `_bwd_intra_kernel`: `dot_precision`'s "backward_intra"
+    stage with the selected form's default (`bwd_intra_paired`: tf32 paired, tf32x3
+    anchored, `triton_fwd.ANCHORED_DOTS`)."""
+    return dot_precision(dtype, "backward_intra", DEFAULT_DOTS if bwd_intra_paired() else ANCHORED_DOTS)
+
+
 def bwd_register_caps() -> tuple[dict, dict, dict]:
     """Launch options of `_bwd_chunk_keys_kernel`, `_bwd_chunk_values_kernel` and
     `_bwd_dAkk_kernel` that cap their registers per thread (Triton's `maxnreg`), read per
@@ -877,8 +884,7 @@ def chunk_kda_bwd_triton(
     f32 = dict(dtype=torch.float32, device=q.device)
     lean = st.walk == "lean"
     paired = bwd_intra_paired()
-    precision = dot_precision(q.dtype, "backward")
-    precision_intra = dot_precision(q.dtype, "backward_intra", DEFAULT_DOTS if paired else ANCHORED_DOTS)
+    precision, precision_intra = dot_precision(q.dtype, "backward"), bwd_intra_precision(q.dtype)
     # what the walk writes: fp32 (classic) or the input dtype (lean, `triton_fwd`'s docstring)
     walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
     dh = torch.empty(n_chunks, H, K, V, **walk_dt)
