@@ -698,13 +698,13 @@ def _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, 
 
 
 @triton.jit
-def _bwd_intra_paired_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_dG_col, b_k, b_G, m_r, i_t, i_r, i_i,
+def _bwd_intra_paired_column_terms(q, k, G, beta, dAqk, dAkk, b_dk, b_dG, b_k, b_G, m_r, i_t, i_r, i_i,
                                    bos, T, i_h, o_r, o_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                                    BC: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr):
     """The paired form of `_bwd_intra_column_terms` (`bwd_intra_paired`): row tile I's terms
     of column tile i_i's dk, around I's anchor c_I, each decayed to the column rows here
-    (b_dk_col += e^(c_I - G_j) t), and their dG share with the column operand the row side
-    of I rounds the same way (b_dG_col += round(k_j e^(c_I - G_j)) t), where
+    (b_dk += e^(c_I - G_j) t), and their dG share with the column operand the row side
+    of I rounds the same way (b_dG -= round(k_j e^(c_I - G_j)) t), where
     t = dAqk[I, j]^T round(q_I e^(G_I - c_I)) + dAkk[I, j]^T round(beta_I k_I e^(G_I - c_I)).
     b_k, b_G `[BC, BK]`: the column tile's own rows (fp32)."""
     row0_r = i_t * BT + i_r * BC
@@ -723,9 +723,23 @@ def _bwd_intra_paired_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_dG_col
         b_t = tl.dot(tl.trans(b_dAkk), _round_tf32(b_kr * b_e * b_br[:, None], ROUND), acc=b_t,
                      input_precision=PRECISION)
         b_col_decay = tl.exp(tl.where(m_r[:, None], b_cr[None, :] - b_G, float("-inf")))  # <= 1 off I's tile
-        b_dk_col += b_col_decay * b_t
-        b_dG_col += _round_tf32(b_k * b_col_decay, ROUND) * b_t
-    return b_dk_col, b_dG_col
+        b_dk += b_col_decay * b_t
+        b_dG -= _round_tf32(b_k * b_col_decay, ROUND) * b_t
+    return b_dk, b_dG
+
+
+@triton.jit
+def _bwd_intra_store_rows(dq_part, dbeta_part, dq, dbeta, dbeta_keys, b_dq, b_k, b_R, p_r, tok, m_r, i_kb, TT,
+                          H: tl.constexpr, NK: tl.constexpr):
+    """A row tile's final dq (dq_part + b_dq, dq's dtype) and its dbeta: dbeta_part + Σ_c k ⊙ R
+    (beta's dtype) when NK == 1, else this key block's Σ_c k ⊙ R into dbeta_keys (fp32)."""
+    b_dq += tl.load(dq_part + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
+    tl.store(dq + p_r, b_dq.to(dq.dtype.element_ty), mask=m_r[:, None])
+    if NK == 1:
+        b_db = tl.load(dbeta_part + tok, mask=m_r, other=0.0) + tl.sum(b_k * b_R, axis=1)
+        tl.store(dbeta + tok, b_db.to(dbeta.dtype.element_ty), mask=m_r)
+    else:
+        tl.store(dbeta_keys + i_kb.to(tl.int64) * TT * H + tok, tl.sum(b_k * b_R, axis=1), mask=m_r)
 
 
 @triton.jit
@@ -780,40 +794,38 @@ def _bwd_intra_kernel(
                                              o_r, o_k, H, K, BT, BC, PRECISION, ROUND)
     b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))  # <= e^40
     m_rk = m_r[:, None]
-    b_dG = tl.load(dG_part + p_r, mask=m_rk, other=0.0)
-    if PAIRED:  # dG's row terms from the operands the column sides round alike
-        b_dG += (_round_tf32(b_q * b_row_decay, ROUND) * b_dq
-                 + _round_tf32(b_k * b_row_decay * b_beta[:, None], ROUND) * b_R)
-    b_dq *= b_row_decay
-    b_R *= b_row_decay
-
-    # this tile as columns: tiles I >= T
-    b_dk_col = tl.zeros([BC, BK], dtype=tl.float32)
     if PAIRED:
-        b_dG_col = tl.zeros([BC, BK], dtype=tl.float32)
+        # dG's row terms from the operands the column sides round alike; then dq, dbeta and
+        # dk's row share are final, so only k, G and the two accumulators stay live through
+        # the column side (fewer registers, `bwd_intra_register_cap`)
+        b_dG = (_round_tf32(b_q * b_row_decay, ROUND) * b_dq
+                + _round_tf32(b_k * b_row_decay * b_beta[:, None], ROUND) * b_R)
+        b_R *= b_row_decay
+        _bwd_intra_store_rows(dq_part, dbeta_part, dq, dbeta, dbeta_keys, b_dq * b_row_decay, b_k, b_R, p_r,
+                              tok, m_r, i_kb, TT, H, NK)
+        b_dk = b_beta[:, None] * b_R
         for i_r in tl.static_range(NC):
             if i_r >= i_i:
-                b_dk_col, b_dG_col = _bwd_intra_paired_column_terms(
-                    q, k, G, beta, dAqk, dAkk, b_dk_col, b_dG_col, b_k, b_G, m_r, i_t, i_r, i_i, bos, T, i_h,
+                b_dk, b_dG = _bwd_intra_paired_column_terms(
+                    q, k, G, beta, dAqk, dAkk, b_dk, b_dG, b_k, b_G, m_r, i_t, i_r, i_i, bos, T, i_h,
                     o_r, o_k, H, K, BT, BC, PRECISION, ROUND)
-        b_dG -= b_dG_col
     else:
+        b_dq *= b_row_decay
+        b_R *= b_row_decay
+        b_dk_col = tl.zeros([BC, BK], dtype=tl.float32)
         for i_r in tl.static_range(NC):
             if i_r >= i_i:
                 b_dk_col = _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos,
                                                    T, i_h, o_r, o_k, H, K, BT, BC, PRECISION)
         b_dk_col *= tl.exp(tl.where(m_r[:, None], b_c[None, :] - b_G, float("-inf")))  # <= e^40
-        b_dG += b_q * b_dq + b_beta[:, None] * b_k * b_R - b_k * b_dk_col
-    b_dq += tl.load(dq_part + p_r, mask=m_rk, other=0.0).to(tl.float32)
-    b_dk = tl.load(dk_part + p_r, mask=m_rk, other=0.0).to(tl.float32) + b_beta[:, None] * b_R + b_dk_col
-    tl.store(dq + p_r, b_dq.to(dq.dtype.element_ty), mask=m_rk)
+        b_dG = b_q * b_dq + b_beta[:, None] * b_k * b_R - b_k * b_dk_col
+        b_dk = b_beta[:, None] * b_R + b_dk_col
+        _bwd_intra_store_rows(dq_part, dbeta_part, dq, dbeta, dbeta_keys, b_dq, b_k, b_R, p_r,
+                              tok, m_r, i_kb, TT, H, NK)
+    b_dk += tl.load(dk_part + p_r, mask=m_rk, other=0.0).to(tl.float32)
     tl.store(dk + p_r, b_dk.to(dk.dtype.element_ty), mask=m_rk)
+    b_dG += tl.load(dG_part + p_r, mask=m_rk, other=0.0)
     tl.store(dG_part + p_r, b_dG, mask=m_rk)
-    if NK == 1:
-        b_db = tl.load(dbeta_part + tok, mask=m_r, other=0.0) + tl.sum(b_k * b_R, axis=1)
-        tl.store(dbeta + tok, b_db.to(dbeta.dtype.element_ty), mask=m_r)
-    else:
-        tl.store(dbeta_keys + i_kb.to(tl.int64) * TT * H + tok, tl.sum(b_k * b_R, axis=1), mask=m_r)
 
 
 # ----------------------------------------------------------------------------------------
