@@ -21,7 +21,7 @@
 #   kda_caps   profiling/bench_kda.py at 32K and 8 x 4K: the register caps of the backward's
 #              whole-chunk kernels (TITAN_MOE_KDA_BWD_MAXNREG; default 128x128x168) beside no caps
 #              and beside the keys kernel uncapped, the backward intra kernel's cap
-#              (TITAN_MOE_KDA_BWD_INTRA_MAXNREG; default 128) beside none and 96, and the forward A-tile
+#              (TITAN_MOE_KDA_BWD_INTRA_MAXNREG; default 96) beside none, 128, 104, 88 and 80, and the forward A-tile
 #              kernel's (TITAN_MOE_KDA_INTRA_MAXNREG; default 96) beside none and 80 (not in the default list)
 #   kda_intra  profiling/bench_kda.py at 32K and 8 x 4K: the backward intra kernel's key columns
 #              per program (TITAN_MOE_KDA_BWD_INTRA_BK) and warps (TITAN_MOE_KDA_TILE_WARPS' last
@@ -331,7 +331,7 @@ for section in "${SECTIONS[@]}"; do
                 --scan-configs 16x4,32x4,64x4,128x4 \
                 --variants c64x32:TITAN_MOE_KDA_BWD_CHUNK=64x32x8x8,c128:TITAN_MOE_KDA_BWD_CHUNK=128x32x16x8,o128x4:TITAN_MOE_KDA_OUTPUT=128x4,o32x2:TITAN_MOE_KDA_OUTPUT=32x2,inv2:TITAN_MOE_KDA_TILE_WARPS=4x2x4x8,bi4:TITAN_MOE_KDA_TILE_WARPS=4x1x4x4,it8:TITAN_MOE_KDA_TILE_WARPS=8x1x4x8,st2x2:TITAN_MOE_KDA_SCAN_STAGES=2x2,st4x4:TITAN_MOE_KDA_SCAN_STAGES=4x4 ;;
         kda_caps) run kda_caps python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
-                --variants nocaps:TITAN_MOE_KDA_BWD_MAXNREG=0x0x0,caps_vd:TITAN_MOE_KDA_BWD_MAXNREG=0x128x168,intra_nocap:TITAN_MOE_KDA_BWD_INTRA_MAXNREG=0,intra_cap96:TITAN_MOE_KDA_BWD_INTRA_MAXNREG=96,cols_nocap:TITAN_MOE_KDA_INTRA_MAXNREG=0,cols_cap80:TITAN_MOE_KDA_INTRA_MAXNREG=80 ;;
+                --variants nocaps:TITAN_MOE_KDA_BWD_MAXNREG=0x0x0,caps_vd:TITAN_MOE_KDA_BWD_MAXNREG=0x128x168,intra_nocap:TITAN_MOE_KDA_BWD_INTRA_MAXNREG=0,intra_cap128:TITAN_MOE_KDA_BWD_INTRA_MAXNREG=128,intra_cap104:TITAN_MOE_KDA_BWD_INTRA_MAXNREG=104,intra_cap88:TITAN_MOE_KDA_BWD_INTRA_MAXNREG=88,intra_cap80:TITAN_MOE_KDA_BWD_INTRA_MAXNREG=80,cols_nocap:TITAN_MOE_KDA_INTRA_MAXNREG=0,cols_cap80:TITAN_MOE_KDA_INTRA_MAXNREG=80 ;;
         kda_intra) run kda_intra python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \
                 --variants bk128w8:TITAN_MOE_KDA_BWD_INTRA_BK=128+TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk128w4:TITAN_MOE_KDA_BWD_INTRA_BK=128,bk64w2:TITAN_MOE_KDA_TILE_WARPS=4x1x4x2,bk64w8:TITAN_MOE_KDA_TILE_WARPS=4x1x4x8,bk32w2:TITAN_MOE_KDA_BWD_INTRA_BK=32+TITAN_MOE_KDA_TILE_WARPS=4x1x4x2 ;;
         kda_keys) run kda_keys python profiling/bench_kda.py --no-fla --kernels 8 --shapes 32768,4096 \

@@ -395,7 +395,7 @@ def test_bwd_register_caps_keep_results(monkeypatch):
     kernel (run by the backward's recompute) are launch options (the interpreter ignores
     them), so results are equal; their parsing and their bounds."""
     assert triton_bwd.bwd_register_caps() == ({"maxnreg": 128}, {"maxnreg": 128}, {"maxnreg": 168})  # the default
-    assert triton_bwd.bwd_intra_register_cap() == {"maxnreg": 128}
+    assert triton_bwd.bwd_intra_register_cap() == {"maxnreg": 96}
     assert triton_fwd.intra_register_cap() == {"maxnreg": 96}
     inp = make_inputs(1, 70, 2, 32, 32, "rand", seed=8)
     do = torch.randn(1, 70, 2, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)

@@ -265,12 +265,13 @@ def bwd_register_caps() -> tuple[dict, dict, dict]:
 def bwd_intra_register_cap() -> dict:
     """Launch option of `_bwd_intra_kernel` capping its registers per thread (Triton's
     `maxnreg`), read per call from `$TITAN_MOE_KDA_BWD_INTRA_MAXNREG` (0: no cap, else 32 to
-    255). Default 128: at dk = 128 on sm_90 (`profiling/kernel_resources.py`) the paired
-    kernel holds 162 registers at 4 warps uncapped, three blocks per SM; capped it spills
-    88 bytes per thread and four fit. Measured on the H200 (BENCHMARKS.md, "the backward
-    intra kernel's register cap"): the kernel 1.467 ms against 1.588 at T = 32K and at
-    8 x 4K; uncapped 64-column programs at 8 warps (123 registers) took 2.03."""
-    return env_register_cap(BWD_INTRA_MAXNREG_ENV, 128)
+    255). Default 96: at dk = 128 on sm_90 (`profiling/kernel_resources.py`) the paired
+    kernel, which finishes its row side before its column side, holds 116 registers at 4
+    warps uncapped (four blocks per SM); capped at 96 it spills 56 bytes per thread and five
+    fit. Measured on the H200 (BENCHMARKS.md, "the backward intra kernel's row side first"):
+    the kernel 1.282 ms against 1.359 uncapped and 1.371 at 112, at T = 32K and at 8 x 4K;
+    32 key columns per program (79 registers, six blocks) took 1.42."""
+    return env_register_cap(BWD_INTRA_MAXNREG_ENV, 96)
 
 
 # ----------------------------------------------------------------------------------------
