@@ -208,6 +208,14 @@
 #              products through the op with the other forward / dx and dw tiles, among them tiles
 #              stored from registers with the staging buffers' memory given to the ring ("...d")
 #              (not in the default list)
+#   gluon_dw_host  the Gluon dw with its whole row blocks read through the host's descriptors of
+#              x and grad (tiles ending in "h"; only a group's partial last block through
+#              descriptors made on the device): their GPU tests, then the GEMM products through the
+#              op beside the default dw tiles (not in the default list)
+#   gemm_goals  the op's default (auto) against torch._grouped_mm: the GPU tests of the Gluon
+#              backend, the op and the MoE layer, the GEMM products through the op (native, auto,
+#              gluon) at E = 64 and the layer's shapes, then the eager MoE layer against
+#              torchtitan's (not in the default list)
 #   gluon      profiling/probe_gluon_gemm.py: a warp-specialized grouped GEMM forward, dx and dw in
 #              Gluon (one TMA load warp; cooperative or ping-pong wgmma consumers; one kernel without
 #              partitions, pipelined by hand, for comparison), seven variants at
@@ -601,6 +609,19 @@ for section in "${SECTIONS[@]}"; do
             run gluon_host_gemm python profiling/bench_moe.py --skip-layer --cuda-graph \
                 --gemm-providers native,gluon,gluon_pp64x256x64s4,gluon_pp128x128x64s6d,gluon_pp64x256x64s5d,gluon_dw256x128x64s4d,gluon_dw128x256x64s4d \
                 --gemm-cases e64_balanced,e64_zipf1.1,layer_gate_up,layer_down ;;
+        gluon_dw_host)  # the dw's whole row blocks through host descriptors
+            run gluon_dw_host_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_grouped_gemm_gluon.py \
+                -k "3h or 4dh or s5h or not autograd"
+            run gluon_dw_host python profiling/bench_moe.py --skip-layer --cuda-graph \
+                --gemm-providers native,gluon,gluon_dw256x128x64s3h,gluon_dw128x256x64s3h,gluon_dw256x128x64s4dh,gluon_dw128x256x64s3,gluon_ppdw128x128x64s5h \
+                --gemm-cases e64_balanced,e64_zipf1.1,layer_gate_up,layer_down ;;
+        gemm_goals)  # the default backend against torch._grouped_mm, then the layer against torchtitan's
+            run gemm_goals_tests python -m pytest -q -rsx -p no:cacheprovider -m gpu tests/test_grouped_gemm_gluon.py \
+                tests/test_grouped_gemm.py tests/test_moe.py
+            run gemm_goals python profiling/bench_moe.py --skip-layer --cuda-graph --gemm-providers native,auto,gluon \
+                --gemm-cases e64_balanced,e64_zipf1.1,layer_gate_up,layer_down
+            run gemm_goals_layer python profiling/bench_moe.py --skip-gemm --layer-providers ours_auto \
+                --layer-kernels 14 ;;
         gluon)  # Gluon grouped GEMM kernels (a probe): their GPU tests, then each beside native and our Triton kernel
             run gluon_tests python -m pytest -q -rsx -p no:cacheprovider tests/test_probe_gluon_gemm.py
             run gluon python profiling/probe_gluon_gemm.py \

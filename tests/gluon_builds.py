@@ -50,7 +50,7 @@ _SCRIPT = textwrap.dedent(
         consts = {"STAGES": stages, "BLOCK_E": 128, "B_TRANSPOSED": transposed, "num_warps": warps}
         if warps == "pp":  # two 4-warp consumers and the load warp's group
             kernel, kind, expected_warps = gk._pingpong_grouped_mm_kernel, "ws", 12
-            consts = dict(consts, num_warps=4, CONSUMER_REGS=gk.PINGPONG_CONSUMER_REGS, DIRECT=name.endswith("d"))
+            consts = dict(consts, num_warps=4, CONSUMER_REGS=gk.PINGPONG_CONSUMER_REGS, DIRECT=gk.tile_flags(name)[0])
         elif name.startswith("np"):  # no partitions
             kernel, kind, expected_warps = probe._pipelined_grouped_mm_kernel, "np", warps
         else:  # the consumer's warps and the load warp's group
@@ -60,16 +60,21 @@ _SCRIPT = textwrap.dedent(
     for name in DW_BUILDS:
         bm, bk, bn, stages, warps = gk.DW_TILES[name]
         d = gk._descriptor(dw, [bk, bn])
-        sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "dw_desc": mangle_type(d), "offs_ptr": "*i32", "M": "i32",
-               "K": "i32", "N": "i32", "E": "i32", "stride_xm": "i32", "stride_gm": "i32"}
+        xd, gd = gk._descriptor(x, [bm, bk]), gk._descriptor(out, [bm, bn])
+        sig = {"x_desc": mangle_type(xd), "g_desc": mangle_type(gd), "x_ptr": "*bf16", "g_ptr": "*bf16",
+               "dw_desc": mangle_type(d), "offs_ptr": "*i32", "M": "i32", "K": "i32", "N": "i32", "E": "i32",
+               "stride_xm": "i32", "stride_gm": "i32"}
+        direct, host_descs = gk.tile_flags(name)
         if warps == "pp":
             kernel, expected_warps = gk._pingpong_grouped_dw_kernel, 12
-            consts = {"BM": bm, "STAGES": stages, "CONSUMER_REGS": gk.PINGPONG_CONSUMER_REGS, "num_warps": 4}
+            consts = {"BM": bm, "STAGES": stages, "CONSUMER_REGS": gk.PINGPONG_CONSUMER_REGS,
+                      "HOST_DESCS": host_descs, "num_warps": 4}
         else:
             kernel, expected_warps = gk._ws_grouped_dw_kernel, warps + 4
             sig = {n: ("*bf16" if n == "dw_ptr" else sig[n]) for n in gk._ws_grouped_dw_kernel.arg_names
                    if n in sig or n == "dw_ptr"}
-            consts = {"BM": bm, "STAGES": stages, "DIRECT": name.endswith("d"), "num_warps": warps}
+            consts = {"BM": bm, "STAGES": stages, "DIRECT": direct,
+                      "HOST_DESCS": host_descs, "num_warps": warps}
         results[name] = (expected_warps, "dw") + build(kernel, sig, consts, bn)
     print("RESULT", repr(results))
     """

@@ -32,8 +32,9 @@ def test_backend_kernels_build_warp_specialized_for_sm90():
     warp's group) or 8 + 4, register moves, wgmma, TMA, mbarriers, no spills."""
     results = build_results(PROFILING, [("pp128x128x64s5", "fwd"), ("pp128x128x64s5", "dx"), ("pp64x256x64s4", "fwd"),
                                         ("pp128x128x64s6d", "dx")],
-                            ["ppdw128x128x64s5", "ppdw128x128x128s2", "dw256x128x64s3", "dw128x256x64s4d"])
-    assert len(results) == 8, results
+                            ["ppdw128x128x64s5", "ppdw128x128x128s2", "dw256x128x64s3", "dw128x256x64s4d",
+                             "dw256x128x64s3h", "ppdw128x128x64s5h"])
+    assert len(results) == 10, results
     check_builds(results)
     assert [results[n][2] for n in ("ppdw128x128x64s5", "dw256x128x64s3")] == [12, 12]
 
@@ -41,16 +42,15 @@ def test_backend_kernels_build_warp_specialized_for_sm90():
 def test_tiles_from_the_environment(monkeypatch):
     monkeypatch.delenv(gk.TILES_ENV, raising=False)
     assert [gk.tiles(p) for p in ("fwd", "dx", "dw")] == list(gk.DEFAULT_TILES)
-    # dw by K: 256 rows of dw per tile where K allows, else 128 (the MoE layer's K 1,408); at K 64
-    # neither divides K (the first named, which `gluon_dw_supported` refuses: the Triton dw runs)
-    assert [gk.tiles("dw", k) for k in (2048, 1024, 1408, 64)] == [
-        "dw256x128x64s3", "dw256x128x64s3", "dw128x256x64s3", "dw256x128x64s3"]
+    # dw by K: 128 rows of dw per tile, which divide the MoE layer's K 1,024 and 1,408; not K 64
+    # (the default named, which `gluon_dw_supported` refuses: the Triton dw runs)
+    assert [gk.tiles("dw", k) for k in (2048, 1024, 1408, 64)] == ["ppdw128x128x64s5h"] * 4
     monkeypatch.setenv(gk.TILES_ENV, "pp64x256x64s4,pp128x128x64s4,ppdw128x128x128s2")
     assert [gk.tiles(p) for p in ("fwd", "dx", "dw")] == ["pp64x256x64s4", "pp128x128x64s4", "ppdw128x128x128s2"]
     assert gk.tiles("dw", 1408) == "ppdw128x128x128s2"  # the environment's choice holds at any K
     monkeypatch.setenv(gk.TILES_ENV, ",pp64x256x64s4,")  # empty entries keep the defaults
     assert [gk.tiles("fwd"), gk.tiles("dx"), gk.tiles("dw", 1408)] == ["pp128x128x64s5", "pp64x256x64s4",
-                                                                         "dw128x256x64s3"]
+                                                                         "ppdw128x128x64s5h"]
     for bad in ("pp128x128x64s5", "pp128x128x64s5,pp128x128x64s5,pp128x128x64s5", "x,pp128x128x64s5,dw256x128x64s3",
                 ",,,"):
         monkeypatch.setenv(gk.TILES_ENV, bad)
@@ -61,10 +61,10 @@ def test_tiles_from_the_environment(monkeypatch):
 def test_every_tile_fits_sm90_shared_memory():
     """Ring stages plus the staging buffers (two for ping-pong) within sm90's 227 KiB."""
     for name, (bm, bn, bk, stages) in gk.MM_TILES.items():
-        staging_rows = 8 if name.endswith("d") else bm  # "d": stored from registers, 8-row stand-ins
+        staging_rows = 8 if gk.tile_flags(name)[0] else bm  # "d": stored from registers, 8-row stand-ins
         assert stages * (bm * bk + bk * bn) * 2 + 2 * staging_rows * bn * 2 <= 232448, name
     for name, (bm, bk, bn, stages, schedule) in gk.DW_TILES.items():
-        staging_rows = 8 if name.endswith("d") else bk
+        staging_rows = 8 if gk.tile_flags(name)[0] else bk
         assert stages * (bm * bk + bm * bn) * 2 + (2 if schedule == "pp" else 1) * staging_rows * bn * 2 <= 232448
 
 
@@ -172,6 +172,10 @@ _GPU_SCRIPT = textwrap.dedent(
     ("pp128x128x64s5,pp128x128x64s5,dw128x256x64s3", "bfloat16"),
     ("pp128x128x64s5,pp128x128x64s5,dw256x128x64s4d", "bfloat16"),
     ("pp128x128x64s5,pp128x128x64s5,dw128x256x64s4d", "float16"),
+    ("pp128x128x64s5,pp128x128x64s5,dw256x128x64s3h", "bfloat16"),
+    ("pp128x128x64s5,pp128x128x64s5,dw128x256x64s3h", "float16"),
+    ("pp128x128x64s5,pp128x128x64s5,dw256x128x64s4dh", "bfloat16"),
+    ("pp128x128x64s5,pp128x128x64s5,ppdw128x128x64s5h", "bfloat16"),
 ])
 def test_gluon_backend_matches_the_loop_through_autograd(tiles, dtype):
     """The op with backend="gluon" (forward, dx, dw) against the fp32 loop on random ragged

@@ -14,7 +14,8 @@ mbarrier (the TMA copies' bytes arrive on it) and an "empty" one (the consumer i
   the other consumer's wgmmas run. A consumer enters its tile's mainloop only once the other
   has left the previous tile's (a pair of "turn" mbarriers). The forward / dx take these;
   the dw also has a cooperative form (one 8-warp consumer on [256, 128] or [128, 256] tiles),
-  faster there on the H200 (BENCHMARKS.md, "Grouped GEMM in Gluon ...").
+  faster while each dw tile made its own device descriptors (BENCHMARKS.md, "Grouped GEMM in
+  Gluon ..."); with the host's descriptors (tiles ending in "h") ping-pong is the faster dw.
 
 Tiles leave through a shared-memory staging buffer and a TMA store, or, for tile names ending
 in "d", from the registers through pointer stores, the staging buffers' shared memory then
@@ -30,9 +31,13 @@ Products (the op's; `grouped_mm_gluon`, `grouped_mm_dw_gluon`):
   stores them (masked pointer stores). Rows past ``offs[-1]`` are zeroed by the kernel's
   first consumer after its tiles (`_zero_rows_past`).
 * dw ``dw[e] = x[rows of e]^T @ grad[rows of e]`` in [BK, BN] tiles of dw, each reducing over
-  its group's rows in steps of BM; the load partition makes TMA descriptors of the group's
-  rows per tile on the device (the copy engine zero-fills past the group's end), the consumer
-  reads x's [BM, BK] boxes transposed. Empty groups store zeros.
+  its group's rows in steps of BM; the consumer reads x's [BM, BK] boxes transposed. A step
+  must not read the next group's rows: the load partition reads a group's partial last block
+  through TMA descriptors of the group's rows alone, made on the device per tile (the copy
+  engine zero-fills past the group's end), and, for tiles ending in "h", the whole blocks
+  through the host's descriptors of all of x and grad (for the others, through the device-made
+  ones too: making two descriptors per tile cost the H200 up to 0.09 ms of a 0.7 ms dw at E = 64).
+  Empty groups store zeros.
 
 Scope (`gluon_supported`, checked on the host; the op falls back to the Triton kernels
 elsewhere): CUDA sm90, 16-bit operands, row-major operands TMA can describe (16-byte aligned
@@ -91,13 +96,21 @@ DW_TILES = {
     # "d": tiles stored from registers, the staging buffer's shared memory given to the ring
     "dw256x128x64s4d": (64, 256, 128, 4, 8),
     "dw128x256x64s4d": (64, 128, 256, 4, 8),
+    # "h": whole BM-row blocks through the host's descriptors of x and grad, only a group's last,
+    # partial block through descriptors made on the device
+    "dw256x128x64s3h": (64, 256, 128, 3, 8),
+    "dw128x256x64s3h": (64, 128, 256, 3, 8),
+    "dw256x128x64s4dh": (64, 256, 128, 4, 8),
+    "ppdw128x128x64s5h": (64, 128, 128, 5, "pp"),
 }
 # On the H200 at E = 64, M 64K, K 2,048, N 1,408 (BENCHMARKS.md, "Grouped GEMM in Gluon"):
 # pp128x128x64s5 1.10x / 1.16x torch._grouped_mm's forward balanced / Zipf 1.1, dx 1.06x / 1.11x
-DEFAULT_TILES = ("pp128x128x64s5", "pp128x128x64s5", "dw256x128x64s3")
-# dw by K: 256 rows of dw per tile where K allows (the MoE layer's up projection, K 1,024), else
-# 128 (its down projection, K 1,408)
-DEFAULT_DW_TILES = ("dw256x128x64s3", "dw128x256x64s3")
+# dw: the ping-pong 128 x 128 tiles with the whole row blocks through the host's descriptors,
+# forward+backward 1.12x / 1.11x torch._grouped_mm's there (BENCHMARKS.md, "the dw's row blocks
+# through the host's descriptors"), and at the MoE layer's K 1,024 and 1,408 the fastest dw too
+DEFAULT_TILES = ("pp128x128x64s5", "pp128x128x64s5", "ppdw128x128x64s5h")
+# dw by K: the first whose 128 rows of dw per tile divide K
+DEFAULT_DW_TILES = ("ppdw128x128x64s5h",)
 PINGPONG_CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest)
 LOAD_REGS = gl.constexpr(40)  # the load partition's registers: its per-group schedule vectors spill at 24
 MAX_GROUPS = 255  # BLOCK_E = next_power_of_2(E + 1) <= 256: 8 schedule registers per vector in the load warp
@@ -354,11 +367,41 @@ def _dw_tile_place(tile, offs_ptr, M, K, N, BK: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _dw_load_partition(x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E, stride_xm, stride_gm):
-    """Per tile, TMA descriptors of the group's rows alone (made on the device: the copy
-    engine zero-fills past the group's end), then its steps of BM rows: x [BM, BK] and
-    grad [BM, BN] boxes into the ring."""
+def _group_rows_descriptors(x_ptr, g_ptr, row_start, row_end, K, N, stride_xm, stride_gm, BM: gl.constexpr,
+                            BK: gl.constexpr, BN: gl.constexpr):
+    """TMA descriptors of x [rows, K] and grad [rows, N] over one group's rows alone, made on
+    the device (the copy engine zero-fills past the group's end)."""
+    rows = gl.maximum(row_end - row_start, 1)  # an empty group's descriptor is never read
+    x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm, shape=[rows, K],
+                                        strides=[stride_xm, 1], block_shape=[BM, BK],
+                                        layout=shared_layout_of([BM, BK], 16))
+    g_desc = tma.make_tensor_descriptor(g_ptr + row_start.to(gl.int64) * stride_gm, shape=[rows, N],
+                                        strides=[stride_gm, 1], block_shape=[BM, BN],
+                                        layout=shared_layout_of([BM, BN], 16))
+    return x_desc, g_desc
+
+
+@gluon.jit
+def _dw_issue_step(x_desc, g_desc, x_bufs, g_bufs, ready, empty, it, row, k0, n0):
+    """One reduction step's x [BM, BK] and grad [BM, BN] boxes from ``row`` into ring slot
+    ``it % STAGES`` once it is empty; returns it + 1."""
     STAGES: gl.constexpr = x_bufs.type.shape[0]
+    s = it % STAGES
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + g_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [row, k0], ready.index(s), x_bufs.index(s))
+    tma.async_copy_global_to_shared(g_desc, [row, n0], ready.index(s), g_bufs.index(s))
+    return it + 1
+
+
+@gluon.jit
+def _dw_load_partition(x_desc, g_desc, x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E,
+                       stride_xm, stride_gm, HOST_DESCS: gl.constexpr):
+    """Per tile, its steps of BM rows: x [BM, BK] and grad [BM, BN] boxes into the ring.
+    Without HOST_DESCS every box comes through descriptors of the group's rows made on the
+    device per tile (`_group_rows_descriptors`); with it the whole BM-row blocks come through
+    the host's descriptors of all of x and grad (x_desc, g_desc) and only a group's last,
+    partial block through device-made ones, which zero-fill the next group's rows."""
     BM: gl.constexpr = x_bufs.type.shape[1]
     BK: gl.constexpr = x_bufs.type.shape[2]
     BN: gl.constexpr = g_bufs.type.shape[2]
@@ -366,20 +409,20 @@ def _dw_load_partition(x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, 
     it = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         group, k0, n0, row_start, row_end = _dw_tile_place(tile, offs_ptr, M, K, N, BK, BN)
-        rows = gl.maximum(row_end - row_start, 1)  # an empty group's descriptor is never read
-        x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm, shape=[rows, K],
-                                            strides=[stride_xm, 1], block_shape=[BM, BK],
-                                            layout=shared_layout_of([BM, BK], 16))
-        g_desc = tma.make_tensor_descriptor(g_ptr + row_start.to(gl.int64) * stride_gm, shape=[rows, N],
-                                            strides=[stride_gm, 1], block_shape=[BM, BN],
-                                            layout=shared_layout_of([BM, BN], 16))
-        for m in range(0, row_end - row_start, BM):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + g_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [m, k0], ready.index(s), x_bufs.index(s))
-            tma.async_copy_global_to_shared(g_desc, [m, n0], ready.index(s), g_bufs.index(s))
-            it += 1
+        rows = row_end - row_start
+        if HOST_DESCS:
+            whole = rows // BM * BM
+            for m in range(0, whole, BM):
+                it = _dw_issue_step(x_desc, g_desc, x_bufs, g_bufs, ready, empty, it, row_start + m, k0, n0)
+            if whole < rows:
+                x_tail, g_tail = _group_rows_descriptors(x_ptr, g_ptr, row_start, row_end, K, N, stride_xm,
+                                                         stride_gm, BM, BK, BN)
+                it = _dw_issue_step(x_tail, g_tail, x_bufs, g_bufs, ready, empty, it, whole, k0, n0)
+        else:
+            x_group, g_group = _group_rows_descriptors(x_ptr, g_ptr, row_start, row_end, K, N, stride_xm,
+                                                       stride_gm, BM, BK, BN)
+            for m in range(0, rows, BM):
+                it = _dw_issue_step(x_group, g_group, x_bufs, g_bufs, ready, empty, it, m, k0, n0)
 
 
 @gluon.jit
@@ -413,8 +456,9 @@ def _dw_mma_partition(x_bufs, g_bufs, ready, empty, c_smem, dw_desc, dw_ptr, off
 
 
 @gluon.jit
-def _ws_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, dw_ptr, offs_ptr, M, K, N, E, stride_xm, stride_gm,
-                          BM: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
+def _ws_grouped_dw_kernel(x_desc, g_desc, x_ptr, g_ptr, dw_desc, dw_ptr, offs_ptr, M, K, N, E, stride_xm, stride_gm,
+                          BM: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, HOST_DESCS: gl.constexpr,
+                          num_warps: gl.constexpr):
     """dw[e] = x[rows of e]^T @ grad[rows of e] (dw [E*K, N] in [BK, BN] boxes, K a multiple
     of BK; empty groups store zeros), warp-specialized as the forward. DIRECT: tiles stored
     from registers, the staging buffer (an 8-row stand-in) left to the ring."""
@@ -428,8 +472,8 @@ def _ws_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, dw_ptr, offs_ptr, M, K, N, E, s
     gl.warp_specialize([
         (_dw_mma_partition, (x_bufs, g_bufs, ready, empty, c_smem, dw_desc, dw_ptr, offs_ptr, M, K, N, E, DIRECT,
                              num_warps)),
-        (_dw_load_partition, (x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E, stride_xm,
-                              stride_gm)),
+        (_dw_load_partition, (x_desc, g_desc, x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E,
+                              stride_xm, stride_gm, HOST_DESCS)),
     ], [1], [LOAD_REGS])
 
 
@@ -466,9 +510,9 @@ def _dw_pingpong_partition(x_bufs, g_bufs, ready, empty, turns, c_smems, dw_desc
 
 
 @gluon.jit
-def _pingpong_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, offs_ptr, M, K, N, E, stride_xm, stride_gm,
+def _pingpong_grouped_dw_kernel(x_desc, g_desc, x_ptr, g_ptr, dw_desc, offs_ptr, M, K, N, E, stride_xm, stride_gm,
                                 BM: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                HOST_DESCS: gl.constexpr, num_warps: gl.constexpr):
     """The dw as `_ws_grouped_dw_kernel` with two ping-pong consumers of [BK, BN] tiles
     (num_warps = 4: consumer 0 is the default partition, consumer 1 a 4-warp worker with
     CONSUMER_REGS registers), so that a tile's epilogue runs under the next tile's wgmmas:
@@ -485,8 +529,8 @@ def _pingpong_grouped_dw_kernel(x_ptr, g_ptr, dw_desc, offs_ptr, M, K, N, E, str
     gl.warp_specialize([
         (_dw_pingpong_partition, (x_bufs, g_bufs, ready, empty, turns, c_smems, dw_desc, offs_ptr, M, K, N, E, 0)),
         (_dw_pingpong_partition, (x_bufs, g_bufs, ready, empty, turns, c_smems, dw_desc, offs_ptr, M, K, N, E, 1)),
-        (_dw_load_partition, (x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E, stride_xm,
-                              stride_gm)),
+        (_dw_load_partition, (x_desc, g_desc, x_ptr, g_ptr, x_bufs, g_bufs, ready, empty, offs_ptr, M, K, N, E,
+                              stride_xm, stride_gm, HOST_DESCS)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
 
 
@@ -507,6 +551,13 @@ def tiles(product: str, K: int | None = None) -> str:
     if product == "dw" and K is not None:
         return next((n for n in DEFAULT_DW_TILES if K % DW_TILES[n][1] == 0), DEFAULT_TILES[2])
     return DEFAULT_TILES[index]
+
+
+def tile_flags(name: str) -> tuple[bool, bool]:
+    """(direct, host_descs) of a tile name's suffix after its stages: "d", tiles stored from
+    the registers; "h", the dw's whole row blocks through the host's descriptors."""
+    suffix = name[name.rindex("s") + 1:].lstrip("0123456789")
+    return "d" in suffix, "h" in suffix
 
 
 def _on_sm90(t: torch.Tensor) -> bool:
@@ -605,7 +656,7 @@ def grouped_mm_gluon(a_MK: torch.Tensor, b_EKN: torch.Tensor, offs_E: torch.Tens
     a_desc, b_desc, c_desc, transposed = mm_descriptors(a_MK, b_EKN, out_MN, bm, bn, bk)
     _pingpong_grouped_mm_kernel[(programs or _programs(a_MK.device),)](
         a_desc, b_desc, c_desc, out_MN, offs_E, M, N, E, K, out_MN.stride(0),
-        STAGES=stages, BLOCK_E=next_power_of_2(E + 1), B_TRANSPOSED=transposed, DIRECT=name.endswith("d"),
+        STAGES=stages, BLOCK_E=next_power_of_2(E + 1), B_TRANSPOSED=transposed, DIRECT=tile_flags(name)[0],
         CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4)
     return out_MN
 
@@ -631,13 +682,18 @@ def grouped_mm_dw_gluon(x_MK: torch.Tensor, grad_MN: torch.Tensor, offs_E: torch
     if M == 0 or K == 0 or N == 0:
         return dw_EKN.zero_()
     dw_desc = _descriptor(dw_EKN.view(E * K, N), [bk, bn])
+    direct, host_descs = tile_flags(name)
+    # x and grad whole (read by the host-described form only; the other takes them as a stand-in)
+    x_desc, g_desc = _descriptor(x_MK, [bm, bk]), _descriptor(grad_MN, [bm, bn])
     ensure_scratch_allocator(x_MK.device)  # the device-made descriptors' global scratch
-    args = (x_MK, grad_MN, dw_desc, offs_E, M, K, N, E, x_MK.stride(0), grad_MN.stride(0))
+    args = (x_desc, g_desc, x_MK, grad_MN, dw_desc)
+    shape_args = (offs_E, M, K, N, E, x_MK.stride(0), grad_MN.stride(0))
     grid = (_programs(x_MK.device),)
     if schedule == "pp":
-        _pingpong_grouped_dw_kernel[grid](*args, BM=bm, STAGES=stages, CONSUMER_REGS=PINGPONG_CONSUMER_REGS,
-                                          num_warps=4)
+        _pingpong_grouped_dw_kernel[grid](*args, *shape_args, BM=bm, STAGES=stages,
+                                          CONSUMER_REGS=PINGPONG_CONSUMER_REGS, HOST_DESCS=host_descs, num_warps=4)
     else:
-        _ws_grouped_dw_kernel[grid](x_MK, grad_MN, dw_desc, dw_EKN, *args[3:], BM=bm, STAGES=stages,
-                                    DIRECT=name.endswith("d"), num_warps=schedule)
+        _ws_grouped_dw_kernel[grid](*args, dw_EKN, *shape_args, BM=bm, STAGES=stages,
+                                    DIRECT=direct, HOST_DESCS=host_descs,
+                                    num_warps=schedule)
     return dw_EKN
