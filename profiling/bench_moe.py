@@ -212,8 +212,9 @@ def _bench_once(fn, grad_to_none) -> float:
                                          return_mode="median"))
 
 
-def measure_rounds(fns: dict, timed: bool, grad_to_none=None, rounds: int = ROUNDS) -> tuple[dict, dict]:
-    """Median milliseconds of each of ``fns`` ({name: fn}) over ``rounds`` interleaved rounds:
+def measure_rounds(fns: dict, timed: bool, grad_to_none=None, rounds: int | None = None) -> tuple[dict, dict]:
+    """Median milliseconds of each of ``fns`` ({name: fn}) over ``rounds`` (default `ROUNDS`,
+    ``--rounds``) interleaved rounds:
     every round times each fn once (do_bench median) in a fresh seeded random order, so that a
     drift of the GPU's clocks during the run, and the state one fn leaves to the next (a
     rotated fixed order keeps each fn's predecessor: measured on the H200, the same
@@ -231,7 +232,7 @@ def measure_rounds(fns: dict, timed: bool, grad_to_none=None, rounds: int = ROUN
     names = list(fns)
     per_round: dict[str, list[float]] = {name: [] for name in names}
     order = random.Random(0)
-    for _ in range(rounds):
+    for _ in range(rounds or ROUNDS):
         for name in order.sample(names, len(names)):
             per_round[name].append(_bench_once(fns[name], grad_to_none))
     medians = {name: statistics.median(v) for name, v in per_round.items()}
@@ -965,6 +966,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layer-providers", default="",
                         help="comma-separated MoE layer runs to keep, e.g. ours_gluon (default all; ours_native and "
                              "torchtitan always run)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"interleaved rounds per timed case (default {ROUNDS}; the median is reported)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time the interleaved rounds as CUDA-graph replays (GPU time without host "
                              "launch gaps) instead of host launches with an L2 flush per call")
@@ -997,7 +1000,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=1408, help="routed (and each shared) expert hidden size")
     parser.add_argument("--shared", type=int, default=1, help="shared experts")
     parser.add_argument("--latent", type=int, default=0, help="our latent width (default dim/2)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -1028,8 +1034,9 @@ def main(argv=None) -> dict:
     )
     from titan_moe.ops.grouped_gemm.triton_kernel import default_config
 
-    global GRAPH_TIMING
+    global GRAPH_TIMING, ROUNDS
     GRAPH_TIMING = args.cuda_graph
+    ROUNDS = args.rounds
     FP8_TILES[:] = [t for t in args.fp8_tiles.split(",") if t]
     FP8_DW_TILES[:] = [t for t in args.fp8_dw_tiles.split(",") if t]
     DW_TILES[:] = [t for t in args.dw_tiles.split(",") if t]

@@ -234,3 +234,17 @@ def test_fp8_rows_situ_layer_copy_carries_its_recipe():
     assert isinstance(layer[0], Float8RoutedExperts)
     assert layer[0].recipe == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True)
     assert bench.fp8_experts_copy(torch.nn.Sequential(RoutedExperts(2, 16, 32, 1.0, 1.0)))[0].recipe == ExpertsFp8Recipe()
+
+
+def test_rounds_flag_sets_the_interleaved_rounds_and_refuses_zero(monkeypatch):
+    bench = _load_bench()
+    assert bench.parse_args([]).rounds == bench.ROUNDS
+    assert bench.parse_args(["--rounds", "21"]).rounds == 21
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
+    # measure_rounds takes the module's ROUNDS at call time (main sets it from --rounds)
+    monkeypatch.setattr(bench, "ROUNDS", 3)
+    calls = []
+    monkeypatch.setattr(bench, "_bench_once", lambda fn, grad_to_none: calls.append(fn) or 1.0)
+    medians, _ = bench.measure_rounds({"a": lambda: None, "b": lambda: None}, timed=True)
+    assert medians == {"a": 1.0, "b": 1.0} and len(calls) == 6
