@@ -21,8 +21,9 @@
 #   kda_caps   profiling/bench_kda.py at 32K and 8 x 4K: the register caps of the backward's
 #              whole-chunk kernels (TITAN_MOE_KDA_BWD_MAXNREG; default 128x128x168) beside no caps
 #              and beside the keys kernel uncapped, the backward intra kernel's cap
-#              (TITAN_MOE_KDA_BWD_INTRA_MAXNREG; default 96) beside none, 128, 104, 88 and 80, and the forward A-tile
-#              kernel's (TITAN_MOE_KDA_INTRA_MAXNREG; default 96) beside none and 80 (not in the default list)
+#              (TITAN_MOE_KDA_BWD_INTRA_MAXNREG; default 96) beside none, 128, 104, 88 and 80, and
+#              the forward A-tile kernel's (TITAN_MOE_KDA_INTRA_MAXNREG; default 96) beside none and
+#              80 (not in the default list)
 #   kda_intra  profiling/bench_kda.py at 32K and 8 x 4K: the backward intra kernel's key columns
 #              per program (TITAN_MOE_KDA_BWD_INTRA_BK) and warps (TITAN_MOE_KDA_TILE_WARPS' last
 #              value) beside the default 64 x 4 (not in the default list)

@@ -58,6 +58,14 @@ def test_tiles_from_the_environment(monkeypatch):
             gk.tiles("fwd")
 
 
+def test_tile_flags_read_the_suffix_after_the_stages():
+    """(direct, host_descs): "d" stores from registers, "h" the dw's host descriptors; the
+    letters of the name before the stages ("pp", "dw") are not flags."""
+    assert [gk.tile_flags(n) for n in ("pp128x128x64s5", "pp128x128x64s6d", "ppdw128x128x64s5h", "dw256x128x64s4dh",
+                                       "dw256x128x64s3")] == [(False, False), (True, False), (False, True),
+                                                              (True, True), (False, False)]
+
+
 def test_every_tile_fits_sm90_shared_memory():
     """Ring stages plus the staging buffers (two for ping-pong) within sm90's 227 KiB."""
     for name, (bm, bn, bk, stages) in gk.MM_TILES.items():
