@@ -11,8 +11,8 @@ Writes under ``--out``:
                                                          compiled graphs
     manifest.json                                        what was written, the decode state layout
 
-Default ``--what pt2,graphs``; AOTInductor is opt-in (a C++ build per program, about a
-minute each for the debug model on a CPU). Without ``--checkpoint`` the weights are the
+Default ``--what pt2,graphs``; AOTInductor is opt-in (a C++ build per program, which needs
+a C++ compiler and is the slow part). Without ``--checkpoint`` the weights are the
 model's initialisation. Any ``--section.key value`` override of the config applies.
 Mistakes (bad arguments, config errors, a missing checkpoint) stop with one line and exit
 code 2; a requested artifact that could not be produced gives exit code 1.

@@ -20,7 +20,8 @@ recording backend per layer kind, runs one forward and backward step, and writes
 kind (a recompile adds one). Without Inductor the backend is AOTAutograd with graph-keeping
 compilers (like ``aot_eager``): fast, the graphs are exactly what Inductor would receive
 minus its decompositions. With Inductor the AOT graphs are the ones Inductor compiled
-(after its decompositions), and codegen costs tens of seconds per kind on a CPU.
+(after its decompositions); its codegen compiles every kind's kernels, which makes it the
+slow, opt-in part (``--inductor``).
 """
 
 from __future__ import annotations
