@@ -42,6 +42,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from titan_moe import compile_passes  # noqa: E402
 from titan_moe.model.moe import TopKRouter, route  # noqa: E402
+from titan_moe.ops import choices  # noqa: E402
 from titan_moe.ops.router import router_topk, router_topk_torch  # noqa: E402
 from titan_moe.ops.router import op as router_op  # noqa: E402
 from titan_moe.ops.router import triton_kernel as tk  # noqa: E402
@@ -173,10 +174,12 @@ def test_op_rejects_bad_arguments(logits, bias, k, match):
         router_topk(logits, bias, k)
 
 
-def test_backend_variable_is_validated(monkeypatch):
-    monkeypatch.setenv(router_op.BACKEND_ENV, "cuda-please")
-    with pytest.raises(ValueError, match=router_op.BACKEND_ENV):
-        router_op.resolve_backend(torch.device("cpu"))
+def test_backend_choice_is_validated():
+    with pytest.raises(ValueError, match="kernels.router_topk must be one of"):
+        with choices.using(router_topk="cuda-please"):
+            router_op.resolve_backend(torch.device("cpu"))
+    with choices.using(router_topk="torch"):
+        assert router_op.resolve_backend(torch.device("cuda")) == "torch"
 
 
 # ---------------------------------------------------------------------------- the Triton kernel
@@ -210,18 +213,18 @@ def test_triton_kernel_strided_logits_and_low_precision_bias():
 
 
 @needs_kernels
-def test_triton_op_forward_and_backward(monkeypatch):
+def test_triton_op_forward_and_backward():
     """The op with the Triton backend selected, through autograd, against route."""
-    monkeypatch.setenv(router_op.BACKEND_ENV, "triton")
-    logits, bias = distinct_inputs(45, 24, seed=9, device=DEVICE)
-    grad_w = torch.randn(45, 3, device=DEVICE)
-    l_op, l_ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    idx, w = router_topk(l_op, bias, 3, 2.0)
-    ref_idx, ref_w = route_reference(l_ref, bias, 3, 2.0)
-    assert torch.equal(idx, ref_idx) and rel_err(w, ref_w) < TOL
-    (g_op,) = torch.autograd.grad(w, l_op, grad_w)
-    (g_ref,) = torch.autograd.grad(ref_w, l_ref, grad_w)
-    assert rel_err(g_op, g_ref) < TOL
+    with choices.using(router_topk="triton"):
+        logits, bias = distinct_inputs(45, 24, seed=9, device=DEVICE)
+        grad_w = torch.randn(45, 3, device=DEVICE)
+        l_op, l_ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        idx, w = router_topk(l_op, bias, 3, 2.0)
+        ref_idx, ref_w = route_reference(l_ref, bias, 3, 2.0)
+        assert torch.equal(idx, ref_idx) and rel_err(w, ref_w) < TOL
+        (g_op,) = torch.autograd.grad(w, l_op, grad_w)
+        (g_ref,) = torch.autograd.grad(ref_w, l_ref, grad_w)
+        assert rel_err(g_op, g_ref) < TOL
 
 
 @pytest.mark.gpu

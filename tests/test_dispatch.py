@@ -41,6 +41,7 @@ CUDA = interpret_without_gpu()
 
 import torch._dynamo.testing  # noqa: E402  (imports Triton: after TRITON_INTERPRET is set)
 
+from titan_moe.ops import choices  # noqa: E402
 from titan_moe.ops.dispatch import op as dispatch_op  # noqa: E402
 from titan_moe.ops.dispatch import (  # noqa: E402
     aligned_positions,
@@ -118,27 +119,27 @@ def loop_combine_grads(grad, y_sorted, order, weights):
 
 # ---------------------------------------------------------------------------- PyTorch path
 @pytest.mark.parametrize("n,k,latent,n_experts", SHAPES)
-def test_torch_path_matches_loop_reference(n, k, latent, n_experts, monkeypatch):
-    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "torch")
-    order, weights = make_routing(n, k, n_experts, seed=n * k + latent)
-    x = rand(n, latent, seed=1).requires_grad_()
-    y = rand(n * k, latent, seed=2).requires_grad_()
-    w = weights.clone().requires_grad_()
-    g_sorted, g_out = rand(n * k, latent, seed=3), rand(n, latent, seed=4)
+def test_torch_path_matches_loop_reference(n, k, latent, n_experts):
+    with choices.using(dispatch="torch"):
+        order, weights = make_routing(n, k, n_experts, seed=n * k + latent)
+        x = rand(n, latent, seed=1).requires_grad_()
+        y = rand(n * k, latent, seed=2).requires_grad_()
+        w = weights.clone().requires_grad_()
+        g_sorted, g_out = rand(n * k, latent, seed=3), rand(n, latent, seed=4)
 
-    x_sorted = permute(x, order, k)
-    assert x_sorted.shape == (n * k, latent) and x_sorted.dtype == torch.float32
-    assert torch.equal(x_sorted.double(), loop_permute(x.detach(), order, k))
-    x_sorted.backward(g_sorted)
-    assert rel_err(x.grad, loop_permute_grad(g_sorted, order, k, n)) < FP32_TOL
+        x_sorted = permute(x, order, k)
+        assert x_sorted.shape == (n * k, latent) and x_sorted.dtype == torch.float32
+        assert torch.equal(x_sorted.double(), loop_permute(x.detach(), order, k))
+        x_sorted.backward(g_sorted)
+        assert rel_err(x.grad, loop_permute_grad(g_sorted, order, k, n)) < FP32_TOL
 
-    out = unpermute_combine(y, order, w)
-    assert out.shape == (n, latent) and out.dtype == torch.float32
-    assert rel_err(out, loop_combine(y.detach(), order, weights)) < FP32_TOL
-    out.backward(g_out)
-    dy_ref, dw_ref = loop_combine_grads(g_out, y.detach(), order, weights)
-    assert rel_err(y.grad, dy_ref) < FP32_TOL
-    assert rel_err(w.grad, dw_ref) < FP32_TOL
+        out = unpermute_combine(y, order, w)
+        assert out.shape == (n, latent) and out.dtype == torch.float32
+        assert rel_err(out, loop_combine(y.detach(), order, weights)) < FP32_TOL
+        out.backward(g_out)
+        dy_ref, dw_ref = loop_combine_grads(g_out, y.detach(), order, weights)
+        assert rel_err(y.grad, dy_ref) < FP32_TOL
+        assert rel_err(w.grad, dw_ref) < FP32_TOL
 
 
 def test_sorted_positions_invert_order():
@@ -176,7 +177,7 @@ def test_weights_without_grad_and_inputs_without_grad():
         assert not unpermute_combine(y, order, w).requires_grad
 
 
-def test_argument_errors(monkeypatch):
+def test_argument_errors():
     order, weights = make_routing(5, 2, 4, seed=9)
     x, y = rand(5, 8, seed=1), rand(10, 8, seed=2)
     with pytest.raises(ValueError, match="N\\*k"):
@@ -191,9 +192,9 @@ def test_argument_errors(monkeypatch):
         unpermute_combine(y, order, weights[:4])
     with pytest.raises(ValueError, match="out_dtype"):
         unpermute_combine(y, order, weights, out_dtype=torch.int32)
-    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match=dispatch_op.BACKEND_ENV):
-        permute(x, order, 2)
+    with pytest.raises(ValueError, match="kernels.dispatch must be one of"):
+        with choices.using(dispatch="cuda"):
+            permute(x, order, 2)
 
 
 # ---------------------------------------------------------------------------- op contracts
@@ -253,9 +254,9 @@ def _check_compiles(device="cpu", seed=0):
         assert rel_err(a, b) < FP32_TOL
 
 
-def test_compile_fullgraph_aot_eager(monkeypatch):
-    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "torch")
-    _check_compiles()
+def test_compile_fullgraph_aot_eager():
+    with choices.using(dispatch="torch"):
+        _check_compiles()
 
 
 # ---------------------------------------------------------------------------- in LatentMoE
@@ -399,9 +400,9 @@ def _check_aligned_round_trip(results, rows):
 
 
 @pytest.mark.parametrize("n,k,latent,n_experts", SHAPES[1:3])
-def test_aligned_layout_round_trip_torch(n, k, latent, n_experts, monkeypatch):
-    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "torch")
-    _check_aligned_round_trip(*_aligned_round_trip(n, k, latent, n_experts, seed=n, device="cpu"))
+def test_aligned_layout_round_trip_torch(n, k, latent, n_experts):
+    with choices.using(dispatch="torch"):
+        _check_aligned_round_trip(*_aligned_round_trip(n, k, latent, n_experts, seed=n, device="cpu"))
 
 
 def test_aligned_layout_rejects_too_few_rows():
@@ -418,7 +419,7 @@ def test_aligned_layout_rejects_too_few_rows():
 
 
 # ---------------------------------------------------------------------------- Triton kernels
-def _both_paths(monkeypatch, n, k, latent, n_experts, dtype, seed, device):
+def _both_paths(n, k, latent, n_experts, dtype, seed, device):
     """Forward and gradients of permute and unpermute_combine under each backend."""
     order, weights = make_routing(n, k, n_experts, seed=seed, device=device)
     x0 = rand(n, latent, seed=seed + 1, dtype=dtype, device=device)
@@ -427,20 +428,20 @@ def _both_paths(monkeypatch, n, k, latent, n_experts, dtype, seed, device):
     g_out = rand(n, latent, seed=seed + 4, dtype=dtype, device=device)
     results = {}
     for backend in ("triton", "torch"):
-        monkeypatch.setenv(dispatch_op.BACKEND_ENV, backend)
-        x, y, w = x0.clone().requires_grad_(), y0.clone().requires_grad_(), weights.clone().requires_grad_()
-        x_sorted = permute(x, order, k)
-        x_sorted.backward(g_sorted)
-        out = unpermute_combine(y, order, w)
-        out.backward(g_out)
-        results[backend] = (x_sorted.detach(), x.grad, out.detach(), y.grad, w.grad)
+        with choices.using(dispatch=backend):
+            x, y, w = x0.clone().requires_grad_(), y0.clone().requires_grad_(), weights.clone().requires_grad_()
+            x_sorted = permute(x, order, k)
+            x_sorted.backward(g_sorted)
+            out = unpermute_combine(y, order, w)
+            out.backward(g_out)
+            results[backend] = (x_sorted.detach(), x.grad, out.detach(), y.grad, w.grad)
     return results
 
 
 @needs_kernels
 @pytest.mark.parametrize("n,k,latent,n_experts", SHAPES)
-def test_triton_matches_torch_path(n, k, latent, n_experts, monkeypatch):
-    res = _both_paths(monkeypatch, n, k, latent, n_experts, torch.float32, seed=n + k + latent, device=DEVICE)
+def test_triton_matches_torch_path(n, k, latent, n_experts):
+    res = _both_paths(n, k, latent, n_experts, torch.float32, seed=n + k + latent, device=DEVICE)
     tri, ref = res["triton"], res["torch"]
     assert torch.equal(tri[0], ref[0])  # permute: copies
     for name, a, b in zip(("dx", "out", "dy", "dw"), tri[1:], ref[1:]):
@@ -449,10 +450,10 @@ def test_triton_matches_torch_path(n, k, latent, n_experts, monkeypatch):
 
 
 @needs_kernels
-def test_triton_fp16_and_fp32_output(monkeypatch):
+def test_triton_fp16_and_fp32_output():
     """fp16 rows: the kernels accumulate in fp32 and round once, like the PyTorch path (the
     roundings can differ by one fp16 ulp where the fp32 sums differ: 1e-3)."""
-    res = _both_paths(monkeypatch, 21, 4, 48, 7, torch.float16, seed=3, device=DEVICE)
+    res = _both_paths(21, 4, 48, 7, torch.float16, seed=3, device=DEVICE)
     for a, b in zip(res["triton"], res["torch"]):
         assert a.dtype == b.dtype and rel_err(a, b) < 1e-3
     order, weights = make_routing(21, 4, 7, seed=3, device=DEVICE)
@@ -507,47 +508,47 @@ def test_empty_inputs():
 
 
 @needs_kernels
-def test_env_switch_selects_kernels(monkeypatch):
+def test_choice_selects_kernels(monkeypatch):
     calls = spy_on(monkeypatch, tk, ("permute_triton", "gather_sum_triton", "combine_backward_triton"))
     order, weights = make_routing(8, 2, 4, seed=1, device=DEVICE)
     x = rand(8, 16, seed=2, device=DEVICE).requires_grad_()
     weights.requires_grad_()
-    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "triton")
-    unpermute_combine(permute(x, order, 2), order, weights).sum().backward()
-    assert calls == ["permute_triton", "gather_sum_triton", "combine_backward_triton", "gather_sum_triton"]
-    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "torch")
-    unpermute_combine(permute(x, order, 2), order, weights).sum().backward()
-    assert len(calls) == 4
+    with choices.using(dispatch="triton"):
+        unpermute_combine(permute(x, order, 2), order, weights).sum().backward()
+        assert calls == ["permute_triton", "gather_sum_triton", "combine_backward_triton", "gather_sum_triton"]
+    with choices.using(dispatch="torch"):
+        unpermute_combine(permute(x, order, 2), order, weights).sum().backward()
+        assert len(calls) == 4
 
 
 @needs_kernels
-def test_opcheck_and_compile_triton_backend(monkeypatch):
-    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "triton")
-    _opcheck_all(9, 2, 20, seed=3, device=DEVICE)
-    _check_compiles(device=DEVICE, seed=4)
+def test_opcheck_and_compile_triton_backend():
+    with choices.using(dispatch="triton"):
+        _opcheck_all(9, 2, 20, seed=3, device=DEVICE)
+        _check_compiles(device=DEVICE, seed=4)
 
 
 @needs_kernels
 @pytest.mark.parametrize("n,k,latent,n_experts", SHAPES[1:3])
-def test_aligned_layout_round_trip_triton(n, k, latent, n_experts, monkeypatch):
-    monkeypatch.setenv(dispatch_op.BACKEND_ENV, "triton")
-    _check_aligned_round_trip(*_aligned_round_trip(n, k, latent, n_experts, seed=n, device=DEVICE))
+def test_aligned_layout_round_trip_triton(n, k, latent, n_experts):
+    with choices.using(dispatch="triton"):
+        _check_aligned_round_trip(*_aligned_round_trip(n, k, latent, n_experts, seed=n, device=DEVICE))
 
 
 @needs_kernels
-def test_latent_moe_triton_matches_torch(monkeypatch):
+def test_latent_moe_triton_matches_torch():
     """One LatentMoE training forward and backward under each backend (the routing is the same
     in both: only the dispatch implementation differs)."""
     moe = _latent_moe(top_k=3).to(DEVICE)
     x0 = rand(2, 9, 24, seed=5, device=DEVICE)
     results = {}
     for backend in ("triton", "torch"):
-        monkeypatch.setenv(dispatch_op.BACKEND_ENV, backend)
-        x = x0.clone().requires_grad_()
-        moe.zero_grad()
-        y = moe(x)
-        y.square().sum().backward()
-        results[backend] = [y.detach(), x.grad] + [p.grad.clone() for p in moe.parameters()]
+        with choices.using(dispatch=backend):
+            x = x0.clone().requires_grad_()
+            moe.zero_grad()
+            y = moe(x)
+            y.square().sum().backward()
+            results[backend] = [y.detach(), x.grad] + [p.grad.clone() for p in moe.parameters()]
     for a, b in zip(results["triton"], results["torch"]):
         assert rel_err(a, b) < 1e-5  # fp32; the sums' orders differ, amplified by the RMSNorm backward
 
@@ -621,7 +622,7 @@ def test_compiles_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("n,k,latent", [(4096, 8, 1024), (1000, 16, 3584)])
-def test_cuda_bf16_vs_float64(n, k, latent, monkeypatch):
+def test_cuda_bf16_vs_float64(n, k, latent):
     """bf16 rows on the GPU, both backends, against float64 (one bf16 rounding: 4e-3)."""
     order, weights = make_routing(n, k, 64, seed=n, device="cpu")
     x = rand(n, latent, seed=1, dtype=torch.bfloat16)
@@ -632,12 +633,12 @@ def test_cuda_bf16_vs_float64(n, k, latent, monkeypatch):
     out_ref = (y64[idx].view(n, k, latent) * w64[..., None]).sum(1)
     dw_ref = (y64[idx].view(n, k, latent) * g.double()[:, None]).sum(-1)
     for backend in ("triton", "torch"):
-        monkeypatch.setenv(dispatch_op.BACKEND_ENV, backend)
-        yc, wc = y.cuda().requires_grad_(), weights.cuda().requires_grad_()
-        out = unpermute_combine(yc, order.cuda(), wc)
-        out.backward(g.cuda())
-        assert rel_err(out, out_ref) < 4e-3, backend
-        assert rel_err(wc.grad, dw_ref) < 1e-5, backend  # fp32 dot products of bf16 values
-        assert torch.equal(permute(x.cuda(), order.cuda(), k).cpu(), x[order // k]), backend
-        del out, yc
-        torch.cuda.empty_cache()
+        with choices.using(dispatch=backend):
+            yc, wc = y.cuda().requires_grad_(), weights.cuda().requires_grad_()
+            out = unpermute_combine(yc, order.cuda(), wc)
+            out.backward(g.cuda())
+            assert rel_err(out, out_ref) < 4e-3, backend
+            assert rel_err(wc.grad, dw_ref) < 1e-5, backend  # fp32 dot products of bf16 values
+            assert torch.equal(permute(x.cuda(), order.cuda(), k).cpu(), x[order // k]), backend
+            del out, yc
+            torch.cuda.empty_cache()

@@ -284,10 +284,9 @@ def test_pad_groups_compiles_without_graph_breaks():
 
 
 def test_float8_experts_wiring_with_a_stand_in_gemm(monkeypatch):
-    """On CPU, swap torchao's fp8 grouped GEMM (TITAN_MOE_FP8_EXPERTS_GEMM=torchao) for a
-    checked fp32 stand-in: the expert module must hand it 16-aligned groups and column-major
-    weights and give RoutedExperts' result."""
-    monkeypatch.setenv(f8_recipe.GEMM_ENV, "torchao")
+    """On CPU, swap torchao's fp8 grouped GEMM (recipe gemm "torchao") for a checked fp32
+    stand-in: the expert module must hand it 16-aligned groups and column-major weights and
+    give RoutedExperts' result."""
     calls = []
 
     def stand_in(x_MK, w_t_EKN, offs_E, out_dtype):
@@ -300,7 +299,7 @@ def test_float8_experts_wiring_with_a_stand_in_gemm(monkeypatch):
     args = dataclasses.replace(FLAVORS["debug"], moe_latent_dim=32, moe_expert_hidden=48)
     model = build(args)
     ref = copy.deepcopy(model)
-    names = convert_routed_experts(model, ["layers.2.", "layers.3."])
+    names = convert_routed_experts(model, ["layers.2.", "layers.3."], f8_recipe.ExpertsFp8Recipe(gemm="torchao"))
     assert names == ["layers.2.feed_forward.experts", "layers.3.feed_forward.experts"]
     assert type(model.layers["1"].feed_forward.experts) is RoutedExperts
     experts = model.layers["2"].feed_forward.experts
@@ -326,15 +325,11 @@ def test_float8_experts_wiring_with_a_stand_in_gemm(monkeypatch):
 
 
 def test_float8_experts_fused_gemm_on_cpu(monkeypatch):
-    """The default (TITAN_MOE_FP8_EXPERTS_GEMM=fused): the experts run our fp8 grouped GEMM
+    """The default (recipe gemm "fused"): the experts run our fp8 grouped GEMM
     (its CPU path emulates the fp8 GEMM on the quantized operands) on the padded groups, with
     gradients for the tokens and both weights. Tolerances as the GPU test below: about 5% per fp8 GEMM,
     two GEMMs with SiTU between; above 1% (it did quantize)."""
-    monkeypatch.setenv(f8_recipe.GEMM_ENV, "bogus")
-    with pytest.raises(ValueError, match=f8_recipe.GEMM_ENV):
-        f8_recipe.ExpertsFp8Recipe().with_env_overrides()
-    monkeypatch.delenv(f8_recipe.GEMM_ENV)
-    assert f8_recipe.ExpertsFp8Recipe().with_env_overrides().gemm == "fused"  # the default
+    assert f8_recipe.ExpertsFp8Recipe().gemm == "fused"  # the default
     torch.manual_seed(0)
     experts = RoutedExperts(8, 32, 48, 4.0, 25.0)
     experts.init_weights(0.05)
@@ -389,11 +384,11 @@ def test_float8_experts_on_gpu_close_to_bf16(gemm, monkeypatch):
     """fp8 rowwise experts vs the bf16 grouped GEMM on random routing. Tolerances: e4m3 on
     both operands is about 5% per GEMM on random data; two GEMMs with SiTU between: 10% for
     the output, 15% for the input gradient (three fp8 GEMMs deep)."""
-    monkeypatch.setenv(f8_recipe.GEMM_ENV, gemm)
     torch.manual_seed(0)
     experts = RoutedExperts(8, 128, 256, 4.0, 25.0).cuda()
     experts.init_weights(0.02)
     fp8 = Float8RoutedExperts.from_experts(experts)
+    fp8.recipe = f8_recipe.ExpertsFp8Recipe(gemm=gemm)
     offs, M = _groups([40, 0, 77, 16, 3, 100, 64, 20], 10)
     offs = offs.cuda()
     outs, grads = [], []

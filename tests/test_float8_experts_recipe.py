@@ -1,4 +1,4 @@
-"""The fp8 experts' recipe: TOML keys, environment overrides, and the module following it (CPU)."""
+"""The fp8 experts' recipe: TOML keys, and the module following it (CPU)."""
 
 from __future__ import annotations
 
@@ -9,27 +9,10 @@ import titan_moe.float8.quantize as fq
 from titan_moe.config import load_config
 from titan_moe.float8 import EXPERTS_CONVERTER_NAME, TitanFloat8ExpertsConverter
 from titan_moe.float8.experts import Float8RoutedExperts, convert_routed_experts
-from titan_moe.float8.experts_recipe import (
-    GEMM_ENV,
-    SITU_QUANT_ENV,
-    WEIGHT_CACHE_ENV,
-    WGRAD_ENV,
-    WIDEN_ENV,
-    KERNELS_ENV,
-    ExpertsFp8Recipe,
-)
+from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
 from titan_moe.model.moe import RoutedExperts
 
 from test_float8 import CONFIG, single_process
-
-ENVS = (GEMM_ENV, WGRAD_ENV, SITU_QUANT_ENV, WEIGHT_CACHE_ENV, WIDEN_ENV, KERNELS_ENV)
-
-
-@pytest.fixture(autouse=True)
-def no_overrides(monkeypatch):
-    for env in ENVS:
-        monkeypatch.delenv(env, raising=False)
-
 
 def table(*args: str):
     cfg = load_config(["--job.config_file", CONFIG, "--model.converters", EXPERTS_CONVERTER_NAME, *args])
@@ -71,42 +54,10 @@ def test_a_bad_toml_value_is_reported_before_the_missing_gpu():
         TitanFloat8ExpertsConverter(cfg, single_process())
 
 
-def test_environment_overrides_the_config(monkeypatch):
-    toml = ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True)
-    assert toml.with_env_overrides() is toml  # nothing set: unchanged
-    monkeypatch.setenv(SITU_QUANT_ENV, "0")
-    monkeypatch.setenv(WEIGHT_CACHE_ENV, "0")
-    assert toml.with_env_overrides() == ExpertsFp8Recipe(wgrad="fp8_rows", cache_weights=False)
-    monkeypatch.setenv(WGRAD_ENV, "fp8")
-    monkeypatch.setenv(SITU_QUANT_ENV, "1")
-    with pytest.raises(ValueError, match=f"situ_quant needs wgrad.*set by.*{WGRAD_ENV}=fp8"):
-        toml.with_env_overrides()
-    monkeypatch.setenv(SITU_QUANT_ENV, "on")
-    with pytest.raises(ValueError, match=f"{SITU_QUANT_ENV} must be 0 or 1"):
-        toml.with_env_overrides()
-    monkeypatch.setenv(GEMM_ENV, "bogus")
-    with pytest.raises(ValueError, match=f"{GEMM_ENV} must be one of"):
-        toml.with_env_overrides()
-    for env in (GEMM_ENV, WGRAD_ENV, SITU_QUANT_ENV):
-        monkeypatch.delenv(env)
-    monkeypatch.setenv(WIDEN_ENV, "triton")
-    assert toml.with_env_overrides() == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True, cache_weights=False,
-                                                         widen="triton")
-    monkeypatch.setenv(WIDEN_ENV, "numpy")
-    with pytest.raises(ValueError, match=f"{WIDEN_ENV} must be one of"):
-        toml.with_env_overrides()
-    monkeypatch.delenv(WIDEN_ENV)
-    monkeypatch.setenv(KERNELS_ENV, "triton_dw")
-    assert toml.with_env_overrides().kernels == "triton_dw"
-    monkeypatch.setenv(KERNELS_ENV, "cuda")
-    with pytest.raises(ValueError, match=f"{KERNELS_ENV} must be one of"):
-        toml.with_env_overrides()
-
-
 def test_converted_experts_follow_their_recipe(monkeypatch):
     """`convert_routed_experts(recipe=)` hands each module the recipe; its forward then fuses
     SiTU-GLU into the quantization, computes the fp8_rows weight gradient and makes a weight
-    cache exactly when the recipe says so; the environment still overrides per call."""
+    cache exactly when the recipe says so."""
     monkeypatch.setattr(fq, "kernels_run_on", lambda device: device.type == "cuda" and not fq.interpreted())
     calls = {"situ": 0, "requant": 0}
     situ_rows, requant = fq.quantize_situ_rows_reference, fq.requantize_group_columns_reference
@@ -137,9 +88,7 @@ def test_converted_experts_follow_their_recipe(monkeypatch):
     assert isinstance(experts, Float8RoutedExperts) and experts.recipe == recipe
     assert step(experts) == {"situ": 1, "requant": 4}  # x and dy of both GEMMs re-expressed per group
     assert not experts.refresh_fp8_weights()
-    monkeypatch.setenv(SITU_QUANT_ENV, "0")
-    monkeypatch.setenv(WGRAD_ENV, "bf16")
-    monkeypatch.setenv(WEIGHT_CACHE_ENV, "1")
+    experts.recipe = ExpertsFp8Recipe()
     assert step(experts) == {"situ": 0, "requant": 0}
     assert experts.refresh_fp8_weights()
 

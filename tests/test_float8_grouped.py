@@ -216,9 +216,9 @@ def float64_reference(x, w, dy, offs):
     return out.detach(), x64.grad, w64.grad
 
 
-def run_fp8(x, w, dy, offs, wgrad):
+def run_fp8(x, w, dy, offs, wgrad, kernels=None):
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out = fp8_grouped_mm(xl, wl, offs, wgrad=wgrad)
+    out = fp8_grouped_mm(xl, wl, offs, wgrad=wgrad, kernels=kernels)
     out.backward(dy)
     return out.detach(), xl.grad, wl.grad
 
@@ -450,18 +450,15 @@ def test_prequantized_weight_same_as_per_call(wgrad, torch_quantization):
 
 
 @pytest.mark.parametrize("widen_backend", ["torch", "triton"])
-def test_prequantized_fp32_weight_with_bf16_activations(widen_backend, monkeypatch, torch_quantization):
+def test_prequantized_fp32_weight_with_bf16_activations(widen_backend, torch_quantization):
     """With `w_fp8` the weight may keep its own dtype (fp32 master weights under autocast):
     its gradient comes back in fp32, equal to the bf16 weight gradient cast up (by torch or
-    by the widening kernel, `TITAN_MOE_FP8_WIDEN`), and the output matches the all-bf16 call
+    by the widening kernel, the recipe's `widen`), and the output matches the all-bf16 call
     up to the quantization of the unrounded weight."""
-    from titan_moe.float8.widen import BACKEND_ENV
-
-    monkeypatch.setenv(BACKEND_ENV, widen_backend)
     x, w, dy, offs = make_case([32, 16], 0, 32, 16, seed=8)
     w32 = w.float() + 1e-3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(9))
     xl, wl = x.clone().requires_grad_(), w32.clone().requires_grad_()
-    out = fp8_grouped_mm(xl, wl, offs, w_fp8=fq.quantize_weight(w32))
+    out = fp8_grouped_mm(xl, wl, offs, w_fp8=fq.quantize_weight(w32), widen=widen_backend)
     out.backward(dy)
     ref_out, ref_dx, ref_dw = run_fp8(x, w32.bfloat16(), dy, offs, "bf16")
     assert out.dtype == torch.bfloat16 and wl.grad.dtype == torch.float32
@@ -470,10 +467,9 @@ def test_prequantized_fp32_weight_with_bf16_activations(widen_backend, monkeypat
 
 
 def test_widen_argument_chooses_the_fp32_widening(monkeypatch, torch_quantization):
-    """`widen` picks the bf16 -> fp32 backend of the fp32 weight's gradient over the
-    environment's; None leaves it to the environment; an unknown name is refused."""
+    """`widen` picks the bf16 -> fp32 backend of the fp32 weight's gradient; None leaves it to
+    `widen_to_fp32`'s default ("torch"); an unknown name is refused."""
     import titan_moe.float8.grouped_mm as fgm
-    from titan_moe.float8.widen import BACKEND_ENV
 
     seen = []
 
@@ -482,7 +478,6 @@ def test_widen_argument_chooses_the_fp32_widening(monkeypatch, torch_quantizatio
         return t.float()
 
     monkeypatch.setattr(fgm, "widen_to_fp32", recording_widen)
-    monkeypatch.setenv(BACKEND_ENV, "torch")
     x, w, dy, offs = make_case([32, 16], 0, 32, 16, seed=8)
     w32 = w.float()
     for widen, want in (("triton", "triton"), ("torch", "torch"), (None, None)):
@@ -494,29 +489,22 @@ def test_widen_argument_chooses_the_fp32_widening(monkeypatch, torch_quantizatio
         fp8_grouped_mm(x, w, offs, widen="cuda")
 
 
-def test_kernels_argument_and_environment(monkeypatch):
-    """`kernels` names which fp8 GEMMs leave torch._scaled_grouped_mm; None defers to
-    $TITAN_MOE_FP8_KERNELS, then "torch"; unknown names are refused from either source. On
-    the CPU every choice runs the emulation (the GPU test compares the kernels)."""
+def test_kernels_argument(monkeypatch):
+    """`kernels` names which fp8 GEMMs leave torch._scaled_grouped_mm; None means "auto"
+    ("triton" on sm90, else "torch"); unknown names are refused. On the CPU every choice runs
+    the emulation (the GPU test compares the kernels)."""
     import titan_moe.float8.grouped_mm as fgm
-    from titan_moe.float8.experts_recipe import KERNELS_ENV
+    from titan_moe.ops import backend
 
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
     assert fgm.kernels_choice() == "torch" and fgm.kernels_choice("triton_dw") == "triton_dw"  # "auto" off sm90
     assert fgm.kernels_choice("auto", torch.device("cpu")) == "torch"
-    from titan_moe.ops.grouped_gemm import triton_kernel as tk
-
     for capability, want in (((9, 0), "triton"), ((8, 9), "torch"), ((10, 0), "torch")):  # measured on sm90 only
-        monkeypatch.setattr(tk, "interpreted", lambda: False)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(tk, "cuda_capability", lambda index, c=capability: c)
+        monkeypatch.setattr(backend, "_capability", lambda index, c=capability: c)
         assert fgm.kernels_choice("auto", torch.device("cuda", 0)) == want
         assert fgm.kernels_choice("torch", torch.device("cuda", 0)) == "torch"
-    monkeypatch.setenv(KERNELS_ENV, "triton_all")
-    assert fgm.kernels_choice() == "triton_all" and fgm.kernels_choice("torch") == "torch"
-    monkeypatch.setenv(KERNELS_ENV, "cutlass")
-    with pytest.raises(ValueError, match=f"{KERNELS_ENV} must be one of"):
-        fgm.kernels_choice()
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        fgm.kernels_choice("cutlass")
     x, w, _, offs = make_case([16, 16], 0, 32, 16)
     with pytest.raises(ValueError, match="kernels must be None or one of"):
         fp8_grouped_mm(x, w, offs, kernels="cutlass")
@@ -653,18 +641,14 @@ def test_situ_fused_argument_errors(torch_quantization):
 
 @pytest.mark.parametrize("situ_quant,wgrad", [("0", "bf16"), ("1", "bf16"), ("1", "fp8_rows")])
 def test_fused_experts_compile_fullgraph(situ_quant, wgrad, monkeypatch, torch_quantization):
-    """`Float8RoutedExperts` on the fused GEMM (`TITAN_MOE_FP8_EXPERTS_GEMM=fused`: padding,
-    two fp8 GEMMs, SiTU-GLU between them or, with `TITAN_MOE_FP8_SITU_QUANT=1`, inside the
-    down GEMM's quantization) under `torch.compile(fullgraph=True)`: eager's output and
+    """`Float8RoutedExperts` on the fused GEMM (recipe gemm "fused": padding, two fp8 GEMMs,
+    SiTU-GLU between them or, with `situ_quant`, inside the down GEMM's quantization) under `torch.compile(fullgraph=True)`: eager's output and
     gradients exactly; with fp32 activations (as here) the fused SiTU-GLU gives the unfused
     layer's results exactly too."""
     from titan_moe.float8.experts import Float8RoutedExperts
-    from titan_moe.float8.experts_recipe import GEMM_ENV, SITU_QUANT_ENV, WGRAD_ENV
+    from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
     from titan_moe.model.moe import RoutedExperts
 
-    monkeypatch.setenv(GEMM_ENV, "fused")
-    monkeypatch.setenv(WGRAD_ENV, wgrad)
-    monkeypatch.setenv(SITU_QUANT_ENV, situ_quant)
     fused_calls = []
     situ_rows = fq.quantize_situ_rows_reference
     monkeypatch.setattr(fq, "quantize_situ_rows_reference", lambda *a, **k: fused_calls.append(1) or situ_rows(*a, **k))
@@ -673,6 +657,7 @@ def test_fused_experts_compile_fullgraph(situ_quant, wgrad, monkeypatch, torch_q
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.1)
     fp8_experts = Float8RoutedExperts.from_experts(experts)
+    fp8_experts.recipe = ExpertsFp8Recipe(gemm="fused", wgrad=wgrad, situ_quant=situ_quant == "1")
     x = torch.randn(40, 32)
     offs = torch.tensor([10, 10, 25, 37], dtype=torch.int32)  # an empty group, rows past the end
 
@@ -690,26 +675,9 @@ def test_fused_experts_compile_fullgraph(situ_quant, wgrad, monkeypatch, torch_q
     for got, want in zip(compiled, eager):
         assert torch.equal(got, want)
     assert bool(fused_calls) == (situ_quant == "1")
-    monkeypatch.setenv(SITU_QUANT_ENV, "0")  # fp32 here: the unfused activation is fp32 too
+    fp8_experts.recipe = ExpertsFp8Recipe(gemm="fused", wgrad=wgrad)  # fp32 here: the unfused activation too
     for fused, unfused in zip(eager, run(fp8_experts)):
         assert torch.equal(fused, unfused)
-
-
-def test_situ_quant_switch_errors(monkeypatch):
-    from titan_moe.float8.experts_recipe import SITU_QUANT_ENV, WGRAD_ENV, ExpertsFp8Recipe
-
-    def situ_quant_fused():
-        return ExpertsFp8Recipe().with_env_overrides().situ_quant
-
-    monkeypatch.setenv(SITU_QUANT_ENV, "yes")
-    with pytest.raises(ValueError, match="must be 0 or 1"):
-        situ_quant_fused()
-    monkeypatch.setenv(SITU_QUANT_ENV, "1")
-    monkeypatch.setenv(WGRAD_ENV, "fp8")
-    with pytest.raises(ValueError, match="fp8_rows"):
-        situ_quant_fused()
-    monkeypatch.setenv(WGRAD_ENV, "fp8_rows")
-    assert situ_quant_fused()
 
 
 def test_fused_experts_in_latent_moe_aligned_dispatch(monkeypatch, torch_quantization):
@@ -718,11 +686,9 @@ def test_fused_experts_in_latent_moe_aligned_dispatch(monkeypatch, torch_quantiz
     with packed groups that the experts pad themselves (the same rows of each group go
     through the same fp8 arithmetic)."""
     from titan_moe.float8.experts import Float8RoutedExperts, convert_routed_experts
-    from titan_moe.float8.experts_recipe import GEMM_ENV
     from titan_moe.model.args import ModelArgs
     from titan_moe.model.moe import LatentMoE
 
-    monkeypatch.setenv(GEMM_ENV, "fused")
     torch.manual_seed(0)
     moe = LatentMoE(ModelArgs(dim=48, n_routed_experts=5, top_k=2, n_shared_experts=1, moe_latent_dim=32,
                               moe_expert_hidden=16, moe_shared_hidden=16))
@@ -765,12 +731,11 @@ def test_experts_weight_cache_refresh_use_and_invalidation(monkeypatch, torch_qu
     """`refresh_fp8_weights` quantizes both weights once; later forwards quantize none and give
     what per-call quantization gives (bf16 weights: bit-equal); an in-place change of a
     weight (an optimizer step without the hook) drops the cache, as do `to()` and
-    `load_state_dict`; `TITAN_MOE_FP8_WEIGHT_CACHE=0` and the torchao GEMM make none;
+    `load_state_dict`; the recipe's `cache_weights = false` and the torchao GEMM make none;
     `refresh_fp8_expert_weights` (the converter's post-optimizer hook) finds the modules."""
     from titan_moe.float8.experts import refresh_fp8_expert_weights
-    from titan_moe.float8.experts_recipe import GEMM_ENV, WEIGHT_CACHE_ENV
+    from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
 
-    monkeypatch.setenv(GEMM_ENV, "fused")
     experts = _fp8_experts(dtype=torch.bfloat16)
     x = torch.randn(48, 32).bfloat16()
     offs = torch.tensor([16, 16, 48], dtype=torch.int32)
@@ -802,10 +767,9 @@ def test_experts_weight_cache_refresh_use_and_invalidation(monkeypatch, torch_qu
     experts.refresh_fp8_weights()
     experts.to(torch.float32)
     assert experts.current_fp8_weights() is None
-    monkeypatch.setenv(WEIGHT_CACHE_ENV, "0")
+    experts.recipe = ExpertsFp8Recipe(cache_weights=False)
     assert not experts.refresh_fp8_weights() and experts.current_fp8_weights() is None
-    monkeypatch.setenv(WEIGHT_CACHE_ENV, "1")
-    monkeypatch.setenv(GEMM_ENV, "torchao")
+    experts.recipe = ExpertsFp8Recipe(gemm="torchao")
     assert not experts.refresh_fp8_weights()
 
 
@@ -814,9 +778,6 @@ def test_experts_weight_cache_under_compile(monkeypatch, torch_quantization):
     cache appears, none when a refresh replaces it) and gives eager's results. fp32 weights
     with bf16 activations (autocast's case) tell the two paths apart: per call the weight is
     quantized from its bf16 copy, from the cache it is quantized from fp32."""
-    from titan_moe.float8.experts_recipe import GEMM_ENV
-
-    monkeypatch.setenv(GEMM_ENV, "fused")
     experts = _fp8_experts(seed=1)
     x = torch.randn(32, 32).bfloat16()
     offs = torch.tensor([16, 16, 32], dtype=torch.int32)
@@ -835,17 +796,16 @@ def test_experts_weight_cache_under_compile(monkeypatch, torch_quantization):
 
 
 def test_experts_weight_gradient_switch(monkeypatch, torch_quantization):
-    """`TITAN_MOE_FP8_EXPERTS_WGRAD` reaches the fused GEMM: the fp8 weight gradients differ
-    from the bf16 one by fp8 rounding only (same forward), an unknown value is refused."""
-    from titan_moe.float8.experts_recipe import GEMM_ENV, WGRAD_ENV
+    """The recipe's `wgrad` reaches the fused GEMM: the fp8 weight gradients differ from the
+    bf16 one by fp8 rounding only (same forward), an unknown value is refused."""
+    from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
 
-    monkeypatch.setenv(GEMM_ENV, "fused")
     x = torch.randn(32, 32).bfloat16()
     offs = torch.tensor([16, 16, 32], dtype=torch.int32)
     grads, outs = {}, {}
     for mode in ("bf16", "fp8", "fp8_rows"):
-        monkeypatch.setenv(WGRAD_ENV, mode)
         experts = _fp8_experts(seed=1)
+        experts.recipe = ExpertsFp8Recipe(wgrad=mode)
         outs[mode] = experts(x, offs, groups_aligned=True)
         outs[mode].float().square().sum().backward()
         grads[mode] = experts.w_gate_up.grad
@@ -853,9 +813,8 @@ def test_experts_weight_gradient_switch(monkeypatch, torch_quantization):
     for mode in ("fp8", "fp8_rows"):
         assert not torch.equal(grads[mode], grads["bf16"])
         assert rel_err(grads[mode], grads["bf16"]) < 2 * FP8_TOL
-    monkeypatch.setenv(WGRAD_ENV, "int8")
-    with pytest.raises(ValueError, match=WGRAD_ENV):
-        _fp8_experts(seed=1)(x, offs, groups_aligned=True)
+    with pytest.raises(ValueError, match="quantize.grouped_mm.float8.wgrad must be one of"):
+        ExpertsFp8Recipe(wgrad="int8")
 
 
 @needs_kernels
@@ -1017,16 +976,12 @@ def test_cuda_matches_emulation(wgrad):
 @pytest.mark.parametrize("wgrad,products", [("bf16", "triton"), ("fp8_rows", "triton"), ("fp8_rows", "triton_dw"),
                                             ("fp8_rows", "triton_all"), ("fp8", "triton_all")])
 def test_cuda_triton_fp8_gemm_matches_torch(wgrad, products, monkeypatch):
-    """$TITAN_MOE_FP8_KERNELS (forward and dx, or dw, or all on our fp8 kernels) against the
-    default (torch._scaled_grouped_mm): the same fp8 operands, fp32 sums in another order."""
-    from titan_moe.float8.experts_recipe import KERNELS_ENV
-
+    """`kernels` (forward and dx, or dw, or all on our fp8 kernels) against
+    torch._scaled_grouped_mm: the same fp8 operands, fp32 sums in another order."""
     sizes = [256, 0, 128, 512, 64, 0, 320, 16]
     x, w, dy, offs = make_case(sizes, 11, 256, 384, seed=6, device="cuda")
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
-    want = run_fp8(x, w, dy, offs, wgrad)
-    monkeypatch.setenv(KERNELS_ENV, products)
-    got = run_fp8(x, w, dy, offs, wgrad)
+    want = run_fp8(x, w, dy, offs, wgrad, kernels="torch")
+    got = run_fp8(x, w, dy, offs, wgrad, kernels=products)
     for g, t in zip(got, want):
         assert rel_err(g, t) < 5e-3
     owned = int(offs[-1])

@@ -41,6 +41,7 @@ from numerics import rel_err
 
 CUDA = interpret_without_gpu()
 
+from titan_moe.ops import choices  # noqa: E402
 from titan_moe.ops.grouped_gemm import grouped_mm, grouped_mm_dw_reference, grouped_mm_reference  # noqa: E402
 from titan_moe.ops.grouped_gemm import op as gg_op  # noqa: E402
 from titan_moe.ops.grouped_gemm import triton_kernel as tk  # noqa: E402
@@ -597,20 +598,20 @@ def test_op_triton_backend_forward_backward(dtype):
 
 
 @needs_kernels
-def test_env_switch_selects_triton(monkeypatch):
+def test_choice_selects_triton(monkeypatch):
     calls = spy_on(monkeypatch, tk, ("grouped_mm_triton", "grouped_mm_dw_triton"))
     x, w, grad, offs = make_case(30, 16, 16, 3, 1.0, torch.float32, seed=7)
     x.requires_grad_()
     w.requires_grad_()
-    monkeypatch.setenv(gg_op.BACKEND_ENV, "triton")
-    grouped_mm(x, w, offs).backward(grad)
-    assert calls == ["grouped_mm_triton", "grouped_mm_triton", "grouped_mm_dw_triton"]
-    monkeypatch.setenv(gg_op.BACKEND_ENV, "loop")
-    grouped_mm(x, w, offs).backward(grad)
-    assert len(calls) == 3
-    monkeypatch.setenv(gg_op.BACKEND_ENV, "cutlass")
-    with pytest.raises(ValueError, match=gg_op.BACKEND_ENV):
-        grouped_mm(x, w, offs)
+    with choices.using(grouped_mm="triton"):
+        grouped_mm(x, w, offs).backward(grad)
+        assert calls == ["grouped_mm_triton", "grouped_mm_triton", "grouped_mm_dw_triton"]
+    with choices.using(grouped_mm="loop"):
+        grouped_mm(x, w, offs).backward(grad)
+        assert len(calls) == 3
+    with pytest.raises(ValueError, match="kernels.grouped_mm must name backends"):
+        with choices.using(grouped_mm="cutlass"):
+            grouped_mm(x, w, offs)
 
 
 @needs_kernels
@@ -621,8 +622,8 @@ def test_backend_per_product(monkeypatch):
     x, w, grad, offs = make_case(30, 16, 16, 3, 1.0, torch.float32, seed=9)
     runs = {}
     for spec in ("loop", "fwd=triton,dx=loop,dw=triton", "dx=triton"):
-        monkeypatch.setenv(gg_op.BACKEND_ENV, spec)
-        runs[spec] = run_backend(x, w, grad, offs)
+        with choices.using(grouped_mm=spec):
+            runs[spec] = run_backend(x, w, grad, offs)
     assert calls == ["grouped_mm_triton", "grouped_mm_dw_triton", "grouped_mm_triton"]
     for spec in ("fwd=triton,dx=loop,dw=triton", "dx=triton"):
         for got, ref in zip(runs[spec], runs["loop"]):
@@ -637,7 +638,7 @@ def test_backend_per_product(monkeypatch):
 
 def test_backend_names():
     assert gg_op.resolve_backend("loop") == "loop"
-    assert gg_op.DEFAULT_BACKEND == "auto" and gg_op.DEFAULT_BACKEND in gg_op.BACKENDS
+    assert choices.KernelChoices().grouped_mm == "auto" and "auto" in gg_op.BACKENDS
     with pytest.raises(ValueError, match="backend argument"):
         grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), torch.tensor([2, 4], dtype=torch.int32), backend="cuda")
 
@@ -1089,7 +1090,7 @@ def test_auto_backend_rule_and_routing(monkeypatch):
     monkeypatch.setattr(gg_op, "auto_backend", lambda product, x, offs: "triton" if product == "dx" else "loop")
     routed = run_backend(x, w, grad, offs, "auto")
     assert calls == ["grouped_mm_triton"]  # dx only
-    monkeypatch.delenv(gg_op.BACKEND_ENV, raising=False)
+    assert choices.current().grouped_mm == "auto"
     default = run_backend(x, w, grad, offs)  # the default backend is auto: dx on triton again
     assert calls == ["grouped_mm_triton"] * 2
     for got, ref in zip(default, routed):

@@ -20,6 +20,7 @@ from triton_mode import interpret_without_gpu, kernel_test_setup, rerun_under_in
 CUDA = interpret_without_gpu()
 
 from titan_moe.model.situ import situ_glu, situ_glu_packed  # noqa: E402
+from titan_moe.ops import choices  # noqa: E402
 from titan_moe.ops.situ import op as situ_op  # noqa: E402
 from titan_moe.ops.situ import triton_kernel  # noqa: E402
 from titan_moe.ops.triton_runtime import is_interpreted  # noqa: E402
@@ -57,34 +58,34 @@ def _check(z, out_tol, grad_tol, seed=0, reference_dtype=None):
 
 
 @pytest.mark.parametrize("shape", [(7, 26), (2, 3, 34)])
-def test_op_torch_backend_matches_reference(shape, monkeypatch):
-    monkeypatch.setenv(situ_op.BACKEND_ENV, "torch")
-    _check(_z(shape, torch.float64, seed=1), 1e-15, 1e-15)
+def test_op_torch_backend_matches_reference(shape):
+    with choices.using(situ="torch"):
+        _check(_z(shape, torch.float64, seed=1), 1e-15, 1e-15)
 
 
-def test_opcheck(monkeypatch):
-    monkeypatch.setenv(situ_op.BACKEND_ENV, "torch")
-    z = _z((5, 12), torch.float32, seed=2)
-    torch.library.opcheck(torch.ops.titan_moe.situ_glu.default, (z, B1, B2))
-    torch.library.opcheck(torch.ops.titan_moe.situ_glu_bwd.default, (z.detach(), torch.randn(5, 6), B1, B2))
+def test_opcheck():
+    with choices.using(situ="torch"):
+        z = _z((5, 12), torch.float32, seed=2)
+        torch.library.opcheck(torch.ops.titan_moe.situ_glu.default, (z, B1, B2))
+        torch.library.opcheck(torch.ops.titan_moe.situ_glu_bwd.default, (z.detach(), torch.randn(5, 6), B1, B2))
 
 
-def test_bad_inputs_and_backend_are_rejected(monkeypatch):
+def test_bad_inputs_and_backend_are_rejected():
     with pytest.raises(ValueError, match="2 \\* hidden"):
         situ_glu_packed(torch.randn(3, 5), B1, B2)
     with pytest.raises(ValueError, match="beta1 and beta2"):
         situ_glu_packed(torch.randn(3, 4), 0.0, B2)
-    monkeypatch.setenv(situ_op.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match=situ_op.BACKEND_ENV):
-        situ_glu_packed(torch.randn(3, 4), B1, B2)
+    with pytest.raises(ValueError, match="kernels.situ must be one of"):
+        with choices.using(situ="cuda"):
+            situ_glu_packed(torch.randn(3, 4), B1, B2)
 
 
-def test_auto_backend_is_triton_on_cuda_only(monkeypatch):
-    monkeypatch.delenv(situ_op.BACKEND_ENV, raising=False)
+def test_auto_backend_is_triton_on_cuda_only():
+    assert choices.current().situ == "auto"
     assert situ_op.resolve_backend(torch.device("cpu")) == "torch"
     assert situ_op.resolve_backend(torch.device("cuda")) == "triton"
-    monkeypatch.setenv(situ_op.BACKEND_ENV, "torch")
-    assert situ_op.resolve_backend(torch.device("cuda")) == "torch"
+    with choices.using(situ="torch"):
+        assert situ_op.resolve_backend(torch.device("cuda")) == "torch"
 
 
 def test_compiled_layer_path_keeps_eager_results():
@@ -103,24 +104,24 @@ def test_compiled_layer_path_keeps_eager_results():
     "shape,dtype,tol",
     [((33, 40), torch.float32, 1e-6), ((3, 5, 130), torch.float32, 1e-6), ((17, 64), torch.float16, 1e-3)],
 )
-def test_triton_kernels_match_reference(shape, dtype, tol, monkeypatch):
+def test_triton_kernels_match_reference(shape, dtype, tol):
     """Element counts not a multiple of the 1024-element block; a [.., 2H] with H = 65."""
-    monkeypatch.setenv(situ_op.BACKEND_ENV, "triton")
-    _check(_z(shape, dtype, seed=4, device=DEVICE), tol, tol)
+    with choices.using(situ="triton"):
+        _check(_z(shape, dtype, seed=4, device=DEVICE), tol, tol)
 
 
 @needs_kernels
-def test_triton_kernels_are_accurate_for_small_inputs(monkeypatch):
+def test_triton_kernels_are_accurate_for_small_inputs():
     """|z| ~ 1e-2: tanh(z / 25) ~ 4e-4, where an exponential-form tanh loses ~4 digits."""
-    monkeypatch.setenv(situ_op.BACKEND_ENV, "triton")
-    _check(_z((8, 64), torch.float32, seed=7, device=DEVICE, scale=1e-2), 1e-6, 1e-6)
+    with choices.using(situ="triton"):
+        _check(_z((8, 64), torch.float32, seed=7, device=DEVICE, scale=1e-2), 1e-6, 1e-6)
 
 
 @needs_kernels
-def test_triton_kernels_take_large_inputs(monkeypatch):
+def test_triton_kernels_take_large_inputs():
     """Saturated tanh/sigmoid (|z| up to ~100) give finite, exact-limit results."""
-    monkeypatch.setenv(situ_op.BACKEND_ENV, "triton")
-    _check(_z((8, 32), torch.float32, seed=5, device=DEVICE, scale=40.0), 1e-6, 1e-6)
+    with choices.using(situ="triton"):
+        _check(_z((8, 32), torch.float32, seed=5, device=DEVICE, scale=40.0), 1e-6, 1e-6)
 
 
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")
@@ -131,6 +132,6 @@ def test_in_fresh_interpreter_process():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_cuda_bf16_at_expert_shape(monkeypatch):
-    monkeypatch.setenv(situ_op.BACKEND_ENV, "triton")
-    _check(_z((8192, 2 * 768), torch.bfloat16, seed=6, device="cuda"), 3e-3, 3e-3, reference_dtype=torch.float32)
+def test_cuda_bf16_at_expert_shape():
+    with choices.using(situ="triton"):
+        _check(_z((8192, 2 * 768), torch.bfloat16, seed=6, device="cuda"), 3e-3, 3e-3, reference_dtype=torch.float32)

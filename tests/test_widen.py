@@ -41,21 +41,19 @@ def test_kernel_equals_float_bit_for_bit(shape):
 @needs_kernels
 @pytest.mark.parametrize("choice", ["", "torch", "triton"])
 def test_non_contiguous_input_and_dispatch(choice, monkeypatch):
-    """The switch picks the kernel ("triton") or torch's cast (default); either way the
+    """The backend picks the kernel ("triton") or torch's cast (default); either way the
     values of ``t.float()``; other dtypes always take torch's cast."""
-    monkeypatch.setenv(widen.BACKEND_ENV, choice)
     calls = spy_on(monkeypatch, widen, ["widen_to_fp32_triton"])
     t = torch.randn(16, 24, generator=torch.Generator().manual_seed(0)).bfloat16().to(DEVICE).t()
-    assert torch.equal(widen.widen_to_fp32(t), t.float())
+    assert torch.equal(widen.widen_to_fp32(t, choice), t.float())
     half = torch.randn(4, 4).half().to(DEVICE)
-    assert torch.equal(widen.widen_to_fp32(half), half.float())
+    assert torch.equal(widen.widen_to_fp32(half, choice), half.float())
     assert calls == (["widen_to_fp32_triton"] if choice == "triton" else [])
 
 
-def test_switch_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(widen.BACKEND_ENV, "cuda")
+def test_backend_rejects_unknown_values():
     with pytest.raises(ValueError, match="torch or triton"):
-        widen.widen_to_fp32(torch.zeros(2, dtype=torch.bfloat16))
+        widen.widen_to_fp32(torch.zeros(2, dtype=torch.bfloat16), "cuda")
 
 
 def test_rejects_other_dtypes():

@@ -11,6 +11,8 @@ Our additions:
   [data]   tokenizer path, validation split fraction, data seed, Hugging Face text column.
   [balance] logging of the expert balance metrics.
   [quantize.linear.float8] min_features, next to torchtitan's float8 keys (titan_moe.float8).
+  [kernels] which implementation each op runs (`titan_moe.ops.choices.KernelChoices`),
+           resolved for the device when the model is built.
 torchtitan's own keys keep their meaning; `training.dataset` is one of "builtin", "text",
 "hf_disk" and `training.dataset_path` points at the user's files for the last two.
 """
@@ -32,6 +34,7 @@ from torchtitan.config import ConfigManager, JobConfig
 
 from titan_moe.float8.config import QuantizeExtras  # also registers the float8 converters
 from titan_moe.model.args import ModelArgs
+from titan_moe.ops.choices import KernelChoices, check as check_kernel_choices
 
 
 class ConfigError(ValueError):
@@ -129,6 +132,7 @@ class TitanJobConfig:
     compile: Compile = field(default_factory=Compile)
     validation: Validation = field(default_factory=Validation)
     quantize: QuantizeExtras = field(default_factory=QuantizeExtras)
+    kernels: KernelChoices = field(default_factory=KernelChoices)
 
 
 def job_config_class() -> type:
@@ -367,6 +371,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     try:
         _check_compile_with_ac(model_args_from_config(config), config)
         _check_compile_passes(config.compile.passes)
+        check_kernel_choices(config.kernels)
         if config.compile.moe_regions not in ("auto", "piecewise"):
             raise ValueError(f"compile.moe_regions must be 'auto' or 'piecewise', got {config.compile.moe_regions!r}")
     except ValueError as e:

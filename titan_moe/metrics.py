@@ -2,7 +2,8 @@
 
 Every logged step (and every eval) is also appended, on rank 0, to
 `<dump_folder>/metrics.jsonl` as one JSON object with full-precision floats, so that
-scripts and tests can read losses without parsing the console.
+scripts and tests can read losses without parsing the console. Each run (a resume included)
+first writes `{"step": 0, "kernels": {...}}`: the resolved `[kernels]` choices it ran with.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class TitanMetricsProcessor(MetricsProcessor):
         if self._jsonl_path is not None:
             with open(self._jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def log_kernels(self, kernels: dict[str, str]) -> None:
+        """Record the run's resolved `[kernels]` choices (a record of step 0, no loss)."""
+        self._append({"step": 0, "kernels": kernels})
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         balance = dict(getattr(self.optimizers, "expert_balance_metrics", None) or {})

@@ -10,6 +10,9 @@ What we change in torchtitan 0.2.2's Trainer, and why (everything else is theirs
     reduce with a plain sum (the trainer already scales the loss by the global token count).
   * RNG state joins the checkpointed train state, so a resumed run draws the same numbers.
   * a run started without torchrun gets the single-process rendezvous variables.
+  * `[kernels]`: resolved for the device and made current before the model is built, logged
+    in one line, written to metrics.jsonl and kept in the checkpoint's train state (a resume
+    with other choices keeps the new run's and warns).
   * `[profiling] nvtx`: NVTX ranges around the step, forward, backward and optimizer step
     (`ops.nvtx`), and a cudaProfilerStart/Stop window (`nvtx_start_step`/`nvtx_stop_step`)
     for `nsys --capture-range=cudaProfilerApi` (see profiling/nsys_launch.py).
@@ -18,6 +21,8 @@ What we change in torchtitan 0.2.2's Trainer, and why (everything else is theirs
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -36,11 +41,12 @@ from torchtitan.train import Trainer  # noqa: E402
 from titan_moe import train_spec  # noqa: E402
 from titan_moe.config import ConfigError, load_config  # noqa: E402
 from titan_moe.model.moe import refresh_compute_weights  # noqa: E402
-from titan_moe.ops import nvtx  # noqa: E402
+from titan_moe.ops import choices, launch_env, nvtx  # noqa: E402
 
 # Test hook: SIGKILL this process while it writes the checkpoint of this step, after the
 # data files and before the metadata that makes a checkpoint loadable.
 KILL_DURING_SAVE_ENV = "TITAN_MOE_KILL_DURING_SAVE_STEP"
+KERNELS_STATE_KEY = "kernels"  # the train state's entry: the resolved `[kernels]` choices as JSON
 
 
 def _set_single_process_env() -> None:
@@ -95,7 +101,9 @@ class TitanTrainer(Trainer):
         if job_config.profiling.nvtx:
             nvtx.enable(True)
         train_spec.register()
+        self.kernels = _activate_kernel_choices(job_config.kernels)
         super().__init__(job_config)
+        self.metrics_processor.log_kernels(dataclasses.asdict(self.kernels))
         if job_config.profiling.nvtx:
             # "forward" ends once the loss is computed, "backward" covers loss.backward().
             self.loss_fn = _loss_ends_forward_range(self.loss_fn)
@@ -110,7 +118,7 @@ class TitanTrainer(Trainer):
             _init_independent_of_layout(self.model_parts, self.model_args, job_config.debug.seed)
         if job_config.training.cache_compute_weights and isinstance(self.maybe_enable_amp, torch.autocast):
             self._cache_compute_weights(self.maybe_enable_amp.fast_dtype)
-        kill_step = os.environ.get(KILL_DURING_SAVE_ENV)
+        kill_step = launch_env.read(KILL_DURING_SAVE_ENV)
         if kill_step:
             _install_kill_during_save(self, int(kill_step))
 
@@ -185,16 +193,39 @@ class TitanTrainer(Trainer):
     def state_dict(self):
         state = super().state_dict()
         state["rng_cpu"] = torch.get_rng_state()
+        state[KERNELS_STATE_KEY] = json.dumps(dataclasses.asdict(self.kernels), sort_keys=True)
         if torch.cuda.is_available():
             state["rng_cuda"] = torch.cuda.get_rng_state()
         return state
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
+        _compare_kernel_choices(state_dict.get(KERNELS_STATE_KEY), self.kernels)
         if "rng_cpu" in state_dict:
             torch.set_rng_state(state_dict["rng_cpu"])
         if "rng_cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["rng_cuda"])
+
+
+def _activate_kernel_choices(configured: choices.KernelChoices) -> choices.KernelChoices:
+    """`[kernels]` resolved for this process's device and made current, before the model is
+    built; logged in one line. A ValueError naming the key for a value the device cannot run."""
+    resolved = choices.resolve(configured, accelerator_type())
+    choices.activate(resolved)
+    logger.info(choices.summary(resolved))
+    return resolved
+
+
+def _compare_kernel_choices(saved: str | None, current: choices.KernelChoices) -> None:
+    """On resume: warn, key by key, where the checkpoint's resolved `[kernels]` choices differ
+    from this run's (this run's stay in force)."""
+    if not saved:
+        return
+    before, now = json.loads(saved), dataclasses.asdict(current)
+    changed = [f"{key}: {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(before) | set(now))
+               if before.get(key) != now.get(key)]
+    if changed:
+        logger.warning("kernels differ from the checkpoint's run (this run's choices apply): " + ", ".join(changed))
 
 
 def _check_capture_window(profiling) -> None:

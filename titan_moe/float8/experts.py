@@ -118,11 +118,10 @@ def fp8_grouped_mm_padded(x_PK: Tensor, w_EKN: Tensor, offs_pad_E: Tensor, w_fp8
                           recipe: ExpertsFp8Recipe | None = None) -> Tensor:
     """The recipe's fp8 rowwise grouped GEMM on groups that are already 16-aligned
     (`pad_groups`' layout): x_PK [P, K], w_EKN [E, K, N] in x's dtype, offs_pad_E [E] int32
-    multiples of 16 -> [P, N] in x's dtype. `recipe` None: the default recipe under the
-    environment's overrides. `w_fp8` (the fused GEMM only): `w` quantized beforehand
+    multiples of 16 -> [P, N] in x's dtype. `recipe` None: the default recipe. `w_fp8` (the fused GEMM only): `w` quantized beforehand
     (`titan_moe.float8.grouped_mm.fp8_grouped_mm`), `w` then in any dtype. `situ` (the fused
     GEMM only): x_PK is SiTU-GLU's packed input [P, 2K] (`fp8_grouped_mm`'s `situ`)."""
-    recipe = recipe or ExpertsFp8Recipe().with_env_overrides()
+    recipe = recipe or ExpertsFp8Recipe()
     if recipe.gemm == "fused":
         from titan_moe.float8.grouped_mm import fp8_grouped_mm as fused_fp8_grouped_mm
 
@@ -161,7 +160,7 @@ class Float8RoutedExperts(RoutedExperts):
     The cache's validity rules are `titan_moe.model.weight_cache`'s."""
 
     group_alignment = GROUP_ALIGNMENT
-    recipe = ExpertsFp8Recipe()  # the converter sets the TOML's; the environment overrides per call
+    recipe = ExpertsFp8Recipe()  # the converter sets the TOML's
 
     def refresh_fp8_weights(self) -> bool:
         """Quantize both weights now for the forwards until the weights change (class
@@ -169,7 +168,7 @@ class Float8RoutedExperts(RoutedExperts):
         torchao GEMM, DTensor or meta weights, or a recipe with `cache_weights` off)."""
         self._store_weight_cache(None)
         weights = self._cache_sources()
-        recipe = self.recipe.with_env_overrides()
+        recipe = self.recipe
         if (recipe.gemm != "fused" or not recipe.cache_weights
                 or any(isinstance(w, DTensor) or w.device.type == "meta" for w in weights)):
             return False
@@ -212,7 +211,7 @@ class Float8RoutedExperts(RoutedExperts):
             x_PL, offs_pad_E = x_ML, offs_E
         else:
             x_PL, offs_pad_E, dest_M = pad_groups(x_ML, offs_E)
-        recipe = self.recipe.with_env_overrides()
+        recipe = self.recipe
         cached = self.current_fp8_weights()
         if cached is None:
             w_gate_up, w_down, cached = w_gate_up.to(x_ML.dtype), w_down.to(x_ML.dtype), (None, None)
@@ -280,9 +279,8 @@ class TitanFloat8ExpertsConverter:
             raise ValueError(
                 f"quantize.grouped_mm.float8.fqns = {self.fqns} matches no routed experts of the model"
             )
-        effective = self.recipe.with_env_overrides()
-        logger.info("float8: %d routed-expert modules use the fp8 rowwise grouped GEMM (%s%s)", len(names),
-                    effective.describe(), "" if effective == self.recipe else "; environment overrides the config")
+        logger.info("float8: %d routed-expert modules use the fp8 rowwise grouped GEMM (%s)", len(names),
+                    self.recipe.describe())
 
     def post_optimizer_hook(self, model) -> None:
         """After every optimizer step: the fp8 weights for the next step's forwards."""

@@ -1,4 +1,4 @@
-"""How the fp8 routed experts compute: TOML keys, with environment overrides for experiments.
+"""How the fp8 routed experts compute: keys of the `[quantize.grouped_mm.float8]` table.
 
     [quantize.grouped_mm.float8]   # torchtitan's table (fqns) plus these keys of ours
     gemm = "fused"           # "fused": our quantization kernels around torch._scaled_grouped_mm;
@@ -12,57 +12,31 @@
                              # kernels: "triton" (forward and dx), "triton_dw" (fp8 dw), "triton_all";
                              # "auto": "triton" on sm90 (H100/H200), else "torch"
 
-Each key has an environment variable that, when set, overrides it (read per call, so at
-trace time under torch.compile): `TITAN_MOE_FP8_EXPERTS_GEMM`, `TITAN_MOE_FP8_EXPERTS_WGRAD`,
-`TITAN_MOE_FP8_SITU_QUANT` (0/1), `TITAN_MOE_FP8_WEIGHT_CACHE` (0/1), `TITAN_MOE_FP8_WIDEN`,
-`TITAN_MOE_FP8_KERNELS`.
-The benchmarks use them to compare recipes without editing configs.
+The table is the one place for these choices: no environment variable overrides them (the
+benchmarks pass an `ExpertsFp8Recipe` instead).
 
-Why these defaults (BENCHMARKS.md): "fused" ran the MoE benchmark's fp8 GEMM 4x faster than
-torchao's and compiles fullgraph; "bf16" is the weight gradient of the 300-step loss check;
-"fp8_rows" re-expresses the forward's row codes per group (10% faster per gate|up call at
-wide_1gpu's shapes, not visible in the whole step; its 300-step loss within 0.4% of bf16);
-`situ_quant` has been timed in the whole step only together with the other options, which
-together were no faster than without them at 16K tokens per step; the weight cache is what
-made the fp8 experts faster than bf16 in the step. `wgrad = "fp8_rows"`, `situ_quant = true`
-and `widen = "triton"` together (with tensorwise fp8 linears) are the recipe measured at 1.22x
-bf16 at 32K tokens per step; none of the three was timed alone there, so none is a default.
-`kernels = "auto"` puts the forward and dx products on our Triton fp8 kernel on sm90: faster
-than `torch._scaled_grouped_mm` at each GEMM benchmark shape (1.07x forward at E = 64, 1.6x at
-K3's 146-row groups); our fp8 weight-gradient kernel was slower than torch's there, so it is
-opt-in ("triton_dw", "triton_all"). `wgrad = "auto"` picks per call by the mean rows per
-group (M / E, known on the host): "bf16" up to `titan_moe.float8.grouped_mm.WGRAD_AUTO_MAX_ROWS`,
-where the fp8 weight gradient gains nothing (K3's 146-row latent experts: its output write
-bounds both), "fp8_rows" above.
+Why these defaults (docs/kernels.md has the measurements): "fused" is faster than torchao's
+GEMM and compiles fullgraph; "bf16" is the weight gradient of the long loss check; the weight
+cache is what made the fp8 experts faster than bf16 in the step. `wgrad = "fp8_rows"`,
+`situ_quant = true` and `widen = "triton"` were measured only together (with tensorwise fp8
+linears), so none of them is a default. `kernels = "auto"` puts the forward and dx products on
+our Triton fp8 kernel on sm90 (faster than `torch._scaled_grouped_mm` at every benchmark shape);
+our fp8 weight-gradient kernel was slower than torch's there, so it is opt-in ("triton_dw",
+"triton_all"). `wgrad = "auto"` picks per call by the mean rows per group (M / E, known on the
+host): "bf16" up to `titan_moe.float8.grouped_mm.WGRAD_AUTO_MAX_ROWS`, where the fp8 weight
+gradient gains nothing, "fp8_rows" above.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
-from titan_moe.float8.widen import BACKEND_ENV as WIDEN_ENV
 from titan_moe.float8.widen import BACKENDS as WIDENS
 
 GEMMS = ("torchao", "fused")
 WGRAD_MODES = ("bf16", "fp8", "fp8_rows", "auto")  # fp8_grouped_mm's `wgrad` (titan_moe.float8.grouped_mm imports it)
 KERNELS = ("auto", "torch", "triton", "triton_dw", "triton_all")  # fp8_grouped_mm's `kernels`
-KERNELS_ENV = "TITAN_MOE_FP8_KERNELS"
-
-GEMM_ENV = "TITAN_MOE_FP8_EXPERTS_GEMM"
-WGRAD_ENV = "TITAN_MOE_FP8_EXPERTS_WGRAD"
-SITU_QUANT_ENV = "TITAN_MOE_FP8_SITU_QUANT"
-WEIGHT_CACHE_ENV = "TITAN_MOE_FP8_WEIGHT_CACHE"
 TABLE = "quantize.grouped_mm.float8"
-
-
-def _flag(env: str) -> bool | None:
-    value = os.environ.get(env)
-    if not value:
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"{env} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,33 +74,6 @@ class ExpertsFp8Recipe:
         """From the `[quantize.grouped_mm.float8]` config table (missing keys: the defaults)."""
         defaults = cls()
         return cls(**{f.name: getattr(table, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)})
-
-    def with_env_overrides(self) -> ExpertsFp8Recipe:
-        """This recipe with each field whose environment variable is set replaced by it.
-
-        Raises ValueError naming the variable for a value it cannot take; a combination the
-        override makes impossible names the variables that made it."""
-        changes = {}
-        choices = {"gemm": GEMMS, "wgrad": WGRAD_MODES, "widen": WIDENS, "kernels": KERNELS}
-        for field, env in (("gemm", GEMM_ENV), ("wgrad", WGRAD_ENV), ("widen", WIDEN_ENV), ("kernels", KERNELS_ENV)):
-            value = os.environ.get(env)
-            if value:
-                allowed = choices[field]
-                if value not in allowed:
-                    raise ValueError(f"{env} must be one of {allowed}, got {value!r}")
-                changes[field] = value
-        for field, env in (("situ_quant", SITU_QUANT_ENV), ("cache_weights", WEIGHT_CACHE_ENV)):
-            value = _flag(env)
-            if value is not None:
-                changes[field] = value
-        if not changes:
-            return self
-        try:
-            return dataclasses.replace(self, **changes)
-        except ValueError as err:
-            envs = {"gemm": GEMM_ENV, "wgrad": WGRAD_ENV, "situ_quant": SITU_QUANT_ENV, "cache_weights": WEIGHT_CACHE_ENV,
-                    "widen": WIDEN_ENV, "kernels": KERNELS_ENV}
-            raise ValueError(f"{err} (set by {', '.join(envs[k] + '=' + str(v) for k, v in changes.items())})") from None
 
     def describe(self) -> str:
         return (f"gemm {self.gemm}, wgrad {self.wgrad}, SiTU-GLU in the quantization {self.situ_quant}, "

@@ -8,8 +8,8 @@ past ``offs[-1]`` zero (and their gradient zero), output in x's dtype. On top of
 * every ``offs[e]`` must be a multiple of 16 (``torch._scaled_grouped_mm``'s rule; callers
   pad, e.g. with :func:`titan_moe.float8.experts.pad_groups`). Checked with a ValueError on
   the CPU, where the emulation reads ``offs`` anyway; on CUDA not checked (a host sync),
-  unless ``TITAN_MOE_FP8_CHECK_OFFSETS=1`` adds a device-side assert (no sync; a violation
-  aborts the CUDA context at the next synchronizing call);
+  unless the debug variable ``TITAN_MOE_FP8_CHECK_OFFSETS=1`` adds a device-side assert
+  (no sync; a violation aborts the CUDA context at the next synchronizing call);
 * K and N multiples of 16, x and w of one dtype in bf16 / fp16 / fp32.
 
 Data flow (quantization kernels in :mod:`titan_moe.float8.quantize`, all fused, no host sync):
@@ -48,19 +48,12 @@ byte per weight). Forward and backward are ``torch.library`` ops (``titan_moe::f
 / ``_bwd``, fake implementations, ``register_autograd``): ``torch.compile`` calls them as
 opaque nodes (tracing into the Triton launches failed under dynamo). Eager calls run the same
 two functions and autograd wiring without the custom-op dispatch (``_EagerFp8GroupedMM``),
-which cut the host's Python time per call by about 40%.
+which cuts the host's Python time per call.
 
-Status (H200, torch 2.11, BENCHMARKS.md "fp8 expert GEMM with fused quantization" and "fp8
-experts: 16-aligned dispatch, weights quantized once per optimizer step"): the CUDA path
-matches the emulation (``test_cuda_matches_emulation``, both weight-gradient modes), the
-quantization kernels match their references bit for bit. At E = 64, M = 65,536, K = 2048,
-N = 1408 with the weights quantized in the call, forward+backward is slower than bf16 (2.25
-against 1.96 ms in the fifty-first run): the per-call weight quantization costs about what fp8
-saves on the GEMMs. With ``w_fp8`` (the weight quantized beforehand, as the fp8 experts do
-once per optimizer step) the forward takes 0.49 ms against 0.64 (1.30x) and forward+backward
-1.66 against 1.96 (1.18x; the weight gradient stays bf16). With ``wgrad="fp8_rows"`` and the
-forward and dx on our Triton kernel (seventy-second run, CUDA-graph replays): 1.536 against
-2.023 ms (1.32x) balanced, 1.30x under Zipf(1.1); at K3's latent shapes 1.19-1.22x.
+Status: the CUDA path matches the emulation (``test_cuda_matches_emulation``, every
+weight-gradient mode), the quantization kernels match their references bit for bit. With the
+weights quantized in the call, the per-call weight quantization costs about what fp8 saves on
+the GEMMs; with ``w_fp8`` (quantized once per optimizer step) the call is faster than bf16.
 ``Float8RoutedExperts`` uses it by default (:mod:`titan_moe.float8.experts`; ``gemm = "fused"``
 in :mod:`titan_moe.float8.experts_recipe`).
 """
@@ -68,12 +61,11 @@ in :mod:`titan_moe.float8.experts_recipe`).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
-from titan_moe.float8.experts_recipe import KERNELS, KERNELS_ENV, WGRAD_MODES
+from titan_moe.float8.experts_recipe import KERNELS, WGRAD_MODES
 from titan_moe.float8.quantize import (
     Fp8Weight,
     quantize_group_columns,
@@ -84,6 +76,8 @@ from titan_moe.float8.quantize import (
 )
 from titan_moe.float8.widen import BACKENDS as WIDEN_BACKENDS
 from titan_moe.float8.widen import widen_to_fp32
+from titan_moe.ops import launch_env
+from titan_moe.ops.backend import is_sm90
 from titan_moe.ops.eager_path import direct_autograd, takes_direct_path
 from titan_moe.ops.triton_runtime import cuda_capability
 from titan_moe.ops.grouped_gemm.reference import group_bounds
@@ -140,28 +134,23 @@ def _scaled_grouped_gemm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
 
 def kernels_choice(kernels: str = "", device: torch.device | None = None) -> str:
     """Which fp8 GEMMs run on our Triton kernels instead of ``torch._scaled_grouped_mm``:
-    ``kernels`` if given, else ``$TITAN_MOE_FP8_KERNELS``, else "auto". One of
-    :data:`titan_moe.float8.experts_recipe.KERNELS`: "torch" (none), "triton" (forward and
-    dx), "triton_dw" (the fp8 weight gradient), "triton_all"; "auto" resolves to "triton" on
-    an sm90 ``device`` (measured faster there at every benchmark shape, BENCHMARKS.md "fp8
-    grouped GEMM on our Triton kernels"), else "torch" (not measured elsewhere)."""
-    choice = kernels or os.environ.get(KERNELS_ENV) or "auto"
+    ``kernels`` if given, else "auto". One of :data:`titan_moe.float8.experts_recipe.KERNELS`:
+    "torch" (none), "triton" (forward and dx), "triton_dw" (the fp8 weight gradient),
+    "triton_all"; "auto" resolves to "triton" on an sm90 ``device`` (measured faster there at
+    every benchmark shape), else "torch" (not measured elsewhere)."""
+    choice = kernels or "auto"
     if choice not in KERNELS:
-        source = "fp8_grouped_mm: kernels" if kernels else KERNELS_ENV
-        raise ValueError(f"{source} must be one of {KERNELS}, got {choice!r}")
+        raise ValueError(f"fp8_grouped_mm: kernels must be one of {KERNELS}, got {choice!r}")
     if choice == "auto":
         # the rule of the kernels' own sm90 defaults (tiles and TMA loads were measured there)
-        from titan_moe.ops.grouped_gemm.triton_kernel import _is_sm90
-
-        return "triton" if device is not None and _is_sm90(device) else "torch"
+        return "triton" if device is not None and is_sm90(device) else "torch"
     return choice
 
 
 def to_dtype(t_bf16: Tensor, dtype: torch.dtype, widen: str = "") -> Tensor:
     """A GEMM's bf16 result in ``dtype``: bf16 -> fp32 (the fp32 expert weights' gradients)
-    through :func:`titan_moe.float8.widen.widen_to_fp32` with backend ``widen`` ("" : its
-    environment default; "triton": one vectorized pass, where ATen's casting copy ran at
-    about 2.1 TB/s on the H200; not timed alone, so off by default); other casts through ``.to``."""
+    through :func:`titan_moe.float8.widen.widen_to_fp32` with backend ``widen`` ("": "torch";
+    "triton": one vectorized pass instead of ATen's casting copy); other casts through ``.to``."""
     if t_bf16.dtype == dtype:
         return t_bf16
     if t_bf16.dtype == torch.bfloat16 and dtype == torch.float32:
@@ -430,10 +419,8 @@ def _check_quantized_weight(w_EKN: Tensor, w_fp8: Fp8Weight) -> None:
 
 WGRAD_AUTO_MAX_ROWS = 256
 """``wgrad="auto"``: "bf16" up to this many rows per group on average, "fp8_rows" above. On the
-H200 (BENCHMARKS.md, "fp8 at K3's latent shapes ..."): at K3's 146-row groups the bf16 weight
-gradient was 1-2% faster per call in two runs (2.33 against 2.49 ms of dw kernels, plus the
-requantization it skips), at E = 64's 1,024 rows fp8_rows was 6% faster (1.521 against 1.621
-ms). Nothing between the two points was timed."""
+H200 the bf16 weight gradient was faster at K3's 146-row groups, fp8_rows at E = 64's 1,024
+rows; nothing between the two points was timed."""
 
 
 def resolve_wgrad(wgrad: str, rows: int, groups: int) -> str:
@@ -491,7 +478,8 @@ def _check_args(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, wgrad: str, w_fp8: 
 
 def _check_offsets(offs_E: Tensor, m: int) -> None:
     """The 16-multiple rule for ``offs``: a ValueError on the CPU (a host read, free there);
-    on CUDA a device-side assert only when ``$TITAN_MOE_FP8_CHECK_OFFSETS`` is "1"."""
+    on CUDA a device-side assert only when the debug variable ``$TITAN_MOE_FP8_CHECK_OFFSETS``
+    is "1" (`titan_moe.ops.launch_env`)."""
     if offs_E.device.type == "cpu":
         group_bounds(offs_E, m)  # non-decreasing, <= M
         bad = offs_E[offs_E % ALIGNMENT != 0]
@@ -500,7 +488,7 @@ def _check_offsets(offs_E: Tensor, m: int) -> None:
                 f"fp8_grouped_mm: every offs entry must be a multiple of {ALIGNMENT} (pad the groups), "
                 f"got {offs_E.tolist()}"
             )
-    elif os.environ.get(CHECK_OFFSETS_ENV) == "1":
+    elif launch_env.read(CHECK_OFFSETS_ENV) == "1":
         torch._assert_async((offs_E % ALIGNMENT == 0).all(), "fp8_grouped_mm: offs must be multiples of 16")
 
 
@@ -520,10 +508,8 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
             power-of-two scales and re-expressed per group (one scale per group,
             :func:`titan_moe.float8.quantize.requantize_group_columns`: a pass over 1-byte
             codes instead of two over x and dy), with x's row codes saved and
-            re-expressed in the backward. On the H200 (BENCHMARKS.md) a gate|up call of
-            configs/wide_1gpu.toml (E = 16, K = 2048, N = 8192, fp32 weights) runs forward+
-            backward in 7.05 ms against 7.87 for "bf16"; at E = 64, K = 2048, N = 1408 the
-            gain of the fp8 GEMM (0.17 ms) is spent on the requantization.
+            re-expressed in the backward (it gains on large groups; on small ones the
+            requantization spends what the fp8 GEMM saves).
             "auto": "bf16" for groups of at most ``WGRAD_AUTO_MAX_ROWS`` rows on average (M / E),
             else "fp8_rows" (:func:`resolve_wgrad`).
         w_fp8: ``w`` already quantized (:func:`titan_moe.float8.quantize.quantize_weight`,
@@ -541,11 +527,11 @@ def fp8_grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, *, wgrad: str = 
             the codes instead).
         widen: how a bf16 GEMM result becomes fp32 (the weight gradient of fp32 weights):
             "torch" (``.float()``) or "triton" (:mod:`titan_moe.float8.widen`'s kernel); None:
-            ``$TITAN_MOE_FP8_WIDEN``, else "torch".
+            "torch".
         kernels: which fp8 GEMMs run on our Triton kernels instead of
             ``torch._scaled_grouped_mm``: "torch" (none), "triton" (forward and dx),
             "triton_dw" (the weight gradient of wgrad "fp8" / "fp8_rows"), "triton_all",
-            "auto" ("triton" on sm90, else "torch"); None: ``$TITAN_MOE_FP8_KERNELS``, else "auto".
+            "auto" ("triton" on sm90, else "torch"); None: "auto".
 
     Returns:
         [M, N] in x's dtype (through bf16: the fp8 GEMM's output); rows past ``offs[-1]``

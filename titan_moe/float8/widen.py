@@ -2,24 +2,18 @@
 
 The fp8 grouped GEMM's weight gradient comes out of ``torch._grouped_mm`` /
 ``torch._scaled_grouped_mm`` in bf16 (neither writes fp32), while the expert weights it
-belongs to are fp32 parameters. ATen converts with its dynamic-casting copy
-(``unrolled_elementwise_kernel<direct_copy_kernel_cuda>``), which the H200 ran at about
-2.1 TB/s: 0.77 ms for a gate|up gradient of wide_1gpu ([16, 2048, 8192], BENCHMARKS.md,
-"fp8 training: the 300-step loss check rerun"). A bf16 value widened to fp32 is its 16 bits
-followed by 16 zero bits, so the kernel here moves the bits with an integer shift and
-stores whole vectors: exact, bit for bit ``t.float()`` (NaN payloads included).
+belongs to are fp32 parameters. ATen converts with its dynamic-casting copy, well below the
+copy bandwidth of the GPU. A bf16 value widened to fp32 is its 16 bits followed by 16 zero
+bits, so the kernel here moves the bits with an integer shift and stores whole vectors:
+exact, bit for bit ``t.float()`` (NaN payloads included).
 
 :func:`widen_to_fp32` takes its backend from its caller (the fp8 experts' recipe key
-``[quantize.grouped_mm.float8] widen``) or, when given none, from ``$TITAN_MOE_FP8_WIDEN``
-(read per call): "torch" (default, ``t.float()``: the kernel's own timing is not yet
-recorded; it is part of the fp8 recipe measured at 1.22x bf16 in the whole step, not timed
-alone), "triton" for the kernel where it runs (CUDA; the CPU under the interpreter),
-``t.float()`` elsewhere.
+``[quantize.grouped_mm.float8] widen``): "torch" (default, ``t.float()``; the kernel has been
+measured only as part of a whole fp8 recipe, not alone), "triton" for the kernel where it
+runs (CUDA; the CPU under the interpreter), ``t.float()`` elsewhere.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -29,7 +23,6 @@ from torch import Tensor
 from titan_moe.ops.triton_runtime import cdiv, check_runs_on, is_interpreted, kernel_runs_on
 
 BLOCK = 4096
-BACKEND_ENV = "TITAN_MOE_FP8_WIDEN"
 BACKENDS = ("torch", "triton")
 
 
@@ -59,11 +52,10 @@ def widen_to_fp32_triton(t: Tensor) -> Tensor:
 def widen_to_fp32(t: Tensor, backend: str | None = None) -> Tensor:
     """``t.float()`` for a bf16 ``t`` (same values bit for bit), through the kernel when the
     backend is "triton" and it runs on t's device; other dtypes, and the default "torch", go
-    to ``t.float()``. ``backend`` None (or ""): ``$TITAN_MOE_FP8_WIDEN``, else "torch"."""
-    choice = backend or os.environ.get(BACKEND_ENV) or "torch"
+    to ``t.float()``. ``backend`` None (or ""): "torch"."""
+    choice = backend or "torch"
     if choice not in BACKENDS:
-        source = "widen_to_fp32: backend" if backend else BACKEND_ENV
-        raise ValueError(f"{source} must be torch or triton, got {choice!r}")
+        raise ValueError(f"widen_to_fp32: backend must be torch or triton, got {choice!r}")
     if choice == "triton" and t.dtype == torch.bfloat16 and kernel_runs_on(_widen_kernel, t.device):
         return widen_to_fp32_triton(t)
     return t.float()

@@ -29,12 +29,11 @@ The public functions :func:`permute` / :func:`unpermute_combine` take ``order``;
 :func:`scatter_copies` / :func:`combine_copies` take the positions themselves, also those of
 an aligned layout (:func:`titan_moe.ops.dispatch.reference.aligned_positions`).
 
-Implementation, chosen per call by ``$TITAN_MOE_DISPATCH_BACKEND`` (read at run time, also
-inside compiled graphs, where the ops are opaque calls):
+Implementation, chosen per call by the ``[kernels] dispatch`` choice (`titan_moe.ops.choices`,
+read at run time, also inside compiled graphs, where the ops are opaque calls):
 
-* ``auto`` (default): ``triton`` for CUDA tensors, ``torch`` otherwise. On the H200 the
-  kernels beat this module's ``torch`` path in every measured direction (1.3-7x forward+
-  backward, ``profiling/bench_moe.py --dispatch``, BENCHMARKS.md).
+* ``auto`` (default): ``triton`` for CUDA tensors, ``torch`` otherwise (the kernels beat the
+  ``torch`` path in every measured direction: ``profiling/bench_moe.py --dispatch``).
 * ``torch``: the plain-PyTorch functions of :mod:`.reference` (gathers, a broadcast
   ``index_put``, fp32 multiply and sum).
 * ``triton``: the kernels of :mod:`.triton_kernel`; on CUDA, or on CPU when
@@ -55,17 +54,15 @@ from titan_moe.ops.dispatch.reference import (
     unpermute_combine_backward_torch,
     unpermute_combine_torch,
 )
-from titan_moe.ops.backend import resolve_auto_backend
+from titan_moe.ops import choices
 from titan_moe.ops.nvtx import nvtx_range
 
-BACKEND_ENV = "TITAN_MOE_DISPATCH_BACKEND"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_backend(device: torch.device) -> str:
-    """"torch" or "triton" for a call on ``device``: ``$TITAN_MOE_DISPATCH_BACKEND``, default
-    "auto" (module docstring)."""
-    return resolve_auto_backend(BACKEND_ENV, "moe dispatch", device)
+    """"torch" or "triton" for a call on ``device``: ``[kernels] dispatch`` (module docstring)."""
+    return choices.pick_backend(choices.current().dispatch, device.type)
 
 
 def _kernels():

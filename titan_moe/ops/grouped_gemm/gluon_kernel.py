@@ -50,7 +50,6 @@ load warp's few registers). Gluon has no interpreter: these kernels are checked 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from triton.experimental import gluon
@@ -63,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from titan_moe.ops import launch_env
 from titan_moe.ops.triton_runtime import (
     cuda_capability,
     ensure_cuda_context,
@@ -540,7 +540,7 @@ def tiles(product: str, K: int | None = None) -> str:
     ("FWD,DX,DW", read per call; an empty entry keeps that product's default), else
     `DEFAULT_TILES`; the default dw with ``K`` given is the first of `DEFAULT_DW_TILES` whose BK
     divides K."""
-    text = os.environ.get(TILES_ENV)
+    text = launch_env.read(TILES_ENV)
     names = tuple(text.split(",")) if text else ("", "", "")
     if (len(names) != 3 or any(n not in MM_TILES for n in names[:2] if n) or (names[2] and names[2] not in DW_TILES)):
         raise ValueError(f"{TILES_ENV} must be FWD,DX,DW with FWD, DX of {sorted(MM_TILES)} and DW of "

@@ -11,11 +11,10 @@ nodes in both the forward and the backward graph:
 * ``titan_moe::grouped_mm_dx`` (grad [M,N], w [E,K,N], offs [E]) -> [M,K] = grad @ w[e]^T per group
 * ``titan_moe::grouped_mm_dw`` (x [M,K], grad [M,N], offs [E]) -> [E,K,N] = x^T @ grad per group
 
-Backends, chosen per call by the ``backend`` argument of the ops, else the environment
-variable ``TITAN_MOE_GROUPED_MM_BACKEND``, else ``DEFAULT_BACKEND`` (``"auto"``); either names
-one backend for the three products, or one per product, ``"fwd=triton,dx=triton,dw=native"``
-(a product not named takes ``"native"``), so that each product can run where it was measured
-fastest:
+Backends, chosen per call by the ``backend`` argument of the ops, else the ``[kernels]
+grouped_mm`` choice (`titan_moe.ops.choices`, default ``"auto"``); either names one backend
+for the three products, or one per product, ``"fwd=triton,dx=triton,dw=native"`` (a product not
+named takes ``"native"``), so that each product can run where it was measured fastest:
 
 * ``"native"``: ``torch._grouped_mm`` where it supports the case (below), else the per-group
   loop.
@@ -55,11 +54,11 @@ they never access memory out of bounds).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
+from titan_moe.ops import choices
 from titan_moe.ops.eager_path import direct_autograd, takes_direct_path
 from titan_moe.ops.grouped_gemm.reference import (
     group_bounds,
@@ -69,57 +68,31 @@ from titan_moe.ops.grouped_gemm.reference import (
 from titan_moe.ops.nvtx import nvtx_range
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKENDS = ("native", "triton", "gluon", "loop", "auto")
-PRODUCTS = ("fwd", "dx", "dw")
-BACKEND_ENV = "TITAN_MOE_GROUPED_MM_BACKEND"
-# The default backend. "auto" since the H200 measurements of BENCHMARKS.md ("Grouped GEMM: the
-# Gluon kernels after the host-cost cuts, and `auto` as the op's default"): through the op
-# (CUDA-graph replays) its Gluon kernels ran the E = 64 forward 1.12x / 1.17x torch._grouped_mm's
-# (balanced / Zipf 1.1) and forward+backward 1.08x / 1.12x; at the MoE layer benchmark's expert
-# shapes forward+backward 1.02x / 1.12x (gate-up / down); 30 eager training steps gave the same
-# losses and throughput within the runs' spread. Where "auto" takes native (small groups, K3's
-# latent experts, anything off sm90) nothing changes.
-DEFAULT_BACKEND = "auto"
+BACKENDS = choices.GROUPED_MM_BACKENDS
+PRODUCTS = choices.GROUPED_MM_PRODUCTS
 
 
 def resolve_backend(backend: str | None = None, product: str = "fwd") -> str:
-    """The backend ``product`` ("fwd", "dx" or "dw") uses: from ``backend`` if given, else
-    ``$TITAN_MOE_GROUPED_MM_BACKEND``, else `DEFAULT_BACKEND`. The spec is one backend name,
-    or ``PRODUCT=NAME`` pairs joined by commas (products not named: "native")."""
-    spec = backend or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
-    source = "backend argument" if backend else BACKEND_ENV
-    if "=" not in spec:
-        names = dict.fromkeys(PRODUCTS, spec)
-    else:
-        names = dict.fromkeys(PRODUCTS, "native")
-        for item in spec.split(","):
-            key, _, name = item.partition("=")
-            if key not in PRODUCTS:
-                raise ValueError(f"grouped_mm: {source}: products are {PRODUCTS}, got {item!r} in {spec!r}")
-            names[key] = name
-    bad = sorted({name for name in names.values() if name not in BACKENDS})
-    if bad:
-        raise ValueError(f"grouped_mm: {source} must name backends of {BACKENDS}, got {spec!r}")
-    return names[product]
+    """The backend ``product`` ("fwd", "dx" or "dw") uses: from ``backend`` if given, else the
+    ``[kernels] grouped_mm`` choice (`titan_moe.ops.choices.grouped_mm_backends` reads the spec)."""
+    if backend:
+        return choices.grouped_mm_backends(backend, "grouped_mm: backend argument")[product]
+    return choices.grouped_mm_backends(choices.current().grouped_mm)[product]
 
 
 # "auto": our TMA kernel for the forward and dx where the groups average at least this many
-# rows, else torch._grouped_mm (BENCHMARKS.md, "Grouped GEMM: the tile sweep per product, ..."):
-# on the H200 our TMA forward led torch._grouped_mm's by 2-5% at 1,024 rows per group (E = 64,
-# interleaved timing) and trailed at 256 and at 146 (K3's 112 local experts); at 512 it led
+# rows, else torch._grouped_mm: on the H200 our TMA forward led torch._grouped_mm's at 1,024
+# rows per group (E = 64) and trailed at 256 and at 146 (K3's 112 local experts); at 512 it led
 # slightly.
 AUTO_MIN_GROUP_ROWS = 512
 # "auto" for dw: our dw kernel (on sm90: per-group TMA descriptors, TMA stores) where the groups
-# average at least this many rows (BENCHMARKS.md, "The dw kernels' load forms ..."): on the
-# H200 it led torch._grouped_mm's dw at E = 64's 1,024 rows per group (forward+backward with
-# auto's forward and dx 2-3% faster, balanced and Zipf 1.1) and trailed by 3% at K3's 146;
-# nothing between was measured
+# average at least this many rows: on the H200 it led torch._grouped_mm's dw at E = 64's 1,024
+# rows per group and trailed at K3's 146; nothing between was measured
 AUTO_DW_MIN_GROUP_ROWS = 1024
 # "auto": the Gluon kernels (which fall back to the Triton ones outside their scope) for all
-# three products where the groups average at least this many rows (BENCHMARKS.md, "Grouped GEMM
-# in Gluon ..."): on the H200 through the op, forward+backward 3.1-3.3% faster than with the
-# Triton kernels at E = 64's 1,024 rows per group (balanced and Zipf 1.1) and 2.3-3.2% at the MoE
-# layer benchmark's expert shapes (CUDA-graph replays); fewer rows per group were not measured
+# three products where the groups average at least this many rows: on the H200 they led the
+# Triton kernels at E = 64's 1,024 rows per group (balanced and Zipf 1.1) and at the MoE layer
+# benchmark's expert shapes; fewer rows per group were not measured
 AUTO_GLUON_MIN_GROUP_ROWS = 1024
 
 
@@ -378,8 +351,8 @@ def grouped_mm(x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, backend: str | None 
         offs_E: [E] int32 cumulative group ends, non-decreasing, ``offs[-1] <= M``.
         backend: "auto", "native", "triton", "gluon" or "loop" (module docstring) for the
             forward and both backward products, or one per product
-            ("fwd=triton,dx=triton,dw=native"); None reads ``$TITAN_MOE_GROUPED_MM_BACKEND``
-            at run time, default `DEFAULT_BACKEND` ("auto").
+            ("fwd=triton,dx=triton,dw=native"); None: the ``[kernels] grouped_mm`` choice in
+            force at run time (`titan_moe.ops.choices.current`).
 
     Returns:
         [M, N] in ``x_MK.dtype`` (fp32 accumulation); rows ``offs[-1]:`` are zero and

@@ -96,7 +96,6 @@ op with other tiles before they become defaults.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, replace
 
@@ -104,10 +103,11 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_moe.ops import launch_env
+from titan_moe.ops.backend import is_sm90
 from titan_moe.ops.triton_runtime import (
     cdiv,
     check_runs_on,
-    cuda_capability,
     ensure_cuda_context,
     ensure_scratch_allocator,
     is_interpreted,
@@ -673,7 +673,7 @@ def tile_overrides() -> dict[str, TileConfig]:
     and dx kernel), "k" (the dw kernel), "mk8" / "k8" (their fp8 forms), SPEC as
     :func:`parse_tile` reads it: the GPU tiles of that kernel in place of `default_config`'s
     (to time a tile sweep's winner through the whole op before it becomes a default)."""
-    text = os.environ.get(TILES_ENV, "")
+    text = launch_env.read(TILES_ENV) or ""
     out: dict[str, TileConfig] = {}
     for item in filter(None, text.split(",")):
         kind, _, spec = item.partition("=")
@@ -747,10 +747,8 @@ Measured at two points only (146 rows: tail tiles win; 1,024: they lose); 256 is
 
 
 def _is_sm90(device: torch.device) -> bool:
-    if device.type != "cuda" or interpreted() or not torch.cuda.is_available():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return cuda_capability(index)[0] == 9
+    """`titan_moe.ops.backend.is_sm90` with compiled kernels (the sm90 launch rules)."""
+    return not interpreted() and is_sm90(device)
 
 
 SM90_SHARED_BYTES = 232448  # shared memory one program may take on an sm90 SM (227 KiB)
@@ -859,7 +857,7 @@ def _dw_store_descriptor(dw_EKN: torch.Tensor, cfg: TileConfig):
 def _use_tma(tma: bool | None, device: torch.device) -> bool:
     if tma is not None:
         return tma
-    return os.environ.get(TMA_ENV, "1") != "0" and _is_sm90(device)
+    return launch_env.read(TMA_ENV) != "0" and _is_sm90(device)
 
 
 def grouped_mm_triton(
@@ -998,7 +996,7 @@ def _dw_tma_mode(tma: bool | str | None, default: bool | str = False) -> bool | 
     """The dw kernels' load form from a launcher's ``tma`` argument, else `DW_TMA_ENV` ("0",
     "1", "group"), else ``default``."""
     if tma is None:
-        tma = {"0": False, "1": True, "group": "group"}.get(os.environ.get(DW_TMA_ENV, ""), default)
+        tma = {"0": False, "1": True, "group": "group"}.get(launch_env.read(DW_TMA_ENV) or "", default)
     if tma not in (True, False, "group"):
         raise ValueError(f'grouped_mm_dw_triton: tma must be None, a bool or "group", got {tma!r}')
     return tma

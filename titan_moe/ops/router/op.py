@@ -21,9 +21,9 @@ Implementations, chosen per call:
 * CUDA: the Triton kernel of :mod:`.triton_kernel` (one pass over the logits).
 * CPU: the plain-PyTorch :func:`.reference.router_topk_torch` (one host read, to find rows
   whose ties need the slow ranking path).
-* ``$TITAN_MOE_ROUTER_TOPK_BACKEND`` = ``torch`` forces the PyTorch code on CUDA too;
-  ``triton`` forces the kernel (on CPU only when ``TRITON_INTERPRET=1`` was set before the
-  kernel module was first imported: tests). Unset or ``auto``: the choice above.
+* ``[kernels] router_topk`` (`titan_moe.ops.choices`) = ``torch`` forces the PyTorch code on
+  CUDA too; ``triton`` forces the kernel (on CPU only when ``TRITON_INTERPRET=1`` was set
+  before the kernel module was first imported: tests); ``auto``: the choice above.
 
 Backward (gradient to the logits only; bias, top_k and routed_scale get none): plain
 PyTorch ops in :func:`.reference.router_topk_backward_torch`, not a kernel. They run inside
@@ -41,16 +41,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan_moe.ops.backend import resolve_auto_backend
+from titan_moe.ops import choices
 from titan_moe.ops.nvtx import nvtx_range
 from titan_moe.ops.router.reference import router_topk_backward_torch, router_topk_torch
 
-BACKEND_ENV = "TITAN_MOE_ROUTER_TOPK_BACKEND"
 
 
 def resolve_backend(device: torch.device) -> str:
     """"triton" or "torch": the implementation a call on ``device`` uses (module docstring)."""
-    return resolve_auto_backend(BACKEND_ENV, "router_topk", device)
+    return choices.pick_backend(choices.current().router_topk, device.type)
 
 
 def _triton_kernel():

@@ -5,12 +5,10 @@
   Backward: ``titan_moe::situ_glu_bwd(z, grad [..., H], beta1, beta2) -> dz [..., 2H]``.
   Autograd keeps only ``z`` (the two pre-activations) and recomputes the rest.
 
-Implementation, per call from ``$TITAN_MOE_SITU_BACKEND``:
+Implementation, per call from the ``[kernels] situ`` choice (`titan_moe.ops.choices`):
 
 * ``auto`` (default): ``triton`` on CUDA, ``torch`` elsewhere. The Triton kernels are one
-  elementwise pass per direction where the PyTorch path runs about 17 over fp32 copies: on
-  the H200 the eager MoE layer's forward+backward took 6.37 ms with them against 12.46 ms
-  (BENCHMARKS.md, "SiTU-GLU kernels, lean KDA walks and fused KDA input maps").
+  elementwise pass per direction where the PyTorch path runs about 17 over fp32 copies.
 * ``torch``: `reference` (in at least fp32).
 * ``triton``: :mod:`.triton_kernel`, on CUDA (or on CPU when ``TRITON_INTERPRET=1`` was set
   before that module was first imported: tests).
@@ -22,17 +20,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan_moe.ops.backend import resolve_auto_backend
+from titan_moe.ops import choices
 from titan_moe.ops.nvtx import nvtx_range
 from titan_moe.ops.situ.reference import situ_glu_backward_torch, situ_glu_forward_torch
 
-BACKEND_ENV = "TITAN_MOE_SITU_BACKEND"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_backend(device: torch.device) -> str:
     """"torch" or "triton": the implementation a call on ``device`` uses (module docstring)."""
-    return resolve_auto_backend(BACKEND_ENV, "situ_glu", device)
+    return choices.pick_backend(choices.current().situ, device.type)
 
 
 def _use_kernels(*tensors: Tensor) -> bool:
