@@ -252,11 +252,20 @@ def rel_err(a, b) -> float:
 # ------------------------------------------------------------------------------------ part 1
 @contextlib.contextmanager
 def env_vars(values: dict[str, str]):
-    """Set environment variables for the block (our op reads its switches at run time)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
+    """Run the block under `values`: names of `KernelChoices` fields ("grouped_mm", "situ",
+    "dispatch", ...) through `titan_moe.ops.choices.using` (our ops read them at run time), the
+    rest as environment variables (launch tuning, `titan_moe.ops.launch_env`)."""
+    import dataclasses
+
+    from titan_moe.ops import choices
+
+    fields = {f.name for f in dataclasses.fields(choices.KernelChoices)}
+    env = {key: value for key, value in values.items() if key not in fields}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
-        yield
+        with choices.using(**{key: value for key, value in values.items() if key in fields}):
+            yield
     finally:
         for key, old in saved.items():
             if old is None:
@@ -343,23 +352,21 @@ def gemm_providers(with_tma: bool, with_fp8: bool = False) -> dict:
         # the same with the fp8 GEMMs chosen explicitly (the default "auto" is "triton" on sm90):
         # all on torch's, forward and dx on our Triton kernel (default tile, then one provider
         # per --fp8-tiles entry), our dw kernel too
-        from titan_moe.float8.experts_recipe import KERNELS_ENV
+        def cached(kernels, wgrad="fp8_rows"):
+            return _with_quantized_weight(functools.partial(fused_fp8_grouped_mm, wgrad=wgrad, kernels=kernels))
 
-        rows_fn = providers["fp8_cached_w_dw8rows"][0]
-        providers["fp8_rows_torch"] = (rows_fn, {KERNELS_ENV: "torch"})  # all on torch._scaled_grouped_mm
-        providers["fp8_rows_triton"] = (rows_fn, {KERNELS_ENV: "triton"})
-        providers["fp8_rows_triton_dw"] = (rows_fn, {KERNELS_ENV: "triton_dw"})
-        providers["fp8_rows_triton_all"] = (rows_fn, {KERNELS_ENV: "triton_all"})
+        providers["fp8_rows_torch"] = (cached("torch"), {})  # all on torch._scaled_grouped_mm
+        for kernels in ("triton", "triton_dw", "triton_all"):
+            providers[f"fp8_rows_{kernels}"] = (cached(kernels), {})
         for tile in FP8_TILES:
-            providers[f"fp8t_{tile}"] = (rows_fn, {KERNELS_ENV: "triton", TILES_ENV: f"mk8={tile}"})
+            providers[f"fp8t_{tile}"] = (cached("triton"), {TILES_ENV: f"mk8={tile}"})
             # the same forward / dx with the weight gradient in bf16 (wgrad "bf16")
-            providers[f"fp8tb_{tile}"] = (providers["fp8_cached_w"][0], {KERNELS_ENV: "triton", TILES_ENV: f"mk8={tile}"})
+            providers[f"fp8tb_{tile}"] = (cached("triton", "bf16"), {TILES_ENV: f"mk8={tile}"})
         for tile in FP8_DW_TILES:
-            providers[f"fp8dw_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}"})
+            providers[f"fp8dw_{tile}"] = (cached("triton_all"), {TILES_ENV: f"k8={tile}"})
             # the same dw loading through per-group descriptors made in the kernel (not for "f")
             if not tile.endswith("f"):
-                providers[f"fp8dwg_{tile}"] = (rows_fn, {KERNELS_ENV: "triton_all", TILES_ENV: f"k8={tile}",
-                                                         DW_TMA_ENV: "group"})
+                providers[f"fp8dwg_{tile}"] = (cached("triton_all"), {TILES_ENV: f"k8={tile}", DW_TMA_ENV: "group"})
     return providers
 
 
@@ -386,13 +393,13 @@ ERR_PROVIDERS = ("triton", "triton_tma", "tma_dw_native", "auto", "gluon", "gluo
 
 FP8_TILES: list[str] = []
 """``--fp8-tiles``: "BMxBNxBKxWARPSxSTAGES" tiles of the Triton fp8 forward / dx kernel, two
-providers each: ``fp8t_<tile>`` (``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton``)
+providers each: ``fp8t_<tile>`` (``fp8_cached_w_dw8rows`` with ``kernels="triton"``)
 and ``fp8tb_<tile>`` (the same with the weight gradient in bf16, ``fp8_cached_w``)."""
 
 
 FP8_DW_TILES: list[str] = []
 """``--fp8-dw-tiles``: tiles of the Triton fp8 dw kernel, two providers each: ``fp8dw_<tile>``
-(``fp8_cached_w_dw8rows`` with ``$TITAN_MOE_FP8_KERNELS=triton_all``: all three products on our
+(``fp8_cached_w_dw8rows`` with ``kernels="triton_all"``: all three products on our
 kernels) and ``fp8dwg_<tile>``, the same with the dw loading through per-group descriptors made
 in the kernel (``$TITAN_MOE_GROUPED_MM_DW_TMA=group``)."""
 
@@ -627,19 +634,15 @@ def build_layers(cfg: dict, device: str, dtype):
     return ours, theirs
 
 
-FP8_ROWS_SITU_RECIPE = dict(wgrad="fp8_rows", situ_quant=True)
-"""The ``ours_fp8_rows_situ`` layer's experts recipe (`titan_moe.float8.experts_recipe`); it
-also widens the weight gradients with the Triton kernel (``FP8_ROWS_SITU_ENV``)."""
-FP8_ROWS_SITU_ENV = {"TITAN_MOE_FP8_WIDEN": "triton"}
+FP8_ROWS_SITU_RECIPE = dict(wgrad="fp8_rows", situ_quant=True, widen="triton")
+"""The ``ours_fp8_rows_situ`` layer's experts recipe (`titan_moe.float8.experts_recipe`)."""
 
 
 def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool, kernels: int = 0,
                 keep: frozenset = frozenset()) -> dict:
     import torch
 
-    from titan_moe.ops.grouped_gemm.op import BACKEND_ENV
     from titan_moe.ops.grouped_gemm.triton_kernel import TMA_ENV
-    from titan_moe.ops.situ.op import BACKEND_ENV as SITU_ENV
 
     ours, theirs = build_layers(cfg, device, dtype)
     ours_fp8 = ours_fp8_cached = ours_fp8_rows_situ = None
@@ -650,7 +653,7 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
         ours_fp8_rows_situ = fp8_experts_copy(ours, **FP8_ROWS_SITU_RECIPE)
         refresh = functools.partial(refresh_fp8_expert_weights, ours_fp8_cached)
         if not (refresh() and refresh_fp8_expert_weights(ours_fp8_rows_situ)):
-            raise RuntimeError("bench_moe: the fp8 experts made no weight cache (TITAN_MOE_FP8_WEIGHT_CACHE=0 set?)")
+            raise RuntimeError("bench_moe: the fp8 experts made no weight cache (cache_weights off?)")
     if compile_layers:
         ours, theirs = torch.compile(ours), torch.compile(theirs)
         if ours_fp8 is not None:  # one compiled copy per fp8 arrangement: the experts read theirs at trace time
@@ -666,22 +669,22 @@ def bench_layer(cfg: dict, device: str, dtype, timed: bool, compile_layers: bool
                                            cfg["hidden"], cfg["shared"]),
     }
     runs = {
-        "ours_native": (ours, {BACKEND_ENV: "native"}),
+        "ours_native": (ours, {"grouped_mm": "native"}),
         # the same with the experts' SiTU-GLU as one Triton pass per direction
-        "ours_native_situ_triton": (ours, {BACKEND_ENV: "native", SITU_ENV: "triton"}),
-        "ours_triton": (ours, {BACKEND_ENV: "triton", TMA_ENV: "0"}),
-        "ours_auto": (ours, {BACKEND_ENV: "auto", TMA_ENV: "1"}),
+        "ours_native_situ_triton": (ours, {"grouped_mm": "native", "situ": "triton"}),
+        "ours_triton": (ours, {"grouped_mm": "triton", TMA_ENV: "0"}),
+        "ours_auto": (ours, {"grouped_mm": "auto", TMA_ENV: "1"}),
     }
     if tma_available(device):
-        runs["ours_triton_tma"] = (ours, {BACKEND_ENV: "triton", TMA_ENV: "1"})
-        runs["ours_gluon"] = (ours, {BACKEND_ENV: "gluon"})
-        runs["ours_gluon_dwtriton"] = (ours, {BACKEND_ENV: "fwd=gluon,dx=gluon,dw=triton", TMA_ENV: "1"})
+        runs["ours_triton_tma"] = (ours, {"grouped_mm": "triton", TMA_ENV: "1"})
+        runs["ours_gluon"] = (ours, {"grouped_mm": "gluon"})
+        runs["ours_gluon_dwtriton"] = (ours, {"grouped_mm": "fwd=gluon,dx=gluon,dw=triton", TMA_ENV: "1"})
     if ours_fp8 is not None:
-        runs["ours_fp8_experts"] = (ours_fp8, {BACKEND_ENV: "native"})
-        runs["ours_fp8_cached"] = (ours_fp8_cached, {BACKEND_ENV: "native"})
+        runs["ours_fp8_experts"] = (ours_fp8, {"grouped_mm": "native"})
+        runs["ours_fp8_cached"] = (ours_fp8_cached, {"grouped_mm": "native"})
         # the same with the fp8 weight gradient from the row codes, SiTU-GLU fused into the down
         # GEMM's quantization and the Triton widening of the weight gradients
-        runs["ours_fp8_rows_situ"] = (ours_fp8_rows_situ, {BACKEND_ENV: "native", **FP8_ROWS_SITU_ENV})
+        runs["ours_fp8_rows_situ"] = (ours_fp8_rows_situ, {"grouped_mm": "native"})
     runs["torchtitan"] = (theirs, {})
     if keep:  # --layer-providers: those named, with ours_native and torchtitan always
         unknown = keep - set(runs)
@@ -803,15 +806,14 @@ def dispatch_providers(device: str) -> dict:
     import torch
 
     from titan_moe.ops.dispatch import permute, unpermute_combine
-    from titan_moe.ops.dispatch.op import BACKEND_ENV
 
     def combine(y, order, w):
         return unpermute_combine(y, order, w, out_dtype=torch.float32)
 
     compiled = None if device == "cuda" else "Inductor on CPU: minutes per shape, no speed claim here"
     return {
-        "ours_triton": (permute, combine, {BACKEND_ENV: "triton"}, None),
-        "ours_torch": (permute, combine, {BACKEND_ENV: "torch"}, None),
+        "ours_triton": (permute, combine, {"dispatch": "triton"}, None),
+        "ours_torch": (permute, combine, {"dispatch": "torch"}, None),
         "gather": (_gather_permute, _gather_combine, {}, None),
         "gather_compiled": (torch.compile(_gather_permute), torch.compile(_gather_combine), {}, compiled),
     }

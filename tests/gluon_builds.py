@@ -1,6 +1,6 @@
 """Building Gluon grouped GEMM kernels for sm90 on the CPU (Gluon has no interpreter), for the
-tests of the op's "gluon" backend and of the Gluon probe: `build_results` compiles named
-kernels in a fresh process and returns, per build, what `check_builds` asserts."""
+tests of the op's "gluon" backend: `build_results` compiles named kernels in a fresh process
+and returns, per build, what `check_builds` asserts."""
 
 import textwrap
 
@@ -13,9 +13,7 @@ _SCRIPT = textwrap.dedent(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-    sys.path.insert(0, PROFILING)
     from titan_moe.ops.grouped_gemm import gluon_kernel as gk
-    import probe_gluon_gemm as probe
 
     CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -41,21 +39,16 @@ _SCRIPT = textwrap.dedent(
     x, w = torch.empty(4096, 2048, dtype=torch.bfloat16), torch.empty(8, 2048, 1408, dtype=torch.bfloat16)
     out, dx = torch.empty(4096, 1408, dtype=torch.bfloat16), torch.empty(4096, 2048, dtype=torch.bfloat16)
     for name, product in MM_BUILDS:  # dx: dy [M, N] @ w^T, w transposed, the output K wide
-        bm, bn, bk, stages, warps = probe.VARIANTS[name]
+        bm, bn, bk, stages = gk.MM_TILES[name]
         a, b, c, transposed = (gk.mm_descriptors(x, w, out, bm, bn, bk) if product == "fwd" else
                                gk.mm_descriptors(out, w.transpose(1, 2), dx, bm, bn, bk))
         assert transposed == (product == "dx")
         sig = {"a_desc": mangle_type(a), "b_desc": mangle_type(b), "c_desc": mangle_type(c), "c_ptr": "*bf16",
                "offs_ptr": "*i32", "M": "i32", "N": "i32", "E": "i32", "K": "i32", "stride_cm": "i32"}
-        consts = {"STAGES": stages, "BLOCK_E": 128, "B_TRANSPOSED": transposed, "num_warps": warps}
-        if warps == "pp":  # two 4-warp consumers and the load warp's group
-            kernel, kind, expected_warps = gk._pingpong_grouped_mm_kernel, "ws", 12
-            consts = dict(consts, num_warps=4, CONSUMER_REGS=gk.PINGPONG_CONSUMER_REGS, DIRECT=gk.tile_flags(name)[0])
-        elif name.startswith("np"):  # no partitions
-            kernel, kind, expected_warps = probe._pipelined_grouped_mm_kernel, "np", warps
-        else:  # the consumer's warps and the load warp's group
-            kernel, kind, expected_warps = probe._ws_grouped_mm_kernel, "ws", warps + 4
-        results[name + "_" + product] = (expected_warps, kind) + build(kernel, sig, consts, bn)
+        consts = {"STAGES": stages, "BLOCK_E": 128, "B_TRANSPOSED": transposed}
+        # the ping-pong kernel: two 4-warp consumers and the load warp's group
+        consts = dict(consts, num_warps=4, CONSUMER_REGS=gk.PINGPONG_CONSUMER_REGS, DIRECT=gk.tile_flags(name)[0])
+        results[name + "_" + product] = (12, "ws") + build(gk._pingpong_grouped_mm_kernel, sig, consts, bn)
     dw = torch.empty(8 * 2048, 1408, dtype=torch.bfloat16)
     for name in DW_BUILDS:
         bm, bk, bn, stages, warps = gk.DW_TILES[name]
@@ -81,14 +74,13 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def build_results(profiling: str, mm_builds: list, dw_builds: list) -> dict:
-    """sm90 builds of forward / dx kernels ``mm_builds`` ((variant of the probe's VARIANTS,
-    "fwd" or "dx") pairs) and dw kernels ``dw_builds`` (names of DW_TILES): per build (its
-    expected warps, its kind: "ws", "np" or "dw", then the compiled warps, shared bytes,
-    spilled bytes (-1: unknown), setmaxnreg, wgmma at the tile width, TMA copies, mbarrier
-    waits, device-made descriptors)."""
-    script = (_SCRIPT.replace("PROFILING", repr(profiling)).replace("MM_BUILDS", repr(mm_builds))
-              .replace("DW_BUILDS", repr(dw_builds)))
+def build_results(mm_builds: list, dw_builds: list) -> dict:
+    """sm90 builds of forward / dx kernels ``mm_builds`` ((name of MM_TILES, "fwd" or "dx")
+    pairs) and dw kernels ``dw_builds`` (names of DW_TILES): per build (its expected warps,
+    its kind: "ws" or "dw", then the compiled warps, shared bytes, spilled bytes (-1:
+    unknown), setmaxnreg, wgmma at the tile width, TMA copies, mbarrier waits, device-made
+    descriptors)."""
+    script = _SCRIPT.replace("MM_BUILDS", repr(mm_builds)).replace("DW_BUILDS", repr(dw_builds))
     return compiled_script_results(script)
 
 
@@ -98,7 +90,7 @@ def check_builds(results: dict) -> None:
     device-made descriptors exactly in the dw kernels."""
     for name, (expected_warps, kind, warps, shared, stack, maxnreg, wgmma, tma, waits, device_descs) in results.items():
         assert warps == expected_warps, (name, warps)
-        assert maxnreg == (kind != "np"), (name, maxnreg)
+        assert maxnreg, (name, maxnreg)
         assert wgmma and tma and waits, (name, results[name])
         assert 0 < shared <= 232448, (name, shared)  # sm90's shared memory per block
         assert stack in (0, -1), (name, stack)  # no spills (-1: no cuobjdump to read them)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -222,8 +223,8 @@ def test_step_parts_tiny_cpu_run_compares_each_part_with_its_earlier_form():
 
 
 def test_fp8_rows_situ_layer_copy_carries_its_recipe():
-    """The ``ours_fp8_rows_situ`` provider's experts compute by its recipe, whatever the
-    environment's defaults."""
+    """The ``ours_fp8_rows_situ`` provider's experts compute by its recipe (the Triton
+    widening included); the other fp8 copies by the default recipe."""
     from titan_moe.float8.experts import Float8RoutedExperts
     from titan_moe.float8.experts_recipe import ExpertsFp8Recipe
     from titan_moe.model.moe import RoutedExperts
@@ -232,7 +233,7 @@ def test_fp8_rows_situ_layer_copy_carries_its_recipe():
     layer = bench.fp8_experts_copy(torch.nn.Sequential(RoutedExperts(2, 16, 32, 1.0, 1.0)),
                                    **bench.FP8_ROWS_SITU_RECIPE)
     assert isinstance(layer[0], Float8RoutedExperts)
-    assert layer[0].recipe == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True)
+    assert layer[0].recipe == ExpertsFp8Recipe(wgrad="fp8_rows", situ_quant=True, widen="triton")
     assert bench.fp8_experts_copy(torch.nn.Sequential(RoutedExperts(2, 16, 32, 1.0, 1.0)))[0].recipe == ExpertsFp8Recipe()
 
 
@@ -248,3 +249,16 @@ def test_rounds_flag_sets_the_interleaved_rounds_and_refuses_zero(monkeypatch):
     monkeypatch.setattr(bench, "_bench_once", lambda fn, grad_to_none: calls.append(fn) or 1.0)
     medians, _ = bench.measure_rounds({"a": lambda: None, "b": lambda: None}, timed=True)
     assert medians == {"a": 1.0, "b": 1.0} and len(calls) == 6
+
+
+def test_run_settings_split_choices_from_launch_variables(monkeypatch):
+    """A provider's settings: `KernelChoices` fields through `choices.using`, the rest
+    (launch tuning) as environment variables, both restored after the block."""
+    from titan_moe.ops import choices
+
+    bench = _load_bench()
+    monkeypatch.delenv("TITAN_MOE_GROUPED_MM_TMA", raising=False)
+    with bench.env_vars({"grouped_mm": "loop", "situ": "torch", "TITAN_MOE_GROUPED_MM_TMA": "0"}):
+        assert choices.current().grouped_mm == "loop" and choices.current().situ == "torch"
+        assert os.environ["TITAN_MOE_GROUPED_MM_TMA"] == "0"
+    assert choices.current() == choices.KernelChoices() and "TITAN_MOE_GROUPED_MM_TMA" not in os.environ

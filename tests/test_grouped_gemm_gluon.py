@@ -21,7 +21,6 @@ from titan_moe.ops.grouped_gemm import gluon_kernel as gk
 from titan_moe.ops.grouped_gemm import op as gg_op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROFILING = os.path.join(ROOT, "profiling")
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
@@ -30,7 +29,7 @@ def test_backend_kernels_build_warp_specialized_for_sm90():
     ping-pong dw (BM 64 and 128 rows per step) and the cooperative dw (staged and from
     registers) build with 12 warps (two 4-warp consumers and the load
     warp's group) or 8 + 4, register moves, wgmma, TMA, mbarriers, no spills."""
-    results = build_results(PROFILING, [("pp128x128x64s5", "fwd"), ("pp128x128x64s5", "dx"), ("pp64x256x64s4", "fwd"),
+    results = build_results([("pp128x128x64s5", "fwd"), ("pp128x128x64s5", "dx"), ("pp64x256x64s4", "fwd"),
                                         ("pp128x128x64s6d", "dx")],
                             ["ppdw128x128x64s5", "ppdw128x128x128s2", "dw256x128x64s3", "dw128x256x64s4d",
                              "dw256x128x64s3h", "ppdw128x128x64s5h"])
