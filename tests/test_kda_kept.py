@@ -1,8 +1,8 @@
-"""`titan_moe::kda_chunk_fwd_kept` / `kda_chunk_bwd_kept` and `chunk_kda` under
-`TITAN_MOE_KDA_KEEP=1` (the backward reads the forward's intermediates).
+"""`titan_moe::kda_chunk_fwd_kept` / `kda_chunk_bwd_kept` and `chunk_kda` under the
+`kda_keep` choice (the backward reads the forward's intermediates).
 
 On the CPU the ops' PyTorch implementations return empty residuals and recompute, so here
-the checks are the op contract (opcheck), the switch, the wiring in `chunk_kda` and compile;
+the checks are the op contract (opcheck), the choice, the wiring in `chunk_kda` and compile;
 the kernels' kept pair is checked bit for bit against the recomputing pair in
 test_kda_triton.py (interpreter) and test_kda_triton_op.py (adapters), and on the GPU below.
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_moe.ops.kda import chunk_kda
-from titan_moe.ops.kda import op as kda_op
+from titan_moe.ops import choices
+from titan_moe.ops.kda import chunk_kda, keep_selected
 
 CUDA = torch.cuda.is_available()
 
@@ -31,28 +31,23 @@ def _inputs(T=70, H=2, dk=16, dv=8, seed=0, device="cpu", dtype=torch.float32):
     return [x.requires_grad_() for x in out]
 
 
-def _loss_and_grads(leaves, cu, keep: str, monkeypatch):
-    monkeypatch.setenv(kda_op.KEEP_ENV, keep)
+def _loss_and_grads(leaves, cu, keep: bool):
     q, k, v, g, beta, h0 = leaves
-    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    with choices.using(kda_keep=keep):
+        o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     loss = o.float().square().sum() + ht.square().sum()
     return loss, torch.autograd.grad(loss, leaves)
 
 
-def test_keep_switch(monkeypatch):
-    monkeypatch.delenv(kda_op.KEEP_ENV, raising=False)
-    assert kda_op.keep_selected()  # the default since the H200 timing
-    monkeypatch.setenv(kda_op.KEEP_ENV, "0")
-    assert not kda_op.keep_selected()
-    monkeypatch.setenv(kda_op.KEEP_ENV, "1")
-    assert kda_op.keep_selected()
-    monkeypatch.setenv(kda_op.KEEP_ENV, "yes")
-    with pytest.raises(ValueError, match=kda_op.KEEP_ENV):
-        kda_op.keep_selected()
+def test_keep_choice():
+    assert keep_selected()  # the default
+    with choices.using(kda_keep=False):
+        assert not keep_selected()
+    assert keep_selected()
 
 
 def test_chunk_kda_calls_the_kept_op_only_when_recording(monkeypatch):
-    """KEEP=1 and grad recorded: the kept op (its backward gives the recomputing op's
+    """kda_keep and grad recorded: the kept op (its backward gives the recomputing op's
     gradients); under no_grad: the plain op, as for inference and export."""
     calls = []
     for name in ("kda_chunk_fwd", "kda_chunk_fwd_kept"):
@@ -60,8 +55,8 @@ def test_chunk_kda_calls_the_kept_op_only_when_recording(monkeypatch):
         monkeypatch.setattr(torch.ops.titan_moe, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
     leaves = _inputs()
     cu = torch.tensor([0, 20, 70], dtype=torch.int32)
-    loss_keep, grads_keep = _loss_and_grads(leaves, cu, "1", monkeypatch)
-    loss_plain, grads_plain = _loss_and_grads(leaves, cu, "0", monkeypatch)
+    loss_keep, grads_keep = _loss_and_grads(leaves, cu, True)
+    loss_plain, grads_plain = _loss_and_grads(leaves, cu, False)
     assert calls == ["kda_chunk_fwd_kept", "kda_chunk_fwd"]
     assert torch.equal(loss_keep, loss_plain)
     for a, b in zip(grads_keep, grads_plain, strict=True):
@@ -86,10 +81,9 @@ def test_opcheck():
                           (*args, 0.25, h0.detach(), cu, do.detach(), dht, *outs[2:], True))
 
 
-def test_compiles_without_graph_break(monkeypatch):
+def test_compiles_without_graph_break():
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv(kda_op.KEEP_ENV, "1")
     torch._dynamo.reset()
     counters.clear()
     leaves = _inputs(seed=1)
@@ -102,7 +96,7 @@ def test_compiles_without_graph_break(monkeypatch):
     loss = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves)
     grads = torch.autograd.grad(loss, leaves)
     assert not counters["graph_break"]
-    loss_ref, grads_ref = _loss_and_grads(leaves, cu, "0", monkeypatch)
+    loss_ref, grads_ref = _loss_and_grads(leaves, cu, False)
     assert torch.allclose(loss, loss_ref, rtol=1e-6)
     for a, b in zip(grads, grads_ref, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -111,14 +105,13 @@ def test_compiles_without_graph_break(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
-def test_cuda_bf16_kept_equals_recomputing(compiled, monkeypatch):
+def test_cuda_bf16_kept_equals_recomputing(compiled):
     """bf16 at dk = dv = 128 over packed sequences: the kept forward's residuals (shapes
     from the fake implementation when compiled) give the recomputing backward's gradients."""
     leaves = _inputs(T=1000, H=4, dk=128, dv=128, seed=2, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, 300, 1000], dtype=torch.int32, device="cuda")
-    loss_ref, grads_ref = _loss_and_grads(leaves, cu, "0", monkeypatch)
+    loss_ref, grads_ref = _loss_and_grads(leaves, cu, False)
     if compiled:
-        monkeypatch.setenv(kda_op.KEEP_ENV, "1")
         torch._dynamo.reset()
 
         def f(q, k, v, g, beta, h0):
@@ -132,7 +125,7 @@ def test_cuda_bf16_kept_equals_recomputing(compiled, monkeypatch):
         for a, b in zip(grads, grads_ref, strict=True):
             assert torch.allclose(a.float(), b.float(), **tol)
     else:
-        loss, grads = _loss_and_grads(leaves, cu, "1", monkeypatch)
+        loss, grads = _loss_and_grads(leaves, cu, True)
         assert torch.equal(loss, loss_ref)
         for a, b in zip(grads, grads_ref, strict=True):
             assert torch.equal(a, b)

@@ -104,22 +104,11 @@ def test_bad_inputs_are_rejected():
         check_prepare_inputs(q, k, z, A_log, dt_bias, -6.0)
 
 
-def test_chunk_kda_calls_the_op_when_selected(monkeypatch):
-    """By default (and with TITAN_MOE_KDA_PREPARE=fused) chunk_kda(use_qk_l2norm=True,
-    gate_in_kernel=True) goes through kda_prepare, with the same result as the composite
-    path; with `composite` it does not."""
+def test_chunk_kda_calls_the_op_in_eager_mode(monkeypatch):
+    """In eager mode chunk_kda(use_qk_l2norm=True, gate_in_kernel=True) goes through
+    kda_prepare, with the same result as the composite path (what compiled layers run)."""
     from titan_moe.ops.kda import chunk_kda
     from titan_moe.ops.kda import op as kda_op
-    from titan_moe.ops.kda.prepare import PREPARE_ENV, fused_prepare_selected
-
-    monkeypatch.delenv(PREPARE_ENV, raising=False)
-    assert fused_prepare_selected()
-    monkeypatch.setenv(PREPARE_ENV, "composite")
-    assert not fused_prepare_selected()
-    monkeypatch.setenv(PREPARE_ENV, "single")
-    with pytest.raises(ValueError, match=PREPARE_ENV):
-        fused_prepare_selected()
-    monkeypatch.setenv(PREPARE_ENV, "fused")
 
     q, k, z, A_log, dt_bias = make_inputs((1, 40, 2, 16), torch.float32, seed=5)
     v = torch.randn(1, 40, 2, 16)
@@ -133,12 +122,13 @@ def test_chunk_kda_calls_the_op_when_selected(monkeypatch):
     assert rel_err(o, o_ref) < 1e-6
 
 
-def test_chunk_kda_with_the_cumsum_in_the_op_has_the_composites_gradients(monkeypatch):
-    """The fused path hands the core op G (`g_cumsum`) and gets dG back, which kda_prepare's
-    backward reverse-sums: every input's gradient equals the composite path's (which hands
-    the core op g), packed sequences and a final state included."""
+def test_chunk_kda_with_the_cumsum_in_the_op_has_the_composites_gradients():
+    """The eager path hands the core op G (`g_cumsum`) and gets dG back, which kda_prepare's
+    backward reverse-sums: every input's gradient equals the composite path's (the maps of
+    `chunk_torch.prepare_qkg`, then the core op on g, as compiled layers run it), packed
+    sequences and a final state included."""
     from titan_moe.ops.kda import chunk_kda
-    from titan_moe.ops.kda.prepare import PREPARE_ENV
+    from titan_moe.ops.kda.chunk_torch import prepare_qkg
 
     gen = torch.Generator().manual_seed(11)
     q, k, z, A_log, dt_bias = make_inputs((1, 150, 2, 16), torch.float64, seed=11, param_dtype=torch.float64)
@@ -151,9 +141,13 @@ def test_chunk_kda_with_the_cumsum_in_the_op_has_the_composites_gradients(monkey
     leaves = (q, k, v, z, beta, A_log, dt_bias, h0)
     results = {}
     for mode in ("fused", "composite"):
-        monkeypatch.setenv(PREPARE_ENV, mode)
-        o, ht = chunk_kda(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                          use_qk_l2norm=True, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        if mode == "fused":
+            o, ht = chunk_kda(q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                              use_qk_l2norm=True, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        else:
+            q_n, k_n, g = prepare_qkg(q, k, z, use_qk_l2norm=True, gate_in_kernel=True, A_log=A_log,
+                                      dt_bias=dt_bias, lower_bound=-5.0)
+            o, ht = chunk_kda(q_n, k_n, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         results[mode] = (o, ht, torch.autograd.grad((o * w_o).sum() + (ht * w_ht).sum(), leaves))
     for name, got, want in zip(("o", "ht"), results["fused"][:2], results["composite"][:2]):
         assert rel_err(got, want) < 1e-12, name
@@ -253,13 +247,11 @@ def test_triton_kernels_match_composite(shape, dtype, out_tol, grad_tol):
 
 
 @needs_kernels
-@pytest.mark.parametrize("form", ["fused", "split32", "split64,fused"])
 @pytest.mark.parametrize("shape,cu", [((2, 70, 3, 32), None), ((1, 150, 2, 24), [0, 5, 70, 150])])
-def test_triton_kernels_chunk_cumsum_match_composite(shape, cu, form, monkeypatch):
-    """Chunk mode: one program per KDA chunk (cut at sequence ends; dk 24 masks channels)
-    writes G and reverse-sums dG in registers; split (`TITAN_MOE_KDA_PREPARE_CHUNK`): the
-    norms in token blocks, the gate per chunk and 32 channels (dk 24: one masked block)."""
-    monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, form)
+def test_triton_kernels_chunk_cumsum_match_composite(shape, cu, monkeypatch):
+    """Chunk mode: the forward's norms in token blocks, then the gate and its cumsum G per
+    chunk (cut at sequence ends) and 64 channels (dk 24: one masked block); the backward's
+    one program per chunk reverse-sums dG in registers; at 1 and 2 warps too (tuning)."""
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     inputs = make_inputs(shape, torch.float32, seed=14, device=DEVICE)
     got, got_grads = outputs_and_grads(_triton_fn(cu_t, True), inputs, 41)
@@ -267,20 +259,21 @@ def test_triton_kernels_chunk_cumsum_match_composite(shape, cu, form, monkeypatc
     for name, g, w in zip(("q_hat", "k_hat", "G", "dq", "dk", "dz", "dA_log", "ddt_bias"),
                           (*got, *got_grads), (*want, *want_grads), strict=True):
         assert rel_err(g, w) < 1e-5, (name, rel_err(g, w))
+    monkeypatch.setenv(triton_prepare.CHUNK_WARPS_ENV, "2")
+    assert triton_prepare.chunk_warps() == 2
+    grads_2 = outputs_and_grads(_triton_fn(cu_t, True), inputs, 41)[1]
+    for g, w in zip(grads_2, got_grads, strict=True):
+        assert rel_err(g, w) < 1e-6
 
 
-def test_chunk_form_switch(monkeypatch):
-    """Default split64 forward, fused backward; one form for both or "FWD,BWD"; bad text refused."""
-    monkeypatch.delenv(triton_prepare.CHUNK_FORM_ENV, raising=False)
-    assert (triton_prepare.chunk_form(backward=False), triton_prepare.chunk_form(backward=True)) == (64, 0)
-    for text, columns in (("fused", (0, 0)), ("split32", (32, 32)), ("split64", (64, 64)),
-                          ("fused,split32", (0, 32))):
-        monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, text)
-        assert (triton_prepare.chunk_form(backward=False), triton_prepare.chunk_form(backward=True)) == columns
-    for bad in ("split16", "fused,fused,fused", "fused,"):
-        monkeypatch.setenv(triton_prepare.CHUNK_FORM_ENV, bad)
-        with pytest.raises(ValueError, match=triton_prepare.CHUNK_FORM_ENV):
-            triton_prepare.chunk_form(backward=False)
+def test_chunk_warps_switch(monkeypatch):
+    """The backward's chunk-mode warps: default 8, a power of two <= 16, else refused."""
+    monkeypatch.delenv(triton_prepare.CHUNK_WARPS_ENV, raising=False)
+    assert triton_prepare.chunk_warps() == 8
+    for bad in ("3", "32", "8x8"):
+        monkeypatch.setenv(triton_prepare.CHUNK_WARPS_ENV, bad)
+        with pytest.raises(ValueError, match=triton_prepare.CHUNK_WARPS_ENV):
+            triton_prepare.chunk_warps()
 
 
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernels already run in this process")

@@ -1,13 +1,15 @@
-"""The chunk-parallel state scan (`titan_moe.ops.kda.triton_scan`) against the sequential
-scan and the token-by-token recurrence.
+"""The segment scan (`titan_moe.ops.kda.triton_scan`: SPEC §8's context-parallel algebra,
+per-segment state transitions combined) against the sequential scan and the token-by-token
+recurrence.
 
 Two layers:
 - the algebra, in float64 plain PyTorch (no Triton): chunk maps against the token
   product of SPEC §8, and `segment_scan_torch` (transitions, combine, re-walk) on chunk
   factors built here from SPEC §1's dense chunked form, against `naive_recurrent_kda`;
-- the kernels (Triton interpreter on CPU, compiled on a GPU), fp32: the parallel scan's
-  per-chunk states h, V~ and final states against the sequential `_state_scan_kernel` on
-  the same stage 1-2 intermediates, and its outputs against the float64 recurrence.
+- the kernels (Triton interpreter on CPU, compiled on a GPU), fp32: the segment scan's
+  per-chunk states h, V~ and final states (the forward with `scan="segments"`) against the
+  sequential `_state_scan_kernel`'s on the same inputs, and its outputs against the float64
+  recurrence.
 
 TRITON_INTERPRET=1 must be set before the kernel modules are imported; see
 tests/test_kda_triton.py for the subprocess fallback used here too.
@@ -16,21 +18,18 @@ Tolerances (relative error ||out - ref|| / ||ref||):
 - float64 algebra: 1e-10. Float64 rounding is ~1e-16 per operation; the shapes here take
   at most ~300 tokens, 5 chunks and 64-term sums, and exponents reach e^320 only inside
   masked-out entries of the dense reference (finite in float64).
-- fp32 parallel vs sequential scan: 2e-5. Both are fp32 with the same chunk factors; they
+- fp32 segment vs sequential scan: 2e-5. Both are fp32 with the same chunk factors; they
   differ in association: a later segment's initial state comes from A_s S + B_s (two
   extra products of dk-term sums per segment) instead of the walk, and the walk splits
   W S into K halves. Each route carries ~(64 + 2 dk) * 6e-8 ~ 1e-5 relative error at worst
   over these few chunks; a wrong transition, boundary or segment start gives errors of
   1e-2 or more. (Seen: ~1e-7.)
 - fp32 outputs and final states vs the float64 recurrence: 1e-4, as in test_kda_triton.
-- fp16 under the lean walk (`TITAN_MOE_KDA_WALK=lean`: W, U, h, V~ in fp16): outputs and
-  final states vs the float64 recurrence 7.5e-4 (test_kda_triton's fp16 bound), parallel
-  vs sequential 2e-3 (see `test_parallel_scan_under_lean_walk`).
+- fp16 (W, U, h, V~ in fp16): outputs and final states vs the float64 recurrence 7.5e-4
+  (test_kda_triton's fp16 bound), segment vs sequential 2e-3 (see `test_segment_scan_fp16`).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 from triton_mode import interpret_without_gpu, kernel_test_setup, rerun_under_interpreter  # noqa: E402
@@ -48,7 +47,6 @@ from titan_moe.ops.kda.triton_scan import (  # noqa: E402
     default_segment_chunks,
     modeled_scan_time,
     segment_scan_torch,
-    state_scan_parallel,
 )
 
 KERNELS_RUN_HERE, DEVICE, needs_kernels = kernel_test_setup(CUDA, triton_fwd._interpreted(), "test_in_fresh_interpreter_process")
@@ -190,7 +188,7 @@ def test_segment_decomposition_float64(gate):
 
 
 # ----------------------------------------------------------------------------------------
-# the kernels: parallel vs sequential scan on the same intermediates
+# the kernels: segment vs sequential scan on the same inputs
 # ----------------------------------------------------------------------------------------
 class Case:
     """Inputs, the sequential forward's intermediates and the float64 reference, computed once."""
@@ -207,25 +205,35 @@ class Case:
         else:  # fixed-length batch: B rows of one length
             cu, self.B = None, len(lens)
             args = {n: x.view(self.B, lens[0], *x.shape[2:]) for n, x in self.inp.items()}
-        self.args = args
-        with pytest.MonkeyPatch.context() as mp:  # the classic walk keeps U, which `parallel` needs
-            mp.setenv(triton_fwd.WALK_ENV, "classic")
-            self.st = kda_fwd_states(**args, scale=self.scale, initial_state=self.h0, cu_seqlens=cu,
-                                     output_final_state=True, scan="sequential")
+        self.args, self.cu = args, cu
+        self.st = kda_fwd_states(**args, scale=self.scale, initial_state=self.h0, cu_seqlens=cu,
+                                 output_final_state=True, scan="sequential")
         self.o_seq = kda_fwd_output(args["q"], args["v"], self.st)
         self.o_ref, self.ht_ref = reference(self.inp, self.scale, self.h0, self.bounds)
 
-    def parallel(self, L):
-        """The parallel scan on the sequential run's stage 1-2 intermediates; NaN-filled
-        outputs, so anything left unwritten shows."""
-        st = self.st
-        H, dk = st.W.shape[1:]
-        h = torch.full_like(st.h, float("nan"))
-        v_new = torch.full_like(st.v_new, float("nan"))
-        ht = torch.full_like(st.final_state, float("nan"))
-        L_used = state_scan_parallel(self.inp["k"].reshape(-1, H, dk), st.W, st.U, st.G, h, v_new, self.h0, ht,
-                                     st.cu_seqlens, st.chunk_offsets, self.bounds, st.precision, L)
-        return h, v_new, ht, L_used
+    def segments(self, L):
+        """The forward with the segment scan (`scan="segments"`, L chunks per segment; None:
+        the wave model's choice), its h, V~ and final states NaN-filled before the scan runs,
+        so anything left unwritten shows; (state, L used)."""
+        return forward_by_segments(self.args, self.scale, self.h0, self.cu, L)
+
+
+def forward_by_segments(args, scale, h0, cu_seqlens, L):
+    """`kda_fwd_states(scan="segments")` with the scan's outputs NaN-filled first; (state, L used)."""
+    real, used = triton_scan.segment_scan, []
+
+    def nan_filled(k, W, U, G, h, v_new, h0, ht, *rest):
+        for x in (h, v_new) if ht is None else (h, v_new, ht):
+            x.fill_(float("nan"))
+        used.append(real(k, W, U, G, h, v_new, h0, ht, *rest))
+        return used[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_scan, "segment_scan", nan_filled)
+        st = kda_fwd_states(**args, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
+                            output_final_state=h0 is not None, scan="segments", segment_chunks=L)
+    assert len(used) == 1
+    return st, used[0]
 
 
 _CASES: dict[str, Case] = {}
@@ -245,11 +253,12 @@ def get_case(name: str) -> Case:
 @needs_kernels
 @pytest.mark.parametrize("case, L", [("varlen_slow", 1), ("varlen_slow", 2), ("varlen_slow", 3),
                                      ("varlen_slow", None), ("batch_min", 1), ("wide_k", 1)])
-def test_parallel_scan_matches_sequential(case, L):
-    """h, V~ and final states of the parallel scan equal the sequential scan's (fp32
+def test_segment_scan_matches_sequential(case, L):
+    """h, V~ and final states of the segment scan equal the sequential scan's (fp32
     rounding), outputs from them match the float64 recurrence; every entry is written."""
     c = get_case(case)
-    h, v_new, ht, L_used = c.parallel(L)
+    st_seg, L_used = c.segments(L)
+    h, v_new, ht = st_seg.h, st_seg.v_new, st_seg.final_state
     assert L is None or L_used == L
     for name, x in (("h", h), ("v_new", v_new), ("ht", ht)):
         assert torch.isfinite(x).all(), name
@@ -257,8 +266,7 @@ def test_parallel_scan_matches_sequential(case, L):
     assert rel_err(v_new, c.st.v_new) < SCAN_TOL
     assert rel_err(ht, c.st.final_state) < SCAN_TOL
     assert rel_err(ht, c.ht_ref) < FP32_TOL
-    st_par = dataclasses.replace(c.st, h=h, v_new=v_new, final_state=ht)
-    o = kda_fwd_output(c.args["q"], c.args["v"], st_par)
+    o = kda_fwd_output(c.args["q"], c.args["v"], st_seg)
     assert rel_err(o, c.o_seq) < SCAN_TOL
     assert rel_err(o.reshape(c.o_ref.shape), c.o_ref) < FP32_TOL
     if case == "varlen_slow":
@@ -266,46 +274,30 @@ def test_parallel_scan_matches_sequential(case, L):
 
 
 @needs_kernels
-def test_scan_selection(monkeypatch):
-    """`scan=` / TITAN_MOE_KDA_SCAN pick the path (default sequential), with and without
-    initial / final states (3 chunks in 3 segments); bad values raise."""
+def test_scan_argument():
+    """`scan=` picks the path (default sequential: the op's), with and without initial /
+    final states (3 chunks in 3 segments); other values raise."""
     inp, h0 = make_inputs(130, 2, 16, 16, "slow", seed=5, n_seqs=1)
-    calls = []
-    real = triton_scan.state_scan_parallel
-
-    def spy(*args):
-        calls.append(args[-1])
-        return real(*args)
-
-    monkeypatch.setattr(triton_scan, "state_scan_parallel", spy)
-    monkeypatch.delenv(triton_scan.SCAN_ENV, raising=False)
     seq = kda_fwd_states(**inp, scale=0.25, initial_state=h0, output_final_state=True)
-    assert calls == []
-    monkeypatch.setenv(triton_scan.SCAN_ENV, "parallel")
-    par = kda_fwd_states(**inp, scale=0.25, initial_state=h0, output_final_state=True, segment_chunks=1)
-    assert calls == [1]
-    assert rel_err(par.h, seq.h) < SCAN_TOL and rel_err(par.final_state, seq.final_state) < SCAN_TOL
-    par0 = kda_fwd_states(**inp, scale=0.25, segment_chunks=1)
+    seg, L = forward_by_segments(inp, 0.25, h0, None, 1)
+    assert L == 1
+    assert rel_err(seg.h, seq.h) < SCAN_TOL and rel_err(seg.final_state, seq.final_state) < SCAN_TOL
+    seg0, _ = forward_by_segments(inp, 0.25, None, None, 1)
     seq0 = kda_fwd_states(**inp, scale=0.25, scan="sequential")
-    assert par0.final_state is None and len(calls) == 2
-    assert rel_err(par0.h, seq0.h) < SCAN_TOL and rel_err(par0.v_new, seq0.v_new) < SCAN_TOL
-    monkeypatch.setenv(triton_scan.SCAN_ENV, "tree")
-    with pytest.raises(ValueError, match="TITAN_MOE_KDA_SCAN"):
-        kda_fwd_states(**inp, scale=0.25)
+    assert seg0.final_state is None
+    assert rel_err(seg0.h, seq0.h) < SCAN_TOL and rel_err(seg0.v_new, seq0.v_new) < SCAN_TOL
     with pytest.raises(ValueError, match="sequential"):
-        kda_fwd_states(**inp, scale=0.25, scan="fast")
+        kda_fwd_states(**inp, scale=0.25, scan="parallel")
 
 
 @needs_kernels
-def test_parallel_scan_under_lean_walk(monkeypatch):
-    """`TITAN_MOE_KDA_WALK=lean` with fp16 inputs stores W, U, h and V~ in fp16: the parallel scan
-    reads and writes them so (its walks upcast W and U; segment starts stay fp32, in AB), meets
-    the lean walk's fp16 bound against the float64 recurrence (7.5e-4 interpreted, 1.5e-3
-    compiled: tf32 tile dots, see test_kda_triton; H200: 1.33e-3) and agrees with the sequential
-    lean walk to fp16 rounding (2e-3: the sequential walk rounds S and V~ at its dots, the
-    parallel one does not; seen ~3e-4). Segments of one chunk: a middle segment ([A | B] walk)
-    in the 200-token sequence."""
-    monkeypatch.setenv(triton_fwd.WALK_ENV, "lean")
+def test_segment_scan_fp16():
+    """fp16 inputs store W, U, h and V~ in fp16: the segment scan reads and writes them so
+    (its walks upcast W and U; segment starts stay fp32, in AB), meets the fp16 bound against
+    the float64 recurrence (7.5e-4 interpreted, 1.5e-3 compiled: tf32 tile dots, see
+    test_kda_triton) and agrees with the sequential walk to fp16 rounding (2e-3: the
+    sequential walk rounds S and V~ at its dots, the segment scan does not; seen ~3e-4).
+    Segments of one chunk: a middle segment ([A | B] walk) in the 200-token sequence."""
     lens = [5, 0, 200, 70]
     bounds = bounds_of(lens)
     inp, h0 = make_inputs(bounds[-1], 2, 16, 32, "slow", seed=8, n_seqs=len(lens))
@@ -314,7 +306,7 @@ def test_parallel_scan_under_lean_walk(monkeypatch):
     scale = 0.25
     o_ref, ht_ref = reference(inp, scale, h0, bounds)
     runs = {}
-    for scan, L in (("sequential", None), ("parallel", 1)):
+    for scan, L in (("sequential", None), ("segments", 1)):
         st = kda_fwd_states(**inp, scale=scale, initial_state=h0, cu_seqlens=cu, output_final_state=True,
                             scan=scan, segment_chunks=L)
         assert st.h.dtype == st.v_new.dtype == torch.float16
@@ -324,7 +316,7 @@ def test_parallel_scan_under_lean_walk(monkeypatch):
         assert rel_err(st.final_state, ht_ref) < bound, (scan, rel_err(st.final_state, ht_ref))
         runs[scan] = st
     for name in ("h", "v_new", "final_state"):
-        err = rel_err(getattr(runs["parallel"], name), getattr(runs["sequential"], name))
+        err = rel_err(getattr(runs["segments"], name), getattr(runs["sequential"], name))
         assert err < 2e-3, (name, err)
 
 
@@ -351,7 +343,7 @@ def test_segment_choice(monkeypatch):
 
 
 def test_segment_layout_is_built_once_per_arguments():
-    """The parallel scan's segment tables: ceil(chunks / L) segments per sequence (none for an
+    """The segment scan's segment tables: ceil(chunks / L) segments per sequence (none for an
     empty one), built once per (bounds, L, device) and shared, so a repeated shape costs no
     host-to-device copy; bad L is refused."""
     cpu = torch.device("cpu")
@@ -377,8 +369,8 @@ def test_in_fresh_interpreter_process():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("L", [None, 8, 43])
-def test_bf16_parallel_scan_long_sequence(L):
-    """T = 8192, H = 16, dk = dv = 128 in bf16 (the benchmark shape): the parallel scan's
+def test_bf16_segment_scan_long_sequence(L):
+    """T = 8192, H = 16, dk = dv = 128 in bf16 (the benchmark shape): the segment scan's
     outputs agree with the sequential scan's to tf32 rounding (3e-3: both paths share the
     bf16 inputs and differ only in the association of tf32 products, ~5e-4 relative each;
     a wrong segment start gives 1e-2 or more) and meet test_kda_triton's bf16 bound
@@ -395,7 +387,7 @@ def test_bf16_parallel_scan_long_sequence(L):
     h0 = (torch.randn(B, H, dk, dv, generator=gen) * 0.1).cuda()
     kw = dict(initial_state=h0, output_final_state=True)
     o_seq, ht_seq = chunk_kda_fwd_triton(q, k, v, g, beta, dk**-0.5, scan="sequential", **kw)
-    o_par, ht_par = chunk_kda_fwd_triton(q, k, v, g, beta, dk**-0.5, scan="parallel", segment_chunks=L, **kw)
+    o_par, ht_par = chunk_kda_fwd_triton(q, k, v, g, beta, dk**-0.5, scan="segments", segment_chunks=L, **kw)
     assert rel_err(o_par, o_seq) < 3e-3 and rel_err(ht_par, ht_seq) < 3e-3
     o_ref, _ = naive_recurrent_kda(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                    scale=dk**-0.5, initial_state=h0.double())

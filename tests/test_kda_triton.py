@@ -27,23 +27,15 @@ Tolerances (relative error ||out - ref|| / ||ref||):
 - bf16 (GPU only) vs float64 recurrence: 6e-3 (fla's bf16 `chunk_kda` measures ~4.7e-3 on
   the H200); if fla's Triton `chunk_kda` runs, no worse than 1.2x its error on the same
   inputs.
-- fp16 (the lean walk, `TITAN_MOE_KDA_WALK=lean`, which the interpreter can run: its bf16
-  dots are wrong) vs float64 recurrence: the bf16 bounds scaled by the ratio of the unit
-  roundoffs, 2^-11 / 2^-8 = 1/8: o and final state 7.5e-4, dq/dk/dv/dh0 1e-3, dg/dbeta
-  2.5e-3. The lean walk rounds W, U, K~, V~, h and the walk's dot operands to the input
-  dtype, so its error is a few roundings of that dtype (seen: <= 5e-4; classic, which
-  rounds only o and the input gradients, ~2e-4). Compiled on a GPU the fp32 tile dots of
-  16-bit inputs run in tf32 (unit roundoff 2^-11, fp16's own), which the interpreter computes
-  exactly: twice the rounding sources, twice the bounds (`FP16_TOL_COMPILED`). Set after the
-  first compiled run on the H200 exceeded the interpreter's bounds at o; every quantity
-  measured compiled on the H200 since (the same in two runs, `test_lean_walk_vs_float64`'s
-  inputs): o 1.08e-3, ht 2.24e-4, dq 8.39e-4, dk 8.14e-4, dv 6.36e-4, dg 5.65e-4, dbeta
-  6.15e-4, dh0 1.01e-4, so the doubled bounds leave 1.4x headroom at o, 2.4x at dq, 2.5x at dk
-  and more elsewhere (bf16 in the same run: o 3.49e-3, ht 1.16e-3, dq 3.05e-3, dk 3.56e-3, dv
-  3.71e-3, dg 3.20e-3, dbeta 3.44e-3, dh0 5.65e-4, all under `BF16_TOL`).
-- fp32 lean vs classic walk: 1e-6. With fp32 inputs the lean walk stores its precomputed
-  factors in fp32 and multiplies them with ieee dots: the same products, reassociated at
-  most (seen: bit-identical under the interpreter).
+- fp16 (16-bit inputs the interpreter can run: its bf16 dots are wrong) vs float64
+  recurrence: the bf16 bounds scaled by the ratio of the unit roundoffs, 2^-11 / 2^-8 = 1/8:
+  o and final state 7.5e-4, dq/dk/dv/dh0 1e-3, dg/dbeta 2.5e-3. The state walks round W, U,
+  K~, V~, h and their dot operands to the input dtype, so the error is a few roundings of
+  that dtype (seen: <= 5e-4). Compiled on a GPU the fp32 tile dots of 16-bit inputs run in
+  tf32 (unit roundoff 2^-11, fp16's own), which the interpreter computes exactly: twice the
+  rounding sources, twice the bounds (`FP16_TOL_COMPILED`; the first compiled run exceeded
+  the interpreter's bounds at o, and every quantity measured compiled since stays at least
+  1.4x under the doubled ones).
 """
 
 from __future__ import annotations
@@ -62,6 +54,7 @@ CUDA = interpret_without_gpu()
 from titan_moe.ops.kda import naive_recurrent_kda  # noqa: E402
 from titan_moe.ops.kda import triton_fwd  # noqa: E402
 from titan_moe.ops.kda import triton_bwd  # noqa: E402
+from titan_moe.ops.kda.kept import RESIDUAL_NAMES, residual_specs  # noqa: E402
 from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton  # noqa: E402
 from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton, kda_fwd_states  # noqa: E402
 
@@ -335,58 +328,26 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
 
 
 @needs_kernels
-def test_keys_kernel_load_order_keeps_results(monkeypatch):
-    """When the keys kernel loads its chunk's q, k, G (`TITAN_MOE_KDA_KEYS_LOADS`) changes
-    the schedule, not the maths; default late; bad values refused."""
-    monkeypatch.delenv(triton_bwd.KEYS_LOADS_ENV, raising=False)
-    assert triton_bwd.keys_late_loads()
-    inp = make_inputs(1, 100, 2, 32, 32, "rand", seed=10)
-    do = torch.randn(1, 100, 2, 32, generator=torch.Generator().manual_seed(10)).to(DEVICE)
-    runs = {}
-    for order in ("early", "late"):
-        monkeypatch.setenv(triton_bwd.KEYS_LOADS_ENV, order)
-        assert triton_bwd.keys_late_loads() == (order == "late")
-        runs[order] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
-    for name, got, want in zip(GRAD_NAMES, runs["late"], runs["early"]):
-        if want is not None:  # the same operations (compiled, the FMA contraction may differ)
-            assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
-    monkeypatch.setenv(triton_bwd.KEYS_LOADS_ENV, "never")
-    with pytest.raises(ValueError, match="early or late"):
-        triton_bwd.keys_late_loads()
-
-
-@needs_kernels
 @pytest.mark.parametrize("lens, dk, dv", [([5, 0, 70, 16, 139], 32, 16), ([100], 16, 32)])
 def test_bwd_tma_loads_keep_results(monkeypatch, lens, dk, dv):
-    """Stage 2's TMA loads (`TITAN_MOE_KDA_BWD_TMA`: keys, values, both / all) read, for a
-    sequence's last chunk, the next sequence's rows where the pointer loads read zeros: every
-    gradient still equals the pointer loads' (packed sequences, one empty, one shorter than a
-    tile, initial and final states); unknown kernel names refused; "values" by default."""
+    """The values kernel's TMA loads (the default where TMA can describe the operands) read,
+    for a sequence's last chunk, the next sequence's rows where the pointer loads (the
+    fallback) read zeros: every gradient still equals the pointer loads' (packed sequences,
+    one empty, one shorter than a tile, initial and final states)."""
     T, H, N = sum(lens), 2, len(lens)
     inp = make_inputs(1, T, H, dk, dv, "rand", seed=T + 1)
     gen = torch.Generator().manual_seed(T + 1)
     do = torch.randn(1, T, H, dv, generator=gen).to(DEVICE)
     h0, dht = (torch.randn(N, H, dk, dv, generator=gen).to(DEVICE) for _ in range(2))
     cu_seqlens = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEVICE) if N > 1 else None
-    runs = {}
-    monkeypatch.delenv(triton_bwd.BWD_TMA_ENV, raising=False)
-    assert triton_bwd.bwd_tma_kernels() == {"values"}
-    for kernels in ("none", "keys", "values", "keys,values"):
-        monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, kernels)
-        assert triton_bwd.bwd_tma_kernels() == frozenset(filter(None, kernels.split(","))) - {"none"}
-        if kernels == "keys,values":
-            monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, "all")
-            assert triton_bwd.bwd_tma_kernels() == {"keys", "values"}
-        runs[kernels] = chunk_kda_bwd_triton(**inp, scale=dk**-0.5, do=do, initial_state=h0, cu_seqlens=cu_seqlens,
-                                             dht=dht)
-    for kernels in ("keys", "values", "keys,values"):
-        for name, got, want in zip(GRAD_NAMES, runs[kernels], runs["none"]):
-            assert torch.isfinite(got).all(), (kernels, name)
-            assert rel_err(got, want) < 1e-6, (kernels, name, rel_err(got, want))
-    for bad in ("keys,intra", ","):
-        monkeypatch.setenv(triton_bwd.BWD_TMA_ENV, bad)
-        with pytest.raises(ValueError, match="keys, values"):
-            triton_bwd.bwd_tma_kernels()
+    args = dict(scale=dk**-0.5, do=do, initial_state=h0, cu_seqlens=cu_seqlens, dht=dht)
+    assert triton_bwd._row_descriptors([(triton_bwd._token_rows(inp["v"]), [64, min(dv, 64)])]) is not None
+    tma = chunk_kda_bwd_triton(**inp, **args)
+    monkeypatch.setattr(triton_bwd, "_row_descriptors", lambda views: None)  # the pointer loads
+    pointers = chunk_kda_bwd_triton(**inp, **args)
+    for name, got, want in zip(GRAD_NAMES, tma, pointers):
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
 
 
 @needs_kernels
@@ -394,21 +355,21 @@ def test_bwd_register_caps_keep_results(monkeypatch):
     """The register caps of stage 2, of the backward intra kernel and of the forward's A-tile
     kernel (run by the backward's recompute) are launch options (the interpreter ignores
     them), so results are equal; their parsing and their bounds."""
-    assert triton_bwd.bwd_register_caps() == ({"maxnreg": 128}, {"maxnreg": 128}, {"maxnreg": 168})  # the default
+    assert triton_bwd.bwd_register_caps() == ({"maxnreg": 128}, {"maxnreg": 128})  # the default
     assert triton_bwd.bwd_intra_register_cap() == {"maxnreg": 96}
     assert triton_fwd.intra_register_cap() == {"maxnreg": 96}
     inp = make_inputs(1, 70, 2, 32, 32, "rand", seed=8)
     do = torch.randn(1, 70, 2, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     default = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
-    monkeypatch.setenv(triton_bwd.BWD_MAXNREG_ENV, "0x0x0")
+    monkeypatch.setenv(triton_bwd.BWD_MAXNREG_ENV, "0x0")
     monkeypatch.setenv(triton_bwd.BWD_INTRA_MAXNREG_ENV, "0")
     monkeypatch.setenv(triton_fwd.INTRA_MAXNREG_ENV, "0")
-    assert triton_bwd.bwd_register_caps() == ({}, {}, {}) and triton_bwd.bwd_intra_register_cap() == {}
+    assert triton_bwd.bwd_register_caps() == ({}, {}) and triton_bwd.bwd_intra_register_cap() == {}
     assert triton_fwd.intra_register_cap() == {}
     for name, got, want in zip(GRAD_NAMES, chunk_kda_bwd_triton(**inp, scale=0.25, do=do), default):
         if want is not None:
             assert torch.equal(got, want), name
-    for bad, match in (("128x128", "KEYSxVALUESxDAKK"), ("0x16x0", "32 to 255"), ("0x0x256", "32 to 255")):
+    for bad, match in (("128x128x168", "KEYSxVALUES"), ("0x16", "32 to 255"), ("0x256", "32 to 255")):
         monkeypatch.setenv(triton_bwd.BWD_MAXNREG_ENV, bad)
         with pytest.raises(ValueError, match=match):
             triton_bwd.bwd_register_caps()
@@ -421,110 +382,47 @@ def test_bwd_register_caps_keep_results(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("gate", ["rand", "min"])
-def test_dakk_from_values_matches_the_inverse_form(monkeypatch, gate):
-    """dA_kk = -X^T (dV~ V~^T) in the values kernel (the default) against -X^T dX X^T from
-    the keys kernel's dX shares (`TITAN_MOE_KDA_DAKK=inverse`): the same gradients up to
-    fp32 rounding, over packed sequences (a chunk cut short mid-tile, an empty sequence),
-    an initial state, two key blocks in stage 2 and g = g_min on whole chunks."""
-    inp = make_inputs(1, 150, 2, 64, 32, gate, seed=12)
-    inp["cu_seqlens"] = torch.tensor([0, 5, 5, 70, 150], dtype=torch.int32).to(DEVICE)
-    gen = torch.Generator().manual_seed(12)
-    do = torch.randn(1, 150, 2, 32, generator=gen).to(DEVICE)
-    h0 = torch.randn(4, 2, 64, 32, generator=gen).to(DEVICE)
-    monkeypatch.setenv(triton_bwd.BWD_CHUNK_ENV, "32x16x8x8")  # two key blocks: two dX shares
-    runs = {}
-    for form in ("values", "inverse"):
-        monkeypatch.setenv(triton_bwd.DAKK_ENV, form)
-        runs[form] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do, initial_state=h0)
-    for name, got, want in zip(GRAD_NAMES, runs["values"], runs["inverse"]):
-        assert torch.isfinite(got).all(), name
-        assert rel_err(got, want) < 2e-5, (name, rel_err(got, want))
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype,bound,dg_bound", [(torch.float32, 2e-5, 2e-4), (torch.float16, 2e-3, 2e-3)])
-def test_bwd_intra_paired_matches_anchored(monkeypatch, dtype, bound, dg_bound):
-    """The default paired form of the backward intra kernel (the column side per row tile
-    around that tile's anchor; `TITAN_MOE_KDA_BWD_INTRA_FORM` and `TITAN_MOE_KDA_DOTS` unset)
-    against the anchored form, with g = g_min on whole chunks, packed
-    sequences (an empty one, tiles past a sequence's end) and an initial state. fp32 inputs
-    (ieee dots): the same sums reassociated. fp16 inputs take tf32 dots, where the paired
-    form rounds its exp-scaled operands to tf32 itself; the anchored reference runs its
-    intra kernel in tf32x3 (`triton_fwd.ANCHORED_DOTS`, named here), since on hardware plain
-    tf32 dots are what break dg's pairwise cancellation (the interpreter's dots are exact
-    either way). dq, dk move by the paired form's rounding, and dg, whose terms cancel
-    pairwise up to e^5 times their sum at g_min, stays as close only because both sides of
-    each pair round alike (with the row side's q operand left unrounded in dG, tried by
-    hand: dg 6.8e-2 against 1.4e-4). fp32's dg bound is its own cancellation noise
-    (`FP32_DG_TOL`'s docstring: each form sits ~7e-5 from float64 at g_min)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_bwd_at_gate_min_packed(dtype):
+    """The backward's intra kernel where dg cancels most (g = g_min on whole chunks: dg up to
+    e^5 times smaller than its pairwise terms), over packed sequences (an empty one, tiles
+    past a sequence's end) and an initial state, against float64 autograd. fp16 takes tf32
+    dots compiled, where the kernel rounds each cancelling pair's operands alike
+    (`triton_bwd`'s docstring); bounds per dtype as `test_walks_vs_float64`'s."""
     inp = make_inputs(1, 150, 2, 32, 32, "min", seed=14, dtype=dtype)
-    inp["cu_seqlens"] = torch.tensor([0, 5, 5, 70, 150], dtype=torch.int32).to(DEVICE)
+    cu_seqlens = torch.tensor([0, 5, 5, 70, 150], dtype=torch.int32).to(DEVICE)
     gen = torch.Generator().manual_seed(14)
     do = torch.randn(1, 150, 2, 32, generator=gen).to(DEVICE, dtype)
     h0 = torch.randn(4, 2, 32, 32, generator=gen).to(DEVICE)
-    runs = {}
-    for form, dots in (("anchored", "tf32/tf32/tf32x3"), ("paired", None)):
-        if dots is None:  # the defaults
-            monkeypatch.delenv(triton_bwd.BWD_INTRA_FORM_ENV, raising=False)
-            monkeypatch.delenv(triton_fwd.DOTS_ENV, raising=False)
-            assert triton_bwd.bwd_intra_paired() and triton_bwd.bwd_intra_precision(torch.float16) == "tf32"
-        else:
-            monkeypatch.setenv(triton_bwd.BWD_INTRA_FORM_ENV, form)
-            monkeypatch.setenv(triton_fwd.DOTS_ENV, dots)
-        runs[form] = chunk_kda_bwd_triton(**inp, scale=0.25, do=do, initial_state=h0)
-    for name, got, want in zip(GRAD_NAMES, runs["paired"], runs["anchored"]):
-        assert torch.isfinite(got).all(), name
-        err = rel_err(got.float(), want.float())
-        print(f"{dtype} paired against anchored: {name} {err:.2e}")
-        assert err < (dg_bound if name == "dg" else bound), (name, err)
-    monkeypatch.setenv(triton_bwd.BWD_INTRA_FORM_ENV, "tiles")
-    with pytest.raises(ValueError, match="anchored or paired"):
-        triton_bwd.bwd_intra_paired()
+    got = chunk_kda_bwd_triton(**inp, scale=0.25, do=do, initial_state=h0, cu_seqlens=cu_seqlens)
+    ref = reference_grads(inp, 0.25, do, initial_state=h0, cu_seqlens=cu_seqlens)
+    tol = fp16_tolerances() if dtype == torch.float16 else FP32_TOL_BY_NAME
+    for name, x, x_ref in zip(GRAD_NAMES, got, ref):
+        assert torch.isfinite(x).all(), name
+        assert rel_err(x, x_ref) < tol[name], (name, rel_err(x, x_ref))
 
 
 @needs_kernels
 def test_bf16_partials_stay_close_to_fp32(monkeypatch):
-    """`TITAN_MOE_KDA_BWD_PARTS`: by default ("auto") bf16 inputs hand dq / dk's state terms
-    to the intra kernel in bf16, fp16 and fp32 inputs in fp32. "bf16" also takes fp16 inputs
-    through bf16 (here: the interpreter computes bf16 dots wrongly, so fp16 inputs test that
-    path): one more rounding (2^-9 of those terms) than fp32; fp32 inputs keep fp32."""
-    monkeypatch.delenv(triton_bwd.BWD_PARTS_ENV, raising=False)
-    assert triton_bwd.bwd_parts_dtype(torch.bfloat16) == torch.bfloat16  # the default
+    """bf16 inputs hand dq / dk's state terms to the intra kernel in bf16 (`bwd_parts_dtype`),
+    fp16 and fp32 inputs in fp32. The interpreter computes bf16 dots wrongly, so fp16 inputs
+    take the bf16 partials here (the function patched): one more rounding (2^-9 of those
+    terms) than fp32."""
+    assert triton_bwd.bwd_parts_dtype(torch.bfloat16) == torch.bfloat16
     assert triton_bwd.bwd_parts_dtype(torch.float16) == torch.float32
     assert triton_bwd.bwd_parts_dtype(torch.float32) == torch.float32
-    for dtype, bound in ((torch.float16, 4e-3), (torch.float32, 0.0)):
-        inp = make_inputs(1, 150, 2, 32, 32, "rand", seed=13, dtype=dtype)
-        do = torch.randn(1, 150, 2, 32, generator=torch.Generator().manual_seed(13)).to(DEVICE, dtype)
-        monkeypatch.setenv(triton_bwd.BWD_PARTS_ENV, "fp32")
-        want = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
-        monkeypatch.setenv(triton_bwd.BWD_PARTS_ENV, "bf16")
-        assert triton_bwd.bwd_parts_dtype(dtype) == (torch.float32 if dtype == torch.float32 else torch.bfloat16)
-        got = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
-        for name, x, x_want in zip(GRAD_NAMES, got, want):
-            if x_want is None:
-                continue
-            err = rel_err(x.float(), x_want.float())
-            assert err <= bound, (dtype, name, err)
-            if name in ("dq", "dk") and dtype == torch.float16:
-                assert err > 0, name  # the partials did go through bf16
-    monkeypatch.setenv(triton_bwd.BWD_PARTS_ENV, "fp16")
-    with pytest.raises(ValueError, match="auto, fp32 or bf16"):
-        triton_bwd.bwd_parts_dtype(torch.bfloat16)
-
-
-def test_dakk_form_parsing(monkeypatch):
-    monkeypatch.delenv(triton_bwd.DAKK_ENV, raising=False)
-    assert triton_bwd.dakk_form("tf32") == (True, "tf32")
-    assert triton_bwd.dakk_form("ieee") == (True, "ieee")  # fp32 inputs keep exact dots
-    monkeypatch.setenv(triton_bwd.DAKK_ENV, "values:tf32x3")
-    assert triton_bwd.dakk_form("tf32") == (True, "tf32x3")
-    monkeypatch.setenv(triton_bwd.DAKK_ENV, "inverse")
-    assert triton_bwd.dakk_form("tf32") == (False, "tf32x3")
-    for bad in ("keys", "values:ieee", "inverse:"):
-        monkeypatch.setenv(triton_bwd.DAKK_ENV, bad)
-        with pytest.raises(ValueError, match="values or inverse"):
-            triton_bwd.dakk_form("tf32")
+    inp = make_inputs(1, 150, 2, 32, 32, "rand", seed=13, dtype=torch.float16)
+    do = torch.randn(1, 150, 2, 32, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.float16)
+    want = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+    monkeypatch.setattr(triton_bwd, "bwd_parts_dtype", lambda dtype: torch.bfloat16)
+    got = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
+    for name, x, x_want in zip(GRAD_NAMES, got, want):
+        if x_want is None:
+            continue
+        err = rel_err(x.float(), x_want.float())
+        assert err <= 4e-3, (name, err)
+        if name in ("dq", "dk"):
+            assert err > 0, name  # the partials did go through bf16
 
 
 @needs_kernels
@@ -569,45 +467,41 @@ def test_output_config_override_keeps_results(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("gate, spec", [("rand", "columns32x4"), ("min", "columns32x4"), ("rand", "columns")])
-def test_intra_columns_match_tiles(monkeypatch, gate, spec):
-    """The column-tile kernel (the default, one program per column tile, dk in steps of BK) writes the
-    A_qk tiles, the inverse (I + A_kk)^-1 and q_decay of the row-tile kernel (equal up to the
-    order of fp32 sums), hence its output and final state: packed sequences with a tile cut short and one shorter
-    than a tile, g at its bound over whole chunks (finite), an initial state; the knob's
-    parsing."""
+@pytest.mark.parametrize("gate", ["rand", "min"])
+def test_intra_config_override_keeps_results(monkeypatch, gate):
+    """The A-tile kernel's launch knob (key columns per step, warps) changes the grid, not the
+    maths: A_qk, the inverse (I + A_kk)^-1, q_decay, the output and the final state equal the
+    default's up to the order of fp32 sums, over packed sequences with a tile cut short and one
+    shorter than a tile, g at its bound over whole chunks (finite) and an initial state; the
+    knob's parsing."""
     lens = [5, 70, 83]
     T, H, N = sum(lens), 2, len(lens)
     inp = make_inputs(1, T, H, 32, 16, gate, seed=11)
     cu_seqlens = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEVICE)
     h0 = torch.randn(N, H, 32, 16, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     runs = {}
-    for name in ("tiles", spec):
-        monkeypatch.setenv(triton_fwd.INTRA_ENV, name)
-        st = kda_fwd_states(**inp, scale=0.25, initial_state=h0, cu_seqlens=cu_seqlens, output_final_state=True,
-                            output_q_decay=True)
-        o, ht = chunk_kda_fwd_triton(**inp, scale=0.25, initial_state=h0, cu_seqlens=cu_seqlens,
-                                     output_final_state=True)
-        runs[name] = dict(Aqk=st.Aqk, Ainv=st.Ainv, q_decay=st.q_decay, o=o, ht=ht)
+    for spec in (None, "16x2"):
+        if spec is None:
+            monkeypatch.delenv(triton_fwd.INTRA_ENV, raising=False)
+            assert triton_fwd.intra_config(128) == (32, 4)  # the default
+        else:
+            monkeypatch.setenv(triton_fwd.INTRA_ENV, spec)
+            assert triton_fwd.intra_config(128) == (16, 2)
+        st = kda_fwd_states(**inp, scale=0.25, initial_state=h0, cu_seqlens=cu_seqlens, output_final_state=True)
+        o = triton_fwd.kda_fwd_output(inp["q"], inp["v"], st)
+        runs[spec] = dict(Aqk=st.Aqk, Ainv=st.Ainv, q_decay=st.q_decay, o=o, ht=st.final_state)
     # the kernels write only tiles (I, J <= I) and valid rows: compare those
     rows = torch.arange(T, device=DEVICE) - torch.repeat_interleave(cu_seqlens[:-1], torch.tensor(lens).to(DEVICE))
     lower_tiles = (torch.arange(64, device=DEVICE)[None, :] // 16 <= (rows % 64)[:, None] // 16)[:, None, :]
-    for name, want in runs["tiles"].items():
-        got = runs[spec][name]
-        if got is None and want is None:
-            continue
+    for name, want in runs[None].items():
+        got = runs["16x2"][name]
         if name in ("Aqk", "Ainv"):
             got, want = torch.where(lower_tiles, got, 0.0), torch.where(lower_tiles, want, 0.0)
         assert torch.isfinite(got).all(), name
         assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
-    assert triton_fwd.intra_config(128) == ((32, 4) if spec == "columns32x4" else (64, 4))
-    monkeypatch.setenv(triton_fwd.INTRA_ENV, "columns128x4")
+    monkeypatch.setenv(triton_fwd.INTRA_ENV, "128x4")
     assert triton_fwd.intra_config(32) == (32, 4)  # clipped to dk
-    monkeypatch.setenv(triton_fwd.INTRA_ENV, "tiles")
-    assert triton_fwd.intra_config(128) is None  # the row-tile kernel
-    monkeypatch.delenv(triton_fwd.INTRA_ENV)
-    assert triton_fwd.intra_config(128) == (32, 4)  # the default
-    for bad in ("column", "columns48x4", "columns64x3", "rows"):
+    for bad in ("columns32x4", "48x4", "64x3", "32"):
         monkeypatch.setenv(triton_fwd.INTRA_ENV, bad)
         with pytest.raises(ValueError, match=triton_fwd.INTRA_ENV):
             triton_fwd.intra_config(128)
@@ -621,13 +515,13 @@ def test_tile_warps_override_keeps_results(monkeypatch):
     do = torch.randn(1, 100, 2, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     default_o, _ = chunk_kda_fwd_triton(**inp, scale=0.25)
     default_grads = chunk_kda_bwd_triton(**inp, scale=0.25, do=do)
-    monkeypatch.setenv(triton_fwd.TILE_WARPS_ENV, "2x4x8x1")
-    assert triton_fwd.tile_warps() == (2, 4, 8, 1)
+    monkeypatch.setenv(triton_fwd.TILE_WARPS_ENV, "2x8x1")
+    assert triton_fwd.tile_warps() == (2, 8, 1)
     assert rel_err(chunk_kda_fwd_triton(**inp, scale=0.25)[0], default_o) < 1e-6
     for name, got, want in zip(GRAD_NAMES, chunk_kda_bwd_triton(**inp, scale=0.25, do=do), default_grads):
         if want is not None:
             assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
-    for bad in ("4x4x4", "4x1x4x3", "axbxcxd"):
+    for bad in ("4x1x4x4", "1x4x3", "axbxc"):
         monkeypatch.setenv(triton_fwd.TILE_WARPS_ENV, bad)
         with pytest.raises(ValueError, match=triton_fwd.TILE_WARPS_ENV):
             triton_fwd.tile_warps()
@@ -646,7 +540,7 @@ def test_chunk_layout_is_built_once_per_bounds():
 
 def test_scan_config_default_rule(monkeypatch):
     """Default walk launch: 4 warps, the widest column block that still gives every SM a
-    program, else 16 columns (the H200 measurements behind it are in the docstring)."""
+    program, else 16 columns (a walk is latency bound: idle SMs cost more than narrow programs)."""
     monkeypatch.delenv(triton_fwd.SCAN_BV_ENV, raising=False)
     monkeypatch.delenv(triton_fwd.SCAN_WARPS_ENV, raising=False)
     assert triton_fwd.sequential_scan_config(128, 128, walks=16, n_sms=132) == (16, 4)  # B*H = 16
@@ -670,15 +564,14 @@ def test_scan_config_rejects_bad_values(monkeypatch):
 
 def test_scan_stages_rule(monkeypatch):
     """Walk pipeline stages: 3 at 16 columns, 2 wider, fp32 tiles at dk > 64 at 2 forward and
-    1 backward (what fits the H200's shared memory); the knob overrides and is checked."""
+    1 backward (what fits sm_90's shared memory); the knob overrides and is checked."""
     monkeypatch.delenv(triton_fwd.SCAN_STAGES_ENV, raising=False)
     assert triton_fwd.scan_stages(16, wide_tiles=False) == (3, 3)
     assert triton_fwd.scan_stages(64, wide_tiles=False) == (2, 2)
     assert triton_fwd.scan_stages(16, wide_tiles=True) == (2, 1)
-    assert triton_fwd.walk_tiles_wide(128, lean=True, dtype=torch.bfloat16) is False
-    assert triton_fwd.walk_tiles_wide(128, lean=False, dtype=torch.bfloat16) is True
-    assert triton_fwd.walk_tiles_wide(128, lean=True, dtype=torch.float32) is True
-    assert triton_fwd.walk_tiles_wide(64, lean=False, dtype=torch.float32) is False
+    assert triton_fwd.walk_tiles_wide(128, torch.bfloat16) is False
+    assert triton_fwd.walk_tiles_wide(128, torch.float32) is True
+    assert triton_fwd.walk_tiles_wide(64, torch.float32) is False
     monkeypatch.setenv(triton_fwd.SCAN_STAGES_ENV, "4x1")
     assert triton_fwd.scan_stages(16, wide_tiles=False) == (4, 1)
     monkeypatch.setenv(triton_fwd.SCAN_STAGES_ENV, "5x1")
@@ -690,50 +583,48 @@ def test_scan_stages_rule(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------
-# the lean state walks (TITAN_MOE_KDA_WALK=lean)
+# the state walks on packed sequences
 # ----------------------------------------------------------------------------------------
-LEAN_LENS = [5, 0, 100]  # shorter than a tile, empty, a chunk and 36 tokens
-_WALK_RUNS: dict[tuple, tuple] = {}
+WALK_LENS = [5, 0, 100]  # shorter than a tile, empty, a chunk and 36 tokens
+_WALK_RUNS: dict[torch.dtype, tuple] = {}
 
 
 def walk_inputs(dtype: torch.dtype):
     """(inputs, do, h0, dht, cu_seqlens, scale) of `walk_run`: H = 2, dk = 32, dv = 64 over
-    the packed `LEAN_LENS`, slow decay."""
-    T, H, N, dk, dv = sum(LEAN_LENS), 2, len(LEAN_LENS), 32, 64
+    the packed `WALK_LENS`, slow decay."""
+    T, H, N, dk, dv = sum(WALK_LENS), 2, len(WALK_LENS), 32, 64
     inp = make_inputs(1, T, H, dk, dv, "slow", seed=17, dtype=dtype)
     gen = torch.Generator().manual_seed(17)
     do = torch.randn(1, T, H, dv, generator=gen).to(DEVICE, dtype)
     h0 = torch.randn(N, H, dk, dv, generator=gen).to(DEVICE)
     dht = torch.randn(N, H, dk, dv, generator=gen).to(DEVICE)
-    cu_seqlens = torch.tensor([0] + LEAN_LENS).cumsum(0).to(torch.int32).to(DEVICE)
+    cu_seqlens = torch.tensor([0] + WALK_LENS).cumsum(0).to(torch.int32).to(DEVICE)
     return inp, do, h0, dht, cu_seqlens, dk**-0.5
 
 
-def walk_run(monkeypatch, walk: str, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Forward (o, final state) and all six gradients under `walk`, on packed sequences
-    with initial states and a final-state gradient, and the float64 references; cached
-    per (walk, dtype) (the interpreter is slow)."""
-    key = (walk, dtype)
-    if key not in _WALK_RUNS:
-        monkeypatch.setenv(triton_fwd.WALK_ENV, walk)
+def walk_run(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Forward (o, final state) and all six gradients on packed sequences with initial states
+    and a final-state gradient, and the float64 references; cached per dtype (the
+    interpreter is slow)."""
+    if dtype not in _WALK_RUNS:
         inp, do, h0, dht, cu_seqlens, scale = walk_inputs(dtype)
         o, ht = chunk_kda_fwd_triton(**inp, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
                                      output_final_state=True)
         grads = chunk_kda_bwd_triton(**inp, scale=scale, do=do, initial_state=h0, cu_seqlens=cu_seqlens, dht=dht)
         o_ref, ht_ref = reference(inp, scale, initial_state=h0, cu_seqlens=cu_seqlens)
         grads_ref = reference_grads(inp, scale, do, initial_state=h0, dht=dht, cu_seqlens=cu_seqlens)
-        _WALK_RUNS[key] = [o, ht, *grads], [o_ref, ht_ref, *grads_ref]
-    return _WALK_RUNS[key]
+        _WALK_RUNS[dtype] = [o, ht, *grads], [o_ref, ht_ref, *grads_ref]
+    return _WALK_RUNS[dtype]
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_lean_walk_vs_float64(monkeypatch, dtype):
-    """The lean walks: forward outputs, final states and all gradients against the float64
-    recurrence, with initial states, packed sequences (empty, shorter than a chunk, not a
-    multiple of 64) and slow decay (states carried across chunks); bounds per dtype
-    (module docstring: fp16 is the bf16 bound scaled by the unit roundoffs)."""
-    got, ref = walk_run(monkeypatch, "lean", dtype)
+def test_walks_vs_float64(dtype):
+    """Forward outputs, final states and all gradients against the float64 recurrence, with
+    initial states, packed sequences (empty, shorter than a chunk, not a multiple of 64) and
+    slow decay (states carried across chunks); bounds per dtype (module docstring: fp16 is
+    the bf16 bound scaled by the unit roundoffs)."""
+    got, ref = walk_run(dtype)
     tol = fp16_tolerances() if dtype == torch.float16 else FP32_TOL_BY_NAME
     errors = {}
     for name, x, x_ref in zip(("o", "ht", *GRAD_NAMES), got, ref, strict=True):
@@ -745,101 +636,48 @@ def test_lean_walk_vs_float64(monkeypatch, dtype):
 
 
 @needs_kernels
-def test_lean_walk_matches_classic_fp32(monkeypatch):
-    """fp32 inputs (ieee dots): the lean walks compute the classic walks' products, only
-    where they are computed differs; every output and gradient agrees to 1e-6."""
-    lean, _ = walk_run(monkeypatch, "lean", torch.float32)
-    classic, _ = walk_run(monkeypatch, "classic", torch.float32)
-    for name, x, y in zip(("o", "ht", *GRAD_NAMES), lean, classic, strict=True):
-        assert rel_err(x, y) < 1e-6, (name, rel_err(x, y))
-
-
-@needs_kernels
-def test_lean_walk_storage(monkeypatch):
-    """What each walk keeps: lean stores W, K~, V~ and h in the input dtype (fp32 for fp32
-    inputs), e^{G_last} in fp32, and drops U after the walk; classic keeps fp32 throughout."""
+def test_walk_storage():
+    """What the forward keeps: W, K~, V~ and h in the input dtype (fp32 for fp32 inputs),
+    e^{G_last} in fp32, and U dropped after the walk."""
     for dtype in (torch.float16, torch.float32):
         inp = make_inputs(1, 70, 1, 16, 32, "rand", seed=2, dtype=dtype)
-        monkeypatch.setenv(triton_fwd.WALK_ENV, "lean")
         st = kda_fwd_states(**inp, scale=0.25)
-        assert st.walk == "lean" and st.U is None
+        assert not hasattr(st, "U")
         for name in ("W", "k_to_end", "v_new", "h"):
             assert getattr(st, name).dtype == dtype, name
         assert st.decay.dtype == torch.float32 and st.decay.shape == (2, 1, 16)
         G_last = st.G[[63, 69], 0]  # the last valid token of each chunk
         assert torch.allclose(st.decay[:, 0], torch.exp(G_last), rtol=1e-6, atol=0)
-        monkeypatch.setenv(triton_fwd.WALK_ENV, "classic")
-        st = kda_fwd_states(**inp, scale=0.25)
-        assert st.walk == "classic" and st.k_to_end is None and st.decay is None
-        for name in ("W", "U", "v_new", "h"):
-            assert getattr(st, name).dtype == torch.float32, name
 
 
-def test_dot_precision_per_stage(monkeypatch):
-    """`TITAN_MOE_KDA_DOTS`: unset is tf32 everywhere, or tf32x3 in the backward's intra
-    kernel under the anchored form's default (the gate's gradient, `dot_precision`'s
-    docstring); one value sets every stage, a shorter list repeats its last entry and
-    overrides either default; fp32 inputs are always ieee; anything else raises."""
-    monkeypatch.delenv(triton_fwd.DOTS_ENV, raising=False)
-    stages = triton_fwd.DOT_STAGES
-    assert [triton_fwd.dot_precision(torch.bfloat16, s) for s in stages] == ["tf32"] * 3
-    anchored = [triton_fwd.dot_precision(torch.bfloat16, s, triton_fwd.ANCHORED_DOTS) for s in stages]
-    assert anchored == ["tf32", "tf32", "tf32x3"]
-    assert [triton_fwd.dot_precision(torch.float32, s) for s in stages] == ["ieee"] * 3
-    for text, want in (("ieee", ["ieee"] * 3), ("tf32x3/tf32", ["tf32x3", "tf32", "tf32"]),
-                       ("tf32/ieee/tf32", ["tf32", "ieee", "tf32"])):
-        monkeypatch.setenv(triton_fwd.DOTS_ENV, text)
-        assert [triton_fwd.dot_precision(torch.float16, s) for s in stages] == want, text
-        assert [triton_fwd.dot_precision(torch.float16, s, triton_fwd.ANCHORED_DOTS) for s in stages] == want, text
-    for bad in ("tf32,tf32x3", "tf32/tf32/tf32/tf32", "bf16"):
-        monkeypatch.setenv(triton_fwd.DOTS_ENV, bad)
-        with pytest.raises(ValueError, match="TITAN_MOE_KDA_DOTS"):
-            triton_fwd.dot_precision(torch.bfloat16)
-
-
-def test_walk_switch_rejects_unknown_values(monkeypatch):
-    """`TITAN_MOE_KDA_WALK`: unset or empty is lean, lean and classic are taken, anything
-    else raises before a kernel runs."""
-    monkeypatch.delenv(triton_fwd.WALK_ENV, raising=False)
-    assert triton_fwd.selected_walk() == "lean"
-    monkeypatch.setenv(triton_fwd.WALK_ENV, "")
-    assert triton_fwd.selected_walk() == "lean"
-    for walk in ("lean", "classic"):
-        monkeypatch.setenv(triton_fwd.WALK_ENV, walk)
-        assert triton_fwd.selected_walk() == walk
-    monkeypatch.setenv(triton_fwd.WALK_ENV, "Lean")
-    with pytest.raises(ValueError, match="TITAN_MOE_KDA_WALK must be one of"):
-        triton_fwd.selected_walk()
-    inp = make_inputs(1, 20, 1, 16, 16, "rand", seed=1)
-    with pytest.raises(ValueError, match="TITAN_MOE_KDA_WALK"):
-        chunk_kda_fwd_triton(**inp, scale=1.0)
-    with pytest.raises(ValueError, match="TITAN_MOE_KDA_WALK"):
-        chunk_kda_bwd_triton(**inp, scale=1.0, do=torch.zeros_like(inp["v"]))
+def test_dot_precision():
+    """fp32 (and wider) inputs take ieee dots, 16-bit inputs tf32."""
+    assert triton_fwd.dot_precision(torch.float32) == "ieee"
+    assert triton_fwd.dot_precision(torch.float64) == "ieee"
+    assert triton_fwd.dot_precision(torch.bfloat16) == "tf32"
+    assert triton_fwd.dot_precision(torch.float16) == "tf32"
 
 
 # ----------------------------------------------------------------------------------------
-# the kept forward (TITAN_MOE_KDA_KEEP: the backward reads the forward's intermediates)
+# the kept forward (the `kda_keep` choice: the backward reads the forward's intermediates)
 # ----------------------------------------------------------------------------------------
 @needs_kernels
-@pytest.mark.parametrize("walk,dtype", [("lean", torch.float16), ("lean", torch.float32), ("classic", torch.float32)])
-def test_kept_forward_backward_equals_recomputing(walk, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_kept_forward_backward_equals_recomputing(dtype):
     """`kept_forward` + `chunk_kda_bwd_triton(kept=...)` run the same kernels on the same
     values as the recomputing pair, so every output and gradient is bit-identical; the
     residuals have `residual_specs`' shapes (h and decay padded to `max_chunk_rows`: here 4
     rows for 3 chunks, the packed sequences of `walk_run`)."""
-    got_recompute, _ = walk_run(monkeypatch, walk, dtype)
-    monkeypatch.setenv(triton_fwd.WALK_ENV, walk)
+    got_recompute, _ = walk_run(dtype)
     inp, do, h0, dht, cu_seqlens, scale = walk_inputs(dtype)
     o, ht, residuals = triton_fwd.kept_forward(**inp, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
                                                output_final_state=True)
-    from titan_moe.ops.kda.kept import N_RESIDUALS
-
-    specs = triton_fwd.residual_specs(inp["q"], inp["v"], len(LEAN_LENS), True, walk)
-    assert len(residuals) == len(triton_fwd.RESIDUAL_NAMES) == N_RESIDUALS
+    specs = residual_specs(inp["q"], inp["v"], len(WALK_LENS), True)
+    assert len(residuals) == len(RESIDUAL_NAMES) == 8
     assert [(tuple(r.shape), r.dtype) for r in residuals] == specs
-    assert residuals[triton_fwd.RESIDUAL_NAMES.index("h")].shape[0] == 4
-    # the kept op returns these: none may alias an input or another return (the classic
-    # walk's two missing residuals once shared one empty tensor, which the op rejects)
+    assert residuals[RESIDUAL_NAMES.index("h")].shape[0] == 4
+    # the kept op returns these: none may alias an input or another return (missing
+    # residuals must be distinct empty tensors, which the op checks)
     torch._library.utils._c_check_aliasing_constraint(
         "kept_forward", (*inp.values(), h0, cu_seqlens), {}, (o, ht, *residuals))
     grads = chunk_kda_bwd_triton(**inp, scale=scale, do=do, initial_state=h0, cu_seqlens=cu_seqlens, dht=dht,
@@ -850,13 +688,12 @@ def test_kept_forward_backward_equals_recomputing(walk, dtype, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
-def test_g_cumsum_input_skips_the_cumsums(kept, monkeypatch):
+def test_g_cumsum_input_skips_the_cumsums(kept):
     """`g_cumsum`: the launchers take G (the chunk-local cumsum, as `kda_prepare` emits it)
     and return dG: the same output and state, and dG reverse-summed per chunk is the default's
     dg; kept, the G residual is empty (the input is G)."""
     from titan_moe.ops.kda.chunk_torch import chunk_local_cumsum
 
-    monkeypatch.setenv(triton_fwd.WALK_ENV, "lean")
     inp, do, h0, dht, cu_seqlens, scale = walk_inputs(torch.float32)
     G = chunk_local_cumsum(inp["g"], cu_seqlens)
     args = dict(scale=scale, initial_state=h0, cu_seqlens=cu_seqlens)
@@ -879,9 +716,9 @@ def test_g_cumsum_input_skips_the_cumsums(kept, monkeypatch):
 def test_kept_residuals_are_checked():
     """A residual list of the wrong length, shape or dtype is refused before any kernel runs."""
     inp = make_inputs(1, 70, 2, 16, 32, "rand", seed=3)
-    specs = triton_fwd.residual_specs(inp["q"], inp["v"], 1, False, "lean")
+    specs = residual_specs(inp["q"], inp["v"], 1, False)
     residuals = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
-    assert residuals[triton_fwd.RESIDUAL_NAMES.index("h")].shape == (2, 2, 16, 32)
+    assert residuals[RESIDUAL_NAMES.index("h")].shape == (2, 2, 16, 32)
     do = torch.zeros_like(inp["v"])
     with pytest.raises(ValueError, match="expected 8 residuals"):
         chunk_kda_bwd_triton(**inp, scale=1.0, do=do, kept=residuals[:-1])
@@ -910,7 +747,7 @@ class _StageLimitedKernel:
 
 
 def test_launch_falls_back_to_fewer_stages():
-    """The lean backward walk's 2 stages are an estimate: if they do not fit, 1 is used."""
+    """The backward walk's stages are an estimate: if they do not fit, fewer are used."""
     import logging
 
     from titan_moe.ops import triton_runtime
@@ -978,27 +815,16 @@ def test_bf16_long_sequence_vs_float64(T):
     assert err_o <= FLA_RATIO * rel_err(o_fla, o_ref), (err_o, rel_err(o_fla, o_ref))
 
 
-BWD_FORMS = {  # the backward's switches the bf16 gradient test runs under (`triton_bwd`)
-    "values": {"TITAN_MOE_KDA_DAKK": "values"},
-    "values:tf32x3": {"TITAN_MOE_KDA_DAKK": "values:tf32x3"},
-    "inverse": {"TITAN_MOE_KDA_DAKK": "inverse"},
-    "parts_fp32": {"TITAN_MOE_KDA_BWD_PARTS": "fp32"},
-}
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("T", [1024])
-@pytest.mark.parametrize("form", list(BWD_FORMS))
-def test_bf16_backward_vs_float64(T, form, monkeypatch):
-    """bf16 gradients against float64 autograd through the recurrence, for each form of
-    dA_kk (`triton_bwd.dakk_form`) and with bf16 partials (`triton_bwd.bwd_parts_dtype`);
-    bounds are fla's own bf16 test ratios (dq/dk/dv/dh0 8e-3, dg/dbeta 2e-2). Our errors are
+def test_bf16_backward_vs_float64(T):
+    """bf16 gradients against float64 autograd through the recurrence (bf16 partials,
+    `triton_bwd.bwd_parts_dtype`); bounds are fla's own bf16 test ratios (dq/dk/dv/dh0 8e-3,
+    dg/dbeta 2e-2). Our errors are
     printed (``-s``), and fla's on the same inputs beside them when fla's Triton kernels run
     and `TITAN_MOE_TEST_FLA_BWD=1` (fla's backward autotunes its kernels over minutes on a
     fresh machine; the bounds do not need it)."""
-    for name, value in BWD_FORMS[form].items():
-        monkeypatch.setenv(name, value)
     B, H, dk, dv = 1, 4, 128, 128
     gen = torch.Generator().manual_seed(T + 1)
     q = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1).to("cuda", torch.bfloat16)
@@ -1028,8 +854,8 @@ def test_bf16_backward_vs_float64(T, form, monkeypatch):
                                   output_final_state=True, safe_gate=True, lower_bound=-5.0)
         fla_grads = torch.autograd.grad((o_f.float() * do.float()).sum() + (ht_f * dht).sum(), fla_leaves)
         fla_errs = {name: rel_err(x, x_ref) for name, x, x_ref in zip(GRAD_NAMES, fla_grads, ref)}
-        print(f"T={T} {form}: " + ", ".join(f"{n} {errs[n]:.2e} (fla {fla_errs[n]:.2e})" for n in GRAD_NAMES))
+        print(f"T={T}: " + ", ".join(f"{n} {errs[n]:.2e} (fla {fla_errs[n]:.2e})" for n in GRAD_NAMES))
     else:
-        print(f"T={T} {form}: " + ", ".join(f"{n} {errs[n]:.2e}" for n in GRAD_NAMES))
+        print(f"T={T}: " + ", ".join(f"{n} {errs[n]:.2e}" for n in GRAD_NAMES))
     for name, err in errs.items():
         assert err < (2e-2 if name in ("dg", "dbeta") else 8e-3), (name, err)

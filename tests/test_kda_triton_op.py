@@ -13,15 +13,11 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 CHECK = textwrap.dedent(
     """
     import torch
     from titan_moe.ops.kda import op
-    from titan_moe.ops.kda.triton_op import kda_chunk_bwd_triton, kda_chunk_fwd_triton, selected_backend
-
-    assert selected_backend() == "triton"  # the default (registered for CUDA tensors only)
+    from titan_moe.ops.kda.triton_op import kda_chunk_bwd_triton, kda_chunk_fwd_triton
     torch.manual_seed(0)
     B, T, H, D = 1, 40, 2, 16
     q = torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1)
@@ -50,7 +46,7 @@ CHECK = textwrap.dedent(
                 # fp32 both ways; dg sums many cancelling terms (see test_kda_triton.py)
                 assert rel(a, b) < (2e-3 if name == "dg" else 1e-4), (name, rel(a, b))
 
-        # the kept pair (TITAN_MOE_KDA_KEEP): the same outputs and, reading the residuals, the
+        # the kept pair (the `kda_keep` choice): the same outputs and, reading the residuals, the
         # same gradients bit for bit
         from titan_moe.ops.kda.kept import kda_chunk_bwd_kept_triton, kda_chunk_fwd_kept_triton
 
@@ -74,15 +70,25 @@ CHECK = textwrap.dedent(
 
 def test_triton_adapters_match_torch_ops_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("TITAN_MOE_KDA_BACKEND", None)
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "adapters ok" in proc.stdout
 
 
-def test_unknown_backend_is_rejected(monkeypatch):
-    from titan_moe.ops.kda.triton_op import BACKEND_ENV, selected_backend
+def test_registered_kernels_follow_the_choice():
+    """The CUDA registrations run the kernels only where the `[kernels] kda` choice picks them
+    (per call): "auto" and "triton" on CUDA, never off it; "torch" keeps PyTorch on CUDA."""
+    import torch
 
-    monkeypatch.setenv(BACKEND_ENV, "cutlass")
-    with pytest.raises(ValueError, match=BACKEND_ENV):
-        selected_backend()
+    from titan_moe.ops import choices
+    from titan_moe.ops.kda.triton_op import kernels_selected, when_selected
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kernels_selected(cuda) and not kernels_selected(cpu)  # the default, auto
+    pick = when_selected(lambda x: "kernel", lambda x: "fallback")
+    assert pick(torch.empty(1, device="meta")) == "fallback"
+    with choices.using(kda="torch"):
+        assert not kernels_selected(cuda)
+    with choices.using(kda="triton"):
+        assert kernels_selected(cuda) and kernels_selected(cpu)
+        assert pick(torch.empty(1)) == "kernel"

@@ -546,19 +546,19 @@ def test_cli_activations_flag_defaults_to_the_compile_setting(capsys):
     assert eager["params"] == compiled["params"] and forced["layouts"][0]["gib"] == eager
 
 
-def test_cli_counts_the_kda_keep_residuals(capsys, monkeypatch):
-    """TITAN_MOE_KDA_KEEP=1 (the default): per token and head the kept forward holds fp32 G, A_qk, A_inv
-    (dk + 2C), the lean walk's W, K~, V~ and chunk states (2 dk + dv + dk dv / C, in q's
+def test_cli_counts_the_kda_keep_residuals(capsys):
+    """The `kda_keep` choice (on by default): per token and head the kept forward holds fp32 G,
+    A_qk, A_inv (dk + 2C), the walk's W, K~, V~ and chunk states (2 dk + dv + dk dv / C, in q's
     dtype) and e^{G_last} (dk / C fp32). The eager profile measures exactly that much more,
     less G (eager layers hand the op G itself), for each KDA layer kind (debug_cpu: fp32 q),
     nothing more for MLA; the compiled count adds it, G included, as an entry."""
+    from titan_moe.ops import choices
     from titan_moe.plan.activations import kept_residual_bytes_per_token
 
     base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141")
-    monkeypatch.setenv("TITAN_MOE_KDA_KEEP", "0")
-    _, plain = _run(capsys, *base)
-    _, plain_compiled = _run(capsys, *base, "--activations", "compiled")
-    monkeypatch.delenv("TITAN_MOE_KDA_KEEP")  # the default keeps
+    with choices.using(kda_keep=False):
+        _, plain = _run(capsys, *base)
+        _, plain_compiled = _run(capsys, *base, "--activations", "compiled")
     lines, kept = _run(capsys, *base)
     _, kept_compiled = _run(capsys, *base, "--activations", "compiled")
     args = FLAVORS["debug"]
@@ -576,7 +576,7 @@ def test_cli_counts_the_kda_keep_residuals(capsys, monkeypatch):
     assert after["mla+moe"]["kib_per_token"] == before["mla+moe"]["kib_per_token"]
     for with_keep, without in ((kept, plain), (kept_compiled, plain_compiled)):
         assert with_keep["layouts"][0]["gib"]["activations_none"] > without["layouts"][0]["gib"]["activations_none"]
-    assert any(f"TITAN_MOE_KDA_KEEP=1: each KDA layer's forward keeps {residual_kib:.1f} KiB" in line for line in lines)
+    assert any(f"kernels.kda_keep: each KDA layer's forward keeps {residual_kib:.1f} KiB" in line for line in lines)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -114,25 +114,21 @@ _LAYOUT = ("cu_seqlens", "chunk_indices", "chunk_offsets")  # host lists turned 
 
 
 @pytest.mark.parametrize("K,g_cumsum", [(32, False), (128, True)], ids=["dk32", "dk128-g_cumsum"])
-@pytest.mark.parametrize("walk", ["classic", "lean"])
 @pytest.mark.parametrize("direction", ["forward", "backward", "backward_kept"])
-def test_kda_allocations_replay_the_triton_launchers(direction, walk, K, g_cumsum, monkeypatch):
+def test_kda_allocations_replay_the_triton_launchers(direction, K, g_cumsum, monkeypatch):
     """The launchers, run on CPU tensors with their kernels stubbed out, allocate exactly the
     tensors `kda_fwd_allocations` / `kda_bwd_allocations` list, in that order, and peak where
     they say (the chunk layout's int32 tensors come from host lists: not dispatched, not
-    compared), for both state walks (`TITAN_MOE_KDA_WALK`; lean: bf16 walk tensors, its
-    precomputed factors, U and the backward walk's inputs freed early) and for the kept
-    pair's backward (no recompute: its residuals are the forward's)."""
-    from titan_moe.ops.kda.triton_fwd import WALK_ENV
-
-    monkeypatch.setenv(WALK_ENV, walk)
+    compared): bf16 walk tensors, the walk's precomputed factors, U and the backward walk's
+    inputs freed early; and for the kept pair's backward (no recompute: its residuals are the
+    forward's)."""
     _stub_kernels(monkeypatch)
     from titan_moe.ops.kda.triton_bwd import chunk_kda_bwd_triton
     from titan_moe.ops.kda.triton_fwd import chunk_kda_fwd_triton, kept_forward
 
     T, H = 256, 2  # dk = 128: the backward intra kernel's key split (dbeta shares summed after it)
     q, k, v, g, beta, do, cu_seqlens = _kda_inputs(T, H, K)
-    # the kept pair's backward (TITAN_MOE_KDA_KEEP=1) reads the forward's residuals
+    # the kept pair's backward (the `kda_keep` choice) reads the forward's residuals
     kept = None
     if direction == "backward_kept":
         kept = kept_forward(q, k, v, g, beta, K**-0.5, cu_seqlens=cu_seqlens, g_cumsum=g_cumsum)[2]
@@ -154,24 +150,17 @@ def test_kda_allocations_replay_the_triton_launchers(direction, walk, K, g_cumsu
     assert kept == sum(n for _, n in events)  # what stays: the outputs
 
 
-@pytest.mark.parametrize("walk", ["lean", "classic"])
-def test_kda_workspace_is_the_documented_formula(walk, monkeypatch):
+def test_kda_workspace_is_the_documented_formula():
     """Per token, the backward launcher's own tensors at its peak (plus the chunk layout's
-    few int32s), bf16 inputs: lean (the default) `(4C + 3dk + dv + dk dv / C + 1 + s) * 4 * H`,
-    small_1gpu 32 KiB; classic `(4C + 4dk + 3dv + 2 dk dv / C + 1 + s) * 4 * H`, 52 KiB; s =
-    dk / 64 where the backward intra kernel splits the key columns (dk > 64), else 0."""
-    from titan_moe.ops.kda.triton_fwd import WALK_ENV
-
-    monkeypatch.setenv(WALK_ENV, walk)
+    few int32s), bf16 inputs: `(4C + 3dk + dv + dk dv / C + 1 + s) * 4 * H`, small_1gpu
+    32 KiB; s = dk / 64 where the backward intra kernel splits the key columns (dk > 64),
+    else 0."""
     C = KDA_CHUNK
     for H, dk, dv in ((8, 128, 128), (4, 64, 32), (96, 128, 128)):
         split = dk // 64 if dk > 64 else 0
-        if walk == "lean":
-            formula = (4 * C + 3 * dk + dv + dk * dv / C + 1 + split) * 4 * H
-        else:
-            formula = (4 * C + 4 * dk + 3 * dv + 2 * dk * dv / C + 1 + split) * 4 * H
+        formula = (4 * C + 3 * dk + dv + dk * dv / C + 1 + split) * 4 * H
         assert kda_bwd_workspace_per_token(H, dk, dv) == pytest.approx(formula, rel=1e-4, abs=0.1)
-    assert round(kda_bwd_workspace_per_token(8, 128, 128) / 1024) == (32 if walk == "lean" else 52)
+    assert round(kda_bwd_workspace_per_token(8, 128, 128) / 1024) == 32
 
 
 # ----------------------------------------------------------------------------- GPU kernel stand-ins

@@ -56,7 +56,6 @@ slots = `attn_res.max_sources`):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -64,7 +63,7 @@ import torch
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import max_sources
-from titan_moe.ops.kda.op import keep_selected
+from titan_moe.ops.kda import keep_selected, residual_bytes_per_token
 
 from titan_moe.plan.eager import eager_profiles
 from titan_moe.plan.layout import ACTIVATION_MODELS, KDA_CHUNK, Layout, Precision
@@ -209,7 +208,7 @@ def _kda(args: ModelArgs, a: int) -> tuple[list[Entry], float]:
         Entry("kda.wo_in", I * a),
         Entry("kda.wo", D * a, kept=False, mm=True),
     ]
-    if keep_selected():  # the kept forward's residuals (TITAN_MOE_KDA_KEEP=1, the default)
+    if keep_selected():  # the kept forward's residuals (the `kda_keep` choice, on by default)
         e.append(Entry("kda.kept_residuals", kept_residual_bytes_per_token(args, a)))
     return e, kda_bwd_workspace_per_token(H, dk, dv)
 
@@ -217,11 +216,10 @@ def _kda(args: ModelArgs, a: int) -> tuple[list[Entry], float]:
 def kda_bwd_workspace_per_token(H: int, dk: int, dv: int) -> float:
     """Bytes per token of the KDA Triton backward launcher's own tensors at its peak (its
     outputs, the op's gradients, excluded), from `transient.kda_bwd_allocations` with
-    contiguous bf16 inputs over whole chunks, for the walk `$TITAN_MOE_KDA_WALK` selects:
-    lean `(4C + 3dk + dv + dk dv / C + 1 + s) * 4 * H`, classic `(4C + 4dk + 3dv + 2 dk dv / C +
-    1 + s) * 4 * H` (and the chunk layout's int32s; the dq / dk partials in bf16,
-    `triton_bwd.bwd_parts_dtype`), where s = dk / 64 when the backward intra kernel splits
-    the key columns (dk > 64, `triton_bwd.bwd_intra_bk`: its dbeta shares), else 0."""
+    contiguous bf16 inputs over whole chunks: `(4C + 3dk + dv + dk dv / C + 1 + s) * 4 * H`
+    (and the chunk layout's int32s; the dq / dk partials in bf16, `triton_bwd.bwd_parts_dtype`),
+    where s = dk / 64 when the backward intra kernel splits the key columns (dk > 64,
+    `triton_bwd.bwd_intra_bk`: its dbeta shares), else 0."""
     T = 16 * KDA_CHUNK
     with torch.device("meta"):
         q = torch.empty(1, T, H, dk, dtype=torch.bfloat16)
@@ -234,25 +232,14 @@ def kda_bwd_workspace_per_token(H: int, dk: int, dv: int) -> float:
 
 
 def kept_residual_bytes_per_token(args: ModelArgs, element_bytes: int = 2, g_cumsum: bool = False) -> float:
-    """Bytes per token one KDA layer's forward keeps for its backward under
-    `TITAN_MOE_KDA_KEEP=1` (the default), for q of `element_bytes` (16-bit or fp32), from
-    `triton_fwd.residual_specs` over whole chunks of one sequence with the walk
-    `$TITAN_MOE_KDA_WALK` selects; an entry of the compiled count when the switch is on
-    (the eager profile measures them: `eager.GpuKernelSaves`). `g_cumsum`: the eager layer's
-    case, where `kda_prepare` hands the op G itself, so no G of its own is kept (compiled
-    layers take the composite input maps and keep it)."""
-    # imported here: importing Triton decides interpreted vs compiled kernels for the process
-    from titan_moe.ops.kda.triton_fwd import residual_specs, selected_walk
-    from titan_moe.ops.kda.triton_op import kernels_cover
-
-    H, dk = args.kda_n_heads, args.kda_head_dim
-    T = 16 * KDA_CHUNK
-    with torch.device("meta"):
-        q = torch.empty(1, T, H, dk, dtype=torch.bfloat16 if element_bytes == 2 else torch.float32)
-    if not kernels_cover(q, q, q.float()):  # head widths the kernels do not run keep nothing
-        return 0.0
-    specs = residual_specs(q, q, 1, False, selected_walk(), g_cumsum)
-    return sum(math.prod(shape) * dt.itemsize for shape, dt in specs) / T
+    """Bytes per token one KDA layer's forward keeps for its backward under the `kda_keep`
+    choice (on by default), for q of `element_bytes` (16-bit or fp32): the op's
+    `residual_bytes_per_token`; an entry of the compiled count when the choice is on (the
+    eager profile measures them: `eager.GpuKernelSaves`). `g_cumsum`: the eager layer's case,
+    where `kda_prepare` hands the op G itself, so no G of its own is kept (compiled layers
+    take the composite input maps and keep it)."""
+    dtype = torch.bfloat16 if element_bytes == 2 else torch.float32
+    return residual_bytes_per_token(args.kda_n_heads, args.kda_head_dim, args.kda_head_dim, dtype, g_cumsum)
 
 
 def _mla(args: ModelArgs, a: int, cp: int) -> tuple[list[Entry], float]:

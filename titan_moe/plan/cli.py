@@ -16,7 +16,7 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.flops import count_params
 
-from titan_moe.ops.kda.op import KEEP_ENV, keep_selected
+from titan_moe.ops.kda import keep_selected
 from titan_moe.plan.activations import LayerActivations, kept_residual_bytes_per_token, model_activations
 from titan_moe.plan.eager import eager_profiles
 from titan_moe.plan.layout import AC_MODES, ACTIVATION_MODELS, GIB, MAX_SEARCH_GPUS, Layout, Precision
@@ -195,7 +195,7 @@ def run_plan(argv: list[str] | None = None) -> dict:
           f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
           f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
     if keep_selected():
-        print(f"  {KEEP_ENV}=1: each KDA layer's forward keeps {kept_residual_bytes_per_token(args, prec.compute) / 1024:.1f} KiB "
+        print(f"  kernels.kda_keep: each KDA layer's forward keeps {kept_residual_bytes_per_token(args, prec.compute) / 1024:.1f} KiB "
               f"per token for its backward, which skips the recompute "
               f"(counted below; the compiled count keeps the recomputing backward's workspace)")
     sac_text = "op-level SAC" if sac_option == "op" else f"layer SAC, 1 layer in {sac_option} checkpointed"

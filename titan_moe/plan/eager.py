@@ -25,7 +25,7 @@
     otherwise CUDA runs the same composite) its input and fp32 rstd. So `q` is the bias,
     `a` bytes per T^2 per sequence in each MLA layer, and 0 elsewhere; it is counted as
     `q * local_batch * (seq_len / cp)^2` (ring attention's masks under CP are not modelled).
-    With `TITAN_MOE_KDA_KEEP=1` (the default) the kept KDA forward returns zero residuals of
+    Under the `kda_keep` choice (on by default) the kept KDA forward returns zero residuals of
     the shapes its CUDA kernels keep (`kda.kept.cuda_shaped_residuals`), so they are counted
     as saved.
     CUDA autocast also runs softmax, sum, exp, ... in fp32 where CPU autocast does not; here
@@ -217,7 +217,7 @@ class GpuKernelSaves(torch.overrides.TorchFunctionMode):
         self._kda_residuals = None
 
     def __enter__(self):
-        # the kept KDA forward (TITAN_MOE_KDA_KEEP=1) returns the CUDA kernels' residuals
+        # the kept KDA forward (the `kda_keep` choice) returns the CUDA kernels' residuals
         self._kda_residuals = cuda_shaped_residuals()
         self._kda_residuals.__enter__()
         return super().__enter__()
@@ -379,14 +379,12 @@ def measure_eager_layer(
 _EAGER_CACHE: dict[tuple, dict[tuple[str, bool], EagerProfile]] = {}
 
 
-def _kda_switches() -> tuple[str, bool, bool]:
-    """(state walk, kept forward, fused input maps): read per call, like the ops read them."""
-    # imported here: importing Triton decides interpreted vs compiled kernels for the process
-    from titan_moe.ops.kda.op import keep_selected
-    from titan_moe.ops.kda.prepare import fused_prepare_selected
-    from titan_moe.ops.kda.triton_fwd import selected_walk
+def _kda_switches() -> tuple[bool]:
+    """(kept forward,): the KDA choice that changes what a layer keeps, read per call like the
+    op reads it."""
+    from titan_moe.ops.kda import keep_selected
 
-    return selected_walk(), keep_selected(), fused_prepare_selected()
+    return (keep_selected(),)
 
 
 def per_layer_kind(cache: dict, args: ModelArgs, prec: Precision, fsdp_enabled: bool, measure) -> dict:

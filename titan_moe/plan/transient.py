@@ -33,18 +33,15 @@ GPU kernels, whose CPU counterparts allocate differently:
     implementation returns them; the Triton launchers' own tensors are added as a spike while
     the op runs, from `kda_fwd_allocations` / `kda_bwd_allocations`, which replay the
     launchers' `torch.empty` calls in order (`triton_fwd.kda_fwd_states`, `kda_fwd_output`,
-    `triton_bwd.chunk_kda_bwd_triton`; the default sequential state scan, and the state walk
-    that `$TITAN_MOE_KDA_WALK` selects, classic or lean; a test runs the launchers with their
-    kernels stubbed out and compares, for both walks). The classic backward's
-    peak, per token and head in fp32 words (C = 64, K = dk, V = dv), all alive at its end:
-    G K, A_qk C, A_inv C, W K, U V, v_new V, h K V / C (the recomputed forward; A_kk C was
-    freed on return), dh K V / C, dv_new V, dA_qk C, dA_kk C, dq/dk partials K (bf16 for bf16
-    inputs, `triton_bwd.bwd_parts_dtype`), dG K, dbeta partial 1 = `4C + 4K + 3V + 2KV/C + 1`
-    words; then the outputs dq, dk, dv in the input dtype, dg fp32 K and dbeta fp32, and a
-    contiguous copy of v (a slice of the short convolution's q|k|v output). small_1gpu (H 8,
-    K = V = 128): 52 KiB per token. The lean walk (the default) stores h, v_new, dh, dv_new in
-    bf16 and frees W and its precomputed factors before stage 2: `4C + 3K + V + KV/C + 1`
-    words, 32 KiB.
+    `triton_bwd.chunk_kda_bwd_triton`; the op's sequential state scan; a test runs the
+    launchers with their kernels stubbed out and compares). The backward's peak, per token
+    and head (C = 64, K = dk, V = dv): fp32 G K, A_qk C, A_inv C, dA_qk C, dA_kk C, dG K and
+    dbeta partial 1; h, v_new, dh, dv_new (K V / C, V, K V / C, V) and the dq / dk partials
+    (K each, `triton_bwd.bwd_parts_dtype`) in bf16 for bf16 inputs; W and the walk's
+    precomputed factors are freed before stage 2: `4C + 3K + V + KV/C + 1` fp32 words, then
+    the outputs dq, dk, dv in the input dtype, dg fp32 K and dbeta fp32, and a contiguous copy
+    of v (a slice of the short convolution's q|k|v output). small_1gpu (H 8, K = V = 128):
+    32 KiB per token.
   * Grouped GEMM and token dispatch ops: their outputs are what the CUDA paths allocate
     (`torch._grouped_mm` and the Triton kernels need no workspace beyond cuBLAS's constant).
     Any other custom op (`titan_moe::*`) is counted through the Python function it was defined
@@ -78,9 +75,7 @@ mla+moe 266.7 / 272.1 vs 266.7 / 272.1; full-AC backward kda+dense 293.8 / 291.4
 token, the planner's numbers (model stream, constants out): transient 192, 270, 270; full-AC
 backward 287, 407, 382 + 2 B x T^2. The fused heuristic says transient 90, 108, 50.
 
-Not modelled: the parallel KDA state scan (`TITAN_MOE_KDA_SCAN=parallel`: its
-`[segments, H, dk, dk + dv]` transition buffer),
-head dims the KDA kernels do not cover (the op then runs its PyTorch backward, far larger),
+Not modelled: head dims the KDA kernels do not cover (the op then runs its PyTorch backward, far larger),
 EP's all-to-all and CP's ring-attention buffers (added by `activations.layer_activations`),
 the SDPA kernel's dK/dV accumulators (16 MiB, constant), allocator rounding (512 B blocks).
 """
@@ -233,16 +228,6 @@ def _chunk_counts(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int
     return N, -(-B * T // KDA_CHUNK) + N - 1
 
 
-def _walk_bytes(q: torch.Tensor) -> tuple[bool, int]:
-    """(lean, bytes per element of the walks' tensors): `$TITAN_MOE_KDA_WALK` as the launchers
-    read it; lean stores them in the input dtype, classic in fp32."""
-    # imported here: importing Triton decides interpreted vs compiled kernels for the process
-    from titan_moe.ops.kda.triton_fwd import selected_walk
-
-    lean = selected_walk() == "lean"
-    return lean, q.element_size() if lean else 4
-
-
 def _G_copy_bytes(g: torch.Tensor) -> int:
     """Under `g_cumsum` the launchers read G from g itself: a copy only if g is not fp32."""
     return 0 if g.dtype == torch.float32 else g.numel() * 4
@@ -254,7 +239,7 @@ def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state, output
     the names of what it returns (the `KDAForwardState`)."""
     B, T, H, K = q.shape
     V, TT, C, f32 = v.shape[-1], B * T, KDA_CHUNK, 4
-    lean, w = _walk_bytes(q)
+    w = q.element_size()  # the walks' tensors are in the input dtype
     N, chunks = _chunk_counts(q, cu_seqlens)
     layout = [("cu_seqlens", (N + 1) * 4), ("chunk_indices", chunks * 2 * 4), ("chunk_offsets", (N + 1) * 4)]
     copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in zip("qkvg", (q, k, v, g)) if not x.is_contiguous()]
@@ -269,12 +254,11 @@ def _fwd_states(events, q, k, v, g, beta, cu_seqlens, output_final_state, output
     ]
     if output_final_state:
         states.append(("ht", N * H * K * V * f32))
-    if lean:  # the walk's precomputed factors K~ and e^{G_last}
-        states += [("k_to_end", TT * H * K * w), ("decay", chunks * H * K * f32)]
+    states += [("k_to_end", TT * H * K * w), ("decay", chunks * H * K * f32)]  # the walk's factors K~, e^{G_last}
     events += layout + copies + states
-    # A_kk dies after the WY kernel, the lean walk's U after the walk; nothing is allocated in
-    # between, so freeing them here gives the same peak
-    freed = dict(copies + [s for s in states if s[0] == "Akk" or (lean and s[0] == "U")])
+    # A_kk dies after the WY kernel, U after the walk; nothing is allocated in between, so
+    # freeing them here gives the same peak
+    freed = dict(copies + [s for s in states if s[0] in ("Akk", "U")])
     events += [(name, -n) for name, n in freed.items()]
     return [name for name, _ in layout + states if name not in freed]
 
@@ -316,20 +300,18 @@ def kda_bwd_allocations(
                              g_cumsum=g_cumsum)
     copies = [(f"{name}_contiguous", _nbytes(x)) for name, x in
               (("q", q), ("k", k), ("v", v), ("beta", beta), ("do", do)) if not x.is_contiguous()]
-    lean, w = _walk_bytes(q)
+    w = q.element_size()  # the walks' tensors are in the input dtype
     scan = [("dh", chunks * H * K * V * w), ("dv_new", TT * H * V * w)]  # stage 1
     if initial_state is not None:
         scan.append(("dh0", N * H * K * V * f32))
-    walk_only = []
-    if lean:  # scale Q e^G for the walk; after it, the walk's inputs are freed (before stage 2)
-        scan.append(("q_decay", TT * H * K * q.element_size()))
-        walk_only = ["q_decay"] if kept else ["q_decay", "W", "k_to_end", "decay"]
+    # scale Q e^G for the walk; after it, the walk's inputs are freed (before stage 2)
+    scan.append(("q_decay", TT * H * K * w))
+    walk_only = ["q_decay"] if kept else ["q_decay", "W", "k_to_end", "decay"]
     # imported here: importing Triton decides interpreted vs compiled kernels for the process
-    from titan_moe.ops.kda.triton_bwd import bwd_chunk_config, bwd_intra_bk, bwd_parts_dtype, dakk_form
+    from titan_moe.ops.kda.triton_bwd import bwd_chunk_config, bwd_intra_bk, bwd_parts_dtype
 
-    NK = K // bwd_chunk_config(K, V)[0]  # stage 2's key blocks: their dbeta (and dX) shares
-    dakk_in_values = dakk_form("tf32")[0]
-    shares = [("dbeta_keys", NK * TT * H * f32)] + ([] if dakk_in_values else [("dX_keys", NK * TT * H * C * f32)])
+    NK = K // bwd_chunk_config(K, V)[0]  # stage 2's key blocks: their dbeta shares
+    shares = [("dbeta_keys", NK * TT * H * f32)]
     part = TT * H * K * bwd_parts_dtype(q.dtype).itemsize
     chunk = [("dq_part", part), ("dk_part", part), ("dG", TT * H * K * f32), *shares,
              ("dAqk", TT * H * C * f32), ("dAkk", TT * H * C * f32), ("dbeta_part", TT * H * f32), ("dv", _nbytes(v)),
@@ -353,7 +335,7 @@ def kda_bwd_allocations(
     events += chunk + intra + ([] if dG_returned else [("dg", _nbytes(g))])  # stage 4: dg
     sizes = dict(events)
     work = copies + [(name, n) for name, n in scan + chunk
-                     if n > 0 and name not in ("dh0", "dv", "dbeta_keys", "dX_keys", *walk_only)
+                     if n > 0 and name not in ("dh0", "dv", "dbeta_keys", *walk_only)
                      and not (dG_returned and name == "dG")]  # dG is dg
     work += [(name, n) for name, n in intra if name == "dbeta_intra_keys"]
     events += [(name, -sizes[name]) for name in states if name not in walk_only] + [(name, -n) for name, n in work]

@@ -36,6 +36,7 @@ import torch
 
 from titan_moe.ops.kda.gate import check_lower_bound, kda_gate
 
+CHUNK = 64  # tokens per chunk of the chunked form (this path's default, the Triton kernels' only size)
 TILE = 16  # sub-chunk size: the span over which pairwise decays are exponentiated directly
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.float64)
@@ -243,7 +244,7 @@ def _fill_padding_with_last(G_c: torch.Tensor, plan: _ChunkPlan, n_tokens: int, 
 
 
 def chunk_local_cumsum(
-    x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, reverse: bool = False, chunk_size: int = 64
+    x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, reverse: bool = False, chunk_size: int = CHUNK
 ) -> torch.Tensor:
     """Cumulative sum of `x [B, T, H, *d]` over the tokens of each chunk of `chunk_size`
     (chunks start at every sequence start, as in `chunk_kda_torch`); `reverse` sums from each

@@ -16,31 +16,31 @@ with `chunk_cumsum=True`) and dg is dG.
 
 The plain-PyTorch implementations here (`kda_chunk_fwd_torch`, `kda_chunk_bwd_torch`)
 serve every device. `triton_op.register_cuda_kernels` puts the Triton kernels under the
-same names for CUDA tensors (the default; `TITAN_MOE_KDA_BACKEND=torch` keeps the PyTorch
-path), with no change to the schemas, fake implementations, autograd wiring or callers.
+same names for CUDA tensors, with no change to the schemas, fake implementations, autograd
+wiring or callers; they run when the `[kernels] kda` choice picks Triton (`choices`; "auto":
+on CUDA), else the PyTorch path does.
 
 The L2 norm of q/k and the bounded gate stay outside these ops, so their contract is the
 bare recurrence of SPEC §1; `chunk_kda` applies them first (in eager mode as the
 `titan_moe::kda_prepare` op, see `prepare`). When autograd records the call, `chunk_kda`
 calls `titan_moe::kda_chunk_fwd_kept` instead, which also returns the forward's
-intermediates for its backward (`kept`); `TITAN_MOE_KDA_KEEP=0` makes the backward recompute
-them instead (less memory, 1.2x slower at T = 32K on the H200).
+intermediates for its backward (`kept`); the choice `kda_keep = false` makes the backward
+recompute them instead (less memory, slower).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
+from titan_moe.ops import choices, launch_env
 from titan_moe.ops.kda.chunk_torch import check_kda_inputs, chunk_kda_torch, prepare_qkg
-from titan_moe.ops.kda.prepare import fused_prepare_selected, kda_prepare
+from titan_moe.ops.kda.prepare import kda_prepare
 from titan_moe.ops.nvtx import nvtx_range
 
-KEEP_ENV = "TITAN_MOE_KDA_KEEP"  # 1 (default): `kept` ops; 0: the backward recomputes
 FWD_OP = "titan_moe::kda_chunk_fwd"
 BWD_OP = "titan_moe::kda_chunk_bwd"
 DEBUG_ENV = "TITAN_MOE_DEBUG"
@@ -206,17 +206,14 @@ kda_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 # public entry point
 # ----------------------------------------------------------------------------------------
 def keep_selected() -> bool:
-    """`$TITAN_MOE_KDA_KEEP`, read per call: "1" or unset keeps the forward's intermediates for
-    the backward (the `titan_moe::kda_chunk_fwd_kept` op, see `kept`); "0" recomputes them."""
-    value = os.environ.get(KEEP_ENV) or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{KEEP_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    """Whether `chunk_kda` under autograd keeps the forward's intermediates for the backward
+    (the `titan_moe::kda_chunk_fwd_kept` op, see `kept`): the `kda_keep` choice, read per call."""
+    return choices.current().kda_keep
 
 
 def _debug_check_gate(g: Tensor, lower_bound: float) -> None:
     """With TITAN_MOE_DEBUG=1, outside compiled code: g must lie in [lower_bound, 0]."""
-    if torch.compiler.is_compiling() or os.environ.get(DEBUG_ENV, "0") != "1":
+    if torch.compiler.is_compiling() or launch_env.read(DEBUG_ENV) != "1":
         return
     g_min, g_max = g.detach().aminmax()
     if bool(g_min < lower_bound) or bool(g_max > 0):
@@ -270,12 +267,11 @@ def chunk_kda(
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     both = use_qk_l2norm and gate_in_kernel and A_log is not None and dt_bias is not None
-    g_cumsum = both and not torch.compiler.is_compiling() and fused_prepare_selected()
+    g_cumsum = both and not torch.compiler.is_compiling()
     if g_cumsum:
-        # eager (default): both maps as one op (`prepare`; one Triton pass per direction on
-        # CUDA), which also takes over the chunk-local cumsum of g and its reverse in the
-        # backward from the core op. Otherwise the composite below, same maths, which Inductor
-        # fuses when compiled.
+        # eager: both maps as one op (`prepare`; one Triton pass per direction on CUDA), which
+        # also takes over the chunk-local cumsum of g and its reverse in the backward from the
+        # core op. Compiled: the composite below, same maths, which Inductor fuses.
         q, k, g = kda_prepare(q, k, g, A_log, dt_bias, lower_bound, cu_seqlens=cu_seqlens, chunk_cumsum=True)
     else:
         q, k, g = prepare_qkg(

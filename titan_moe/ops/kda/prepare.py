@@ -27,23 +27,16 @@ in the same pass): the KDA core ops then skip their own cumsum kernels (`g_cumsu
 This is what `chunk_kda(..., use_qk_l2norm=True, gate_in_kernel=True)` applies before the
 recurrence: the same maths as `chunk_torch.l2norm` and `gate.kda_gate` (which stay the
 references), as one opaque op. The PyTorch implementation below serves every device; on
-CUDA the Triton kernels of `triton_prepare` replace it (one pass over q, k, z forward, one
-backward, where the composite runs about a dozen elementwise and reduction kernels; with the
-casts and gradient sums around the KDA op they took about 5.9 ms of a 25 ms forward+backward
-at T = 32K on the H200, BENCHMARKS.md).
+CUDA the Triton kernels of `triton_prepare` replace it when the `[kernels] kda` choice picks
+Triton (one pass over q, k, z forward, one backward, where the composite runs about a dozen
+elementwise and reduction kernels, with casts and gradient sums around the KDA op).
 
-`chunk_kda` calls it in eager mode unless `$TITAN_MOE_KDA_PREPARE=composite` (read per call;
-default `fused`); compiled layers always take the PyTorch composite, which Inductor fuses
-with its neighbours. Measured on the H200 at T = 32K (BENCHMARKS.md, "SiTU-GLU kernels, lean
-KDA walks and fused KDA input maps"): eager forward+backward 20.0 ms with the op against
-25.3 ms with the composite. The op also keeps less for the backward (q, k, z in their
-dtypes: 14 KiB per token less than the composite in a small_1gpu KDA layer, measured by the
-planner's eager profile).
+`chunk_kda` calls it in eager mode; compiled layers take the PyTorch composite, which
+Inductor fuses with its neighbours. The op also keeps less for the backward than the eager
+composite would (q, k, z in their dtypes, nothing else).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import Tensor
@@ -52,19 +45,9 @@ from titan_moe.ops.kda.chunk_torch import chunk_local_cumsum
 from titan_moe.ops.kda.gate import check_lower_bound
 from titan_moe.ops.nvtx import nvtx_range
 
-PREPARE_ENV = "TITAN_MOE_KDA_PREPARE"  # fused (default) | composite
 FWD_OP = "titan_moe::kda_prepare"
 BWD_OP = "titan_moe::kda_prepare_bwd"
 EPS = 1e-6
-
-
-def fused_prepare_selected() -> bool:
-    """Whether `chunk_kda` uses this op in eager mode: `$TITAN_MOE_KDA_PREPARE` = "fused"
-    (default) or "composite"."""
-    name = os.environ.get(PREPARE_ENV) or "fused"
-    if name not in ("composite", "fused"):
-        raise ValueError(f"{PREPARE_ENV} must be 'composite' or 'fused', got {name!r}")
-    return name == "fused"
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

@@ -6,17 +6,16 @@ Forward per chunk (notation of `triton_fwd`; G = chunk-local cumsum of g, C = 64
     X = (I + A_kk)^{-1},   W = X Diag(beta) (e^G ⊙ K),   U = X Diag(beta) V
     V~ = U - W S,   O = scale (Q ⊙ e^G) S + A_qk V~,   S' = Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~
 
-Backward, given dO and dS_final (`dht`), the forward's intermediates recomputed by
-`triton_fwd.kda_fwd_states` (whose state scan follows `TITAN_MOE_KDA_SCAN`; the reverse
-scan below is always sequential, see `triton_scan` for the forward's parallel one):
+Backward, given dO and dS_final (`dht`), the forward's intermediates kept by the forward
+(`triton_fwd.kept_forward`) or recomputed by `triton_fwd.kda_fwd_states` (sequential walk):
 
     stage 1  `_bwd_state_scan_kernel`  per sequence, chunks in reverse: store dS' (gradient of
              the state after the chunk), dV~ = A_qk^T dO + (e^{G_last - G} ⊙ K) dS',
              dS = Diag(e^{G_last}) dS' + scale (Q ⊙ e^G)^T dO - W^T dV~  (ends at dh0).
-             Classic or lean, as the forward's walk (`TITAN_MOE_KDA_WALK`, see `triton_fwd`):
-             the lean walk first runs `_bwd_walk_prep_kernel` (per chunk: scale Q ⊙ e^G,
-             and A_qk^T dO into dV~'s buffer) and takes K~, e^{G_last} from the forward's
-             `_wy_kernel`; it stores dS' and dV~ in the input dtype (classic: fp32)
+             `_bwd_walk_prep_kernel` first computes the state-independent terms (per chunk:
+             scale Q ⊙ e^G, and A_qk^T dO into dV~'s buffer); K~ and e^{G_last} come from
+             the forward's `_wy_kernel`; dS' and dV~ are stored in the input dtype
+             (`triton_fwd`'s docstring)
     stage 2  everything that needs whole-chunk matrices, in two kernels:
              `_bwd_chunk_keys_kernel` per chunk and block of key columns: dW = -dV~ S^T;
              dK, dQ, dG from the state terms and from W = X (beta e^G K), and the block's
@@ -28,35 +27,42 @@ The gradient of A_kk without dX. Through X = (I + A_kk)^{-1}, dA_kk = -X^T dX X^
 dX = dU (beta V)^T + dW (beta e^G K)^T = dV~ (beta V - (beta e^G K) S)^T, since U and W reach
 the loss only through V~ = U - W S. The forward's own relation X (beta V - (beta e^G K) S) = V~
 makes that dV~ ((I + A_kk) V~)^T, so dA_kk = -X^T dV~ V~^T (I + A_kk)^T X^T = -X^T (dV~ V~^T):
-no S, no dX, and no cancellation between the two terms of dX. `$TITAN_MOE_KDA_DAKK` ("inverse",
-read per call) restores the previous form for comparison: the keys kernel's dX shares, the
-values kernel's dX, and `_bwd_dAkk_kernel`'s -X^T dX X^T.
+no S, no dX, and no cancellation between the two terms of dX, so the product takes the
+kernels' own dot precision.
     stage 3  `_bwd_intra_kernel`  per 16-token tile, the gradients of A_qk and A_kk into
              q, k, beta and G, with the same anchored dense tile dots as the forward
     stage 4  `_bwd_reverse_cumsum_kernel`  dg = reverse cumsum of dG inside each chunk
              (skipped with `g_cumsum`: dG is returned, `kda_prepare_bwd` sums it)
 
-Stage 3 and the tile anchors: tile T of a chunk, anchor c = G at its middle row. As rows
-(tiles J <= T): dq_T = Σ_J (dA_qk[T,J] @ (K_J ⊙ e^{c - G_J})) ⊙ e^{G_T - c}, and likewise
-R_T from dA_kk. As columns (tiles I >= T): dk_T += Σ_I (dA[I,T]^T @ (x_I ⊙ e^{G_I - c})) ⊙ e^{c - G_T}.
-Every factor is at most e^40 (see `triton_fwd`), and dA is already zero above the
-diagonal, so the diagonal tile is the same dense dot with nothing to mask. The G
-gradients follow from d e^{G_i - G_j} = e^{G_i - G_j} (dG_i - dG_j):
-dG_i += q_i ⊙ dq_i + k_i ⊙ dk_i(row part), dG_j -= k_j ⊙ dk_j(column part).
+Stage 3 and the tile anchors: tile I of a chunk, anchor c_I = G at its middle row. As rows
+(tiles J <= I): dq_I = Σ_J (dA_qk[I,J] @ (K_J ⊙ e^{c_I - G_J})) ⊙ e^{G_I - c_I}, and likewise
+R_I from dA_kk. As columns, tile J takes from every row tile I >= J, around I's own anchor:
+dk_J += Σ_I (dA[I,J]^T @ (x_I ⊙ e^{G_I - c_I})) ⊙ e^{c_I - G_J}. Every factor is at most e^40
+(see `triton_fwd`), and dA is already zero above the diagonal, so the diagonal tile is the
+same dense dot with nothing to mask. The G gradients follow from
+d e^{G_i - G_j} = e^{G_i - G_j} (dG_i - dG_j): dG_i += q_i ⊙ dq_i + k_i ⊙ dk_i(row part),
+dG_j -= k_j ⊙ dk_j(column part).
+
+Why both sides use row tile I's anchor and, with tf32 dots, tf32-rounded operands
+(`_round_tf32`): dg is the reverse cumsum inside each chunk of dG, where every pair (i, j)
+adds +x_ij at i (row side) and -x_ij at j (column side), and dg, up to e^5 times smaller
+than its terms, keeps only what does not cancel. Rounding the exp-scaled operands
+a_i = q_i e^(G_i - c_I), beta_i k_i e^(G_i - c_I) and b_j = k_j e^(c_I - G_j) to tf32 once
+and using the same rounded values in the dots and in dG's products on both sides makes both
+copies a_i dA_ij b_j of the same tf32 numbers, which cancel to fp32 accumulation; an anchor
+per side (or unrounded factors) leaves the tf32 rounding of different operands in dg,
+several times fla's error at long context. dq and dk themselves keep tf32's rounding.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from titan_moe.ops import launch_env
 from titan_moe.ops.kda.triton_fwd import (
-    ANCHORED_DOTS,
     CHUNK,
-    DEFAULT_DOTS,
     N_TILES,
     TILE,
     _WARPS,
@@ -77,38 +83,20 @@ from titan_moe.ops.triton_runtime import launch_with_fewer_stages_if_needed, row
 
 # stage 2's launch: "BKxBVxKEYS_WARPSxVALUES_WARPS", e.g. 64x64x8x8 (the default, see `bwd_chunk_config`)
 BWD_CHUNK_ENV = "TITAN_MOE_KDA_BWD_CHUNK"
-# when the keys kernel loads its chunk's q, k, G: "early" or "late", see `keys_late_loads`
-KEYS_LOADS_ENV = "TITAN_MOE_KDA_KEYS_LOADS"
-# stage 2's kernels whose value-loop operands load through TMA descriptors: "keys", "values",
-# both comma-joined, "all" or "none" (default "values"), see `bwd_tma_kernels`
-BWD_TMA_ENV = "TITAN_MOE_KDA_BWD_TMA"
 # key columns per program of the backward intra kernel, see `bwd_intra_bk`
 BWD_INTRA_BK_ENV = "TITAN_MOE_KDA_BWD_INTRA_BK"
-# the backward intra kernel's column side: "paired" (default) or "anchored", see `bwd_intra_paired`
-BWD_INTRA_FORM_ENV = "TITAN_MOE_KDA_BWD_INTRA_FORM"
 # register cap of the backward intra kernel (0: none), see `bwd_intra_register_cap`
 BWD_INTRA_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_INTRA_MAXNREG"
-# register caps of stage 2's kernels: "KEYSxVALUESxDAKK" (0: no cap), see `bwd_register_caps`
+# register caps of stage 2's kernels: "KEYSxVALUES" (0: no cap), see `bwd_register_caps`
 BWD_MAXNREG_ENV = "TITAN_MOE_KDA_BWD_MAXNREG"
-# where dA_kk is formed: "values" (default: -X^T (dV~ V~^T) in `_bwd_chunk_values_kernel`) or
-# "inverse" (-X^T dX X^T in `_bwd_dAkk_kernel`), optionally suffixed ":tf32" or ":tf32x3" for
-# that product's dots on 16-bit inputs (fp32 inputs: "ieee"), see `dakk_form`
-DAKK_ENV = "TITAN_MOE_KDA_DAKK"
-DA_KK_PRECISION = {"values": "tf32", "inverse": "tf32x3"}  # the forms' default dots on 16-bit inputs
-DA_KK_WARPS = 4
-# the dtype of the keys kernel's dq / dk partials: "auto" (default), "bf16" or "fp32", see `bwd_parts_dtype`
-BWD_PARTS_ENV = "TITAN_MOE_KDA_BWD_PARTS"
 
 
 def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     """(BK, BV, keys warps, values warps) of stage 2: `_bwd_chunk_keys_kernel` runs one
     program per chunk, head and BK key columns, both stage-2 kernels loop over BV value
-    columns. Default 64 x 64 with 8 warps each, clipped to dk and dv: since dA_kk left the
-    keys kernel (`dakk_form`), 64 key columns at 8 warps with late loads (`keys_late_loads`)
-    need 128 registers and spill 24 bytes on sm_90, two blocks per SM
-    (`profiling/kernel_resources.py`), and on the H200 at T = 32K forward+backward took 6.109 ms
-    against 6.196 with all 128 key columns at 16 warps, the default before (one block per SM,
-    104 bytes spilled), and 6.241 with early loads (BENCHMARKS.md, "KDA: dA_kk without dX").
+    columns. Default 64 x 64 with 8 warps each, clipped to dk and dv: 64 key columns at 8
+    warps need 128 registers and spill 24 bytes on sm_90, two blocks per SM
+    (`profiling/kernel_resources.py`), where all 128 key columns at 16 warps fit one.
     `$TITAN_MOE_KDA_BWD_CHUNK` ("BKxBVxWKxWV", read per call) overrides it for tuning."""
     bk, bv, wk, wv = _env_ints(BWD_CHUNK_ENV, "64x64x8x8", "64x32x8x8 (BKxBVxKEYS_WARPSxVALUES_WARPS)", 4)
     if bk not in (16, 32, 64, 128) or bv not in (16, 32, 64, 128):
@@ -118,75 +106,13 @@ def bwd_chunk_config(K: int, V: int) -> tuple[int, int, int, int]:
     return min(bk, K), min(bv, V), wk, wv
 
 
-def keys_late_loads() -> bool:
-    """Whether `_bwd_chunk_keys_kernel` loads its chunk's q, k, G after the value loop
-    (LATE_LOADS, the default) rather than before it; `$TITAN_MOE_KDA_KEYS_LOADS` ("early" or
-    "late", read per call) decides. Late loads free those tiles' registers during the loop:
-    measured on the H200 at T = 32K with the default launch, forward+backward 6.109 ms late
-    against 6.241 early (24 against 168 bytes spilled per thread); with 128 key columns at 16
-    warps 6.196 late against 6.198 early (BENCHMARKS.md, "KDA: dA_kk without dX"). Before
-    dA_kk left the kernel, 64 columns at 8 warps ran faster with early loads (1.51 against
-    1.61 ms for the kernel)."""
-    text = os.environ.get(KEYS_LOADS_ENV) or "late"
-    if text not in ("early", "late"):
-        raise ValueError(f"{KEYS_LOADS_ENV} must be early or late, got {text!r}")
-    return text == "late"
-
-
-def bwd_tma_kernels() -> frozenset[str]:
-    """Stage 2's kernels that read their value loop's operands through host TMA descriptors
-    instead of masked pointer loads: "keys" (`_bwd_chunk_keys_kernel`: S and dS' [BK, BV]
-    boxes of h and dh; dO, V~, dV~ [BT, BV] boxes) and "values" (`_bwd_chunk_values_kernel`:
-    v, V~, dV~, dO boxes), from `$TITAN_MOE_KDA_BWD_TMA` (comma-joined, "all" or "none"; read
-    per call). Default "values": on the H200 it took the values kernel from 0.600 to 0.476 ms
-    at T = 32K (forward+backward 6.89 -> 6.77 ms), while TMA in the keys kernel gained under 1%
-    (1.368 -> 1.358 ms), BENCHMARKS.md "KDA: stage 2's loads through TMA descriptors, timed".
-    A sequence's last chunk then reads the next sequence's rows, which only reach output rows
-    that are never stored (see the kernels). Where TMA cannot describe a tensor (alignment,
-    `row_major_descriptor`) the kernel keeps its pointer loads."""
-    known = frozenset({"keys", "values"})
-    text = os.environ.get(BWD_TMA_ENV) or "values"
-    if text == "none":
-        return frozenset()
-    names = known if text == "all" else frozenset(filter(None, text.split(",")))
-    if names - known or not names:
-        raise ValueError(f"{BWD_TMA_ENV} names kernels among keys, values (comma-joined), all or none, "
-                         f"got {text!r}")
-    return names
-
-
-def dakk_form(precision: str) -> tuple[bool, str]:
-    """(whether dA_kk is formed in the values kernel, the precision of its dots) from
-    `$TITAN_MOE_KDA_DAKK` (read per call): "values" (the default; see the module docstring)
-    or "inverse", each optionally ":tf32" or ":tf32x3" for 16-bit inputs; ``precision`` is
-    the kernels' own, "ieee" for fp32 inputs, which these dots keep.
-    Defaults: "values" with tf32 dots, "inverse" with tf32x3 (its -X^T dX X^T carries dX's
-    cancellation; -X^T (dV~ V~^T) has none). Measured on the H200 (BENCHMARKS.md, "KDA: dA_kk
-    without dX"): bf16 gradients at T = 1,024 against float64 equal to three digits in every
-    form (dq 2.63e-3, dbeta 2.89e-3 / 2.90e-3 tf32x3 / tf32); forward+backward at T = 32K
-    6.728 ms inverse, 6.311 values tf32x3, 6.258 values tf32."""
-    text = os.environ.get(DAKK_ENV) or "values"
-    form, sep, dots = text.partition(":")
-    if form not in ("values", "inverse") or (sep and dots not in ("tf32", "tf32x3")):
-        raise ValueError(f"{DAKK_ENV} must be values or inverse, optionally :tf32 or :tf32x3, got {text!r}")
-    return form == "values", "ieee" if precision == "ieee" else (dots or DA_KK_PRECISION[form])
-
-
 def bwd_parts_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """The dtype in which `_bwd_chunk_keys_kernel` hands its dq and dk terms to
-    `_bwd_intra_kernel` (dG's stays fp32: it is summed over the chunk), from
-    `$TITAN_MOE_KDA_BWD_PARTS` (read per call): "auto" (default) bf16 for bf16 inputs, whose
-    gradients are bf16 anyway, fp32 for the others (fp16 keeps three more mantissa bits than
-    bf16: its gradients' bounds would not hold); "bf16" for every 16-bit input; "fp32".
-    bf16 halves the bytes of two `[T, H, dk]` fp32 passes at one more rounding of those
-    terms. Measured on the H200 (BENCHMARKS.md, "KDA: dA_kk without dX"): forward+backward at
-    T = 32K 6.056 ms against 6.196 with fp32 partials; bf16 gradients at T = 1,024 against
-    float64: dk's error 2.71e-3 against 2.65e-3, the others unchanged."""
-    text = os.environ.get(BWD_PARTS_ENV) or "auto"
-    if text not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"{BWD_PARTS_ENV} must be auto, fp32 or bf16, got {text!r}")
-    bf16 = input_dtype == torch.bfloat16 if text == "auto" else text == "bf16" and input_dtype != torch.float32
-    return torch.bfloat16 if bf16 else torch.float32
+    `_bwd_intra_kernel` (dG's stays fp32: it is summed over the chunk): bf16 for bf16 inputs,
+    whose gradients are bf16 anyway (it halves the bytes of two `[T, H, dk]` passes at one
+    more rounding of those terms), fp32 for the others (fp16 keeps three more mantissa bits
+    than bf16: its gradients' bounds would not hold)."""
+    return torch.bfloat16 if input_dtype == torch.bfloat16 else torch.float32
 
 
 def _row_descriptors(views: list):
@@ -203,60 +129,23 @@ def _token_rows(t: torch.Tensor) -> torch.Tensor:
 
 def bwd_intra_bk(K: int) -> int:
     """Key columns per program of `_bwd_intra_kernel`: 64 by default, clipped to dk (at dk = 128
-    each 16-row tile's columns go to two adjacent programs; with 4 warps, `tile_warps`, the
-    kernel took 1.287 ms at T = 32K on the H200 against 1.417 for one 8-warp program per tile,
-    BENCHMARKS.md "backward intra key split"); `$TITAN_MOE_KDA_BWD_INTRA_BK` (16, 32, 64 or
-    128, read per call, clipped to dk) overrides it for tuning."""
-    text = os.environ.get(BWD_INTRA_BK_ENV) or "64"
+    each 16-row tile's columns go to two adjacent programs, with 4 warps, `tile_warps`: more
+    programs with fewer registers each than one 8-warp program per tile);
+    `$TITAN_MOE_KDA_BWD_INTRA_BK` (16, 32, 64 or 128, read per call, clipped to dk) overrides
+    it for tuning."""
+    text = launch_env.read(BWD_INTRA_BK_ENV) or "64"
     if text not in ("16", "32", "64", "128"):
         raise ValueError(f"{BWD_INTRA_BK_ENV} must be 16, 32, 64 or 128, got {text!r}")
     return min(int(text), K)
 
 
-def bwd_intra_paired() -> bool:
-    """Whether `_bwd_intra_kernel` pairs its two sides (`$TITAN_MOE_KDA_BWD_INTRA_FORM`, read
-    per call: "paired", the default, or "anchored", the earlier default).
-
-    dG gets each pair (i, j), i after j in the chunk, twice: +x_ij at i from the row side
-    (dq_i, R_i) and -x_ij at j from the column side (dk_j), and dg, their reverse cumsum,
-    keeps only what does not cancel. "anchored" forms the column side around the column
-    tile's own anchor and multiplies dG's terms by unrounded factors, so with tf32 dots the
-    two copies of x_ij differ by the tf32 rounding of different operands (hence tf32x3 in
-    this kernel under that form by default, `triton_fwd.ANCHORED_DOTS`). "paired" forms the column side per
-    row tile I around I's anchor, the one the row side of I uses, and with tf32 dots rounds
-    the exp-scaled operands a_i = q_i e^(G_i - c_I), beta_i k_i e^(G_i - c_I) and
-    b_j = k_j e^(c_I - G_j) to tf32 itself, using the same rounded values in the dots and in
-    dG's products on both sides: both copies are then a_i dA_ij b_j of the same tf32 numbers,
-    which cancel to fp32 accumulation. dq and dk themselves keep tf32's rounding. Measured
-    on the H200 at T = 32K, bf16 (BENCHMARKS.md, "The paired form on the GPU"): the kernel
-    took 1.580 ms paired in tf32 against 1.935 anchored in tf32x3, with dg 3.43e-3 against
-    our chunked path in fp32 (fla 3.77e-3), 2.99e-3 with g = g_min everywhere (fla 5.25e-3)."""
-    text = os.environ.get(BWD_INTRA_FORM_ENV) or "paired"
-    if text not in ("anchored", "paired"):
-        raise ValueError(f"{BWD_INTRA_FORM_ENV} must be anchored or paired, got {text!r}")
-    return text == "paired"
-
-
-def bwd_intra_precision(dtype: torch.dtype) -> str:
-    """`tl.dot` input precision of `_bwd_intra_kernel`: `dot_precision`'s "backward_intra"
-    stage with the selected form's default (`bwd_intra_paired`: tf32 paired, tf32x3
-    anchored, `triton_fwd.ANCHORED_DOTS`)."""
-    return dot_precision(dtype, "backward_intra", DEFAULT_DOTS if bwd_intra_paired() else ANCHORED_DOTS)
-
-
-def bwd_register_caps() -> tuple[dict, dict, dict]:
-    """Launch options of `_bwd_chunk_keys_kernel`, `_bwd_chunk_values_kernel` and
-    `_bwd_dAkk_kernel` that cap their registers per thread (Triton's `maxnreg`), read per
-    call from `$TITAN_MOE_KDA_BWD_MAXNREG` ("KEYSxVALUESxDAKK", 0: no cap). Default 128 x
-    128 x 168: at dk = dv = 128 on sm_90 (`profiling/kernel_resources.py`) two 8-warp blocks
-    of the keys and of the values kernel fit on an SM instead of one (the keys kernel spills
-    248 bytes per thread for it, the values kernel nothing) and three 4-warp blocks of dA_kk
-    instead of two. Measured on the H200 (BENCHMARKS.md, "register caps"), forward+backward:
-    T = 32K 8.198 ms against 8.466 uncapped, 8 x 4K 7.218 against 7.484 (keys 1.604 against
-    1.700 ms, values 0.616 against 0.778). A kernel that needs fewer registers is unaffected;
-    `_bwd_dAkk_kernel` runs only in the "inverse" form of `dakk_form`.
-    """
-    caps = _env_ints(BWD_MAXNREG_ENV, "128x128x168", "0x128x168 (KEYSxVALUESxDAKK, 0: no cap)", 3)
+def bwd_register_caps() -> tuple[dict, dict]:
+    """Launch options of `_bwd_chunk_keys_kernel` and `_bwd_chunk_values_kernel` that cap their
+    registers per thread (Triton's `maxnreg`), read per call from `$TITAN_MOE_KDA_BWD_MAXNREG`
+    ("KEYSxVALUES", 0: no cap). Default 128 x 128: at dk = dv = 128 on sm_90
+    (`profiling/kernel_resources.py`) two 8-warp blocks of each kernel then fit on an SM
+    instead of one. A kernel that needs fewer registers is unaffected."""
+    caps = _env_ints(BWD_MAXNREG_ENV, "128x128", "0x128 (KEYSxVALUES, 0: no cap)", 2)
     if any(c and not 32 <= c <= 255 for c in caps):
         raise ValueError(f"{BWD_MAXNREG_ENV}: caps must be 0 (none) or 32 to 255 registers, got {caps}")
     return tuple({"maxnreg": c} if c else {} for c in caps)
@@ -265,12 +154,9 @@ def bwd_register_caps() -> tuple[dict, dict, dict]:
 def bwd_intra_register_cap() -> dict:
     """Launch option of `_bwd_intra_kernel` capping its registers per thread (Triton's
     `maxnreg`), read per call from `$TITAN_MOE_KDA_BWD_INTRA_MAXNREG` (0: no cap, else 32 to
-    255). Default 96: at dk = 128 on sm_90 (`profiling/kernel_resources.py`) the paired
-    kernel, which finishes its row side before its column side, holds 116 registers at 4
-    warps uncapped (four blocks per SM); capped at 96 it spills 56 bytes per thread and five
-    fit. Measured on the H200 (BENCHMARKS.md, "the backward intra kernel's row side first"):
-    the kernel 1.282 ms against 1.359 uncapped and 1.371 at 112, at T = 32K and at 8 x 4K;
-    32 key columns per program (79 registers, six blocks) took 1.42."""
+    255). Default 96: at dk = 128 on sm_90 (`profiling/kernel_resources.py`) the kernel,
+    which finishes its row side before its column side, holds 116 registers at 4 warps
+    uncapped (four blocks per SM); capped at 96 it spills 56 bytes per thread and five fit."""
     return env_register_cap(BWD_INTRA_MAXNREG_ENV, 96)
 
 
@@ -283,7 +169,7 @@ def _bwd_walk_prep_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """The lean reverse walk's state-independent terms, one chunk per program:
+    """The reverse walk's state-independent terms, one chunk per program:
     q_decay = scale Q ⊙ e^G (`[TT, H, K]`, input dtype) and dV~'s local part A_qk^T dO,
     written into dv_new (`[TT, H, V]`, input dtype; the walk adds its state term in place).
     Grid: (chunks, H).
@@ -308,65 +194,43 @@ def _bwd_walk_prep_kernel(
 
 @triton.jit
 def _bwd_walk_prefetch(decay, dv_new, i_t, n_chunks, bos, T, boc, i_h, o_k, o_v, H: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, LEAN: tl.constexpr):
-    """The lean reverse walk's small per-chunk loads, issued one chunk ahead: e^{G_last}
-    (`[K]` fp32) and dV~'s local part A_qk^T dO from dv_new (`[BT, BV]`, dv_new's dtype: the
-    caller converts it where it uses it, so that nothing in this iteration waits for the
-    load) of chunk i_t; zeros when i_t is outside [0, n_chunks) or the walk is classic.
-    Triton's software pipeliner (3.6) leaves both loads in the loop body, on the walk's
-    critical path (see `triton_fwd._prefetch_decay`)."""
-    b_decay = _prefetch_decay(decay, boc, i_t, n_chunks, i_h, o_k, H, K, LEAN)
-    if LEAN:
-        valid = (i_t >= 0) & (i_t < n_chunks)
-        rows = i_t * BT + tl.arange(0, BT)
-        p_v = ((bos + rows) * H + i_h)[:, None] * V + o_v[None, :]
-        b_dvn = tl.load(dv_new + p_v, mask=((rows < T) & valid)[:, None], other=0.0)
-        return b_decay, b_dvn
-    else:
-        return b_decay, tl.zeros([BT, BV], dtype=tl.float32)
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """The reverse walk's small per-chunk loads, issued one chunk ahead: e^{G_last} (`[K]`
+    fp32) and dV~'s local part A_qk^T dO from dv_new (`[BT, BV]`, dv_new's dtype: the caller
+    converts it where it uses it, so that nothing in this iteration waits for the load) of
+    chunk i_t; zeros when i_t is outside [0, n_chunks). Triton's software pipeliner (3.6)
+    leaves both loads in the loop body, on the walk's critical path (see
+    `triton_fwd._prefetch_decay`)."""
+    b_decay = _prefetch_decay(decay, boc, i_t, n_chunks, i_h, o_k, H, K)
+    valid = (i_t >= 0) & (i_t < n_chunks)
+    rows = i_t * BT + tl.arange(0, BT)
+    p_v = ((bos + rows) * H + i_h)[:, None] * V + o_v[None, :]
+    b_dvn = tl.load(dv_new + p_v, mask=((rows < T) & valid)[:, None], other=0.0)
+    return b_decay, b_dvn
 
 
 @triton.jit
-def _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, do, dh, dv_new, b_dS, b_decay_lean, b_dvn_lean, i_t, bos, T, boc,
-                    i_h, o_k, o_v, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    LEAN: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_scan_chunk(W, Kt, q_decay, do, dh, dv_new, b_dS, b_decay, b_dvn, i_t, bos, T, boc, i_h, o_k, o_v,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
     """One chunk of the reverse recurrence: store dS', write dV~, return dS at the chunk start.
 
-    b_dS stays fp32; the dots take it (and dV~) in W's dtype (lean: the input dtype, fp32
-    accumulation; classic: fp32, the casts are no-ops). Classic computes K~, scale Q ⊙ e^G,
-    e^{G_last} and A_qk^T dO here; lean loads them (`_wy_kernel`, `_bwd_walk_prep_kernel`:
-    dv_new holds A_qk^T dO on entry), e^{G_last} and A_qk^T dO one chunk ahead
-    (`_bwd_walk_prefetch`: `b_decay_lean`, `b_dvn_lean`; unused by classic).
+    b_dS stays fp32; the dots take it (and dV~) in W's dtype (the input dtype, fp32
+    accumulation). K~ comes from `_wy_kernel`, scale Q ⊙ e^G from `_bwd_walk_prep_kernel`
+    (dv_new holds A_qk^T dO on entry); e^{G_last} and A_qk^T dO arrive one chunk ahead as
+    `b_decay`, `b_dvn` (`_bwd_walk_prefetch`).
     """
     tl.store(dh + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_dS.to(dh.dtype.element_ty))
-    o_t = tl.arange(0, BT)
-    rows = i_t * BT + o_t
+    rows = i_t * BT + tl.arange(0, BT)
     m_r = (rows < T)[:, None]
     tok = (bos + rows) * H + i_h
     p_k = tok[:, None] * K + o_k[None, :]
     p_v = tok[:, None] * V + o_v[None, :]
-    if LEAN:
-        b_w = tl.load(W + p_k, mask=m_r, other=0.0)
-        b_k_to_end = tl.load(Kt + p_k, mask=m_r, other=0.0)
-        b_q_decay = tl.load(q_decay + p_k, mask=m_r, other=0.0)
-        b_decay = b_decay_lean
-        # dO may come in another dtype than the inputs
-        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(b_q_decay.dtype)
-        b_dvn = b_dvn_lean.to(tl.float32)
-    else:
-        last = tl.minimum(i_t * BT + BT, T) - 1
-        b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
-        b_G = tl.load(G + p_k, mask=m_r, other=0.0)
-        b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
-        b_w = tl.load(W + p_k, mask=m_r, other=0.0)
-        b_A = tl.load(Aqk + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
-        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(tl.float32)
-        b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
-        b_q_decay = b_q * tl.exp(b_G) * scale
-        b_decay = tl.exp(b_G_last)
-        b_dvn = tl.dot(tl.trans(b_A), b_do, input_precision=PRECISION)
-    b_dvn += tl.dot(b_k_to_end, b_dS.to(b_k_to_end.dtype), input_precision=PRECISION)
+    b_w = tl.load(W + p_k, mask=m_r, other=0.0)
+    b_k_to_end = tl.load(Kt + p_k, mask=m_r, other=0.0)
+    b_q_decay = tl.load(q_decay + p_k, mask=m_r, other=0.0)
+    # dO may come in another dtype than the inputs
+    b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(b_q_decay.dtype)
+    b_dvn = b_dvn.to(tl.float32) + tl.dot(b_k_to_end, b_dS.to(b_k_to_end.dtype), input_precision=PRECISION)
     tl.store(dv_new + p_v, b_dvn.to(dv_new.dtype.element_ty), mask=m_r)
     b_dS = b_dS * b_decay[:, None] + tl.dot(tl.trans(b_q_decay), b_do, input_precision=PRECISION)
     return b_dS - tl.dot(tl.trans(b_w), b_dvn.to(b_w.dtype), input_precision=PRECISION)
@@ -374,17 +238,15 @@ def _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, do, dh, dv_new, b_dS, b_decay_
 
 @triton.jit
 def _bwd_state_scan_kernel(
-    q, k, G, W, Aqk, Kt, q_decay, decay, do, dh, dv_new, dht, dh0, scale, cu_seqlens, chunk_offsets,
+    W, Kt, q_decay, decay, do, dh, dv_new, dht, dh0, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LEAN: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Walk one sequence's chunks backwards for one head and BV state columns.
 
-    q, k, G, W: `[TT, H, K]`; Aqk `[TT, H, BT]`; do `[TT, H, V]`; dh `[chunks, H, K, V]`
-    receives dS' (gradient of each chunk's final state); dv_new `[TT, H, V]` receives dV~;
-    dht, dh0 `[N, H, K, V]` fp32; LEAN only: Kt, q_decay `[TT, H, K]`, decay
-    `[chunks, H, K]` (the classic walk reads q, k, G, Aqk instead). Dtypes per walk in
+    W, Kt, q_decay: `[TT, H, K]`; decay `[chunks, H, K]` fp32; do `[TT, H, V]`; dh
+    `[chunks, H, K, V]` receives dS' (gradient of each chunk's final state); dv_new
+    `[TT, H, V]` holds A_qk^T dO and receives dV~; dht, dh0 `[N, H, K, V]` fp32. Dtypes in
     `triton_fwd`'s docstring. Grid: (V // BV, N * H).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -402,23 +264,23 @@ def _bwd_state_scan_kernel(
         b_dS = tl.zeros([K, BV], dtype=tl.float32)
     n_chunks = tl.cdiv(T, BT)
     b_decay, b_dvn = _bwd_walk_prefetch(decay, dv_new, n_chunks - 1, n_chunks, bos, T, boc, i_h, o_k, o_v,
-                                        H, K, V, BT, BV, LEAN)
+                                        H, K, V, BT)
     if INTERPRETED:  # see `triton_fwd._state_scan_kernel`
         i_t = n_chunks - 1
         while i_t >= 0:
             b_decay_next, b_dvn_next = _bwd_walk_prefetch(decay, dv_new, i_t - 1, n_chunks, bos, T, boc, i_h,
-                                                          o_k, o_v, H, K, V, BT, BV, LEAN)
-            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, do, dh, dv_new, b_dS, b_decay, b_dvn, i_t, bos, T,
-                                   boc, i_h, o_k, o_v, scale, H, K, V, BT, LEAN, PRECISION)
+                                                          o_k, o_v, H, K, V, BT)
+            b_dS = _bwd_scan_chunk(W, Kt, q_decay, do, dh, dv_new, b_dS, b_decay, b_dvn, i_t, bos, T, boc, i_h,
+                                   o_k, o_v, H, K, V, BT, PRECISION)
             b_decay, b_dvn = b_decay_next, b_dvn_next
             i_t -= 1
     else:
         for i_r in range(0, n_chunks):
             i_t = n_chunks - 1 - i_r
             b_decay_next, b_dvn_next = _bwd_walk_prefetch(decay, dv_new, i_t - 1, n_chunks, bos, T, boc, i_h,
-                                                          o_k, o_v, H, K, V, BT, BV, LEAN)
-            b_dS = _bwd_scan_chunk(q, k, G, W, Aqk, Kt, q_decay, do, dh, dv_new, b_dS, b_decay, b_dvn, i_t, bos, T,
-                                   boc, i_h, o_k, o_v, scale, H, K, V, BT, LEAN, PRECISION)
+                                                          o_k, o_v, H, K, V, BT)
+            b_dS = _bwd_scan_chunk(W, Kt, q_decay, do, dh, dv_new, b_dS, b_decay, b_dvn, i_t, bos, T, boc, i_h,
+                                   o_k, o_v, H, K, V, BT, PRECISION)
             b_decay, b_dvn = b_decay_next, b_dvn_next
     if STORE_DH0:
         tl.store(dh0 + i_n * H * K * V + p_S, b_dS)
@@ -441,44 +303,30 @@ def _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H: tl.constexpr, BT: tl.con
 @triton.jit
 def _bwd_chunk_keys_kernel(
     q, k, G, beta, Ainv, h, dh, v_new, dv_new, do,
-    dq_part, dk_part, dG_part, dbeta_keys, dX_keys, scale, cu_seqlens, chunk_indices, TT,
+    dq_part, dk_part, dG_part, dbeta_keys, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, PRECISION: tl.constexpr, LATE_LOADS: tl.constexpr, TMA_LOADS: tl.constexpr = False,
-    DX_SHARES: tl.constexpr = False,
+    BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One chunk and BK key columns: the state terms and W = X (beta e^G K) of dq, dk, dG,
-    and this block's share of dbeta (with DX_SHARES, the "inverse" form of `dakk_form`, also
-    of dX = dW (beta e^G K)^T).
+    and this block's share of dbeta.
 
     Inputs as in the forward (`[TT, H, ·]`, h/dh `[chunks, H, K, V]`), dv_new = dV~ from
-    stage 1. h, dh, v_new, dv_new are in the walk's dtype (fp32 classic, the input dtype
-    lean) and meet the tensor cores in it; do is cast to it (o, hence do, has q's dtype in
-    every caller), so 16-bit tiles are 16-bit dot operands (exactly the tf32 dot of their
-    fp32 upcasts: tf32 keeps bf16's and fp16's mantissas). Writes dq_part, dk_part
-    `[TT, H, K]` (fp32, or bf16: `bwd_parts_dtype`) and dG_part `[TT, H, K]` fp32 for its
-    columns; dbeta_keys `[K // BK, TT, H]` and dX_keys `[K // BK, TT, H, BT]` fp32
-    (DX_SHARES only) at its block index (summed by `_bwd_chunk_values_kernel`).
-    With TMA_LOADS, h, dh, v_new, dv_new, do are TMA descriptors (`bwd_tma_kernels`): no
-    row mask, so a sequence's last chunk reads the next sequence's rows (or zeros past TT)
-    into rows >= T. Every product here is row-wise in them (dO S^T, V~ dS'^T, dV~ S^T), and
-    those rows are never stored: dq, dk, dG are stored under the row mask; X^T dW and
-    dW (beta e^G K)^T meet them only through X's and k's masked (zero) rows or columns.
-    Grid: (chunks, H, K // BK).
+    stage 1. h, dh, v_new, dv_new are in the input dtype and meet the tensor cores in it; do
+    is cast to it (o, hence do, has q's dtype in every caller), so 16-bit tiles are 16-bit
+    dot operands (exactly the tf32 dot of their fp32 upcasts: tf32 keeps bf16's and fp16's
+    mantissas). The chunk's q, k, G load after the value loop, so that their registers are
+    free during it. Writes dq_part, dk_part `[TT, H, K]` (`bwd_parts_dtype`) and dG_part
+    `[TT, H, K]` fp32 for its columns; dbeta_keys `[K // BK, TT, H]` fp32 at its block index
+    (summed by `_bwd_chunk_values_kernel`). Grid: (chunks, H, K // BK).
     """
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, T, i_t, o_t, rows, m_t, tok = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
     m_r = m_t[:, None]
     o_k = i_k * BK + tl.arange(0, BK)
-    walk_dt = h.dtype if TMA_LOADS else h.dtype.element_ty
+    walk_dt = h.dtype.element_ty
 
-    # the chunk's own operands before the value loop (their loads overlap it) or after it
-    # (their registers free during it): LATE_LOADS, see `keys_late_loads`
     last = tl.minimum(i_t * BT + BT, T) - 1
     p_k = tok[:, None] * K + o_k[None, :]
-    if not LATE_LOADS:
-        b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
-        b_G = tl.load(G + p_k, mask=m_r, other=0.0)
     b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
     b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
     b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
@@ -487,39 +335,28 @@ def _bwd_chunk_keys_kernel(
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)  # -dV~ S^T
     b_s_ds = tl.zeros([BK], dtype=tl.float32)  # Σ_v S ⊙ dS'
     for i_v in range(0, V // BV):
-        if TMA_LOADS:
-            row_S = (i_c * H + i_h) * K + i_k * BK
-            b_S = h.load([row_S, i_v * BV])
-            b_dS = dh.load([row_S, i_v * BV])
-            row_t, col_v = (bos + i_t * BT).to(tl.int32), i_h * V + i_v * BV  # (box coordinates are 32-bit)
-            b_do = do.load([row_t, col_v]).to(walk_dt)
-            b_vn = v_new.load([row_t, col_v])
-            b_dvn = dv_new.load([row_t, col_v])
-        else:
-            o_v = i_v * BV + tl.arange(0, BV)
-            p_v = tok[:, None] * V + o_v[None, :]
-            p_S = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-            b_S = tl.load(h + p_S)
-            b_dS = tl.load(dh + p_S)
-            b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
-            b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
-            b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_v = tok[:, None] * V + o_v[None, :]
+        p_S = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_S = tl.load(h + p_S)
+        b_dS = tl.load(dh + p_S)
+        b_do = tl.load(do + p_v, mask=m_r, other=0.0).to(walk_dt)
+        b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
+        b_dvn = tl.load(dv_new + p_v, mask=m_r, other=0.0)
         b_dq_state += tl.dot(b_do, tl.trans(b_S), input_precision=PRECISION)
         b_dk_state += tl.dot(b_vn, tl.trans(b_dS), input_precision=PRECISION)
         b_dw -= tl.dot(b_dvn, tl.trans(b_S), input_precision=PRECISION)
         b_s_ds += tl.sum(b_S.to(tl.float32) * b_dS.to(tl.float32), axis=1)
 
-    if LATE_LOADS:
-        b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
-        b_G = tl.load(G + p_k, mask=m_r, other=0.0)
+    b_q = tl.load(q + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_r, other=0.0).to(tl.float32)
+    b_G = tl.load(G + p_k, mask=m_r, other=0.0)
     b_eG = tl.exp(b_G)
     b_dq = b_dq_state * b_eG * scale
     b_dk_state = tl.where(m_r, b_dk_state * tl.exp(b_G_last[None, :] - b_G), 0.0)
-    b_kg = b_k * b_eG * b_beta[:, None]  # beta e^G K
     b_y = tl.dot(tl.trans(b_X), b_dw, input_precision=PRECISION)  # X^T dW
     b_dk = b_dk_state + b_y * b_eG * b_beta[:, None]
-    b_dG = b_q * b_dq - b_k * b_dk_state + b_kg * b_y
+    b_dG = b_q * b_dq - b_k * b_dk_state + b_k * b_eG * b_beta[:, None] * b_y
     # G_last = G at the chunk's last token: its gradient lands on that row
     b_dG_last = tl.exp(b_G_last) * b_s_ds + tl.sum(b_k * b_dk_state, axis=0)
     b_dG += tl.where((rows == last)[:, None], b_dG_last[None, :], 0.0)
@@ -528,33 +365,27 @@ def _bwd_chunk_keys_kernel(
     tl.store(dG_part + p_k, b_dG, mask=m_r)
     share = i_k.to(tl.int64) * TT * H + tok
     tl.store(dbeta_keys + share, tl.sum(b_y * b_eG * b_k, axis=1), mask=m_t)
-    if DX_SHARES:
-        b_dX = tl.dot(b_dw, tl.trans(b_kg), input_precision=PRECISION)
-        tl.store(dX_keys + share[:, None] * BT + o_t[None, :], b_dX, mask=m_r)
 
 
 @triton.jit
 def _bwd_chunk_values_kernel(
-    v, beta, Ainv, v_new, dv_new, do, dX_keys, dbeta_keys,
+    v, beta, Ainv, v_new, dv_new, do, dbeta_keys,
     dAqk, dAkk, dbeta_part, dv, scale, cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
-    PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr = False, DAKK: tl.constexpr = True,
-    PRECISION_DA: tl.constexpr = "ieee",
+    PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr = False,
 ):
     """One chunk: dA_qk = dO V~^T, dv and dbeta from U = X (beta V), with the key blocks'
     dbeta shares of `_bwd_chunk_keys_kernel` added, and dA_kk = -X^T (dV~ V~^T) (the module
-    docstring): dV~ V~^T over the value loop in the walk's dtype, as dO V~^T, then one
-    [BT, BT] product with X at PRECISION_DA. Without DAKK (the "inverse" form of
-    `dakk_form`), the whole dX = Σ shares + dU (beta V)^T instead of dA_kk.
+    docstring): dV~ V~^T over the value loop in the input dtype, as dO V~^T, then one
+    [BT, BT] product with X.
 
     Writes dAqk (= scale dO V~^T, lower incl. diagonal) and dAkk (strictly lower) `[TT, H,
     BT]` fp32; dbeta_part `[TT, H]` fp32 (all but the A_kk tiles' share, which
-    `_bwd_intra_kernel` adds); dv `[TT, H, V]` (v's dtype); without DAKK, dX over share 0
-    of dX_keys (for `_bwd_dAkk_kernel`) and nothing to dAkk.
-    With TMA_LOADS, v, v_new, dv_new, do are TMA descriptors (`bwd_tma_kernels`) without a
-    row mask: rows >= T (the next sequence's) reach dA_qk's and dA_kk's rows >= T and, in
-    their rows < T, only columns above the diagonal; X^T dU through X's zero rows; dX's
-    columns >= T through beta's zeros; dX's and dv's rows >= T, never stored.
+    `_bwd_intra_kernel` adds); dv `[TT, H, V]` (v's dtype).
+    With TMA_LOADS, v, v_new, dv_new, do are TMA descriptors (the launcher's default where
+    TMA can describe them) without a row mask: rows >= T (the next sequence's) reach dA_qk's
+    and dA_kk's rows >= T and, in their rows < T, only columns above the diagonal; X^T dU
+    through X's zero rows; dv's rows >= T, never stored.
     Grid: (chunks, H).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -564,13 +395,10 @@ def _bwd_chunk_values_kernel(
     m_tril = o_t[:, None] >= o_t[None, :]
     b_X = tl.load(Ainv + tok[:, None] * BT + o_t[None, :], mask=m_r & m_tril, other=0.0)
     b_beta = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
-    b_dA = tl.zeros([BT, BT], dtype=tl.float32)  # dV~ V~^T, then dA_kk (DAKK); else dX
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)  # dV~ V~^T, then dA_kk
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_k in tl.static_range(NK):
-        share = i_k * TT * H + tok.to(tl.int64)
-        if not DAKK:
-            b_dA += tl.load(dX_keys + share[:, None] * BT + o_t[None, :], mask=m_r, other=0.0)
-        b_dbeta += tl.load(dbeta_keys + share, mask=m_t, other=0.0)
+        b_dbeta += tl.load(dbeta_keys + i_k * TT * H + tok.to(tl.int64), mask=m_t, other=0.0)
 
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, V // BV):
@@ -586,49 +414,15 @@ def _bwd_chunk_values_kernel(
             b_vn = tl.load(v_new + p_v, mask=m_r, other=0.0)
             b_dvn_w = tl.load(dv_new + p_v, mask=m_r, other=0.0)
             b_v = tl.load(v + p_v, mask=m_r, other=0.0).to(tl.float32)
-        b_dvn = b_dvn_w.to(tl.float32)
         b_dAqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PRECISION)
-        b_z = tl.dot(tl.trans(b_X), b_dvn, input_precision=PRECISION)  # Z = X^T dU
-        if DAKK:
-            b_dA += tl.dot(b_dvn_w, tl.trans(b_vn), input_precision=PRECISION)  # dV~ V~^T
-        else:
-            b_dA += tl.dot(b_dvn, tl.trans(b_v * b_beta[:, None]), input_precision=PRECISION)
+        b_z = tl.dot(tl.trans(b_X), b_dvn_w.to(tl.float32), input_precision=PRECISION)  # Z = X^T dU
+        b_dA += tl.dot(b_dvn_w, tl.trans(b_vn), input_precision=PRECISION)  # dV~ V~^T
         tl.store(dv + p_v, (b_z * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_r)
         b_dbeta += tl.sum(b_z * b_v, axis=1)
     p_a = tok.to(tl.int64)[:, None] * BT + o_t[None, :]
     tl.store(dAqk + p_a, tl.where(m_tril, b_dAqk * scale, 0.0), mask=m_r)
     tl.store(dbeta_part + tok, b_dbeta, mask=m_t)
-    if DAKK:
-        b_dA = -tl.dot(tl.trans(b_X), b_dA, input_precision=PRECISION_DA)  # -X^T (dV~ V~^T)
-        tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
-    else:
-        tl.store(dX_keys + p_a, b_dA, mask=m_r)  # the whole dX, in share 0
-
-
-@triton.jit
-def _bwd_dAkk_kernel(
-    Ainv, dX, dAkk, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr, PRECISION_DA: tl.constexpr,
-):
-    """One chunk: X = (I + A_kk)^{-1}  =>  dA_kk = -X^T dX X^T, strictly lower part.
-
-    The two [BT, BT] products need about fp32 accuracy (X and dX are fp32 and carry the
-    exp-factor products); PRECISION_DA picks how: "tf32x3" (three tf32 tensor-core products
-    per dot, the split a = a_hi + a_lo dropping a_lo b_lo: relative error near 2^-21 per
-    product) or "ieee" (fp32 FMAs on the CUDA cores: 0.87 ms of 11.9 at T = 32K on the H200,
-    BENCHMARKS.md). Its own kernel because these dots take registers that
-    `_bwd_chunk_values_kernel` would otherwise run with (254 against 128 per thread at 8
-    warps on sm_90 with "ieee", `profiling/kernel_resources.py`).
-    Ainv, dX (the whole dX, `_bwd_chunk_values_kernel`'s), dAkk: `[TT, H, BT]` fp32.
-    Grid: (chunks, H).
-    """
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, _, _, o_t, _, m_t, tok = _chunk_rows(cu_seqlens, chunk_indices, i_c, i_h, H, BT)
-    m_r = m_t[:, None]
-    p_a = tok.to(tl.int64)[:, None] * BT + o_t[None, :]
-    b_X = tl.load(Ainv + p_a, mask=m_r & (o_t[:, None] >= o_t[None, :]), other=0.0)
-    b_dX = tl.load(dX + p_a, mask=m_r, other=0.0)
-    b_XtdX = tl.dot(tl.trans(b_X), b_dX, input_precision=PRECISION_DA)
-    b_dA = -tl.dot(b_XtdX, tl.trans(b_X), input_precision=PRECISION_DA)
+    b_dA = -tl.dot(tl.trans(b_X), b_dA, input_precision=PRECISION)  # -X^T (dV~ V~^T)
     tl.store(dAkk + p_a, tl.where(o_t[:, None] > o_t[None, :], b_dA, 0.0), mask=m_r)
 
 
@@ -664,7 +458,7 @@ def _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, b
                          PRECISION: tl.constexpr, ROUND: tl.constexpr = False):
     """Tile J's terms (J <= the row tile) of a row tile's dq and R (before the row decay),
     added to b_dq, b_R `[BC, BK]`. ROUND: the column operand k_j e^(c - G_j) rounded to tf32
-    first (`_round_tf32`, the paired form)."""
+    first (`_round_tf32`)."""
     cols = i_t * BT + i_j * BC + o_r
     m_c = cols < T
     p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
@@ -680,30 +474,11 @@ def _bwd_intra_row_terms(k, G, dAqk, dAkk, b_dq, b_R, b_c, tok, m_r, i_t, i_j, b
 
 
 @triton.jit
-def _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos, T, i_h, o_r, o_k,
-                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                            PRECISION: tl.constexpr):
-    """Row tile I's terms (I >= the column tile) of column tile i_i's dk (before the column
-    decay), added to b_dk_col `[BC, BK]`."""
-    rows_r = i_t * BT + i_r * BC + o_r
-    m_rr = rows_r < T
-    tok_r = (bos + rows_r) * H + i_h
-    b_qr, b_kr, b_Gr, b_br = _load_rows(q, k, G, beta, tok_r, m_rr, o_k, K)
-    b_e = tl.exp(tl.where(m_rr[:, None], b_Gr - b_c[None, :], float("-inf")))  # <= e^40
-    p_a = tok_r[:, None] * BT + (i_i * BC + o_r)[None, :]
-    b_dAqk = tl.load(dAqk + p_a, mask=m_rr[:, None], other=0.0)
-    b_dAkk = tl.load(dAkk + p_a, mask=m_rr[:, None], other=0.0)
-    b_dk_col += tl.dot(tl.trans(b_dAqk), b_qr * b_e, input_precision=PRECISION)
-    b_dk_col += tl.dot(tl.trans(b_dAkk), b_kr * b_e * b_br[:, None], input_precision=PRECISION)
-    return b_dk_col
-
-
-@triton.jit
-def _bwd_intra_paired_column_terms(q, k, G, beta, dAqk, dAkk, b_dk, b_dG, b_k, b_G, m_r, i_t, i_r, i_i,
-                                   bos, T, i_h, o_r, o_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                                   BC: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr):
-    """The paired form of `_bwd_intra_column_terms` (`bwd_intra_paired`): row tile I's terms
-    of column tile i_i's dk, around I's anchor c_I, each decayed to the column rows here
+def _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk, b_dG, b_k, b_G, m_r, i_t, i_r, i_i,
+                            bos, T, i_h, o_r, o_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                            BC: tl.constexpr, PRECISION: tl.constexpr, ROUND: tl.constexpr):
+    """Row tile I's terms of column tile i_i's dk, around I's anchor c_I (the module
+    docstring's pairing), each decayed to the column rows here
     (b_dk += e^(c_I - G_j) t), and their dG share with the column operand the row side
     of I rounds the same way (b_dG -= round(k_j e^(c_I - G_j)) t), where
     t = dAqk[I, j]^T round(q_I e^(G_I - c_I)) + dAkk[I, j]^T round(beta_I k_I e^(G_I - c_I)).
@@ -748,7 +523,7 @@ def _bwd_intra_kernel(
     q, k, G, beta, dAqk, dAkk, dq_part, dk_part, dG_part, dbeta_part, dq, dk, dbeta, dbeta_keys,
     cu_seqlens, chunk_indices, TT,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr, PAIRED: tl.constexpr = False,
+    PRECISION: tl.constexpr,
 ):
     """Tile T of one chunk: add the A_qk / A_kk gradients to its rows' dq, dk, dG, dbeta.
 
@@ -756,18 +531,17 @@ def _bwd_intra_kernel(
     R_T = Σ_J dAkk[T,J] (K_J e^{G_T - G_J}), giving dk += beta R, dbeta += Σ_c k ⊙ R and
     dG += q ⊙ dq + beta k ⊙ R. As columns (tiles I >= T):
     dk_T += Σ_I dAqk[I,T]^T (Q_I e^{G_I - G_T}) + dAkk[I,T]^T (beta_I K_I e^{G_I - G_T}),
-    dG -= k ⊙ (that). One anchor c = G at the tile's middle row serves both sides; every
-    tile, the diagonal one included, is one dense dot (dA is zero above the diagonal).
+    dG -= k ⊙ (that), each row tile I around its own anchor, with the operands rounded as its
+    row side rounds them (the module docstring); every tile, the diagonal one included, is
+    one dense dot (dA is zero above the diagonal).
     Every term is per key column (the dA tiles carry no key index), so a program takes BK of
     the K columns: the K // BK programs of one tile are adjacent in the grid, so that the
     tile's dA rows are read from L2 after the first. Final dq, dk (input dtype) are written
     and dG_part is completed in place for those columns; dbeta (beta's dtype) directly when
     BK == K, else each program's share of Σ_c k ⊙ R into dbeta_keys `[K // BK, TT, H]` fp32
     (the launcher adds them to dbeta_part). Grid: (chunks * BT // BC * K // BK, H).
-    PAIRED: the column side per row tile around that tile's anchor, and with tf32 dots the
-    exp-scaled operands rounded alike on both sides (`bwd_intra_paired`).
     """
-    ROUND: tl.constexpr = PAIRED and PRECISION == "tf32"
+    ROUND: tl.constexpr = PRECISION == "tf32"
     NC: tl.constexpr = BT // BC
     NK: tl.constexpr = K // BK
     i_ci, i_kb = tl.program_id(0) // NK, tl.program_id(0) % NK
@@ -795,34 +569,20 @@ def _bwd_intra_kernel(
                                              o_r, o_k, H, K, BT, BC, PRECISION, ROUND)
     b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))  # <= e^40
     m_rk = m_r[:, None]
-    if PAIRED:
-        # dG's row terms from the operands the column sides round alike; then dq, dbeta and
-        # dk's row share are final, so only k, G and the two accumulators stay live through
-        # the column side (fewer registers, `bwd_intra_register_cap`)
-        b_dG = (_round_tf32(b_q * b_row_decay, ROUND) * b_dq
-                + _round_tf32(b_k * b_row_decay * b_beta[:, None], ROUND) * b_R)
-        b_R *= b_row_decay
-        _bwd_intra_store_rows(dq_part, dbeta_part, dq, dbeta, dbeta_keys, b_dq * b_row_decay, b_k, b_R, p_r,
-                              tok, m_r, i_kb, TT, H, NK)
-        b_dk = b_beta[:, None] * b_R
-        for i_r in tl.static_range(NC):
-            if i_r >= i_i:
-                b_dk, b_dG = _bwd_intra_paired_column_terms(
-                    q, k, G, beta, dAqk, dAkk, b_dk, b_dG, b_k, b_G, m_r, i_t, i_r, i_i, bos, T, i_h,
-                    o_r, o_k, H, K, BT, BC, PRECISION, ROUND)
-    else:
-        b_dq *= b_row_decay
-        b_R *= b_row_decay
-        b_dk_col = tl.zeros([BC, BK], dtype=tl.float32)
-        for i_r in tl.static_range(NC):
-            if i_r >= i_i:
-                b_dk_col = _bwd_intra_column_terms(q, k, G, beta, dAqk, dAkk, b_dk_col, b_c, i_t, i_r, i_i, bos,
-                                                   T, i_h, o_r, o_k, H, K, BT, BC, PRECISION)
-        b_dk_col *= tl.exp(tl.where(m_r[:, None], b_c[None, :] - b_G, float("-inf")))  # <= e^40
-        b_dG = b_q * b_dq + b_beta[:, None] * b_k * b_R - b_k * b_dk_col
-        b_dk = b_beta[:, None] * b_R + b_dk_col
-        _bwd_intra_store_rows(dq_part, dbeta_part, dq, dbeta, dbeta_keys, b_dq, b_k, b_R, p_r,
-                              tok, m_r, i_kb, TT, H, NK)
+    # dG's row terms from the operands the column sides round alike; then dq, dbeta and
+    # dk's row share are final, so only k, G and the two accumulators stay live through
+    # the column side (fewer registers, `bwd_intra_register_cap`)
+    b_dG = (_round_tf32(b_q * b_row_decay, ROUND) * b_dq
+            + _round_tf32(b_k * b_row_decay * b_beta[:, None], ROUND) * b_R)
+    b_R *= b_row_decay
+    _bwd_intra_store_rows(dq_part, dbeta_part, dq, dbeta, dbeta_keys, b_dq * b_row_decay, b_k, b_R, p_r,
+                          tok, m_r, i_kb, TT, H, NK)
+    b_dk = b_beta[:, None] * b_R
+    for i_r in tl.static_range(NC):
+        if i_r >= i_i:
+            b_dk, b_dG = _bwd_intra_column_terms(
+                q, k, G, beta, dAqk, dAkk, b_dk, b_dG, b_k, b_G, m_r, i_t, i_r, i_i, bos, T, i_h,
+                o_r, o_k, H, K, BT, BC, PRECISION, ROUND)
     b_dk += tl.load(dk_part + p_r, mask=m_rk, other=0.0).to(tl.float32)
     tl.store(dk + p_r, b_dk.to(dk.dtype.element_ty), mask=m_rk)
     b_dG += tl.load(dG_part + p_r, mask=m_rk, other=0.0)
@@ -870,7 +630,7 @@ def chunk_kda_bwd_triton(
     Args: the forward's inputs (same contract), `do [B, T, H, dv]` (gradient of o),
     `dht [N, H, dk, dv]` fp32 (gradient of the final state) or None, and `kept`: the
     residuals of `triton_fwd.kept_forward` on the same inputs, or None to recompute them
-    (stages 1-3 of the forward, about a fifth of the forward+backward's time). With
+    (stages 1-3 of the forward). With
     `g_cumsum` (g is the chunk-local cumsum G, see `chunk_kda_fwd_triton`) dg is dG: the
     reverse cumsum of stage 4 is left to the caller (`kda_prepare_bwd` does it in its pass).
 
@@ -895,81 +655,58 @@ def chunk_kda_bwd_triton(
     n_chunks = st.chunk_indices.shape[0]
     TT = B * T
     f32 = dict(dtype=torch.float32, device=q.device)
-    lean = st.walk == "lean"
-    paired = bwd_intra_paired()
-    precision, precision_intra = dot_precision(q.dtype, "backward"), bwd_intra_precision(q.dtype)
-    # what the walk writes: fp32 (classic) or the input dtype (lean, `triton_fwd`'s docstring)
-    walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
+    precision = dot_precision(q.dtype)
+    # what the walk writes: the input dtype (`triton_fwd`'s docstring)
+    walk_dt = dict(dtype=q.dtype, device=q.device)
     dh = torch.empty(n_chunks, H, K, V, **walk_dt)
     dv_new = torch.empty(TT, H, V, **walk_dt)
     dh0 = torch.empty(N, H, K, V, **f32) if initial_state is not None else None
-    interp = _interpreted()
 
-    q_decay = None
-    if lean:  # the walk's state-independent terms
-        q_decay = torch.empty(TT, H, K, dtype=q.dtype, device=q.device)
-        _bwd_walk_prep_kernel[(n_chunks, H)](
-            q, st.G, st.Aqk, do, q_decay, dv_new, scale, st.cu_seqlens, st.chunk_indices,
-            H=H, K=K, V=V, BT=CHUNK, BV=min(V, 64), PRECISION=precision, num_warps=4,
-        )
+    # the walk's state-independent terms
+    q_decay = torch.empty(TT, H, K, **walk_dt)
+    _bwd_walk_prep_kernel[(n_chunks, H)](
+        q, st.G, st.Aqk, do, q_decay, dv_new, scale, st.cu_seqlens, st.chunk_indices,
+        H=H, K=K, V=V, BT=CHUNK, BV=min(V, 64), PRECISION=precision, num_warps=4,
+    )
     BV, warps = sequential_scan_config(K, V, walks=N * H)
     launch_with_fewer_stages_if_needed(
         _bwd_state_scan_kernel, (V // BV, N * H),
-        q, k, st.G, st.W, st.Aqk, st.k_to_end, q_decay, st.decay, do, dh, dv_new, dht, dh0, scale,
-        st.cu_seqlens, st.chunk_offsets,
+        st.W, st.k_to_end, q_decay, st.decay, do, dh, dv_new, dht, dh0, st.cu_seqlens, st.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        LEAN=lean, PRECISION=precision, INTERPRETED=interp, num_warps=warps,
-        # fp32 tiles at dk = 128 (classic): 2 stages would need 226 KB of shared memory
-        num_stages=scan_stages(BV, walk_tiles_wide(K, lean, q.dtype))[1],
+        PRECISION=precision, INTERPRETED=_interpreted(), num_warps=warps,
+        num_stages=scan_stages(BV, walk_tiles_wide(K, q.dtype))[1],
     )
-    if lean:  # read by the walks only: free them before the stages below
-        q_decay = st.W = st.k_to_end = st.decay = None
+    # read by the walks only: free them before the stages below
+    q_decay = st.W = st.k_to_end = st.decay = None
 
     parts_dt = dict(dtype=bwd_parts_dtype(q.dtype), device=q.device)
     dq_part = torch.empty(TT, H, K, **parts_dt)
     dk_part = torch.empty(TT, H, K, **parts_dt)
     dG = torch.empty(TT, H, K, **f32)
     BK, BV, keys_warps, values_warps = bwd_chunk_config(K, V)
-    keys_cap, values_cap, dAkk_cap = bwd_register_caps()
-    dakk_in_values, precision_da = dakk_form(precision)
+    keys_cap, values_cap = bwd_register_caps()
     dbeta_keys = torch.empty(K // BK, TT, H, **f32)
-    dX_keys = None if dakk_in_values else torch.empty(K // BK, TT, H, CHUNK, **f32)
-    tma_kernels = bwd_tma_kernels()
-    loop_operands = (st.h, dh, st.v_new, dv_new, do)
-    descriptors = None
-    if "keys" in tma_kernels:
-        states = [(x.reshape(-1, V), [BK, BV]) for x in (st.h, dh)]
-        descriptors = _row_descriptors(states + [(_token_rows(x), [CHUNK, BV]) for x in loop_operands[2:]])
     _bwd_chunk_keys_kernel[(n_chunks, H, K // BK)](
-        q, k, st.G, beta, st.Ainv, *(descriptors or loop_operands),
-        dq_part, dk_part, dG, dbeta_keys, dX_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
+        q, k, st.G, beta, st.Ainv, st.h, dh, st.v_new, dv_new, do,
+        dq_part, dk_part, dG, dbeta_keys, scale, st.cu_seqlens, st.chunk_indices, TT,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, PRECISION=precision,
-        LATE_LOADS=keys_late_loads(), TMA_LOADS=descriptors is not None, DX_SHARES=not dakk_in_values,
         num_warps=keys_warps, num_stages=2, **keys_cap,
     )
     dAqk = torch.empty(TT, H, CHUNK, **f32)
     dAkk = torch.empty(TT, H, CHUNK, **f32)
     dbeta_part = torch.empty(TT, H, **f32)
     dv = torch.empty_like(v)
+    # the value loop's operands through TMA descriptors where TMA can describe them
     loop_operands = (v, st.v_new, dv_new, do)
-    descriptors = None
-    if "values" in tma_kernels:
-        descriptors = _row_descriptors([(_token_rows(x), [CHUNK, BV]) for x in loop_operands])
+    descriptors = _row_descriptors([(_token_rows(x), [CHUNK, BV]) for x in loop_operands])
     v_arg, vn_arg, dvn_arg, do_arg = descriptors or loop_operands
     _bwd_chunk_values_kernel[(n_chunks, H)](
-        v_arg, beta, st.Ainv, vn_arg, dvn_arg, do_arg, dX_keys, dbeta_keys,
+        v_arg, beta, st.Ainv, vn_arg, dvn_arg, do_arg, dbeta_keys,
         dAqk, dAkk, dbeta_part, dv, scale, st.cu_seqlens, st.chunk_indices, TT,
         H=H, V=V, BT=CHUNK, BV=BV, NK=K // BK, PRECISION=precision, TMA_LOADS=descriptors is not None,
-        DAKK=dakk_in_values, PRECISION_DA=precision_da, num_warps=values_warps, num_stages=2,
-        **values_cap,
+        num_warps=values_warps, num_stages=2, **values_cap,
     )
     dbeta_keys = None
-    if not dakk_in_values:
-        _bwd_dAkk_kernel[(n_chunks, H)](
-            st.Ainv, dX_keys, dAkk, st.cu_seqlens, st.chunk_indices, H=H, BT=CHUNK,
-            PRECISION_DA=precision_da, num_warps=DA_KK_WARPS, **dAkk_cap,
-        )
-    dX_keys = None
 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -978,8 +715,8 @@ def chunk_kda_bwd_triton(
     dbeta_keys = torch.empty(K // intra_bk, TT, H, **f32) if intra_bk < K else None
     _bwd_intra_kernel[(n_chunks * N_TILES * (K // intra_bk), H)](
         q, k, st.G, beta, dAqk, dAkk, dq_part, dk_part, dG, dbeta_part, dq, dk, dbeta, dbeta_keys,
-        st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=precision_intra,
-        PAIRED=paired, num_warps=tile_warps()[3], **bwd_intra_register_cap(),
+        st.cu_seqlens, st.chunk_indices, TT, H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=precision,
+        num_warps=tile_warps()[2], **bwd_intra_register_cap(),
     )
     if dbeta_keys is not None:
         dbeta = (dbeta_part + dbeta_keys.sum(0)).to(beta.dtype).view(beta.shape)

@@ -11,18 +11,17 @@ inside the chunk):
                                       input-map op `kda_prepare` then hands over G itself)
     stage 2  `_intra_columns_kernel`  A_qk[i,j] = scale Σ_c q_ic k_jc e^{G_ic - G_jc}   (j <= i)
                                       A_kk[i,j] = beta_i Σ_c k_ic k_jc e^{G_ic - G_jc}  (j <  i)
-                                      Q^ = scale Q ⊙ e^G (the output's operand); per
-                                      column tile (or per row tile, `_intra_tiles_kernel`,
-                                      see `intra_config`)
+                                      Q^ = scale Q ⊙ e^G (the output's operand); one
+                                      program per column tile
              `_diag_inverse_kernel`   X_II = (I + A_kk[I,I])^{-1} (diagonal 16x16 blocks)
              `_wy_kernel`             X = (I + A_kk)^{-1} (off-diagonal blocks),
-                                      W = X (beta e^G ⊙ K),  U = X (beta V)
+                                      W = X (beta e^G ⊙ K),  U = X (beta V),
+                                      K~ = e^{G_last - G} ⊙ K,  e^{G_last}
     stage 3  `_state_scan_kernel`     per sequence, chunk by chunk: store S (the chunk's
                                       initial state), V~ = U - W S,
-                                      S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~
-                                      (classic or lean, see below; or, with
-                                      `TITAN_MOE_KDA_SCAN=parallel`, the chunk-parallel
-                                      segment scan of `triton_scan`)
+                                      S <- Diag(e^{G_last}) S + K~^T V~
+                                      (or, with `scan="segments"`, the segment scan of
+                                      `triton_scan`, SPEC §8's context-parallel algebra)
     stage 4  `_output_kernel`         O = Q^ S + A_qk V~
 
 Why every 16x16 tile of A is one dense dot (the kernel's contract, SPEC §1): the caller
@@ -38,8 +37,8 @@ tile J <= I,
 so both factors stay below e^40 ~ 2.4e17, far inside fp32 (max ~e^88.7): the tile is
 `(x_I ⊙ e^{G_I - c_I}) @ (k_J ⊙ e^{c_I - G_J})^T`, one `tl.dot`, for the diagonal tile as
 for the others. The diagonal tile differs only in the causal mask applied to the dot's
-result (see `_intra_tiles_kernel`; `_intra_columns_kernel`, the default, anchors each column
-tile instead, with the same bounds); there is no per-position path. Factors that underflow
+result; there is no per-position path. (`_intra_columns_kernel` anchors each column tile,
+with the same bounds and the roles of rows and columns swapped.) Factors that underflow
 (c_I - G_j < -87 for distant tiles) flush entries whose true value is below e^{40-87}, i.e.
 negligible next to the O(1) entries. e^80 would overflow fp16, so exp-scaled operands are always fp32 here.
 
@@ -48,49 +47,28 @@ always fp32, and every dot outside the walks takes fp32 operands (inputs upcast 
 `ieee` for fp32 inputs, tf32 otherwise (tf32 keeps 10 mantissa bits, more than the bf16
 inputs carry); the 16x16 tile inverses always use ieee.
 
-The sequential state walks (stage 3 here, stage 1 of `triton_bwd`) come in two forms,
-chosen by `$TITAN_MOE_KDA_WALK` (read per call by `kda_fwd_states`, which records it in
-the returned state so that the backward walks the same way). Lean is the default: at
-T = 32K on the H200 its forward+backward took 20.7 ms against classic's 25.3 (15.3 against
-20.0 with the fused input maps; BENCHMARKS.md, "SiTU-GLU kernels, lean KDA walks and fused
-KDA input maps"):
-
-    classic  W, U, V~ and the chunk states h are fp32, and so are the walks'
-        operands (tf32 dots for 16-bit inputs). Each step recomputes what does not depend
-        on the state: e^{G_last} and K~ = e^{G_last - G} ⊙ K (backward: also scale Q ⊙ e^G
-        and A_qk^T dO), inside the serial loop and once per block of BV state columns.
-    lean (default)  those terms come from parallel kernels: K~ (input dtype) and e^{G_last} (fp32,
-        `[chunks, H, dk]`) from `_wy_kernel`, scale Q ⊙ e^G and A_qk^T dO (input dtype)
-        from `triton_bwd._bwd_walk_prep_kernel`; a step does only what needs the state:
-        V~ = U - W S and S <- e^{G_last} ⊙ S + K~^T V~ (backward: dV~ += K~ dS',
-        dS = e^{G_last} ⊙ dS' + (scale Q ⊙ e^G)^T dO - W^T dV~), every dot on input-dtype
-        operands (the fp32 register state cast at the dot) with fp32 accumulation, as
-        fla's chunk kernels do. W, U, K~, V~, h (backward: dV~ and dh) are stored in the
-        input dtype, so fp32 inputs keep fp32 throughout (and match classic to rounding).
-        Why: the walks are serial and latency bound, so every exp and dot in the loop is
-        paid chunk after chunk, for every column block; 16-bit operands halve the bytes a
-        step loads and run at the tensor cores' 16-bit rate; h and dh (dk dv / C values a
-        token) are the largest intermediates. h and dh in bf16 (as fla keeps h) rather
-        than fp32 was decided on accuracy: on CPU with bf16 dots emulated (T = 1024,
-        dk = dv = 128, the GPU bf16 test's inputs) the lean errors against the float64
-        recurrence are o 2.4e-3 (classic 1.7e-3, the rounding of o itself), gradients
-        <= 2.6e-3 (bounds 6e-3, 8e-3, 2e-2); fp32 h and dh would take dk from 2.5e-3 to
-        2.4e-3 and dg from 2.0e-3 to 1.8e-3 only.
+The sequential state walks (stage 3 here, stage 1 of `triton_bwd`) are serial and latency
+bound: every exp and dot in the loop is paid chunk after chunk, for every block of state
+columns. So everything that does not depend on the state comes from parallel kernels: K~
+(input dtype) and e^{G_last} (fp32, `[chunks, H, dk]`) from `_wy_kernel`, scale Q ⊙ e^G and
+A_qk^T dO (input dtype) from `triton_bwd._bwd_walk_prep_kernel`; a step does only what needs
+the state: V~ = U - W S and S <- e^{G_last} ⊙ S + K~^T V~ (backward: dV~ += K~ dS',
+dS = e^{G_last} ⊙ dS' + (scale Q ⊙ e^G)^T dO - W^T dV~), every dot on input-dtype operands
+(the fp32 register state cast at the dot) with fp32 accumulation, as fla's chunk kernels do.
+W, U, K~, V~, h (backward: dV~ and dh) are stored in the input dtype, so fp32 inputs keep
+fp32 throughout. 16-bit operands halve the bytes a step loads and run at the tensor cores'
+16-bit rate; h and dh (dk dv / C values a token) are the largest intermediates. h and dh in
+bf16 (as fla keeps h) rather than fp32 was decided on accuracy: the bf16 errors against the
+float64 recurrence stay within the bounds of the GPU tests, and fp32 h and dh would improve
+dk and dg by about a tenth only.
 
 Bytes per token and head of the forward's intermediates (C = 64; s = 2 for bf16/fp16 inputs,
-4 for fp32; in brackets dk = dv = 128 with bf16 inputs):
-
-    classic  G 4 dk, A_qk / A_kk / A_inv 4 C each, W 4 dk, U 4 dv, V~ 4 dv, h 4 dk dv / C:
-             3840 at the walk, 3584 returned (A_kk freed)
-    lean     G 4 dk, A_qk / A_inv 4 C each (A_kk freed before the walk), W s dk, U s dv
-             (freed after the walk), K~ s dk, V~ s dv, h s dk dv / C, e^{G_last} 4 dk / C:
-             [2568 at the walk, 2312 returned]; with fp32 inputs 4104 / 3592, K~ and
-             e^{G_last} being more than A_kk and U (fp32 inputs are for tests, not training)
-
-and of the backward's walk (`triton_bwd`): classic dh 4 dk dv / C, dV~ 4 dv (1536); lean
-dh s dk dv / C, dV~ s dv, scale Q ⊙ e^G s dk ([1024]), which frees W, K~, e^{G_last} and
-scale Q ⊙ e^G after its walk: at the backward's end classic keeps 7172 B and lean [4612]
-(fp32 inputs 6148).
+4 for fp32; in brackets dk = dv = 128 with bf16 inputs): G 4 dk, A_qk / A_inv 4 C each (A_kk
+freed before the walk), W s dk, U s dv (freed after the walk), K~ s dk, V~ s dv,
+h s dk dv / C, e^{G_last} 4 dk / C: [2568 at the walk, 2312 returned]; with fp32 inputs
+4104 / 3592. The backward's walk (`triton_bwd`) adds dh s dk dv / C, dV~ s dv and
+scale Q ⊙ e^G s dk ([1024]) and frees W, K~, e^{G_last} and scale Q ⊙ e^G after it: [4612]
+at the backward's end (fp32 inputs 6148).
 
 Token layout: every kernel sees the inputs as one flat token stream `[TT, H, d]`
 (`TT = B*T`), cut into sequences by `cu_seqlens` (fixed-length batches get
@@ -101,25 +79,22 @@ for every chunk; `chunk_offsets [N+1]` is the index of each sequence's first chu
 from __future__ import annotations
 
 import functools
-import os
-import re
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from titan_moe.ops.kda.chunk_torch import check_kda_inputs, seqlens_bounds
+from titan_moe.ops import launch_env
+from titan_moe.ops.kda.chunk_torch import CHUNK, check_kda_inputs, seqlens_bounds
+from titan_moe.ops.kda.kept import RESIDUAL_NAMES, max_chunk_rows, residual_specs
 from titan_moe.ops.triton_runtime import is_interpreted, launch_with_fewer_stages_if_needed, sm_count
 
-CHUNK = 64  # BT: tokens per chunk
 TILE = 16  # BC: tokens per sub-chunk tile; the span exponentiated directly
 N_TILES = CHUNK // TILE
 # register cap of `_wy_kernel` (Triton's maxnreg): at dk = dv = 128 on sm_90 it takes 206
 # registers uncapped (2 blocks of 4 warps per SM) and 168 with a 24-byte stack capped (3
-# blocks, `profiling/kernel_resources.py`; the classic walk's variant spills 96 bytes); on
-# the H200 0.455 -> 0.401 ms at T = 32K (BENCHMARKS.md, "where each kernel waits"). A launch
-# option only: results do not change.
+# blocks, `profiling/kernel_resources.py`). A launch option only: results do not change.
 WY_MAXNREG = 168
 _SUPPORTED_DIMS = (16, 32, 64, 128)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -171,86 +146,18 @@ def _chunk_cumsum_kernel(g, G, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl
 # stage 2a: A_qk and A_kk, one dense dot per 16x16 tile
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _intra_tiles_kernel(
-    q, k, G, beta, Aqk, Akk, q_decay, scale, cu_seqlens, chunk_indices,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_Q_DECAY: tl.constexpr,
-):
-    """Row tile I of one chunk: tiles (I, J) of A_qk and A_kk for every J <= I.
-
-    q, k, G: `[TT, H, K]`; beta `[TT, H]`; Aqk, Akk: `[TT, H, BT]` fp32, row t holding
-    its chunk's row (columns are chunk positions). Only tiles J <= I are written, and in
-    written tiles only rows of valid tokens; readers mask accordingly. With STORE_Q_DECAY
-    also the tile's rows of q_decay = scale Q ⊙ e^G (`[TT, H, K]`, its dtype; e^G <= 1).
-    Grid: (chunks * BT // BC, H).
-    """
-    NC: tl.constexpr = BT // BC
-    bos, T, i_t, i_i, i_h, row0 = _tile_location(cu_seqlens, chunk_indices, BT, BC)
-    if row0 >= T:
-        return
-    o_r = tl.arange(0, BC)
-    o_k = tl.arange(0, K)
-    rows = row0 + o_r
-    m_r = rows < T
-    p_r = ((bos + rows) * H + i_h)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
-    b_G = tl.load(G + p_r, mask=m_r[:, None], other=0.0)
-    b_beta = tl.load(beta + (bos + rows) * H + i_h, mask=m_r, other=0.0).to(tl.float32)
-
-    # anchor c_I: G at the tile's middle row (the middle of the valid rows if cut short)
-    anchor = row0 + tl.minimum(T - row0, BC) // 2
-    b_c = tl.load(G + ((bos + anchor) * H + i_h) * K + o_k)
-    # e^{G_i - c_I} <= e^40; invalid rows get exp(-inf) = 0
-    b_row_decay = tl.exp(tl.where(m_r[:, None], b_G - b_c[None, :], float("-inf")))
-    b_q_row = b_q * b_row_decay * scale
-    b_k_row = b_k * b_row_decay
-    if STORE_Q_DECAY:
-        tl.store(q_decay + p_r, (b_q * tl.exp(b_G) * scale).to(q_decay.dtype.element_ty), mask=m_r[:, None])
-
-    # tiles J = 0..I (a static loop with a uniform branch: the interpreter cannot take
-    # range(i_i + 1), see `_state_scan_kernel`)
-    for i_j in tl.static_range(NC):
-        if i_j <= i_i:
-            _intra_tile_pair(k, G, Aqk, Akk, b_q_row, b_k_row, b_beta, b_c, rows, m_r, i_t, i_i, i_j, bos, T, i_h,
-                             o_r, o_k, H, K, BT, BC, PRECISION)
-
-
-@triton.jit
-def _intra_tile_pair(k, G, Aqk, Akk, b_q_row, b_k_row, b_beta, b_c, rows, m_r, i_t, i_i, i_j, bos, T, i_h, o_r,
-                     o_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """Tile (I, J <= I) of A_qk and A_kk from the row tile's decayed q and k (`[BC, K]`,
-    anchor c_I)."""
-    cols = i_t * BT + i_j * BC + o_r
-    m_c = cols < T
-    p_c = ((bos + cols) * H + i_h)[:, None] * K + o_k[None, :]
-    b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
-    b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
-    b_col_decay = tl.exp(tl.where(m_c[:, None], b_c[None, :] - b_Gc, float("-inf")))  # <= e^40
-    b_k_col_t = tl.trans(b_kc * b_col_decay)  # [K, BC]
-    b_aqk = tl.dot(b_q_row, b_k_col_t, input_precision=PRECISION)
-    b_akk = tl.dot(b_k_row, b_k_col_t, input_precision=PRECISION) * b_beta[:, None]
-    # Diagonal tile (i_j == i_i): the same dense dot as every other tile; only the
-    # causal mask differs: keep j <= i for A_qk and j < i for A_kk. Discarded entries
-    # (j > i inside the tile) are finite: each factor is at most e^40.
-    off_diag = i_j < i_i
-    keep_qk = off_diag | (o_r[:, None] >= o_r[None, :])
-    keep_kk = off_diag | (o_r[:, None] > o_r[None, :])
-    p_a = ((bos + rows) * H + i_h)[:, None] * BT + (i_j * BC + o_r)[None, :]
-    tl.store(Aqk + p_a, tl.where(keep_qk, b_aqk, 0.0), mask=m_r[:, None])
-    tl.store(Akk + p_a, tl.where(keep_kk, b_akk, 0.0), mask=m_r[:, None])
-
-
-@triton.jit
 def _intra_columns_kernel(
     q, k, G, beta, Aqk, Akk, q_decay, scale, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PRECISION: tl.constexpr, STORE_Q_DECAY: tl.constexpr,
 ):
     """Column tile J of one chunk: tiles (I >= J, J) of A_qk and A_kk as one `[BT, BC]` dot
-    pair over the chunk's rows (the default, see `intra_config`; the same contract as
-    `_intra_tiles_kernel`).
+    pair over the chunk's rows.
+
+    q, k, G: `[TT, H, K]`; beta `[TT, H]`; Aqk, Akk: `[TT, H, BT]` fp32, row t holding its
+    chunk's row (columns are chunk positions). Only tiles on or below the diagonal are
+    written, and in them only rows of valid tokens; readers mask accordingly. With
+    STORE_Q_DECAY also q_decay = scale Q ⊙ e^G (`[TT, H, K]`, its dtype; e^G <= 1).
 
     One anchor c_J = G at the column tile's middle row serves every row tile: rows i >= 16 J
     have G_i - c_J <= 40 (G falls along the chunk) and the columns c_J - G_j <= 40 (the
@@ -308,12 +215,12 @@ def _diag_inverse_kernel(Akk, Ainv, cu_seqlens, chunk_indices, H: tl.constexpr, 
                          BC: tl.constexpr):
     """X_II = (I + A_kk[I,I])^{-1} for diagonal tile I of one chunk, into Ainv's diagonal.
 
-    Akk, Ainv: `[TT, H, BT]` fp32 (A_kk's diagonal tiles are strictly lower, from the A-tiles
-    kernel, `intra_config`). The substitution is a chain of BC - 1 dependent row steps, each
+    Akk, Ainv: `[TT, H, BT]` fp32 (A_kk's diagonal tiles are strictly lower, from
+    `_intra_columns_kernel`). The substitution is a chain of BC - 1 dependent row steps, each
     a reduction across the tile; launched with one warp, those reductions are register
-    shuffles inside the warp, with no barrier between warps. On the H200 at T = 32K this
-    kernel takes 0.07 ms, where the same four chains per chunk interleaved inside
-    `_wy_kernel`'s four warps cost it 0.5 ms (BENCHMARKS.md). Grid: (chunks * BT // BC, H).
+    shuffles inside the warp, with no barrier between warps (the same four chains per chunk
+    interleaved inside `_wy_kernel`'s four warps cost several times more). Grid:
+    (chunks * BT // BC, H).
     """
     bos, T, i_t, i_i, i_h, row0 = _tile_location(cu_seqlens, chunk_indices, BT, BC)
     if row0 >= T:
@@ -407,13 +314,12 @@ def _store_tril_product(out, b_X00, b_X10, b_X11, b_X20, b_X21, b_X22, b_X30, b_
 
 @triton.jit
 def _key_tile(k, G, Kt, b_beta, b_G_last, bos, T, i_t, i_h, I: tl.constexpr, o_k, H: tl.constexpr,
-              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LEAN: tl.constexpr):
-    """Rows of tile I, columns o_k of `beta e^G ⊙ K` (W's right factor); with LEAN also
-    stores them as `K~ = e^{G_last - G} ⊙ K` into Kt (0 on invalid rows: k loads as 0)."""
+              K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Rows of tile I, columns o_k of `beta e^G ⊙ K` (W's right factor); also stores them as
+    `K~ = e^{G_last - G} ⊙ K` into Kt (0 on invalid rows: k loads as 0)."""
     b_G = _load_rows(G, bos, T, i_t, i_h, I, o_k, H, K, BT, BC)
     b_k = _load_rows(k, bos, T, i_t, i_h, I, o_k, H, K, BT, BC)
-    if LEAN:
-        _store_rows(Kt, b_k * tl.exp(b_G_last[None, :] - b_G), bos, T, i_t, i_h, I, o_k, H, K, BT, BC)
+    _store_rows(Kt, b_k * tl.exp(b_G_last[None, :] - b_G), bos, T, i_t, i_h, I, o_k, H, K, BT, BC)
     return b_beta * tl.exp(b_G) * b_k
 
 
@@ -421,19 +327,18 @@ def _key_tile(k, G, Kt, b_beta, b_G_last, bos, T, i_t, i_h, I: tl.constexpr, o_k
 def _wy_kernel(
     k, v, G, beta, Akk, Ainv, W, U, Kt, decay, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LEAN: tl.constexpr, PRECISION: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """X = (I + A_kk)^{-1} for one chunk, then W = X (beta e^G ⊙ K) and U = X (beta V).
 
-    Akk: `[TT, H, BT]` off-diagonal tiles from the A-tiles kernel (`intra_config`); Ainv: `[TT, H, BT]`
+    Akk: `[TT, H, BT]` off-diagonal tiles from `_intra_columns_kernel`; Ainv: `[TT, H, BT]`
     fp32 holds X's diagonal blocks (from `_diag_inverse_kernel`) and receives the
-    rest of its lower block triangle; W `[TT, H, K]`, U `[TT, H, V]` (fp32 in the classic
-    walk, the input dtype in the lean one: stores cast). The chunk is 4 tiles of 16
-    (BT == 4 * BC). X is block lower triangular: X_IJ = -X_II Σ_{J<=M<I} A_IM X_MJ for
-    J < I. e^G <= 1 here (G <= 0).
-    With LEAN (the lean walk) also the walk's state-independent factors: Kt `[TT, H, K]`
-    (input dtype) receives K~ = e^{G_last - G} ⊙ K, decay `[chunks, H, K]` fp32 e^{G_last}
-    (G_last = G at the chunk's last valid token). Grid: (chunks, H).
+    rest of its lower block triangle; W `[TT, H, K]`, U `[TT, H, V]` in the input dtype
+    (stores cast). The chunk is 4 tiles of 16 (BT == 4 * BC). X is block lower triangular:
+    X_IJ = -X_II Σ_{J<=M<I} A_IM X_MJ for J < I. e^G <= 1 here (G <= 0).
+    Also the walk's state-independent factors: Kt `[TT, H, K]` (input dtype) receives
+    K~ = e^{G_last - G} ⊙ K, decay `[chunks, H, K]` fp32 e^{G_last} (G_last = G at the
+    chunk's last valid token). Grid: (chunks, H).
     """
     tl.static_assert(BT == 4 * BC)
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -487,19 +392,16 @@ def _wy_kernel(
     b_b2 = _load_beta(beta, bos, T, i_t, i_h, 2, H, BT, BC)[:, None]
     b_b3 = _load_beta(beta, bos, T, i_t, i_h, 3, H, BT, BC)[:, None]
 
-    # W = X (beta e^G ⊙ K), one block of K columns at a time (and K~, e^{G_last} if LEAN)
+    # W = X (beta e^G ⊙ K), one block of K columns at a time (and K~, e^{G_last})
     last = tl.minimum(i_t * BT + BT, T) - 1
     for i_k in range(0, K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        if LEAN:
-            b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
-            tl.store(decay + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp(b_G_last))
-        else:
-            b_G_last = tl.zeros([BK], dtype=tl.float32)  # unused
-        b_y0 = _key_tile(k, G, Kt, b_b0, b_G_last, bos, T, i_t, i_h, 0, o_k, H, K, BT, BC, LEAN)
-        b_y1 = _key_tile(k, G, Kt, b_b1, b_G_last, bos, T, i_t, i_h, 1, o_k, H, K, BT, BC, LEAN)
-        b_y2 = _key_tile(k, G, Kt, b_b2, b_G_last, bos, T, i_t, i_h, 2, o_k, H, K, BT, BC, LEAN)
-        b_y3 = _key_tile(k, G, Kt, b_b3, b_G_last, bos, T, i_t, i_h, 3, o_k, H, K, BT, BC, LEAN)
+        b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
+        tl.store(decay + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp(b_G_last))
+        b_y0 = _key_tile(k, G, Kt, b_b0, b_G_last, bos, T, i_t, i_h, 0, o_k, H, K, BT, BC)
+        b_y1 = _key_tile(k, G, Kt, b_b1, b_G_last, bos, T, i_t, i_h, 1, o_k, H, K, BT, BC)
+        b_y2 = _key_tile(k, G, Kt, b_b2, b_G_last, bos, T, i_t, i_h, 2, o_k, H, K, BT, BC)
+        b_y3 = _key_tile(k, G, Kt, b_b3, b_G_last, bos, T, i_t, i_h, 3, o_k, H, K, BT, BC)
         _store_tril_product(W, b_X00, b_X10, b_X11, b_X20, b_X21, b_X22, b_X30, b_X31, b_X32, b_X33,
                             b_y0, b_y1, b_y2, b_y3, bos, T, i_t, i_h, o_k, H, K, BT, BC, PRECISION)
 
@@ -518,16 +420,13 @@ def _wy_kernel(
 # stage 3: the inter-chunk state recurrence
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _scan_chunk(k, W, U, G, Kt, h, v_new, b_S, b_decay_lean, i_t, bos, T, boc, i_h, o_k, o_v,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, LEAN: tl.constexpr,
-                PRECISION: tl.constexpr):
+def _scan_chunk(W, U, Kt, h, v_new, b_S, b_decay, i_t, bos, T, boc, i_h, o_k, o_v,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
     """One chunk of the state recurrence: store S, write V~ = U - W S, return the next S.
 
-    The state b_S stays fp32; the dots take it (and V~) in W's dtype, so that the lean walk
-    multiplies input-dtype operands (fp32 accumulation) and the classic walk fp32 ones
-    (the casts are then no-ops). Classic computes K~ and e^{G_last} here from k and G;
-    lean loads K~ from `_wy_kernel` and takes e^{G_last} as `b_decay_lean`, which the walk
-    loaded one chunk ahead (`_prefetch_decay`; unused by classic).
+    The state b_S stays fp32; the dots take it (and V~) in W's dtype (the input dtype, fp32
+    accumulation). K~ comes from `_wy_kernel`, e^{G_last} as `b_decay`, which the walk
+    loaded one chunk ahead (`_prefetch_decay`).
     """
     tl.store(h + ((boc + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_S.to(h.dtype.element_ty))
     rows = i_t * BT + tl.arange(0, BT)
@@ -537,88 +436,31 @@ def _scan_chunk(k, W, U, G, Kt, h, v_new, b_S, b_decay_lean, i_t, bos, T, boc, i
     b_u = tl.load(U + tok[:, None] * V + o_v[None, :], mask=m_r, other=0.0).to(tl.float32)
     b_vn = b_u - tl.dot(b_w, b_S.to(b_w.dtype), input_precision=PRECISION)
     tl.store(v_new + tok[:, None] * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty), mask=m_r)
-
-    if LEAN:
-        b_k_to_end = tl.load(Kt + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
-        b_decay = b_decay_lean
-    else:
-        last = tl.minimum(i_t * BT + BT, T) - 1
-        b_G_last = tl.load(G + ((bos + last) * H + i_h) * K + o_k)
-        b_G = tl.load(G + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
-        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0).to(tl.float32)
-        b_k_to_end = tl.where(m_r, b_k * tl.exp(b_G_last[None, :] - b_G), 0.0)
-        b_decay = tl.exp(b_G_last)
+    b_k_to_end = tl.load(Kt + tok[:, None] * K + o_k[None, :], mask=m_r, other=0.0)
     return b_S * b_decay[:, None] + tl.dot(tl.trans(b_k_to_end), b_vn.to(b_k_to_end.dtype), input_precision=PRECISION)
 
 
 @triton.jit
-def _prefetch_decay(decay, boc, i_t, n_chunks, i_h, o_k, H: tl.constexpr, K: tl.constexpr, LEAN: tl.constexpr):
-    """e^{G_last} of chunk i_t (`[K]` fp32 from the lean walk's `decay [chunks, H, K]`),
-    zeros when i_t is outside [0, n_chunks) or the walk is classic (which has no decay input).
+def _prefetch_decay(decay, boc, i_t, n_chunks, i_h, o_k, H: tl.constexpr, K: tl.constexpr):
+    """e^{G_last} of chunk i_t (`[K]` fp32 from `decay [chunks, H, K]`), zeros when i_t is
+    outside [0, n_chunks).
 
     The walks call this one chunk ahead: Triton's software pipeliner (3.6) leaves this
     small load in the loop body, where its global-memory latency sat on the walk's critical
-    path every chunk (long-scoreboard stalls led both walks in `profiling/ncu_table.py`;
-    `profiling/kernel_resources.py`'s `loop loads` column finds such loads)."""
-    if LEAN:
-        valid = (i_t >= 0) & (i_t < n_chunks)
-        # (o_k < K) is all true: it turns the scalar condition into a [K] mask
-        return tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k, mask=(o_k < K) & valid, other=0.0)
-    else:
-        return tl.zeros([K], dtype=tl.float32)
+    path every chunk (`profiling/kernel_resources.py`'s `loop loads` column finds such loads)."""
+    valid = (i_t >= 0) & (i_t < n_chunks)
+    # (o_k < K) is all true: it turns the scalar condition into a [K] mask
+    return tl.load(decay + ((boc + i_t) * H + i_h) * K + o_k, mask=(o_k < K) & valid, other=0.0)
 
 
-WALK_ENV = "TITAN_MOE_KDA_WALK"  # lean (default) | classic: what the sequential walks precompute and store
-WALKS = ("classic", "lean")
-
-
-def selected_walk() -> str:
-    """The state walks' form, `$TITAN_MOE_KDA_WALK` read per call: "lean" (default) or
-    "classic" (module docstring)."""
-    walk = os.environ.get(WALK_ENV) or "lean"
-    if walk not in WALKS:
-        raise ValueError(f"{WALK_ENV} must be one of {WALKS}, got {walk!r}")
-    return walk
-
-
-DOTS_ENV = "TITAN_MOE_KDA_DOTS"  # FWD[/BWD[/BWD_INTRA]] of tf32 | tf32x3 | ieee, for 16-bit inputs
-DOTS = ("tf32", "tf32x3", "ieee")
-DOT_STAGES = ("forward", "backward", "backward_intra")
-DEFAULT_DOTS = "tf32"
-# the default under the backward intra kernel's anchored form (`triton_bwd.bwd_intra_paired`)
-ANCHORED_DOTS = "tf32/tf32/tf32x3"
-
-
-def dot_precision(dtype: torch.dtype, stage: str = "forward", default: str = DEFAULT_DOTS) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision of the kernels' fp32-operand products (the anchored tiles
-    e^(G - c) q / k, the WY products, the walks' fp32 terms) in `stage` (`DOT_STAGES`:
-    the forward's kernels, the backward's, or the backward's intra-chunk kernel alone).
-    "ieee" for fp32 (and wider) inputs. For 16-bit inputs `$TITAN_MOE_KDA_DOTS`, read per
-    call: one value for every stage, or "FWD/BWD" or "FWD/BWD/BWD_INTRA" (a missing entry
-    repeats the one before it); unset, `default`: `DEFAULT_DOTS`, tf32 everywhere, or
-    `ANCHORED_DOTS`, tf32x3 in the backward's intra-chunk kernel, which the backward passes
-    when that kernel runs its anchored form. Dots of 16-bit operands run at the operands'
-    precision whatever this says.
-
-    Why the anchored form needs tf32x3 there: dg is the reverse cumsum inside each chunk of
-    dG, where every pair (i, j) adds +x at i (through dq_i, a row-tile dot over k_j e^(c - G_j))
-    and -x at j (through dk_j, a column-tile dot over q_i e^(G_i - c)). The anchored form's two
-    sides round different operands, so in tf32 (2^-11) the pair no longer cancels, and dg, up
-    to e^5 times smaller than its terms, inherits the difference. Measured on the H200 at
-    T = 32K, bf16, against the chunked path in fp32 (`profiling/kda_grad_errors.py`,
-    BENCHMARKS.md): anchored dg 1.11e-2 with tf32 everywhere (fla 3.77e-3), 3.36e-3 with
-    tf32x3 in that kernel; with g = g_min on every token 2.56e-1 against 2.91e-3 (fla 5.25e-3).
-    The paired form (the default) rounds the same operands on both sides, so tf32 cancels
-    there: dg 3.43e-3, and 2.99e-3 at g = g_min. The forward's and the other backward
-    kernels' tf32 moves no error past 1.2x fla's."""
-    if dtype.itemsize >= 4:
-        return "ieee"
-    text = os.environ.get(DOTS_ENV) or default
-    values = text.split("/")
-    if len(values) > len(DOT_STAGES) or any(v not in DOTS for v in values):
-        raise ValueError(f"{DOTS_ENV} must be up to {len(DOT_STAGES)} of {DOTS} joined by '/', got {text!r}")
-    index = DOT_STAGES.index(stage)
-    return values[min(index, len(values) - 1)]
+    e^(G - c) q / k, the WY products, dA's products): "ieee" for fp32 (and wider) inputs,
+    "tf32" for 16-bit ones (tf32 keeps 10 mantissa bits, more than bf16 inputs carry; the
+    backward's intra kernel rounds the operands of each cancelling pair alike, so tf32
+    suffices for the gate's gradient there too, `triton_bwd._bwd_intra_kernel`). Dots of
+    16-bit operands run at the operands' precision whatever this says."""
+    return "ieee" if dtype.itemsize >= 4 else "tf32"
 
 
 SCAN_BV_ENV = "TITAN_MOE_KDA_SCAN_BV"  # state columns per program of the sequential walks
@@ -626,25 +468,21 @@ SCAN_WARPS_ENV = "TITAN_MOE_KDA_SCAN_WARPS"  # warps per program of the sequenti
 SCAN_STAGES_ENV = "TITAN_MOE_KDA_SCAN_STAGES"  # "FWDxBWD" software-pipeline stages of the walks
 
 
-def walk_tiles_wide(K: int, lean: bool, dtype: torch.dtype) -> bool:
-    """Whether the walks' `[BT, dk]` operands are fp32 tiles wider than 64 columns (the
-    classic walk, or 32-bit inputs, at dk > 64): `scan_stages`' `wide_tiles`."""
-    return K > 64 and not (lean and dtype.itemsize == 2)
+def walk_tiles_wide(K: int, dtype: torch.dtype) -> bool:
+    """Whether the walks' `[BT, dk]` operands are fp32 tiles wider than 64 columns (32-bit
+    inputs at dk > 64): `scan_stages`' `wide_tiles`."""
+    return K > 64 and dtype.itemsize != 2
 
 
 def scan_stages(BV: int, wide_tiles: bool) -> tuple[int, int]:
     """(forward, backward) software-pipeline stages of the sequential walks at BV state
     columns per program. `wide_tiles`: the walks' `[BT, dk]` operands are fp32 at dk > 64
-    (the classic walk, or fp32 inputs), which fit 2 stages forward and 1 backward. Otherwise
-    3 at BV = 16 (the walks of few, long sequences, where the next chunks' loads are the
-    latency to hide), else 2. Measured on the H200 at dk = dv = 128 (BENCHMARKS.md, "walk
-    pipeline stages"): T = 32K (BV = 16) forward+backward 8.44 ms at 3x3 against 8.92 at
-    2x2, 4x4 no better; 8 x 4K (BV = 64) 7.46 at 2x2 against 7.52 at 3x3. Shared memory
-    compiled for sm_90 (`profiling/kernel_resources.py`, BV = 16, dk = 128): lean 16-bit walks
-    106 / 156 KiB at 3 stages, the classic forward 237 KiB at 3 (too much).
-    `$TITAN_MOE_KDA_SCAN_STAGES` ("FWDxBWD", 1-4 each, read per call) overrides both for
-    tuning; the walks launch through `launch_with_fewer_stages_if_needed`, so a count whose
-    shared memory does not fit falls back to fewer stages with a warning."""
+    (fp32 inputs), whose shared memory fits 2 stages forward and 1 backward on sm_90.
+    Otherwise 3 at BV = 16 (the walks of few, long sequences, where the next chunks' loads
+    are the latency to hide), else 2. `$TITAN_MOE_KDA_SCAN_STAGES` ("FWDxBWD", 1-4 each,
+    read per call) overrides both for tuning; the walks launch through
+    `launch_with_fewer_stages_if_needed`, so a count whose shared memory does not fit falls
+    back to fewer stages with a warning."""
     fwd, bwd = (2, 1) if wide_tiles else (3, 3) if BV <= 16 else (2, 2)
     fwd, bwd = _env_ints(SCAN_STAGES_ENV, f"{fwd}x{bwd}", "3x3 (FWDxBWD)", 2)
     if not (1 <= fwd <= 4 and 1 <= bwd <= 4):
@@ -658,45 +496,42 @@ def sequential_scan_config(K: int, V: int, walks: int = 1, n_sms: int | None = N
     The walks run `walks * (V / BV)` programs (`walks` = sequences x heads), each over all
     chunks of its sequence. Default: 4 warps and the widest BV (16, 32, 64 or 128, at most V)
     that still gives every SM a program (`n_sms`, default the current CUDA device's count);
-    when even BV = 16 does not, BV = 16. Measured on the H200 at dk = dv = 128 (BENCHMARKS.md,
-    "launch configurations"): at B*H = 16 (64-128 programs) 16 columns walk fastest, at
-    B*H = 128 64 columns (256 programs); 4 warps beat 8 at 32 and 64 columns. `$TITAN_MOE_KDA_SCAN_BV`
-    (16, 32, 64 or 128; at most V) and `$TITAN_MOE_KDA_SCAN_WARPS` (1-16, a power of two)
-    override them for tuning, read per call. Both walks (`$TITAN_MOE_KDA_WALK`) take the same rule.
+    when even BV = 16 does not, BV = 16: a walk is latency bound, so idle SMs cost more
+    than narrower programs. `$TITAN_MOE_KDA_SCAN_BV` (16, 32, 64 or 128; at most V) and
+    `$TITAN_MOE_KDA_SCAN_WARPS` (1-16, a power of two) override them for tuning, read per call.
     """
-    env_bv = os.environ.get(SCAN_BV_ENV)
+    env_bv = launch_env.read(SCAN_BV_ENV)
     if env_bv:
         bv = int(env_bv)
     else:
         n_sms = n_sms if n_sms is not None else sm_count()
         widths = [w for w in (128, 64, 32, 16) if w <= V]
         bv = next((w for w in widths if walks * (V // w) >= n_sms), widths[-1])
-    warps = int(os.environ.get(SCAN_WARPS_ENV) or 4)
+    warps = int(launch_env.read(SCAN_WARPS_ENV) or 4)
     if bv not in (16, 32, 64, 128) or bv > V:
         raise ValueError(f"{SCAN_BV_ENV} must be 16, 32, 64 or 128 and at most dv = {V}, got {bv}")
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"{SCAN_WARPS_ENV} must be a power of two in [1, 16], got {warps}")
     if bv == 16 and warps >= 8:
-        # Measured: the backward walk hits an illegal memory access at 16 columns and 8 warps
-        # (H200, Triton 3.6, dk = 128; the interpreter agrees with the reference there).
+        # the backward walk hits an illegal memory access at 16 columns and 8 warps (sm_90,
+        # Triton 3.6, dk = 128; the interpreter agrees with the reference there)
         raise ValueError(f"{SCAN_BV_ENV}=16 needs {SCAN_WARPS_ENV} <= 4 (16 x 8 crashes the backward walk)")
     return bv, warps
 
 
 @triton.jit
 def _state_scan_kernel(
-    k, W, U, G, Kt, decay, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    W, U, Kt, decay, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, LEAN: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Walk one sequence's chunks for one head and one block of BV state columns.
 
-    k, G, W: `[TT, H, K]`; U, v_new: `[TT, H, V]`; h: `[chunks, H, K, V]` receives each
-    chunk's initial state; h0, ht: `[N, H, K, V]` fp32; Kt `[TT, H, K]` and decay
-    `[chunks, H, K]` (LEAN only, see `_wy_kernel`). Dtypes per walk in the module docstring.
-    Per chunk: V~ = U - W S, then S <- Diag(e^{G_last}) S + (e^{G_last - G} ⊙ K)^T V~, where
-    G_last is G at the chunk's last valid token (all exponents <= 0). Grid: (V // BV, N * H).
+    W, Kt: `[TT, H, K]`; U, v_new: `[TT, H, V]` (input dtype); h: `[chunks, H, K, V]`
+    (input dtype) receives each chunk's initial state; h0, ht: `[N, H, K, V]` fp32; decay
+    `[chunks, H, K]` fp32 (Kt and decay from `_wy_kernel`). Per chunk: V~ = U - W S, then
+    S <- Diag(e^{G_last}) S + K~^T V~, where G_last is G at the chunk's last valid token (all
+    exponents <= 0). Grid: (V // BV, N * H).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -712,15 +547,15 @@ def _state_scan_kernel(
     else:
         b_S = tl.zeros([K, BV], dtype=tl.float32)
     n_chunks = tl.cdiv(T, BT)
-    b_decay = _prefetch_decay(decay, boc, 0, n_chunks, i_h, o_k, H, K, LEAN)
+    b_decay = _prefetch_decay(decay, boc, 0, n_chunks, i_h, o_k, H, K)
     if INTERPRETED:
         # Triton 3.6's interpreter cannot take a runtime bound in range() (it calls int()
         # on a 1-element array), so it walks the chunks with a while loop.
         i_t = tl.zeros([], dtype=tl.int64)
         while i_t < n_chunks:
-            b_decay_next = _prefetch_decay(decay, boc, i_t + 1, n_chunks, i_h, o_k, H, K, LEAN)
-            b_S = _scan_chunk(k, W, U, G, Kt, h, v_new, b_S, b_decay, i_t, bos, T, boc, i_h, o_k, o_v,
-                              H, K, V, BT, LEAN, PRECISION)
+            b_decay_next = _prefetch_decay(decay, boc, i_t + 1, n_chunks, i_h, o_k, H, K)
+            b_S = _scan_chunk(W, U, Kt, h, v_new, b_S, b_decay, i_t, bos, T, boc, i_h, o_k, o_v,
+                              H, K, V, BT, PRECISION)
             b_decay = b_decay_next
             i_t += 1
     else:
@@ -728,9 +563,9 @@ def _state_scan_kernel(
         # chunk overlap this chunk's dots; the decay row, which it leaves in the loop body,
         # is loaded one chunk ahead by hand)
         for i_t in range(0, n_chunks):
-            b_decay_next = _prefetch_decay(decay, boc, i_t + 1, n_chunks, i_h, o_k, H, K, LEAN)
-            b_S = _scan_chunk(k, W, U, G, Kt, h, v_new, b_S, b_decay, i_t, bos, T, boc, i_h, o_k, o_v,
-                              H, K, V, BT, LEAN, PRECISION)
+            b_decay_next = _prefetch_decay(decay, boc, i_t + 1, n_chunks, i_h, o_k, H, K)
+            b_S = _scan_chunk(W, U, Kt, h, v_new, b_S, b_decay, i_t, bos, T, boc, i_h, o_k, o_v,
+                              H, K, V, BT, PRECISION)
             b_decay = b_decay_next
     if STORE_HT:
         tl.store(ht + i_n * H * K * V + p_S, b_S)
@@ -747,11 +582,11 @@ def _output_kernel(
 ):
     """O = (scale Q ⊙ e^G) S + A_qk V~ for one chunk, head and block of BV outputs.
 
-    q_decay: `[TT, H, K]` scale Q ⊙ e^G from the A-tiles kernel (`intra_config`), h: `[chunks, H, K, V]`,
-    v_new `[TT, H, V]`, all three in the walk's dtype (module docstring): the first dot
-    takes them as they are (lean: 16-bit operands, fp32 accumulation, as the walk's own
-    dots; classic: fp32); Aqk: `[TT, H, BT]` fp32 (scale included, lower triangle incl. the
-    diagonal is valid), the second dot upcasts V~ to it; o `[TT, H, V]`.
+    q_decay: `[TT, H, K]` scale Q ⊙ e^G from `_intra_columns_kernel`, h: `[chunks, H, K, V]`,
+    v_new `[TT, H, V]`, all three in the input dtype: the first dot takes them as they are
+    (fp32 accumulation, as the walk's own dots); Aqk: `[TT, H, BT]` fp32 (scale included,
+    lower triangle incl. the diagonal is valid), the second dot upcasts V~ to it; o
+    `[TT, H, V]`.
     Grid: (V // BV, chunks, H).
     """
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -788,8 +623,7 @@ def _chunk_layout(bounds: list[int], device: torch.device) -> tuple[torch.Tensor
     Built once per (bounds, device) and shared (read-only) by later calls: every step of a
     fixed-length batch has the same layout, and building it anew costs three pageable
     host-to-device copies, each of which blocks the host until the GPU has drained its
-    queue, so that the GPU then idles while the host launches the next kernels (on the
-    H200, 0.5-0.7 ms of a 32K forward+backward went to that gap, BENCHMARKS.md)."""
+    queue, so that the GPU then idles while the host launches the next kernels."""
     return _chunk_layout_cached(tuple(bounds), torch.device(device))
 
 
@@ -810,24 +644,22 @@ def _chunk_layout_cached(bounds: tuple[int, ...], device: torch.device):
 @dataclass
 class KDAForwardState:
     """Intermediates of the chunked forward (stages 1-3), kept for the output stage and
-    the backward pass (`TT = B*T` tokens, `C = 64`; dtypes per walk in the module docstring).
+    the backward pass (`TT = B*T` tokens, `C = 64`; dtypes in the module docstring).
 
-    G `[TT, H, dk]`; Aqk, Ainv `[TT, H, C]` (row t holds its chunk's row; the lower
+    G `[TT, H, dk]` fp32; Aqk, Ainv `[TT, H, C]` fp32 (row t holds its chunk's row; the lower
     triangle incl. the diagonal is valid, A_qk includes `scale`); W `[TT, H, dk]`;
-    U, v_new `[TT, H, dv]`; h `[chunks, H, dk, dv]` (each chunk's initial state);
+    v_new `[TT, H, dv]`; h `[chunks, H, dk, dv]` (each chunk's initial state);
     final_state `[N, H, dk, dv]` fp32 or None; the chunk layout; the dot precision used;
-    the walk ("classic" / "lean") and, lean only, k_to_end `[TT, H, dk]`
-    (e^{G_last - G} ⊙ K) and decay `[chunks, H, dk]` (e^{G_last}); q_decay `[TT, H, dk]`
-    (scale Q ⊙ e^G in the walk's dtype, for the output; None in the backward's recompute and
-    in a state rebuilt from residuals). Under the lean walk U is None (only the forward walk
-    reads it).
+    k_to_end `[TT, H, dk]` (e^{G_last - G} ⊙ K) and decay `[chunks, H, dk]` fp32
+    (e^{G_last}); q_decay `[TT, H, dk]` (scale Q ⊙ e^G, for the output; None in the
+    backward's recompute and in a state rebuilt from residuals). W, v_new, h, k_to_end and
+    q_decay are in the input dtype. U (the forward walk's input) is not kept.
     """
 
     G: torch.Tensor
     Aqk: torch.Tensor
     Ainv: torch.Tensor
-    W: torch.Tensor
-    U: torch.Tensor
+    W: torch.Tensor | None
     h: torch.Tensor
     v_new: torch.Tensor
     final_state: torch.Tensor | None
@@ -835,9 +667,8 @@ class KDAForwardState:
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
     precision: str
-    walk: str = "classic"
-    k_to_end: torch.Tensor | None = None
-    decay: torch.Tensor | None = None
+    k_to_end: torch.Tensor | None
+    decay: torch.Tensor | None
     q_decay: torch.Tensor | None = None
 
 
@@ -861,6 +692,9 @@ def check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tupl
     return N, bounds
 
 
+SCANS = ("sequential", "segments")
+
+
 def kda_fwd_states(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -871,7 +705,7 @@ def kda_fwd_states(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     output_final_state: bool = False,
-    scan: str | None = None,
+    scan: str = "sequential",
     segment_chunks: int | None = None,
     chunk_rows: int | None = None,
     output_q_decay: bool = True,
@@ -887,11 +721,8 @@ def kda_fwd_states(
     that its outputs' shapes do not depend on cu_seqlens' values; the rows past the chunk count
     stay unwritten.
     """
-    # late import: triton_scan imports this module
-    from titan_moe.ops.kda.triton_scan import selected_scan, state_scan_parallel
-
-    scan = selected_scan(scan)
-    lean = selected_walk() == "lean"
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     N, bounds = check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -909,8 +740,8 @@ def kda_fwd_states(
     Aqk = torch.empty(TT, H, CHUNK, **f32)
     Akk = torch.empty(TT, H, CHUNK, **f32)
     Ainv = torch.empty(TT, H, CHUNK, **f32)
-    # what the walk reads and writes: fp32 (classic) or the input dtype (lean, module docstring)
-    walk_dt = dict(dtype=q.dtype if lean else torch.float32, device=q.device)
+    # what the walk reads and writes: the input dtype (module docstring)
+    walk_dt = dict(dtype=q.dtype, device=q.device)
     q_decay = torch.empty(TT, H, K, **walk_dt) if output_q_decay else None
     W = torch.empty(TT, H, K, **walk_dt)
     U = torch.empty(TT, H, V, **walk_dt)
@@ -918,81 +749,47 @@ def kda_fwd_states(
     v_new = torch.empty(TT, H, V, **walk_dt)
     ht = torch.empty(N, H, K, V, **f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    k_to_end = torch.empty(TT, H, K, **walk_dt) if lean else None
-    decay = torch.empty(rows, H, K, **f32) if lean else None
+    k_to_end = torch.empty(TT, H, K, **walk_dt)
+    decay = torch.empty(rows, H, K, **f32)
 
-    intra_warps, inverse_warps, wy_warps, _ = tile_warps()
+    inverse_warps, wy_warps, _ = tile_warps()
     if not g_cumsum:
         _chunk_cumsum_kernel[(n_chunks, H)](g, G, cu, chunk_indices, H=H, K=K, BT=CHUNK, num_warps=4)
-    columns = intra_config(K)
-    if columns is None:
-        _intra_tiles_kernel[(n_chunks * N_TILES, H)](
-            q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
-            H=H, K=K, BT=CHUNK, BC=TILE, PRECISION=precision, STORE_Q_DECAY=output_q_decay,
-            num_warps=intra_warps,
-        )
-    else:
-        _intra_columns_kernel[(n_chunks * N_TILES, H)](
-            q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
-            H=H, K=K, BT=CHUNK, BC=TILE, BK=columns[0], PRECISION=precision, STORE_Q_DECAY=output_q_decay,
-            num_warps=columns[1], **intra_register_cap(),
-        )
+    intra_bk, intra_warps = intra_config(K)
+    _intra_columns_kernel[(n_chunks * N_TILES, H)](
+        q, k, G, beta, Aqk, Akk, q_decay, scale, cu, chunk_indices,
+        H=H, K=K, BT=CHUNK, BC=TILE, BK=intra_bk, PRECISION=precision, STORE_Q_DECAY=output_q_decay,
+        num_warps=intra_warps, **intra_register_cap(),
+    )
     _diag_inverse_kernel[(n_chunks * N_TILES, H)](
         Akk, Ainv, cu, chunk_indices, H=H, BT=CHUNK, BC=TILE, num_warps=inverse_warps,
     )
     _wy_kernel[(n_chunks, H)](
         k, v, G, beta, Akk, Ainv, W, U, k_to_end, decay, cu, chunk_indices,
-        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=min(K, 64), BV=min(V, 64), LEAN=lean, PRECISION=precision,
+        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=min(K, 64), BV=min(V, 64), PRECISION=precision,
         num_warps=wy_warps, maxnreg=WY_MAXNREG,
     )
-    if lean:  # A_kk is dead now (classic frees it on return, as `plan.transient` models)
-        Akk = None
-    if scan == "parallel":
-        state_scan_parallel(k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets, bounds, precision, segment_chunks)
+    Akk = None  # dead before the walk (as `plan.transient` models)
+    if scan == "segments":
+        # late import: triton_scan imports this module
+        from titan_moe.ops.kda.triton_scan import segment_scan
+
+        segment_scan(k, W, U, G, h, v_new, h0, ht, cu, chunk_offsets, bounds, precision, segment_chunks)
     else:
         BV, warps = sequential_scan_config(K, V, walks=N * H)
         launch_with_fewer_stages_if_needed(
             _state_scan_kernel, (V // BV, N * H),
-            k, W, U, G, k_to_end, decay, h, v_new, h0, ht, cu, chunk_offsets,
+            W, U, k_to_end, decay, h, v_new, h0, ht, cu, chunk_offsets,
             H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
-            LEAN=lean, PRECISION=precision, INTERPRETED=_interpreted(), num_warps=warps,
-            num_stages=scan_stages(BV, walk_tiles_wide(K, lean, q.dtype))[0],
+            PRECISION=precision, INTERPRETED=_interpreted(), num_warps=warps,
+            num_stages=scan_stages(BV, walk_tiles_wide(K, q.dtype))[0],
         )
-    if lean:  # U is read by the forward walk only (classic keeps it)
-        U = None
+    U = None  # read by the forward walk only
     return KDAForwardState(
-        G=G, Aqk=Aqk, Ainv=Ainv, W=W, U=U, h=h, v_new=v_new, final_state=ht,
+        G=G, Aqk=Aqk, Ainv=Ainv, W=W, h=h, v_new=v_new, final_state=ht,
         cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, precision=precision,
-        walk="lean" if lean else "classic", k_to_end=k_to_end, decay=decay, q_decay=q_decay,
+        k_to_end=k_to_end, decay=decay, q_decay=q_decay,
     )
-
-
-RESIDUAL_NAMES = ("G", "Aqk", "Ainv", "W", "h", "v_new", "k_to_end", "decay")
-
-
-def max_chunk_rows(B: int, T: int, N: int, varlen: bool) -> int:
-    """An upper bound on the chunk count from shapes alone: B * ceil(T / C) without packing;
-    with N packed sequences over T tokens, sum ceil(len_n / C) <= T // C + N."""
-    return T // CHUNK + N if varlen else B * (-(-T // CHUNK))
-
-
-def residual_specs(
-    q: torch.Tensor, v: torch.Tensor, N: int, varlen: bool, walk: str, g_cumsum: bool = False
-) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of each of `RESIDUAL_NAMES` as `kept_forward` returns them (the fake
-    implementation of the kept-forward op builds its outputs from this). A residual the walk
-    does not make (classic: k_to_end, decay) is an empty `[0]` fp32 tensor, and so is G when
-    the input g is G already (`g_cumsum`)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    TT, rows = B * T, max_chunk_rows(B, T, N, varlen)
-    lean = walk == "lean"
-    walk_dtype, f32 = (q.dtype if lean else torch.float32), torch.float32
-    return [
-        ((0,) if g_cumsum else (TT, H, K), f32), ((TT, H, CHUNK), f32), ((TT, H, CHUNK), f32), ((TT, H, K), walk_dtype),
-        ((rows, H, K, V), walk_dtype), ((TT, H, V), walk_dtype),
-        ((TT, H, K) if lean else (0,), walk_dtype if lean else f32), ((rows, H, K) if lean else (0,), f32),
-    ]
 
 
 def kept_forward(
@@ -1014,7 +811,7 @@ def kept_forward(
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     rows = max_chunk_rows(B, T, N, cu_seqlens is not None)
     st = kda_fwd_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-                        scan="sequential", chunk_rows=rows, g_cumsum=g_cumsum)
+                        chunk_rows=rows, g_cumsum=g_cumsum)
     o = kda_fwd_output(q, v, st)
     residuals = [getattr(st, name) for name in RESIDUAL_NAMES]
     if g_cumsum:  # G is the input g (or its fp32 copy): the backward reads it there
@@ -1034,8 +831,7 @@ def state_from_residuals(
     N, bounds = check_triton_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if len(residuals) != len(RESIDUAL_NAMES):
         raise ValueError(f"expected {len(RESIDUAL_NAMES)} residuals {RESIDUAL_NAMES}, got {len(residuals)}")
-    walk = "lean" if residuals[RESIDUAL_NAMES.index("k_to_end")].numel() else "classic"
-    specs = residual_specs(q, v, N, cu_seqlens is not None, walk, g_cumsum)
+    specs = residual_specs(q, v, N, cu_seqlens is not None, g_cumsum)
     for (shape, dtype), r, name in zip(specs, residuals, RESIDUAL_NAMES):
         if tuple(r.shape) != shape or r.dtype != dtype:
             raise ValueError(f"residual {name}: expected {dtype} {shape}, got {r.dtype} {tuple(r.shape)}")
@@ -1043,11 +839,9 @@ def state_from_residuals(
     fields = dict(zip(RESIDUAL_NAMES, residuals))
     if g_cumsum:
         fields["G"] = g.reshape(-1, *g.shape[2:]).float().contiguous()
-    if walk == "classic":
-        fields["k_to_end"] = fields["decay"] = None
     return KDAForwardState(
-        U=None, final_state=None, cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-        precision=dot_precision(q.dtype), walk=walk, **fields,
+        final_state=None, cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+        precision=dot_precision(q.dtype), **fields,
     )
 
 
@@ -1061,7 +855,7 @@ def chunk_kda_fwd_triton(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     output_final_state: bool = False,
-    scan: str | None = None,
+    scan: str = "sequential",
     segment_chunks: int | None = None,
     g_cumsum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1079,9 +873,10 @@ def chunk_kda_fwd_triton(
             Read on the host (one device sync).
         output_final_state: also return the state after each sequence's last token.
         scan: the inter-chunk state scan, "sequential" (one program walks a sequence's
-            chunks) or "parallel" (segments of chunks side by side, `triton_scan`); None
-            reads `$TITAN_MOE_KDA_SCAN` (default sequential).
-        segment_chunks: chunks per segment of the parallel scan; None picks it from
+            chunks; the op's path) or "segments" (segments of chunks side by side, combined
+            through their state transitions: SPEC §8's context-parallel algebra,
+            `triton_scan.segment_scan`).
+        segment_chunks: chunks per segment of the segment scan; None picks it from
             `$TITAN_MOE_KDA_SCAN_SEGMENT` or the wave model in `triton_scan`.
 
     dk and dv must be 16, 32, 64 or 128.
@@ -1113,12 +908,14 @@ def kda_fwd_output(q: torch.Tensor, v: torch.Tensor, st: KDAForwardState) -> tor
 
 OUTPUT_ENV = "TITAN_MOE_KDA_OUTPUT"  # "BVxWARPS" of `_output_kernel`, for tuning
 TILE_WARPS_ENV = "TITAN_MOE_KDA_TILE_WARPS"  # warps of the per-tile kernels, for tuning (`tile_warps`)
+INTRA_ENV = "TITAN_MOE_KDA_INTRA"  # "BKxWARPS" of `_intra_columns_kernel`, for tuning (`intra_config`)
+INTRA_MAXNREG_ENV = "TITAN_MOE_KDA_INTRA_MAXNREG"  # register cap of `_intra_columns_kernel` (`intra_register_cap`)
 _WARPS = (1, 2, 4, 8, 16)
 
 
 def _env_ints(name: str, default: str, example: str, count: int) -> tuple[int, ...]:
     """`$name` (`count` integers joined by x, read per call; `default` when unset)."""
-    text = os.environ.get(name) or default
+    text = launch_env.read(name) or default
     try:
         values = tuple(int(x) for x in text.split("x"))
     except ValueError:
@@ -1130,25 +927,18 @@ def _env_ints(name: str, default: str, example: str, count: int) -> tuple[int, .
 
 def output_config(V: int) -> tuple[int, int]:
     """(BV, num_warps) of `_output_kernel`: default 64 value columns per program, 4 warps,
-    clipped to dv;
-    `$TITAN_MOE_KDA_OUTPUT` ("BVxWARPS", read per call) overrides it for tuning."""
+    clipped to dv; `$TITAN_MOE_KDA_OUTPUT` ("BVxWARPS", read per call) overrides it for tuning."""
     bv, warps = _env_ints(OUTPUT_ENV, "64x4", "64x4", 2)
     if bv not in (16, 32, 64, 128) or warps not in _WARPS:
         raise ValueError(f"{OUTPUT_ENV}: BV must be 16, 32, 64 or 128 and warps a power of two <= 16, got {bv}x{warps}")
     return min(bv, V), warps
 
 
-INTRA_ENV = "TITAN_MOE_KDA_INTRA"  # the forward's A tiles: "tiles" or "columns[BKxWARPS]" (`intra_config`)
-INTRA_MAXNREG_ENV = "TITAN_MOE_KDA_INTRA_MAXNREG"  # register cap of `_intra_columns_kernel` (`intra_register_cap`)
-
-
 def intra_register_cap() -> dict:
     """Launch option of `_intra_columns_kernel` capping its registers per thread (Triton's
     `maxnreg`), read per call from `$TITAN_MOE_KDA_INTRA_MAXNREG` (0: no cap, else 32 to
     255). Default 96: at 32 key columns and 4 warps the kernel holds 127 registers on sm_90
-    uncapped (four blocks per SM); capped it spills 40 bytes per thread and five fit (80:
-    136 bytes, six). Measured on the H200 (BENCHMARKS.md, "the forward's A-tile kernel's
-    register cap"): the kernel 0.522 ms against 0.535 at T = 32K and at 8 x 4K; 80 took 0.568."""
+    uncapped (four blocks per SM); capped it spills 40 bytes per thread and five fit."""
     return env_register_cap(INTRA_MAXNREG_ENV, 96)
 
 
@@ -1162,33 +952,23 @@ def env_register_cap(name: str, default: int) -> dict:
     return {"maxnreg": cap} if cap else {}
 
 
-def intra_config(K: int) -> tuple[int, int] | None:
-    """How the forward computes the A_qk / A_kk tiles, from `$TITAN_MOE_KDA_INTRA` (read per
-    call; default "columns32x4"): "columns" or "columnsBKxWARPS" (default 64x4 for a bare
-    "columns") gives (BK, warps) of `_intra_columns_kernel` (one program per column tile, one
-    [BT, BC] dot pair over the chunk's rows, dk in steps of BK, clipped to dk); "tiles" gives
-    None: `_intra_tiles_kernel` (one program per row tile, one dot pair per tile (I, J <= I)).
-    Measured on the H200 at T = 32K, H = 16, dk = 128 (BENCHMARKS.md, "KDA: the forward's A
-    tiles by column tile"): columns32x4 0.538 ms against the row tiles' 0.635 (forward+backward
-    6.694 against 6.784 ms); 64x4 0.619, 16x4 0.691, 32x2 0.733, 64x8 0.797, 32x8 0.910."""
-    text = os.environ.get(INTRA_ENV) or "columns32x4"
-    if text == "tiles":
-        return None
-    match = re.fullmatch(r"columns(?:(\d+)x(\d+))?", text)
-    bk, warps = (int(match[1]), int(match[2])) if match and match[1] else (64, 4)
-    if not match or bk not in (16, 32, 64, 128) or warps not in _WARPS:
-        raise ValueError(f"{INTRA_ENV} must be tiles, columns or columnsBKxWARPS (BK 16, 32, 64 or 128, "
-                         f"warps a power of two <= 16), got {text!r}")
+def intra_config(K: int) -> tuple[int, int]:
+    """(BK, warps) of `_intra_columns_kernel` (one program per column tile, one [BT, BC] dot
+    pair over the chunk's rows, dk in steps of BK, clipped to dk): default 32 x 4;
+    `$TITAN_MOE_KDA_INTRA` ("BKxWARPS", read per call) overrides it for tuning."""
+    bk, warps = _env_ints(INTRA_ENV, "32x4", "32x4 (BKxWARPS)", 2)
+    if bk not in (16, 32, 64, 128) or warps not in _WARPS:
+        raise ValueError(f"{INTRA_ENV}: BK must be 16, 32, 64 or 128 and warps a power of two <= 16, "
+                         f"got {bk}x{warps}")
     return min(bk, K), warps
 
 
-def tile_warps() -> tuple[int, int, int, int]:
-    """num_warps of `_intra_tiles_kernel` (with `TITAN_MOE_KDA_INTRA=tiles`; the default column
-    kernel takes its warps from `intra_config`), `_diag_inverse_kernel`, `_wy_kernel` and
-    `triton_bwd._bwd_intra_kernel`: default 4, 1, 4, 4 (H200, BENCHMARKS.md; the last with
-    `triton_bwd.bwd_intra_bk`'s 64 key columns per program);
-    `$TITAN_MOE_KDA_TILE_WARPS` ("AxBxCxD", read per call) overrides them for tuning."""
-    warps = _env_ints(TILE_WARPS_ENV, "4x1x4x4", "4x2x4x8", 4)
+def tile_warps() -> tuple[int, int, int]:
+    """num_warps of `_diag_inverse_kernel`, `_wy_kernel` and `triton_bwd._bwd_intra_kernel`:
+    default 1, 4, 4 (one warp keeps the inverse's row reductions inside a warp);
+    `$TITAN_MOE_KDA_TILE_WARPS` ("INVERSExWYxBWD_INTRA", read per call) overrides them for
+    tuning."""
+    warps = _env_ints(TILE_WARPS_ENV, "1x4x4", "2x4x8", 3)
     if any(w not in _WARPS for w in warps):
         raise ValueError(f"{TILE_WARPS_ENV}: warps must be powers of two <= 16, got {warps}")
     return warps

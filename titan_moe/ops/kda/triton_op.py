@@ -1,30 +1,26 @@
 """CUDA kernels for the `titan_moe::kda_chunk_fwd/bwd` and `kda_prepare{,_bwd}` ops (the
 latter in `triton_prepare`), from the Triton launchers.
 
-    TITAN_MOE_KDA_BACKEND=triton   register the Triton kernels for CUDA tensors (default)
-    TITAN_MOE_KDA_BACKEND=torch    keep the plain-PyTorch chunked path on CUDA too
+They are registered for CUDA tensors whenever CUDA is present, each behind a check of the
+`[kernels] kda` choice per call (`kernels_selected`: "auto" and "triton" pick the kernels on
+CUDA; "torch" keeps the plain-PyTorch path on CUDA too). CPU tensors always take the PyTorch
+path of the ops; the tests call these adapters directly under Triton's interpreter.
 
 The adapters translate between the ops' contract (an empty `[0]` tensor stands for "no
 final state" / "no initial-state gradient", gradients in the inputs' dtypes) and the
 launchers' (None). Shapes the kernels do not cover (float64, head dims outside
 {16, 32, 64, 128}) go to the PyTorch implementation, so registering never narrows the op.
-
-The kernels are the CUDA default since the registered op was checked and timed end to end
-on the H200: small_1gpu trains about 6x faster per step than with the PyTorch path
-(BENCHMARKS.md). CPU tensors always take the PyTorch path.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from titan_moe.ops import choices
 from titan_moe.ops.kda import op as kda_op
 from titan_moe.ops.nvtx import nvtx_range
 
-BACKEND_ENV = "TITAN_MOE_KDA_BACKEND"
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
@@ -36,7 +32,13 @@ def kernels_registered() -> bool:
     return _registered
 
 
+def kernels_selected(device: torch.device) -> bool:
+    """Whether the `[kernels] kda` choice in force picks the Triton kernels on `device`."""
+    return choices.pick_backend(choices.current().kda, device.type) == "triton"
+
+
 def kernels_cover(q: Tensor, v: Tensor, g: Tensor) -> bool:
+    """Whether the kernels take these shapes and dtypes."""
     return (
         q.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and g.dtype != torch.float16
@@ -79,24 +81,32 @@ def kda_chunk_bwd_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, do,
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
 
 
-def selected_backend() -> str:
-    backend = os.environ.get(BACKEND_ENV) or "triton"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {backend!r}")
-    return backend
+def when_selected(kernel, fallback):
+    """An op implementation that runs `kernel` for calls whose device the `[kernels] kda`
+    choice gives the Triton kernels (`kernels_selected`, read per call), else `fallback`."""
+
+    def implementation(*args, **kwargs):
+        return (kernel if kernels_selected(args[0].device) else fallback)(*args, **kwargs)
+
+    return implementation
 
 
 def register_cuda_kernels() -> bool:
-    """Register the Triton kernels for CUDA when selected; return whether they were."""
+    """Register the Triton kernels for CUDA tensors (behind `when_selected`) when CUDA is
+    present; return whether they were."""
     global _registered
-    if selected_backend() != "triton" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return False
-    torch.library.register_kernel(kda_op.FWD_OP, "cuda", kda_chunk_fwd_triton)
-    torch.library.register_kernel(kda_op.BWD_OP, "cuda", kda_chunk_bwd_triton)
     from titan_moe.ops.kda import kept, prepare, triton_prepare
 
-    kept.register_cuda_kernels()
-    torch.library.register_kernel(prepare.FWD_OP, "cuda", triton_prepare.kda_prepare_triton)
-    torch.library.register_kernel(prepare.BWD_OP, "cuda", triton_prepare.kda_prepare_bwd_triton)
+    for name, kernel, fallback in (
+        (kda_op.FWD_OP, kda_chunk_fwd_triton, kda_op.kda_chunk_fwd_torch),
+        (kda_op.BWD_OP, kda_chunk_bwd_triton, kda_op.kda_chunk_bwd_torch),
+        (kept.FWD_OP, kept.kda_chunk_fwd_kept_triton, kept.kda_chunk_fwd_kept_torch),
+        (kept.BWD_OP, kept.kda_chunk_bwd_kept_triton, kept.kda_chunk_bwd_kept_torch),
+        (prepare.FWD_OP, triton_prepare.kda_prepare_triton, prepare.kda_prepare_torch),
+        (prepare.BWD_OP, triton_prepare.kda_prepare_bwd_triton, prepare.kda_prepare_bwd_torch),
+    ):
+        torch.library.register_kernel(name, "cuda", when_selected(kernel, fallback))
     _registered = True
     return True

@@ -5,25 +5,27 @@ q_hat, k_hat and g (forward), or dq, dk, dz and its token-block partial sums of 
 parameters' gradients (backward; the partials are summed over blocks by PyTorch, so the
 result does not depend on the order threads finish). All arithmetic in fp32.
 
-With `chunk_cumsum` the blocks are the KDA chunks (64 tokens from each sequence start, the
-chunk layout of `triton_fwd`): the forward stores the chunk-local cumsum G of g and the
-backward reverse-sums the incoming dG in registers before the gate's chain rule. This
-replaces the KDA forward's `_chunk_cumsum_kernel` and the backward's
-`_bwd_reverse_cumsum_kernel`, each a full pass over a `[tokens, H, dk]` fp32 tensor.
+With `chunk_cumsum` the gate works on the KDA chunks (64 tokens from each sequence start,
+the chunk layout of `triton_fwd`): the forward runs the norms in the plain token blocks and
+then `_gate_cumsum_fwd_kernel`, one small program per chunk, head and 64 gate channels,
+which stores the chunk-local cumsum G of g; the backward runs one program per chunk and head
+that does the norms' gradients and reverse-sums the incoming dG in registers before the
+gate's chain rule. This replaces the KDA forward's `_chunk_cumsum_kernel` and the
+backward's `_bwd_reverse_cumsum_kernel`, each a full pass over a `[tokens, H, dk]` fp32
+tensor.
 
-Registered for CUDA tensors by `register_cuda_kernels` with the KDA kernels (same switch,
-`TITAN_MOE_KDA_BACKEND`); dtypes they do not cover (float64) take the PyTorch path.
+Registered for CUDA tensors by `triton_op.register_cuda_kernels` with the KDA kernels, under
+the same choice (`[kernels] kda`); dtypes they do not cover (float64) take the PyTorch path.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from titan_moe.ops import launch_env
 from titan_moe.ops.kda import prepare
 from titan_moe.ops.kda.chunk_torch import seqlens_bounds
 from titan_moe.ops.kda.triton_fwd import CHUNK, _chunk_layout, _chunk_location
@@ -31,36 +33,17 @@ from titan_moe.ops.nvtx import nvtx_range
 from titan_moe.ops.triton_runtime import cdiv, next_power_of_2
 
 BLOCK_TOKENS = 32
-CHUNK_WARPS_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK_WARPS"  # "FWDxBWD" warps in chunk mode, for tuning
-CHUNK_FORM_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK"  # "FWD,BWD" of fused | split32 | split64, see `chunk_form`
+GATE_CHANNELS = 64  # gate channels per program of `_gate_cumsum_fwd_kernel`
+CHUNK_WARPS_ENV = "TITAN_MOE_KDA_PREPARE_CHUNK_WARPS"  # warps of the backward kernel in chunk mode, for tuning
 
 
-def chunk_form(backward: bool) -> int:
-    """How chunk mode runs in the forward or the backward kernel(s): "fused" (0 returned:
-    one program per chunk does the norms and the gate's cumsum) or "split32" / "split64"
-    (that many gate channels per program: the norms in the plain 32-token blocks, then the
-    gate and its cumsum per chunk and column block, every program small). Default: split64
-    forward, fused backward (H200, T = 32K, dk = 128: forward 0.134 + 0.116 ms split64 against
-    0.292 fused, backward 0.194 + 0.251 against 0.430; split32 0.134 + 0.139 and 0.195 +
-    0.258; BENCHMARKS.md "keys kernel over all key columns"). `$TITAN_MOE_KDA_PREPARE_CHUNK`
-    (read per call): one form for both directions or "FWD,BWD", e.g. "split64,fused"."""
-    text = os.environ.get(CHUNK_FORM_ENV) or "split64,fused"
-    parts = text.split(",")
-    forms = {"fused": 0, "split32": 32, "split64": 64}
-    if len(parts) > 2 or any(p not in forms for p in parts):
-        raise ValueError(f"{CHUNK_FORM_ENV} must be one of {sorted(forms)} or FWD,BWD of them, got {text!r}")
-    return forms[parts[-1] if backward else parts[0]]
-
-
-def chunk_warps() -> tuple[int, int]:
-    """num_warps of the forward and backward kernels in chunk mode (a `[64, dk]` tile per
-    program): default 8 and 8; `$TITAN_MOE_KDA_PREPARE_CHUNK_WARPS` ("FWDxBWD", read per
-    call) overrides them for tuning."""
-    text = os.environ.get(CHUNK_WARPS_ENV) or "8x8"
-    parts = text.split("x")
-    if len(parts) != 2 or any(p not in ("1", "2", "4", "8", "16") for p in parts):
-        raise ValueError(f"{CHUNK_WARPS_ENV} must be FWDxBWD warps (powers of two <= 16), e.g. 8x8, got {text!r}")
-    return int(parts[0]), int(parts[1])
+def chunk_warps() -> int:
+    """num_warps of the backward kernel in chunk mode (a `[64, dk]` tile per program): default
+    8; `$TITAN_MOE_KDA_PREPARE_CHUNK_WARPS` (read per call) overrides it for tuning."""
+    text = launch_env.read(CHUNK_WARPS_ENV) or "8"
+    if text not in ("1", "2", "4", "8", "16"):
+        raise ValueError(f"{CHUNK_WARPS_ENV} must be a power of two <= 16, got {text!r}")
+    return int(text)
 
 
 _COVERED = (torch.float32, torch.bfloat16, torch.float16)
@@ -130,20 +113,18 @@ def _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K: tl.constexpr):
 
 @triton.jit
 def _prepare_fwd_kernel(
-    q, k, z, A_log, dt_bias, q_hat, k_hat, g, n_tokens, lower_bound, eps, cu_seqlens, chunk_indices,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, CHUNKED: tl.constexpr,
-    GATE: tl.constexpr,
+    q, k, z, A_log, dt_bias, q_hat, k_hat, g, n_tokens, lower_bound, eps,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr,
 ):
-    """g: the gate, or (CHUNKED) its chunk-local cumsum G; without GATE the norms only."""
-    offsets, mask, cols, _, i_h = _block_tile(n_tokens, cu_seqlens, chunk_indices, H, K, BK, BT, CHUNKED)
+    """One block of BT tokens: the norms and (GATE) the gate g; without GATE (chunk mode,
+    `_gate_cumsum_fwd_kernel` does the gate) the norms only."""
+    i_h = tl.program_id(1)
+    offsets, mask, cols = _tile(tl.program_id(0), i_h, n_tokens, H, K, BK, BT)
     _l2norm_fwd(q, q_hat, offsets, mask, eps)
     _l2norm_fwd(k, k_hat, offsets, mask, eps)
     if GATE:
         _, _, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
-        b_g = lower_bound * s
-        if CHUNKED:
-            b_g = tl.cumsum(tl.where(mask, b_g, 0.0), axis=0)
-        tl.store(g + offsets, b_g, mask=mask)
+        tl.store(g + offsets, lower_bound * s, mask=mask)
 
 
 @triton.jit
@@ -151,56 +132,31 @@ def _prepare_bwd_kernel(
     q, k, z, A_log, dt_bias, dq_hat, dk_hat, dg, dq, dk, dz, ddt_part, dA_part, n_tokens, lower_bound, eps,
     cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, CHUNKED: tl.constexpr,
-    GATE: tl.constexpr,
 ):
     """ddt_part `[blocks, H, K]`, dA_part `[blocks, H]` fp32: this block's token sums.
-    dg: the gate's gradient, or (CHUNKED) G's, summed here from each row to its chunk's end.
-    Without GATE the norms' gradients only."""
+    dg: the gate's gradient, or (CHUNKED) G's, summed here from each row to its chunk's end."""
     offsets, mask, cols, i_t, i_h = _block_tile(n_tokens, cu_seqlens, chunk_indices, H, K, BK, BT, CHUNKED)
     _l2norm_bwd(q, dq_hat, dq, offsets, mask, eps)
     _l2norm_bwd(k, dk_hat, dk, offsets, mask, eps)
-    if GATE:
-        u, a, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
-        b_dg = tl.load(dg + offsets, mask=mask, other=0.0).to(tl.float32)
-        if CHUNKED:
-            b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
-        b_dz = b_dg * lower_bound * s * (1.0 - s) * a  # zero where masked (dg loaded as 0)
-        tl.store(dz + offsets, b_dz.to(dz.dtype.element_ty), mask=mask)
-        tl.store(ddt_part + (i_t * H + i_h) * K + cols, tl.sum(b_dz, axis=0), mask=cols < K)
-        tl.store(dA_part + i_t * H + i_h, tl.sum(tl.sum(b_dz * u, axis=1), axis=0))
-
-
-@triton.jit
-def _gate_chunk_tile(cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                     BT: tl.constexpr):
-    """(offsets, mask, cols, chunk, head, column block) of a split-mode gate program: BK gate
-    channels of one KDA chunk; grid (chunks, H, cdiv(K, BK))."""
-    i_c, i_h, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offsets, mask, cols = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, i_kb, H, K, BK, BT)
-    return offsets, mask, cols, i_c, i_h, i_kb
+    u, a, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
+    b_dg = tl.load(dg + offsets, mask=mask, other=0.0).to(tl.float32)
+    if CHUNKED:
+        b_dg = tl.cumsum(b_dg, axis=0, reverse=True)
+    b_dz = b_dg * lower_bound * s * (1.0 - s) * a  # zero where masked (dg loaded as 0)
+    tl.store(dz + offsets, b_dz.to(dz.dtype.element_ty), mask=mask)
+    tl.store(ddt_part + (i_t * H + i_h) * K + cols, tl.sum(b_dz, axis=0), mask=cols < K)
+    tl.store(dA_part + i_t * H + i_h, tl.sum(tl.sum(b_dz * u, axis=1), axis=0))
 
 
 @triton.jit
 def _gate_cumsum_fwd_kernel(z, A_log, dt_bias, G, lower_bound, cu_seqlens, chunk_indices,
                             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):
-    """Split chunk mode: G, the chunk-local cumsum of the gate, for BK channels of a chunk."""
-    offsets, mask, cols, _, i_h, _ = _gate_chunk_tile(cu_seqlens, chunk_indices, H, K, BK, BT)
+    """Chunk mode: G, the chunk-local cumsum of the gate, for BK channels of a chunk.
+    Grid: (chunks, H, cdiv(K, BK))."""
+    i_c, i_h, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offsets, mask, cols = _chunk_tile(cu_seqlens, chunk_indices, i_c, i_h, i_kb, H, K, BK, BT)
     _, _, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
     tl.store(G + offsets, tl.cumsum(tl.where(mask, lower_bound * s, 0.0), axis=0), mask=mask)
-
-
-@triton.jit
-def _gate_cumsum_bwd_kernel(z, A_log, dt_bias, dG, dz, ddt_part, dA_part, lower_bound, cu_seqlens, chunk_indices,
-                            H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):
-    """Split chunk mode: dz for BK channels of a chunk from dG (reverse-summed here); this
-    program's sums into ddt_part `[chunks, H, K]` and dA_part `[chunks, cdiv(K, BK), H]`."""
-    offsets, mask, cols, i_c, i_h, i_kb = _gate_chunk_tile(cu_seqlens, chunk_indices, H, K, BK, BT)
-    u, a, s = _gate_terms(z, A_log, dt_bias, offsets, mask, cols, i_h, K)
-    b_dg = tl.cumsum(tl.load(dG + offsets, mask=mask, other=0.0).to(tl.float32), axis=0, reverse=True)
-    b_dz = b_dg * lower_bound * s * (1.0 - s) * a  # zero where masked (dG loaded as 0)
-    tl.store(dz + offsets, b_dz.to(dz.dtype.element_ty), mask=mask)
-    tl.store(ddt_part + (i_c * H + i_h) * K + cols, tl.sum(b_dz, axis=0), mask=cols < K)
-    tl.store(dA_part + (i_c * tl.num_programs(2) + i_kb) * H + i_h, tl.sum(tl.sum(b_dz * u, axis=1), axis=0))
 
 
 def _covered(*tensors: Tensor) -> bool:
@@ -212,15 +168,9 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
 
 
-def _launch_args(q: Tensor, cu_seqlens: Tensor | None, chunked: bool, backward: bool) -> tuple:
-    """(n_tokens, H, K, grid, block rows, the chunk layout or (None, None), warps) of the main
-    kernel: 32-token blocks, or (`chunked`) one program per KDA chunk."""
+def _n_tokens(q: Tensor) -> int:
     H, K = q.shape[-2], q.shape[-1]
-    n_tokens = q.numel() // (H * K) if q.numel() else 0
-    if not chunked:
-        return n_tokens, H, K, (cdiv(n_tokens, BLOCK_TOKENS), H), BLOCK_TOKENS, (None, None), 4
-    cu, chunk_indices = _chunks_of(q, cu_seqlens)
-    return n_tokens, H, K, (chunk_indices.shape[0], H), CHUNK, (cu, chunk_indices), chunk_warps()[int(backward)]
+    return q.numel() // (H * K) if q.numel() else 0
 
 
 def _chunks_of(q: Tensor, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -235,23 +185,21 @@ def kda_prepare_triton(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens=None, ch
     """`titan_moe::kda_prepare` on CUDA (or interpreted) tensors; outputs as the op's."""
     if not _covered(q, k, z) or q.numel() == 0:
         return prepare.kda_prepare_torch(q, k, z, A_log, dt_bias, lower_bound, cu_seqlens, chunk_cumsum)
-    split = chunk_form(backward=False) if chunk_cumsum else 0
-    n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum and not split, backward=False)
+    H, K, n_tokens = q.shape[-2], q.shape[-1], _n_tokens(q)
     q_f, k_f, z_f = _flat(q), _flat(k), _flat(z)
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
     q_hat, k_hat = torch.empty_like(q_f), torch.empty_like(k_f)
     g = torch.empty(q_f.shape, dtype=torch.float32, device=q.device)
     with nvtx_range("op.kda_prepare"):
-        _prepare_fwd_kernel[grid](
-            q_f, k_f, z_f, A_log, dt_bias, q_hat, k_hat, g, n_tokens, float(lower_bound), prepare.EPS, *layout,
-            H=H, K=K, BK=next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum and not split, GATE=not split,
-            num_warps=warps,
+        _prepare_fwd_kernel[(cdiv(n_tokens, BLOCK_TOKENS), H)](
+            q_f, k_f, z_f, A_log, dt_bias, q_hat, k_hat, g, n_tokens, float(lower_bound), prepare.EPS,
+            H=H, K=K, BK=next_power_of_2(K), BT=BLOCK_TOKENS, GATE=not chunk_cumsum, num_warps=4,
         )
-        if split:
+        if chunk_cumsum:
             cu, chunk_indices = _chunks_of(q, cu_seqlens)
-            _gate_cumsum_fwd_kernel[(chunk_indices.shape[0], H, cdiv(K, split))](
-                z_f, A_log, dt_bias, g, float(lower_bound), cu, chunk_indices, H=H, K=K, BK=split, BT=CHUNK,
-                num_warps=4,
+            _gate_cumsum_fwd_kernel[(chunk_indices.shape[0], H, cdiv(K, GATE_CHANNELS))](
+                z_f, A_log, dt_bias, g, float(lower_bound), cu, chunk_indices, H=H, K=K, BK=GATE_CHANNELS,
+                BT=CHUNK, num_warps=4,
             )
     return q_hat.view(q.shape), k_hat.view(k.shape), g.view(z.shape)
 
@@ -263,32 +211,23 @@ def kda_prepare_bwd_triton(q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat,
         return prepare.kda_prepare_bwd_torch(
             q, k, z, A_log, dt_bias, lower_bound, dq_hat, dk_hat, dg, cu_seqlens, chunk_cumsum
         )
-    split = chunk_form(backward=True) if chunk_cumsum else 0
-    n_tokens, H, K, grid, BT, layout, warps = _launch_args(q, cu_seqlens, chunk_cumsum and not split, backward=True)
+    H, K, n_tokens = q.shape[-2], q.shape[-1], _n_tokens(q)
+    if chunk_cumsum:  # one program per KDA chunk
+        cu, chunk_indices = _chunks_of(q, cu_seqlens)
+        grid, BT, layout, warps = (chunk_indices.shape[0], H), CHUNK, (cu, chunk_indices), chunk_warps()
+    else:  # token blocks
+        grid, BT, layout, warps = (cdiv(n_tokens, BLOCK_TOKENS), H), BLOCK_TOKENS, (None, None), 4
     q_f, k_f, z_f, dg_f = _flat(q), _flat(k), _flat(z), _flat(dg)
-    A_log_c, dt_bias_c = A_log.contiguous(), dt_bias.contiguous()
     dq, dk, dz = torch.empty_like(q_f), torch.empty_like(k_f), torch.empty_like(z_f)
     f32 = dict(dtype=torch.float32, device=q.device)
-    if split:
-        cu, chunk_indices = _chunks_of(q, cu_seqlens)
-        gate_grid = (chunk_indices.shape[0], H, cdiv(K, split))
-        ddt_part = torch.empty(gate_grid[0], H, K, **f32)
-        dA_part = torch.empty(gate_grid[0], gate_grid[2], H, **f32)
-    else:
-        ddt_part = torch.empty(grid[0], H, K, **f32)
-        dA_part = torch.empty(grid[0], H, **f32)
+    ddt_part = torch.empty(grid[0], H, K, **f32)
+    dA_part = torch.empty(grid[0], H, **f32)
     with nvtx_range("op.kda_prepare_bwd"):
         _prepare_bwd_kernel[grid](
-            q_f, k_f, z_f, A_log_c, dt_bias_c, _flat(dq_hat), _flat(dk_hat), dg_f,
+            q_f, k_f, z_f, A_log.contiguous(), dt_bias.contiguous(), _flat(dq_hat), _flat(dk_hat), dg_f,
             dq, dk, dz, ddt_part, dA_part, n_tokens, float(lower_bound), prepare.EPS, *layout,
-            H=H, K=K, BK=next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum and not split, GATE=not split,
-            num_warps=warps,
+            H=H, K=K, BK=next_power_of_2(K), BT=BT, CHUNKED=chunk_cumsum, num_warps=warps,
         )
-        if split:
-            _gate_cumsum_bwd_kernel[gate_grid](
-                z_f, A_log_c, dt_bias_c, dg_f, dz, ddt_part, dA_part, float(lower_bound), cu, chunk_indices,
-                H=H, K=K, BK=split, BT=CHUNK, num_warps=4,
-            )
-    dA_log = dA_part.reshape(-1, H).sum(0).to(A_log.dtype)
+    dA_log = dA_part.sum(0).to(A_log.dtype)
     ddt_bias = ddt_part.sum(0).reshape(H * K).to(dt_bias.dtype)
     return dq.view(q.shape), dk.view(k.shape), dz.view(z.shape), dA_log, ddt_bias

@@ -1,10 +1,14 @@
-"""Chunk-parallel inter-chunk state scan for the KDA forward (alternative to stage 3 of
-`triton_fwd`, selected with `TITAN_MOE_KDA_SCAN=parallel`).
+"""The segment scan: KDA's inter-chunk state scan over segments combined through their
+state transitions (SPEC §8's context-parallel algebra), as Triton kernels and a
+plain-PyTorch reference.
 
-The sequential scan (`triton_fwd._state_scan_kernel`) walks each sequence's chunks one by
-one; at B*H = 16 heads with dv/BV = 4 value blocks it runs 64 programs, one per SM, on a
-132-SM H200. This module cuts each sequence's chunks into segments of L chunks and runs
-the segments side by side, with the same algebra as SPEC §8's context-parallel scan.
+Context parallelism splits a sequence over ranks; each rank then holds one segment of
+chunks, and the ranks' states are joined by composing per-segment affine maps
+`S -> A_s S + B_s`. This module runs that algebra on one device: `segment_scan` cuts each
+sequence's chunks into segments of L chunks and runs the segments side by side (stage 3 of
+`triton_fwd` with `scan="segments"`; the op's path is the sequential walk,
+`triton_fwd._state_scan_kernel`, which it matches to rounding), and `segment_scan_torch`
+is the reference of the decomposition. The tests check both against the sequential walk.
 
 Per chunk c the state update is affine in the state (notation of `triton_fwd`,
 `K~ = e^{G_last - G} ⊙ K`, `D_c = Diag(e^{G_last})`):
@@ -32,10 +36,9 @@ s of chunks c0..c1 maps its initial state to `A_s S + B_s` with `A_s = A_c1 ... 
              and V~ exactly like the sequential scan (and the final state, from the last
              segment).
 
-The walks keep the state in fp32 and upcast W and U on load: with `TITAN_MOE_KDA_WALK=lean`
-and 16-bit inputs, W, U, h and V~ are in the input dtype (see `triton_fwd`), and this scan
-reads and writes them as such; the lean walk's K~ and e^{G_last} are not used here (the
-scan computes them from k and G, as the classic walk does).
+The walks keep the state in fp32 and upcast W and U on load: W, U, h and V~ are in the
+input dtype (see `triton_fwd`), and this scan reads and writes them as such; it computes K~
+and e^{G_last} from k and G rather than reading `_wy_kernel`'s.
 
 Segment 0 skips the transition (its initial state is known) and the last segment skips
 phase 1 (its transition is never used), so a sequence of one segment is exactly the
@@ -57,7 +60,7 @@ FLOPs per head and sequence of n = G L chunks (C = 64; a "step" = one chunk appl
 a dk x dv state = 4 C dk dv FLOPs; r = dk / dv):
 
     sequential:   n steps
-    parallel:     L (segment 0) + (G - 2) L (1 + r) (phase 1) + (G - 2) dk / (2 C) (phase 2)
+    segments:     L (segment 0) + (G - 2) L (1 + r) (phase 1) + (G - 2) dk / (2 C) (phase 2)
                   + (G - 1) L (phase 3)
     ratio:        [G + (G - 2)(1 + r)] / G + (G - 2) dk / (2 C n)
 
@@ -66,7 +69,7 @@ Bytes read scale about the same way (every program reads W, k and G of its chunk
 blocks U too); the extra memory is AB, `[segments, H, dk, dk + dv]` fp32: 128 KB per
 segment and head at dk = dv = 128, against 64 KB per chunk and head for h. The critical
 path falls from n chunk steps to about 2 L + (G - 2) dk / (2 C) steps (a combine step is one [dk, dk] @ [dk, BV]
-product per value block). So the parallel scan pays only where
+product per value block). So the segment scan pays only where
 the sequential scan leaves SMs idle and is latency bound (few sequences * heads), and
 only while the extra programs fit the idle SMs: `default_segment_chunks` picks L from a
 wave model of exactly that, and falls back to one segment per sequence (the sequential
@@ -77,18 +80,16 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from titan_moe.ops import launch_env
 from titan_moe.ops.kda.triton_fwd import CHUNK, _interpreted
 from titan_moe.ops.triton_runtime import sm_count
 
-SCAN_ENV = "TITAN_MOE_KDA_SCAN"  # sequential | parallel
 SEGMENT_ENV = "TITAN_MOE_KDA_SCAN_SEGMENT"  # chunks per segment (overrides the model)
-SCANS = ("sequential", "parallel")
 
 # Wave model constants (see `default_segment_chunks`), to be confirmed on the GPU:
 # programs of the walk kernels resident per SM, by dk. Compiled for sm_90 (Triton 3.6,
@@ -98,16 +99,8 @@ SCANS = ("sequential", "parallel")
 _PROGRAMS_PER_SM = {16: 3, 32: 2, 64: 2, 128: 1}
 
 
-def selected_scan(scan: str | None = None) -> str:
-    """The state scan to run: `scan` if given, else `$TITAN_MOE_KDA_SCAN`, else sequential."""
-    scan = scan if scan is not None else os.environ.get(SCAN_ENV, "sequential")
-    if scan not in SCANS:
-        raise ValueError(f"{SCAN_ENV} / scan must be one of {SCANS}, got {scan!r}")
-    return scan
-
-
 def scan_blocks(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, BVT) of the parallel scan: the state is walked in row halves of BK, value
+    """(BK, BV, BVT) of the segment scan: the state is walked in row halves of BK, value
     walks take BV columns (as the sequential scan), [A | B] walks BVT columns (wider, so
     that a middle segment needs fewer programs: at dk = dv = 128, 4 instead of 8)."""
     BV = min(V, 32)
@@ -142,7 +135,7 @@ def _segment_layout_cached(bounds: tuple[int, ...], segment_chunks: int, device:
 
 
 def modeled_scan_time(chunk_counts: list[int], L: int, H: int, K: int, V: int, capacity: int) -> float:
-    """Modeled time of the parallel scan in chunk steps (see `default_segment_chunks`)."""
+    """Modeled time of the segment scan in chunk steps (see `default_segment_chunks`)."""
     _, BV, BVT = scan_blocks(K, V)
     walk, full = H * V // BV, H * (K + V) // BVT  # programs per segment: value walk / [A | B] walk
     n_segs = [-(-n // L) for n in chunk_counts if n > 0]
@@ -168,7 +161,7 @@ def default_segment_chunks(chunk_counts: list[int], H: int, K: int, V: int, n_sm
     larger L (less work). G = 1 (L = the longest sequence) is the sequential walk itself.
     The constants are assumptions until timed; the environment variable overrides.
     """
-    env = os.environ.get(SEGMENT_ENV)
+    env = launch_env.read(SEGMENT_ENV)
     if env:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"{SEGMENT_ENV} must be a positive chunk count, got {env!r}")
@@ -434,7 +427,7 @@ def _segment_walk_kernel(
 # ----------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------
-def state_scan_parallel(
+def segment_scan(
     k: torch.Tensor,
     W: torch.Tensor,
     U: torch.Tensor,
@@ -449,11 +442,11 @@ def state_scan_parallel(
     precision: str,
     segment_chunks: int | None = None,
 ) -> int:
-    """Stage 3 of the forward, chunk-parallel: fills h, v_new and ht like `_state_scan_kernel`.
+    """Stage 3 of the forward by segments: fills h, v_new and ht like `_state_scan_kernel`.
 
     k `[TT, H, K]` (input dtype); G `[TT, H, K]` fp32, W `[TT, H, K]`, U `[TT, H, V]` (stage 2);
-    h `[chunks, H, K, V]`, v_new `[TT, H, V]` outputs (W, U, h, v_new: fp32, or the input
-    dtype under the lean walk; upcast on load, cast on store); h0 / ht `[N, H, K, V]` fp32 or
+    h `[chunks, H, K, V]`, v_new `[TT, H, V]` outputs (W, U, h, v_new: the input dtype or
+    fp32; upcast on load, cast on store); h0 / ht `[N, H, K, V]` fp32 or
     None; cu_seqlens / chunk_offsets as in `triton_fwd`; bounds = cu_seqlens on the host.
     segment_chunks: L, or None for `default_segment_chunks`. Returns the L used.
     """
