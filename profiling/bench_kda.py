@@ -6,10 +6,9 @@
 Both sides get the same raw inputs and the same semantics: q/k L2-normalised, the bounded
 gate g = -5 * sigmoid(exp(A_log) * (z + dt_bias)) applied to raw z, beta given. fla fuses
 norm and gate into its kernels (`use_qk_l2norm_in_kernel`, `use_gate_in_kernel`,
-`safe_gate`, `lower_bound=-5`); ours runs them as PyTorch ops before the custom op, or
-as the fused `titan_moe::kda_prepare` op with `TITAN_MOE_KDA_PREPARE=fused`.
-Our side uses the Triton kernels (TITAN_MOE_KDA_BACKEND=triton is set by this script)
-unless `--backend torch`.
+`safe_gate`, `lower_bound=-5`); ours runs them as the `titan_moe::kda_prepare` op before
+the core op (eager). Our side uses the Triton kernels (the `[kernels] kda` choice is set to
+triton by this script) unless `--backend torch`.
 
 `--scan-configs 16x4,64x8` adds rows for ours with the sequential state walks run at those
 columns-per-program x warps (`TITAN_MOE_KDA_SCAN_BV` / `_WARPS`; default: 4 warps, the widest
@@ -20,8 +19,9 @@ Nsight Compute (`gpu_suite.sh OUT kda_ncu`, `profiling/ncu_table.py`).
 host time per call beside the wall time, and the functions that take it.
 `--cuda-graphs` adds, per row, the same call replayed from a CUDA graph (`ours+graph`,
 `fla+graph`): no host work between kernels, so the gap to the plain row is the host's share.
-`--variants prep:TITAN_MOE_KDA_PREPARE=fused,...` adds rows for ours with other environment
-switches (read per call by our ops). `--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
+`--variants recompute:kernels.kda_keep=false,c64x32:TITAN_MOE_KDA_BWD_CHUNK=64x32x8x8,...` adds
+rows for ours under other kernel choices (`kernels.FIELD=VALUE`, `titan_moe.ops.choices`) or
+launch-tuning variables (read per call by our ops). `--kernels N` adds, per row, the N most expensive kernels of one call (torch.profiler), for
 both sides: where the time goes, stage by stage. Reported per shape: median milliseconds (triton.testing.do_bench on CUDA, a timer loop on
 CPU), tokens/s, and TFLOP/s by Kimi Linear's forward FLOP count per head
 6*T*dk^2 + 3*T*C*dk + T*C^2 (C = 64), backward counted as twice the forward.
@@ -31,9 +31,9 @@ The last line is one JSON object with every row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
-import os
 import time
 
 SHAPES_GPU = [  # (B, T, H, dk)
@@ -242,7 +242,8 @@ def host_profile(fn, device: str, calls: int, label: str, top: int = 25) -> None
 
 
 def parse_variants(spec: str) -> dict[str, dict[str, str]]:
-    """`NAME:VAR=VALUE[+VAR=VALUE],...` -> {NAME: {VAR: VALUE}} (`--variants`)."""
+    """`NAME:VAR=VALUE[+VAR=VALUE],...` -> {NAME: {VAR: VALUE}} (`--variants`; VAR a
+    `TITAN_MOE_*` variable or `kernels.FIELD` of the kernel choices)."""
     variants = {}
     for item in filter(None, spec.split(",")):
         name, sep, settings = item.partition(":")
@@ -253,13 +254,44 @@ def parse_variants(spec: str) -> dict[str, dict[str, str]]:
     return variants
 
 
-def env_runner(env: dict[str, str]):
-    """`run_ours` with environment switches set around each call (our ops read them per call:
-    the state walks' columns and warps, `TITAN_MOE_KDA_PREPARE_BACKEND`, ...)."""
+def kernel_choices(settings: dict[str, str]) -> dict:
+    """The `kernels.FIELD` entries of a variant as `KernelChoices` fields (bool fields from
+    true/false/1/0); unknown fields raise."""
+    import dataclasses
+
+    from titan_moe.ops.choices import KernelChoices
+
+    fields = {f.name: f for f in dataclasses.fields(KernelChoices)}
+    out = {}
+    for key, value in settings.items():
+        name = key.removeprefix("kernels.")
+        if name not in fields:
+            raise SystemExit(f"bench_kda: {key} is not a kernel choice ({sorted(fields)})")
+        default = getattr(KernelChoices(), name)
+        out[name] = value.lower() in ("1", "true") if isinstance(default, bool) else value
+    return out
+
+
+@contextlib.contextmanager
+def variant(settings: dict[str, str]):
+    """A `--variants` entry in force: `kernels.FIELD` entries as kernel choices
+    (`choices.using`, which checks them), the others as environment variables (launch tuning,
+    read per call: the state walks' columns and warps, the backward's blocks, ...)."""
     from bench_moe import env_vars  # profiling/ is on the path when this runs as a script
 
+    from titan_moe.ops import choices
+
+    fields = kernel_choices({k: v for k, v in settings.items() if k.startswith("kernels.")})
+    variables = {k: v for k, v in settings.items() if not k.startswith("kernels.")}
+    with env_vars(variables), choices.using(**fields):
+        yield
+
+
+def env_runner(settings: dict[str, str]):
+    """`run_ours` under a `--variants` entry (`variant`) around each call."""
+
     def run(inp, backward: bool):
-        with env_vars(env):
+        with variant(settings):
             return run_ours(inp, backward)
 
     return run
@@ -312,8 +344,8 @@ def main() -> None:
     parser.add_argument("--scan-configs", default="", metavar="BVxWARPS,...",
                         help="also time ours with these state-walk configurations, e.g. 16x4,32x4,64x8")
     parser.add_argument("--variants", default="", metavar="NAME:VAR=VALUE[+VAR=VALUE],...",
-                        help="also time ours with these environment switches, e.g. "
-                        "prep:TITAN_MOE_KDA_PREPARE_BACKEND=triton")
+                        help="also time ours with these kernel choices or tuning variables, e.g. "
+                        "recompute:kernels.kda_keep=false,c64:TITAN_MOE_KDA_BWD_CHUNK=64x32x8x8")
     parser.add_argument("--profile-once", action="store_true",
                         help="no timing: one warm call per row inside cudaProfilerStart/Stop (for ncu "
                         "--profile-from-start off, `profiling/ncu_table.py`)")
@@ -330,12 +362,15 @@ def main() -> None:
         parser.error("--cuda-graphs needs --device cuda")
     if args.watchdog > 0:
         faulthandler.dump_traceback_later(args.watchdog, repeat=True)
-    os.environ["TITAN_MOE_KDA_BACKEND"] = args.backend if args.device == "cuda" else "torch"
+    from titan_moe.ops import choices
+
+    backend = args.backend if args.device == "cuda" else "torch"
+    choices.activate(choices.KernelChoices(kda=backend))
     rows = bench(args)
     print("\n" + HEADER)
     for r in rows:
         print(format_row(r))
-    print(json.dumps({"device": args.device, "backend": os.environ["TITAN_MOE_KDA_BACKEND"], "rows": rows}))
+    print(json.dumps({"device": args.device, "backend": backend, "rows": rows}))
 
 
 if __name__ == "__main__":

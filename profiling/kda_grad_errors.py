@@ -4,10 +4,10 @@ The reference is our chunked PyTorch path (`chunk_kda_torch`) run in fp32 on the
 inputs, with the same input maps (q / k L2 norm, the bounded gate of a raw gate input z).
 Beside ours (the public `chunk_kda`, Triton on CUDA) it runs fla's `chunk_kda` on the same
 inputs, called as `bench_kda.py` calls it, and, with ``--variants``, ours again under other
-settings of the kernels' switches, all in one process:
+kernel choices or tuning variables (`bench_kda.variant`), all in one process:
 
     python profiling/kda_grad_errors.py --T 32768 \\
-        --variants classic:TITAN_MOE_KDA_WALK=classic,ieee:TITAN_MOE_KDA_DOTS=ieee
+        --variants torch:kernels.kda=torch,c32:TITAN_MOE_KDA_BWD_CHUNK=32x64x8x8
 
 Inputs are the benchmark's (B 1, H 16, dk = dv = 128 by default: raw q, k, v and z ~ N(0, 1),
 beta ~ U(0, 1), A_log = 0, dt_bias ~ N(0, 0.25)), so fla's stored autotuning results
@@ -22,8 +22,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_kda import parse_variants  # profiling/ is on the path when this runs as a script
-from bench_moe import env_vars
+from bench_kda import parse_variants, variant  # profiling/ is on the path when this runs as a script
 
 LOWER_BOUND = -5.0
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
@@ -130,7 +129,7 @@ def main() -> None:
         rows.append(("fla", errors(fla(inputs, do), ref)))
     for name, env in parse_variants(args.variants).items():
         try:
-            with env_vars(env):
+            with variant(env):
                 rows.append((name, errors(ours(inputs, do), ref)))
         except Exception as exc:  # one broken setting must not cost the others' rows
             print(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)

@@ -34,8 +34,6 @@ import os
 import time
 from collections import Counter
 
-os.environ.setdefault("TITAN_MOE_KDA_BACKEND", "triton")
-
 
 _adapters_lib = None  # the registrations live as long as this Library object
 

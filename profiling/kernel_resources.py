@@ -1,7 +1,7 @@
 """Static resources of our Triton kernels on the H200, compiled on the CPU: registers, spill
 stack and shared memory per launch configuration, without a GPU.
 
-    python profiling/kernel_resources.py [--cases kda_fwd_lean,kda_bwd_lean,...] [--kernels NAME,...] [--json OUT]
+    python profiling/kernel_resources.py [--cases kda_fwd,kda_bwd,...] [--kernels NAME,...] [--json OUT]
         [--sass DIR]
 
 Each case runs one of our launchers on CPU tensors of the model's shapes (KDA: bf16, H = 16,
@@ -207,11 +207,10 @@ def _kda_inputs(dtype=torch.bfloat16, T: int = 256, H: int = 16, K: int = 128):
     return dict(q=q, k=k, v=v, g=torch.zeros(1, T, H, K), beta=torch.zeros(1, T, H)), do
 
 
-def _kda_case(direction: str, walk: str) -> Callable[[], list]:
+def _kda_case(direction: str) -> Callable[[], list]:
     def run() -> list:
         from titan_moe.ops.kda import triton_bwd, triton_fwd, triton_scan
 
-        os.environ[triton_fwd.WALK_ENV] = walk
         inp, do = _kda_inputs()
         with recording((triton_fwd, triton_bwd, triton_scan)) as launches:
             if direction == "fwd":
@@ -254,8 +253,8 @@ def _situ_case() -> list:
 
 
 CASES: dict[str, Callable[[], list]] = {
-    **{f"kda_{direction}_{walk}": _kda_case(direction, walk)
-       for direction in ("fwd", "bwd") for walk in ("lean", "classic")},
+    "kda_fwd": _kda_case("fwd"),
+    "kda_bwd": _kda_case("bwd"),
     "kda_prepare": _kda_prepare_case,
     "situ": _situ_case,
 }
@@ -263,7 +262,7 @@ CASES: dict[str, Callable[[], list]] = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="kda_fwd_lean,kda_bwd_lean", help=f"comma-separated, of {','.join(CASES)}")
+    parser.add_argument("--cases", default="kda_fwd,kda_bwd", help=f"comma-separated, of {','.join(CASES)}")
     parser.add_argument("--kernels", default="", help="comma-separated kernel names to compile (default: all)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--sass", metavar="DIR", help="also write each launch's SASS to DIR/CASE.KERNEL.sass "

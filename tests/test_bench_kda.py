@@ -82,7 +82,7 @@ def test_kda_grad_errors_cpu_reports_each_setting():
     for extra in ([], ["--gate-min"]):
         proc = subprocess.run(
             [sys.executable, "profiling/kda_grad_errors.py", "--device", "cpu", "--T", "70", "--H", "1",
-             "--dk", "32", "--variants", "recompute:TITAN_MOE_KDA_KEEP=0,bad:TITAN_MOE_KDA_KEEP=nonsense",
+             "--dk", "32", "--variants", "recompute:kernels.kda_keep=false,bad:kernels.kda=cutlass",
              *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = proc.stdout.splitlines()
