@@ -157,3 +157,36 @@ def test_local_batch_fits_the_global_batch_over_data_parallel_ranks(tmp_path, mo
     config = load_config(["--job.config_file", path])
     with pytest.raises(ConfigError, match=r"validation.local_batch_size .* = 2 is not divisible by the 4"):
         _fit_local_batch_to_global(config)
+
+
+# ---------------------------------------------------------------------------------------
+# [kernels]: which implementation each op runs (titan_moe.ops.choices)
+
+
+def test_kernels_section_from_toml_and_cli(tmp_path):
+    from titan_moe.ops.choices import KernelChoices
+
+    assert load_config(["--job.config_file", DEBUG_TOML]).kernels == KernelChoices()  # the defaults
+    path = _write(tmp_path, '[model]\nflavor = "debug"\n[kernels]\nsitu = "torch"\ngrouped_mm = "fwd=triton,dw=loop"\n')
+    cfg = load_config(["--job.config_file", path, "--kernels.dispatch", "torch", "--kernels.situ", "triton"])
+    assert (cfg.kernels.situ, cfg.kernels.dispatch, cfg.kernels.grouped_mm) == ("triton", "torch", "fwd=triton,dw=loop")
+
+
+@pytest.mark.parametrize("toml, needle", [
+    ('[kernels]\nsitu = "cuda"\n', "kernels.situ"),
+    ('[kernels]\ngrouped_mm = "cutlass"\n', "kernels.grouped_mm"),
+    ('[kernels]\ngrouped_mm = "fwd=triton,dgrad=loop"\n', "kernels.grouped_mm"),
+    ('[kernels]\nrouter = "torch"\n', "kernels.router"),
+])
+def test_bad_kernels_value_is_one_config_error_line(tmp_path, toml, needle):
+    path = _write(tmp_path, '[model]\nflavor = "debug"\n' + toml)
+    with pytest.raises(ConfigError, match=needle) as err:
+        load_config(["--job.config_file", path])
+    assert "\n" not in str(err.value) and path in str(err.value)
+
+
+def test_help_lists_the_kernels_section():
+    proc = _run_train("--help")
+    assert proc.returncode == 0
+    section = proc.stdout.split("[kernels]", 1)[1]
+    assert "situ = 'auto'" in section and "grouped_mm = 'auto'" in section

@@ -39,11 +39,23 @@ def test_resume_is_bit_identical(tmp_path):
     _ok(run_train(full, *common))
     _ok(run_train(split, *common, "--training.exit_at_step", "3"))
     assert sorted(losses(split)) == [1, 2, 3]
-    _ok(run_train(split, *common))  # resumes from step 3
+    proc = run_train(split, *common)  # resumes from step 3
+    _ok(proc)
     reference, resumed = losses(full), losses(split)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])
+    # [kernels]: one start-up line, a record per run in metrics.jsonl, kept with the checkpoint;
+    # a resume under other choices runs with them and says what changed
+    log = proc.stdout + proc.stderr
+    assert log.count("kernels: situ=torch dispatch=torch router_topk=torch grouped_mm=native") == 1
+    kernels = [json.loads(line)["kernels"] for line in (split / "metrics.jsonl").read_text().splitlines()
+               if "kernels" in line]
+    assert len(kernels) == 2 and kernels[0]["grouped_mm"] == "native"
+    proc = run_train(split, "--training.steps", "7", *common[2:], "--kernels.grouped_mm", "loop")
+    _ok(proc)
+    assert "kernels differ from the checkpoint's run" in proc.stdout + proc.stderr
+    assert "grouped_mm: 'native' -> 'loop'" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
