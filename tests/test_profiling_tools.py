@@ -313,7 +313,7 @@ def test_gpu_suite_copies_the_autotuning_results_out(tmp_path):
     (cache / "k2" / "_other.json").write_text("{}")
     (cache / "k3").mkdir()
     (cache / "k3" / "_third.autotune.json").write_text("[]")
-    proc = _gpu_suite(tmp_path, "kda_forms", gpus="1", TRITON_CACHE_DIR=str(cache))
+    proc = _gpu_suite(tmp_path, "kda_fla_all", gpus="1", TRITON_CACHE_DIR=str(cache))
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["summary.txt", "triton_autotune.tar.gz"]
@@ -325,14 +325,14 @@ def test_gpu_suite_copies_the_autotuning_results_out(tmp_path):
     assert (restored / "k1" / "_kernel.autotune.json").read_text() == '{"configs_timings": []}'
     for name in ("k1/_kernel.autotune.json", "k3/_third.autotune.json"):
         (cache / name).unlink()
-    proc = _gpu_suite(tmp_path / "again", "kda_forms", gpus="1", TRITON_CACHE_DIR=str(cache))
+    proc = _gpu_suite(tmp_path / "again", "kda_fla_all", gpus="1", TRITON_CACHE_DIR=str(cache))
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "again" / "out").iterdir()) == ["summary.txt"]
 
 
 def test_gpu_suite_puts_the_stored_autotuning_results_in_the_cache(tmp_path):
-    """Before its sections the suite unpacks $SUITE_AUTOTUNE_IN (by default the stored fla
-    results) into Triton's cache, keeping files already there; not in a dry run."""
+    """Before its sections the suite unpacks $SUITE_AUTOTUNE_IN (an earlier run's archive;
+    none by default) into Triton's cache, keeping files already there; not in a dry run."""
     import tarfile
 
     stored = tmp_path / "stored"
@@ -351,135 +351,38 @@ def test_gpu_suite_puts_the_stored_autotuning_results_in_the_cache(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (cache / "k1" / "_fla.autotune.json").read_text() == '{"key": [1]}'
     assert (cache / "k2" / "_kept.autotune.json").read_text() == '{"key": "newer"}'
-    default = REPO / "profiling" / "fla_autotune_h200.tar.gz"  # the stored results: fla's kernels
-    with tarfile.open(default) as tar:
-        names = [n for n in tar.getnames() if n.endswith(".autotune.json")]
-    assert any("chunk_kda_bwd_kernel_wy_dqkg_fused" in n for n in names) and len(names) >= 10
     dry = tmp_path / "dry_cache"
     proc = _gpu_suite(tmp_path / "dry", "kda_fla_all", gpus="1", TRITON_CACHE_DIR=str(dry))
     assert proc.returncode == 0, proc.stderr
     assert not dry.exists()
 
 
-def test_gpu_suite_fp8_gemm_section(tmp_path):
-    """fp8_gemm: the GPU tests of the GEMM code, the host-profiled probe, then the GEMM
-    providers as graph replays and with host launches."""
-    proc = _gpu_suite(tmp_path, "fp8_gemm", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_gemm_tests", "fp8_gemm_probe", "fp8_gemm_graph", "fp8_gemm_host"]
-    assert "tests/test_float8_grouped.py" in commands["fp8_gemm_tests"]
-    assert "--host-profile 20" in commands["fp8_gemm_probe"]
-    assert "--cuda-graph" in commands["fp8_gemm_graph"] and "--cuda-graph" not in commands["fp8_gemm_host"]
-    assert "k3_down_balanced" in commands["fp8_gemm_graph"]
-    for name in ("fp8_gemm_graph", "fp8_gemm_host"):
-        assert "fp8_cached_w_dw8rows" in commands[name] and "--skip-layer" in commands[name]
-
-
-def test_gpu_suite_fp8_all_profile_section(tmp_path):
-    """fp8_all_profile: the batch-8 pair, 12 steps with step 12 profiled, then each trace's
-    kernels summarized from the folder torchtitan writes it to."""
-    proc = _gpu_suite(tmp_path, "fp8_all_profile", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_all_profile_bf16", "fp8_all_profile_fp8", "fp8_all_profile_table",
-                              "fp8_all_profile_bf16_kernels", "fp8_all_profile_fp8_kernels"]
-    for name in ("bf16", "fp8"):
-        train = commands[f"fp8_all_profile_{name}"]
-        assert train.rsplit("--training.steps ", 1)[1].startswith("12 ")  # the last value wins
-        assert "--profiling.enable_profiling --profiling.profile_freq 12" in train
-        assert commands[f"fp8_all_profile_{name}_kernels"].endswith(
-            f"fp8_all_profile_{name}/profile_traces/iteration_12")
-    assert "--quantize.grouped_mm.float8.wgrad fp8_rows" in commands["fp8_all_profile_fp8"]
-
-
-def test_gpu_suite_fp8_experts_section(tmp_path):
-    """fp8_experts: the two benchmarks, then four wide_1gpu runs that differ only in the fp8
-    switches (the experts with and without the per-step weight cache)."""
-    proc = _gpu_suite(tmp_path, "fp8_experts", gpus="1")
+def test_gpu_suite_parts_section(tmp_path):
+    """parts: the step-parts benchmark."""
+    proc = _gpu_suite(tmp_path, "parts", gpus="1")
     assert proc.returncode == 0, proc.stderr
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     commands = dict(line.split(": ", 1) for line in lines)
-    assert list(commands) == ["fp8_layer", "fp8_gemm", "fp8_wide_bf16", "fp8_wide_linears", "fp8_wide_experts",
-                              "fp8_wide_experts_per_call"]
-    assert "--layer-kernels" in commands["fp8_layer"] and "--skip-layer" in commands["fp8_gemm"]
-    wide = {name: c for name, c in commands.items() if name.startswith("fp8_wide")}
-    assert all("configs/wide_1gpu.toml" in c and "--training.steps 12" in c for c in wide.values())
-    assert "--model.converters" not in wide["fp8_wide_bf16"]
-    assert "--model.converters titan_float8 " in wide["fp8_wide_linears"]
-    assert "titan_float8,titan_float8_experts" in wide["fp8_wide_experts"]
-    assert "TITAN_MOE_FP8_WEIGHT_CACHE=0" in wide["fp8_wide_experts_per_call"]
-    assert "TITAN_MOE_FP8_WEIGHT_CACHE" not in wide["fp8_wide_experts"]
-    assert all("recipe_name tensorwise" in c for name, c in wide.items() if name != "fp8_wide_bf16")
-
-
-def test_gpu_suite_fp8_dw_rows_section(tmp_path):
-    """fp8_dw_rows: the CUDA tests, the requantization tiles, the GEMM cases, one wide_1gpu
-    run with the switch; parts: the step-parts benchmark."""
-    proc = _gpu_suite(tmp_path, "fp8_dw_rows", "parts", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
-    commands = dict(line.split(": ", 1) for line in lines)
-    assert list(commands) == ["fp8_dw_rows_tests", "fp8_dw_rows_requant", "fp8_dw_rows_gemm", "fp8_dw_rows_wide",
-                              "parts"]
-    assert "tests/test_float8_grouped.py" in commands["fp8_dw_rows_tests"]
-    assert "--parts requant" in commands["fp8_dw_rows_requant"]
-    assert "--gemm-providers native,fp8_cached_w,fp8_cached_w_dw8rows" in commands["fp8_dw_rows_gemm"]
-    assert "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows" in commands["fp8_dw_rows_wide"]
-    assert "configs/wide_1gpu.toml" in commands["fp8_dw_rows_wide"]
+    assert list(commands) == ["parts"]
     assert "profiling/bench_step_parts.py" in commands["parts"]
 
 
-def test_gpu_suite_fp8_situ_section(tmp_path):
-    """fp8_situ: the tests, the kernel parts, then bf16, fp8_rows and fp8_rows with the fused
-    SiTU-GLU on wide_1gpu, in that order."""
-    proc = _gpu_suite(tmp_path, "fp8_situ", gpus="1")
+def test_gpu_suite_fp8_all_b8_section(tmp_path):
+    """fp8_all_b8: bf16 and the all-options fp8 recipe (every choice a config key, the Triton
+    widening included) on wide_1gpu at local batch 8, then their table."""
+    proc = _gpu_suite(tmp_path, "fp8_all_b8", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_situ_tests", "fp8_situ_parts", "fp8_situ_probe", "fp8_situ_wide_bf16",
-                              "fp8_situ_wide_rows", "fp8_situ_wide_fused"]
-    assert "--parts situ_quant,dw" in commands["fp8_situ_parts"]
-    assert "probe_fp8_wgrad.py --situ" in commands["fp8_situ_probe"]
-    assert "titan_float8_experts" not in commands["fp8_situ_wide_bf16"]
-    assert "TITAN_MOE_FP8_SITU_QUANT" not in commands["fp8_situ_wide_rows"]
-    assert "TITAN_MOE_FP8_EXPERTS_WGRAD=fp8_rows TITAN_MOE_FP8_SITU_QUANT=1 TITAN_MOE_FP8_WIDEN=triton" in \
-        commands["fp8_situ_wide_fused"]
-    assert all("configs/wide_1gpu.toml" in commands[k] for k in list(commands)[3:])
-
-
-def test_gpu_suite_fp8_all_sections(tmp_path):
-    """fp8_all: the new pieces' tests, then bf16 and the all-options fp8 recipe on wide_1gpu;
-    fp8_all_accum: the same pair with two microbatches; fp8_all_b8: at local batch 8; fp8_ablate: the recipe without the
-    linear weight cache, then without the fused SiTU quantization and widening."""
-    proc = _gpu_suite(tmp_path, "fp8_all", "fp8_all_parts", "fp8_all_accum", "fp8_all_b8", "fp8_ablate", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_all_tests", "fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_wide_table",
-                              "fp8_all_parts", "fp8_all_accum_bf16", "fp8_all_accum_fp8", "fp8_all_accum_table",
-                              "fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_all_b8_table", "fp8_ablate_no_situ",
-                              "fp8_ablate_no_cache", "fp8_ablate_table"]
-    tables = {k: commands.pop(k) for k in list(commands) if k.endswith("_table")}
-    assert tables["fp8_all_wide_table"].endswith(
-        "step_table.py OUT/fp8_all_wide_bf16 OUT/fp8_all_wide_fp8 --mean-after 4".replace("OUT", str(tmp_path / "out")))
-    assert tables["fp8_ablate_table"].endswith("--baseline fp8_all_wide_bf16 --mean-after 4")
-    assert "tests/test_float8_cached_linear.py" in commands["fp8_all_tests"]
-    assert "--parts linear_cache,situ_quant,dw" in commands["fp8_all_parts"]
-    widen, cache = "TITAN_MOE_FP8_WIDEN=triton", "--quantize.linear.float8.cache_weights"
+    assert list(commands) == ["fp8_all_b8_bf16", "fp8_all_b8_fp8", "fp8_all_b8_table"]
+    assert commands["fp8_all_b8_table"].endswith(
+        "step_table.py OUT/fp8_all_b8_bf16 OUT/fp8_all_b8_fp8 --mean-after 4".replace("OUT", str(tmp_path / "out")))
+    widen, cache = "--quantize.grouped_mm.float8.widen triton", "--quantize.linear.float8.cache_weights"
     rows, situ = "--quantize.grouped_mm.float8.wgrad fp8_rows", "--quantize.grouped_mm.float8.situ_quant"
-    for name in ("fp8_all_wide_fp8", "fp8_all_accum_fp8", "fp8_all_b8_fp8"):
-        assert all(part in commands[name] for part in (widen, cache, rows, situ, "recipe_name tensorwise"))
-    for name in ("fp8_all_wide_bf16", "fp8_all_wide_fp8", "fp8_all_b8_bf16", "fp8_all_b8_fp8",
-                 "fp8_ablate_no_situ", "fp8_ablate_no_cache"):
+    assert all(part in commands["fp8_all_b8_fp8"] for part in (widen, cache, rows, situ, "recipe_name tensorwise"))
+    for name in ("fp8_all_b8_bf16", "fp8_all_b8_fp8"):
         assert "--training.steps 24" in commands[name] and "configs/wide_1gpu.toml" in commands[name]
-    for name in ("fp8_all_wide_bf16", "fp8_all_accum_bf16", "fp8_all_b8_bf16"):
-        assert "titan_float8" not in commands[name] and "TITAN_MOE" not in commands[name]
-    assert all("--training.global_batch_size 8" in commands[k] for k in ("fp8_all_accum_bf16", "fp8_all_accum_fp8"))
-    assert all("--training.local_batch_size 8" in commands[k] for k in ("fp8_all_b8_bf16", "fp8_all_b8_fp8"))
-    assert all(part in commands["fp8_ablate_no_cache"] for part in (widen, rows, situ, "titan_float8_experts"))
-    assert cache not in commands["fp8_ablate_no_cache"]
-    assert all(part not in commands["fp8_ablate_no_situ"] for part in (situ, widen))
-    assert cache in commands["fp8_ablate_no_situ"] and rows in commands["fp8_ablate_no_situ"]
-    assert all("configs/wide_1gpu.toml" in c for k, c in commands.items() if k not in ("fp8_all_tests", "fp8_all_parts"))
+        assert "--training.local_batch_size 8" in commands[name] and "TITAN_MOE" not in commands[name]
+    assert "titan_float8" not in commands["fp8_all_b8_bf16"]
 
 
 def test_gpu_suite_fp8_all_small_then_wide(tmp_path):
@@ -514,45 +417,8 @@ def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_swit
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
     assert list(commands) == ["keep_on", "keep_off"]
-    assert commands["keep_off"].startswith("env TITAN_MOE_KDA_KEEP=0 torchrun") and "KEEP" not in commands["keep_on"]
+    assert "--kernels.kda_keep False" in commands["keep_off"] and "kda_keep" not in commands["keep_on"]
     assert all("--compile.enable" not in c and "small_1gpu.toml" in c for c in commands.values())
-
-
-def test_gpu_suite_fp8_fused_section_compares_the_two_expert_gemms(tmp_path):
-    proc = _gpu_suite(tmp_path, "fp8_fused", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["fp8_torchao", "fp8_fused"]
-    assert commands["fp8_fused"].startswith("env TITAN_MOE_FP8_EXPERTS_GEMM=fused torchrun")
-    assert all("titan_float8_experts" in c and "--compile.enable" not in c for c in commands.values())
-
-
-def test_gpu_suite_kda_caps_section_times_the_default_caps_beside_none(tmp_path):
-    proc = _gpu_suite(tmp_path, "kda_caps", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_caps"]
-    assert "profiling/bench_kda.py --no-fla" in commands["kda_caps"]
-    assert "TITAN_MOE_KDA_BWD_MAXNREG=0x0x0" in commands["kda_caps"]
-    assert "TITAN_MOE_KDA_BWD_MAXNREG=0x128x168" in commands["kda_caps"]
-    assert "TITAN_MOE_KDA_BWD_INTRA_MAXNREG=0" in commands["kda_caps"]
-    assert "TITAN_MOE_KDA_INTRA_MAXNREG=0" in commands["kda_caps"]
-
-
-def test_gpu_suite_gemm_sections_run_the_tma_tests_and_the_sweep_winners(tmp_path):
-    proc = _gpu_suite(tmp_path, "gemm_tma", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["gemm_tma"]
-    assert commands["gemm_tma"].startswith("env TITAN_MOE_GROUPED_MM_TMA=1 python -m pytest")
-    assert "tests/test_grouped_gemm_triton.py" in commands["gemm_tma"] and "-m gpu" not in commands["gemm_tma"]
-    proc = _gpu_suite(tmp_path / "tiles", "gemm_tiles", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1)
-                    for line in (tmp_path / "tiles" / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["gemm_tiles", "gemm_best"]
-    assert "--sweep-tiles" in commands["gemm_tiles"] and "--sweep-tiles" not in commands["gemm_best"]
-    assert commands["gemm_best"].startswith("env TITAN_MOE_GROUPED_MM_TILES=")
 
 
 def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
@@ -596,16 +462,15 @@ def _kernel_resources(tmp_path, *argv: str, interpret: bool = False) -> subproce
 
 
 def test_every_kda_launch_compiles_for_the_h200(tmp_path):
-    """The KDA launchers (both walks, both directions, bf16 at dk = dv = 128; the input
-    maps) and SiTU-GLU's, recorded on
+    """The KDA launchers (both directions, bf16 at dk = dv = 128; the input maps) and
+    SiTU-GLU's, recorded on
     CPU tensors and compiled for sm_90 without a GPU: every kernel builds, fits the H200's
     shared memory per block, and reports its registers and stack from the cubin; the state
     walk keeps the launcher's 4 warps and 3 stages. Catches a launch configuration that
     would fail to compile on the GPU before it gets there."""
     pytest.importorskip("triton")
     out = tmp_path / "rows.json"
-    proc = _kernel_resources(tmp_path, "--cases", "kda_fwd_lean,kda_bwd_lean,kda_fwd_classic,kda_bwd_classic,"
-                             "kda_prepare,situ", "--json", str(out))
+    proc = _kernel_resources(tmp_path, "--cases", "kda_fwd,kda_bwd,kda_prepare,situ", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
     kernels = {r["kernel"] for r in rows}
@@ -617,11 +482,11 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
         assert 0 < r["registers"] <= 255 and r["stack_bytes"] >= 0, r
         assert 0 <= r["shared_bytes"] <= 227 * 1024, r
         assert r["blocks_per_sm"] >= 1, r  # every launch fits an SM
-    walk = next(r for r in rows if r["kernel"] == "_state_scan_kernel" and r["case"] == "kda_fwd_lean")
+    walk = next(r for r in rows if r["kernel"] == "_state_scan_kernel" and r["case"] == "kda_fwd")
     assert (walk["num_warps"], walk["num_stages"]) == (4, 3)  # 16 columns at B*H = 16: 3 stages
-    # the lean walks' per-chunk loads are pipelined or prefetched by hand: no chunk waits on one
-    lean_walks = [r for r in rows if r["case"].endswith("_lean") and r["kernel"].endswith("state_scan_kernel")]
-    assert len(lean_walks) == 2 and all(r["loop_loads_waited"] == 0 for r in lean_walks), lean_walks
+    # the walks' per-chunk loads are pipelined or prefetched by hand: no chunk waits on one
+    walks = [r for r in rows if r["kernel"].endswith("state_scan_kernel")]
+    assert len(walks) == 2 and all(r["loop_loads_waited"] == 0 for r in walks), walks
     assert "_bwd_chunk_keys_kernel" in proc.stdout
 
 
@@ -635,7 +500,7 @@ def test_bwd_intra_key_split_compiles_for_the_h200(tmp_path, monkeypatch):
     for bk in ("128", "32", "64"):
         monkeypatch.setenv("TITAN_MOE_KDA_BWD_INTRA_BK", bk)
         out = tmp_path / f"rows{bk}.json"
-        proc = _kernel_resources(tmp_path, "--cases", "kda_bwd_lean", "--kernels", "_bwd_intra_kernel",
+        proc = _kernel_resources(tmp_path, "--cases", "kda_bwd", "--kernels", "_bwd_intra_kernel",
                                  "--json", str(out))
         assert proc.returncode == 0, proc.stderr[-2000:]
         (rows[bk],) = json.loads(out.read_text())
@@ -648,7 +513,7 @@ def test_kernel_resources_sass_shows_whether_the_code_changed(tmp_path):
     addresses or encodings), and different code (32 key columns per program instead of 64)
     a different one."""
     pytest.importorskip("triton")
-    argv = ("--cases", "kda_bwd_lean", "--kernels", "_bwd_intra_kernel")
+    argv = ("--cases", "kda_bwd", "--kernels", "_bwd_intra_kernel")
     texts = {}
     for name, bk in (("first", "64"), ("again", "64"), ("bk32", "32")):
         env_proc = subprocess.run(
@@ -656,7 +521,7 @@ def test_kernel_resources_sass_shows_whether_the_code_changed(tmp_path):
             capture_output=True, text=True, cwd=tmp_path, timeout=600,
             env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TITAN_MOE_KDA_BWD_INTRA_BK": bk})
         assert env_proc.returncode == 0, env_proc.stderr[-2000:]
-        texts[name] = (tmp_path / name / "kda_bwd_lean._bwd_intra_kernel.sass").read_text()
+        texts[name] = (tmp_path / name / "kda_bwd._bwd_intra_kernel.sass").read_text()
     assert texts["first"] == texts["again"] and texts["first"] != texts["bk32"]
     lines = texts["first"].splitlines()
     assert len(lines) > 100 and not any("/*" in line for line in lines)
@@ -678,56 +543,21 @@ def test_blocks_per_sm_follows_the_sm90_limits():
 
 
 def test_kernel_resources_refuses_the_interpreter_and_unknown_cases(tmp_path):
-    proc = _kernel_resources(tmp_path, "--cases", "kda_fwd_lean", interpret=True)
+    proc = _kernel_resources(tmp_path, "--cases", "kda_fwd", interpret=True)
     assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
     proc = _kernel_resources(tmp_path, "--cases", "mla_fwd")
     assert proc.returncode == 2 and "unknown cases" in proc.stderr
 
 
-@pytest.mark.parametrize("probe", ["probe_scaled_grouped_mm.py", "probe_fp8_wgrad.py"])
-def test_fp8_probes_refuse_without_an_fp8_gpu(probe):
-    """The fp8 probes need torch._scaled_grouped_mm's hardware: without it, one clear line and
-    a non-zero exit (their GPU numbers are in BENCHMARKS.md)."""
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: the probe would run")
-    proc = subprocess.run([sys.executable, str(REPO / "profiling" / probe)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "compute capability >= 8.9" in proc.stderr
-
-
-def test_gpu_suite_kda_intra_section_sweeps_the_backward_intra_split(tmp_path):
-    proc = _gpu_suite(tmp_path, "kda_intra", gpus="1")
+def test_gpu_suite_kda_sections_time_ours_and_fla(tmp_path):
+    """kda: our op, and with the recomputing backward (a kernel choice); kda_fla_all: fla in
+    the same run at bench_kda's four shapes."""
+    proc = _gpu_suite(tmp_path, "kda", "kda_fla_all", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_intra"]
-    variants = commands["kda_intra"].split("--variants ", 1)[1].split(",")
-    assert len(variants) == 5 and all("TITAN_MOE_KDA_" in v for v in variants)
-    bench_kda = _load("bench_kda")
-    assert set(bench_kda.parse_variants(",".join(variants))) == {"bk128w8", "bk128w4", "bk64w2", "bk64w8", "bk32w2"}
-
-
-def test_gpu_suite_kda_dakk_and_parts_sections_time_the_backward_forms(tmp_path):
-    proc = _gpu_suite(tmp_path, "kda_dakk", "kda_parts", "kda_fla_all", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_dakk", "kda_parts", "kda_fla_all"]
-    bench_kda = _load("bench_kda")
-    variants = bench_kda.parse_variants(commands["kda_dakk"].split("--variants ", 1)[1])
-    assert variants == {"inverse": {"TITAN_MOE_KDA_DAKK": "inverse"}, "tf32x3": {"TITAN_MOE_KDA_DAKK": "values:tf32x3"}}
-    variants = bench_kda.parse_variants(commands["kda_parts"].split("--variants ", 1)[1])
-    assert set(variants) == {"parts_fp32", "k128", "k64early", "k128fp32"}
-    triton_bwd = pytest.importorskip("titan_moe.ops.kda.triton_bwd")
-    import torch
-
-    for env in variants.values():  # each differs from the default at dk = dv = 128 with bf16 inputs
-        with pytest.MonkeyPatch.context() as mp:
-            for var, value in env.items():
-                mp.setenv(var, value)
-            launch = (triton_bwd.bwd_chunk_config(128, 128), triton_bwd.keys_late_loads(),
-                      triton_bwd.bwd_parts_dtype(torch.bfloat16))
-        assert launch != ((64, 64, 8, 8), True, torch.bfloat16), env
+    assert list(commands) == ["kda", "kda_fla_all"]
+    variants = _load("bench_kda").parse_variants(commands["kda"].split("--variants ", 1)[1])
+    assert variants == {"recompute": {"kernels.kda_keep": "false"}}
     assert "--no-fla" not in commands["kda_fla_all"]
     assert commands["kda_fla_all"].endswith("--shapes 8192,32768,131072,4096")  # bench_kda's four shapes
 
@@ -736,71 +566,11 @@ def test_gpu_suite_kda_verify_section_runs_the_kda_gpu_tests(tmp_path):
     proc = _gpu_suite(tmp_path, "kda_verify", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_verify_tests", "kda_verify_forms", "kda_long"]
+    assert list(commands) == ["kda_verify_tests", "kda_verify_kernels", "kda_long"]
     assert commands["kda_long"].endswith("-m gpu -q -s -rsx -p no:cacheprovider tests/test_kda_long_context.py")
     files = [word for word in commands["kda_verify_tests"].split() if word.startswith("tests/")]
     assert files and all((REPO / f).is_file() for f in files) and "-m gpu" in commands["kda_verify_tests"]
-    assert "-m gpu" not in commands["kda_verify_forms"] and "dakk or partials" in commands["kda_verify_forms"]
-
-
-def test_gpu_suite_kda_paired_sections_select_the_paired_form(tmp_path):
-    """kda_paired: the default paired form's GPU tests, errors and timing beside the anchored
-    form in tf32x3 and in tf32; kda_fla_paired: the fla comparison with the paired form named.
-    Each command's environment selects what its name says (checked through the selectors
-    themselves, with the environment otherwise clear)."""
-    proc = _gpu_suite(tmp_path, "kda_paired", "kda_fla_paired", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["kda_paired_tests", "kda_paired_errors", "kda_paired_errors_gmin", "kda_paired",
-                              "kda_fla_paired"]
-    files = [word for word in commands["kda_paired_tests"].split() if word.startswith("tests/")]
-    assert files and all((REPO / f).is_file() for f in files)
-    assert "--gate-min" in commands["kda_paired_errors_gmin"] and "--no-fla" not in commands["kda_fla_paired"]
-    triton_fwd = pytest.importorskip("titan_moe.ops.kda.triton_fwd")
-    triton_bwd = pytest.importorskip("titan_moe.ops.kda.triton_bwd")
-    import torch
-
-    def variant(name: str) -> str:
-        return commands["kda_paired"].split(f"{name}:", 1)[1].split(",", 1)[0].split()[0].replace("+", " ")
-
-    settings = [(commands["kda_paired_tests"], True, "tf32"), (commands["kda_fla_paired"], True, "tf32"),
-                (variant("anchored"), False, "tf32x3"), (variant("anchored_tf32"), False, "tf32")]
-    for text, paired, dots in settings:
-        env = dict(word.split("=", 1) for word in text.split() if word.startswith("TITAN_MOE_KDA_"))
-        with pytest.MonkeyPatch.context() as mp:
-            mp.delenv(triton_bwd.BWD_INTRA_FORM_ENV, raising=False)
-            mp.delenv(triton_fwd.DOTS_ENV, raising=False)
-            for var, value in env.items():
-                mp.setenv(var, value)
-            assert triton_bwd.bwd_intra_paired() == paired, text
-            assert triton_bwd.bwd_intra_precision(torch.bfloat16) == dots, text
-
-
-def test_gpu_suite_kda_keys_section_sweeps_the_keys_kernel_width(tmp_path):
-    proc = _gpu_suite(tmp_path, "kda_keys", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    variants = _load("bench_kda").parse_variants(commands["kda_keys"].split("--variants ", 1)[1])
-    assert set(variants) == {"k128w16", "k128w16bv32", "k128w8", "k128early"}
-    assert variants["k128early"]["TITAN_MOE_KDA_KEYS_LOADS"] == "early"
-    triton_bwd = pytest.importorskip("titan_moe.ops.kda.triton_bwd")
-    for env in variants.values():  # each a launch the keys kernel accepts at dk = dv = 128
-        with pytest.MonkeyPatch.context() as mp:
-            for var, value in env.items():
-                mp.setenv(var, value)
-            bk = triton_bwd.bwd_chunk_config(128, 128)[0]
-            assert f"{bk}x" == env["TITAN_MOE_KDA_BWD_CHUNK"][: len(str(bk)) + 1]
-            assert triton_bwd.keys_late_loads() == (env.get("TITAN_MOE_KDA_KEYS_LOADS", "late") == "late")
-
-
-def test_gpu_suite_kda_prepare_section_sweeps_the_split_chunk_mode(tmp_path):
-    proc = _gpu_suite(tmp_path, "kda_prepare", gpus="1")
-    assert proc.returncode == 0, proc.stderr
-    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    variants = _load("bench_kda").parse_variants(commands["kda_prepare"].split("--variants ", 1)[1])
-    assert variants == {"fused": {"TITAN_MOE_KDA_PREPARE_CHUNK": "fused"},
-                        "split32": {"TITAN_MOE_KDA_PREPARE_CHUNK": "split32"},
-                        "split64": {"TITAN_MOE_KDA_PREPARE_CHUNK": "split64"}}
+    assert "-m gpu" not in commands["kda_verify_kernels"] and "gate_min or partials" in commands["kda_verify_kernels"]
 
 
 def test_gpu_suite_kda_ncu_section_profiles_one_call_and_tabulates_it(tmp_path):
