@@ -59,7 +59,7 @@ def situ_glu_packed(z: Tensor, beta1: float = DEFAULT_BETA1, beta2: float = DEFA
     """SiTU-GLU of a fused gate|up projection `z [..., 2 * hidden]` -> `[..., hidden]`.
 
     Eager: the `titan_moe::situ_glu` op (`titan_moe.ops.situ`: one Triton pass per direction
-    on CUDA when `$TITAN_MOE_SITU_BACKEND` selects it). Compiled: `_SiTUGLUCompiled`, whose
+    on CUDA when `[kernels] situ` selects it). Compiled: `_SiTUGLUCompiled`, whose
     forward is plain PyTorch on the two halves, which Inductor fuses with its neighbours, and
     whose backward is the op's backward (`titan_moe::situ_glu_bwd`).
     """
