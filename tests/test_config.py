@@ -131,17 +131,16 @@ def test_exact_qb_with_compile_and_checkpointing_is_refused(tmp_path):
     assert load_config(["--job.config_file", path, "--compile.enable", "--activation_checkpoint.mode", "none"])
 
 
-def test_flex_attention_with_compile_and_checkpointing_is_refused(tmp_path, monkeypatch):
-    """The H200 run of small_1gpu with TITAN_MOE_MLA_ATTENTION=flex, compile and (default)
-    selective AC died in Dynamo; now a config error. Without AC it is accepted."""
-    from titan_moe.model.mla import ATTENTION_ENV
-
-    monkeypatch.setenv(ATTENTION_ENV, "flex")
-    path = _write(tmp_path, '[model]\nname = "titan_moe"\nflavor = "debug"\nqb_bins = 100\n')
-    with pytest.raises(ConfigError, match=f"{ATTENTION_ENV}=flex .*activation checkpointing"):
-        load_config(["--job.config_file", path, "--compile.enable", "--activation_checkpoint.mode", "selective"])
-    assert load_config(["--job.config_file", path, "--compile.enable", "--activation_checkpoint.mode", "none"])
-    assert load_config(["--job.config_file", path, "--activation_checkpoint.mode", "full"])
+def test_mla_attention_is_a_model_key(tmp_path):
+    """The MLA attention path is chosen in the config (validated like any model key); flex
+    with compile and activation checkpointing is accepted (its block mask is built outside
+    the checkpointed layers)."""
+    path = _write(tmp_path, '[model]\nname = "titan_moe"\nflavor = "debug"\nqb_bins = 100\nmla_attention = "flex"\n')
+    config = load_config(["--job.config_file", path, "--compile.enable", "--activation_checkpoint.mode", "selective"])
+    assert config.model.mla_attention == "flex"
+    assert load_config(["--job.config_file", path, "--model.mla_attention", "dense"]).model.mla_attention == "dense"
+    with pytest.raises(ConfigError, match="mla_attention"):
+        load_config(["--job.config_file", path, "--model.mla_attention", "ring"])
 
 
 def test_local_batch_fits_the_global_batch_over_data_parallel_ranks(tmp_path, monkeypatch):

@@ -291,54 +291,48 @@ def test_cuda_bf16_sdpa_with_document_mask_and_decode():
     assert rel_err(torch.cat(outs, dim=1).cpu(), reference_mla(m.cpu().float(), x[:, :48].cpu().float())) < 2e-2
 
 
-def test_flex_document_mask_matches_the_dense_mask_cpu_forward():
-    """The block mask's rule (causal within a document) against SDPA's dense mask, traced by
-    Dynamo (aot_eager: FlexAttention's reference path; the generated kernel is the GPU test's
-    business, and torch 2.11's CPU flex template failed to lower in the full suite), forward
-    only (FlexAttention has no CPU backward, so the layer keeps SDPA on CPU tensors);
-    T = 200 spans two 128-token blocks, some fully masked."""
-    from titan_moe.model.mla import flex_doc_causal_attention
-    from titan_moe.model.packing import same_doc_causal_mask
-
-    gen = torch.Generator().manual_seed(9)
-    q, k = (torch.randn(2, 3, 200, 32, generator=gen) for _ in range(2))
-    v = torch.randn(2, 3, 200, 16, generator=gen)
-    doc_ids = torch.zeros(2, 200, dtype=torch.int32)
-    doc_ids[0, 130:] = 1  # row 0: two documents; row 1: one
-    torch._dynamo.reset()
-    got = torch.compile(flex_doc_causal_attention, backend="aot_eager", fullgraph=True)(q, k, v, doc_ids, 0.2)
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=same_doc_causal_mask(doc_ids), scale=0.2)
-    assert rel_err(got, want) < 1e-5
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flex_document_attention_when_compiled_matches_the_dense_mask_cuda(monkeypatch):
-    """TITAN_MOE_MLA_ATTENTION=flex: the compiled layer on CUDA equals the eager layer (SDPA,
-    dense document mask), outputs and gradients, fp32, K3's head dims (qk 128 + 64, v 128)."""
-    from titan_moe.model.mla import ATTENTION_ENV
-
-    monkeypatch.setenv(ATTENTION_ENV, "flex")
-    args = small_args(dim=256, mla_n_heads=2, mla_q_lora_rank=96, mla_kv_lora_rank=64,
-                      mla_qk_nope_head_dim=128, mla_qk_shared_dim=64, mla_v_head_dim=128)
-    m = make_mla(args, seed=9).cuda()
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flex_document_attention_matches_the_dense_mask_cuda(compiled):
+    """mla_attention = "flex" (eager, and inside a compiled layer) equals "dense" (SDPA with the
+    [B, 1, T, T] mask), outputs and gradients, fp32, K3's head dims (qk 128 + 64, v 128)."""
+    kw = dict(dim=256, mla_n_heads=2, mla_q_lora_rank=96, mla_kv_lora_rank=64,
+              mla_qk_nope_head_dim=128, mla_qk_shared_dim=64, mla_v_head_dim=128)
+    m_flex = make_mla(small_args(mla_attention="flex", **kw), seed=9).cuda()
+    m_dense = make_mla(small_args(mla_attention="dense", **kw), seed=9).cuda()
     gen = torch.Generator().manual_seed(9)
-    x = torch.randn(2, 300, args.dim, generator=gen).cuda().requires_grad_()
+    x = torch.randn(2, 300, kw["dim"], generator=gen).cuda().requires_grad_()
     doc_ids = random_doc_ids(2, 300, gen).cuda()
     torch._dynamo.reset()
     counters.clear()
-    y_c = torch.compile(m, backend="inductor", fullgraph=True)(x, doc_ids_BT=doc_ids)
-    (g_c,) = torch.autograd.grad(y_c.square().sum(), x)
-    y_e = m(x, doc_ids_BT=doc_ids)  # eager: the dense mask whatever the setting
-    (g_e,) = torch.autograd.grad(y_e.square().sum(), x)
+    run = torch.compile(m_flex, backend="inductor", fullgraph=True) if compiled else m_flex
+    y_f = run(x, doc_ids_BT=doc_ids)
+    (g_f,) = torch.autograd.grad(y_f.square().sum(), x)
+    y_d = m_dense(x, doc_ids_BT=doc_ids)
+    (g_d,) = torch.autograd.grad(y_d.square().sum(), x)
     assert not counters["graph_break"]
     # TF32 is off by default; the kernels differ in summation order only
-    assert rel_err(y_c, y_e) < 1e-4 and rel_err(g_c, g_e) < 1e-3
+    assert rel_err(y_f, y_d) < 1e-4 and rel_err(g_f, g_d) < 1e-3
 
 
-def test_attention_backend_rejects_unknown_values(monkeypatch):
-    from titan_moe.model.mla import ATTENTION_ENV, attention_backend
+@pytest.mark.parametrize("path", ["chunked", "dense"])
+def test_attention_paths_agree_on_cpu(path):
+    """Every CPU path against the float64 reference, outputs and gradients (auto = chunked)."""
+    args = small_args(mla_attention=path)
+    m = make_mla(args, seed=10)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 37, args.dim, generator=gen)
+    doc_ids = random_doc_ids(2, 37, gen)
+    assert rel_err(m(x, doc_ids_BT=doc_ids), reference_mla(m, x, doc_ids)) < FP32_TOL
 
-    monkeypatch.setenv(ATTENTION_ENV, "ring")
-    with pytest.raises(ValueError, match=ATTENTION_ENV):
-        attention_backend()
+
+def test_attention_choice_is_validated_and_resolved():
+    from titan_moe.model.mla import resolve_attention
+
+    with pytest.raises(ValueError, match="mla_attention"):
+        small_args(mla_attention="ring")
+    assert resolve_attention("auto", torch.device("cpu")) == "chunked"
+    assert resolve_attention("auto", torch.device("cuda")) == "cudnn"
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_attention("flex", torch.device("cpu"))

@@ -391,10 +391,9 @@ def run_json_cli(prog: str, run: Any, argv: list[str] | None = None) -> None:
 
 
 def _check_compile_with_ac(args: ModelArgs, config: Any) -> None:
-    """Two things Dynamo cannot trace inside a compiled, checkpointed layer, as config errors:
+    """What Dynamo cannot trace inside a compiled, checkpointed layer, as a config error:
     exact QB (`qb_bins = 0`) keeps each microbatch's router scores as a plain module attribute
-    ("HOP: Unsafe side effect"; the histogram mode only adds into buffers, which compiles), and
-    FlexAttention's block mask built inside the MLA layer."""
+    ("HOP: Unsafe side effect"; the histogram mode only adds into buffers, which compiles)."""
     compiled = config.compile.enable and "model" in config.compile.components
     checkpointed = config.activation_checkpoint.mode != "none"
     exact_qb = args.balance_rule == "qb" and args.qb_bins == 0 and args.top_k < args.n_routed_experts
@@ -402,15 +401,6 @@ def _check_compile_with_ac(args: ModelArgs, config: Any) -> None:
         raise ValueError(
             "model.qb_bins = 0 (exact QB) cannot be compiled with activation checkpointing; "
             "set model.qb_bins > 0 (SPEC: 1000), activation_checkpoint.mode = 'none' or compile.enable = false"
-        )
-    from titan_moe.model.mla import ATTENTION_ENV, attention_backend
-
-    if compiled and checkpointed and attention_backend() == "flex" and "mla" in args.layer_kinds():
-        # Measured on the H200 (torch 2.11): create_block_mask inside a checkpointed compiled
-        # layer mutates the TorchFunctionMode stack, which Dynamo rejects for the checkpoint HOP.
-        raise ValueError(
-            f"{ATTENTION_ENV}=flex cannot be compiled with activation checkpointing yet (the block mask is "
-            "built inside the checkpointed layer); set activation_checkpoint.mode = 'none' or unset it"
         )
 
 

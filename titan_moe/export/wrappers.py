@@ -32,7 +32,7 @@ from titan_moe.model.attn_res import ResidualStream
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.kda import KDACache, KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
-from titan_moe.model.packing import cu_seqlens_from_doc_ids
+from titan_moe.model.packing import cu_seqlens_from_doc_ids, same_doc_causal_mask
 from titan_moe.ops.kda import chunk_kda
 
 Tensor = torch.Tensor
@@ -94,7 +94,9 @@ def mla_prefill(
     B, T, _ = x_BTD.shape
     q_BTHK = attn._queries(x_BTD)
     c_kv_BTR, k_s_BTS = attn._latents(x_BTD)
-    o_BTHV = attn._attend(q_BTHK, c_kv_BTR, k_s_BTS, doc_ids_BT)
+    # The dense document mask: a prompt is short, and the exported graph stays plain aten.
+    mask_B1TT = same_doc_causal_mask(doc_ids_BT) if doc_ids_BT is not None else None
+    o_BTHV = attn._attend(q_BTHK, c_kv_BTR, k_s_BTS, "dense", mask_B1TT)
     y_BTD = attn._gate_and_project(x_BTD, o_BTHV)
     # Written into zero buffers (not concatenated with `capacity - T` zeros, whose size
     # would make export guard on T).

@@ -17,7 +17,7 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import AttnResMixer, ResidualStream, StreamTensors
 from titan_moe.model.ffn import SiTUGLUFeedForward
 from titan_moe.model.kda import KDACache, KimiDeltaAttention
-from titan_moe.model.mla import GatedMLA, MLACache
+from titan_moe.model.mla import GatedMLA, MLACache, document_mask, resolve_attention
 from titan_moe.model.moe import LatentMoE
 from titan_moe.model.packing import cu_seqlens_from_doc_ids
 from titan_moe.ops.nvtx import nvtx_range
@@ -69,6 +69,7 @@ class DecoderLayer(nn.Module):
         doc_ids_BT: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        mla_doc_mask=None,
     ) -> StreamTensors:
         """The stream's tensors in (`ResidualStream.tensors()`), the updated ones out; call it
         through :func:`run_layer` to pass a `ResidualStream`.
@@ -84,7 +85,7 @@ class DecoderLayer(nn.Module):
             if self.kind == "kda":
                 out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens, cache=cache)
             else:
-                out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cache=cache)
+                out_BTD = self.attention(x_BTD, doc_ids_BT=doc_ids_BT, cache=cache, doc_mask=mla_doc_mask)
         stream = stream.add(out_BTD)
         x_BTD = to_autocast_dtype(self.ffn_norm(self.ffn_mix(stream)))
         with nvtx_range(self.ffn_range):
@@ -127,6 +128,12 @@ class Decoder(nn.Module):
         if caches is not None and doc_ids is not None:
             raise ValueError("packed documents (doc_ids) are not supported with decode caches")
         cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if doc_ids is not None else None
+        # The MLA layers' document mask, once per forward and outside the (compiled,
+        # checkpointed) layers.
+        mla_doc_mask = None
+        if doc_ids is not None and "mla" in self.args.layer_kinds():
+            path = resolve_attention(self.args.mla_attention, tokens.device)
+            mla_doc_mask = document_mask(path, doc_ids)
         x_BTD = self.tok_embeddings(tokens)
         stream = ResidualStream.start(x_BTD, self.args.attn_res, self.args.n_layers, self.args.attn_res_block_size)
         for i, layer in enumerate(self.layers.values()):
@@ -134,7 +141,9 @@ class Decoder(nn.Module):
             # Closing an AttnRes block depends on the layer index, so it happens here, between
             # the (separately compiled) layers, not inside them.
             with nvtx_range(self.layer_ranges[i]):
-                stream = run_layer(layer, stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache).end_layer(i)
+                stream = run_layer(
+                    layer, stream, doc_ids_BT=doc_ids, cu_seqlens=cu_seqlens, cache=cache, mla_doc_mask=mla_doc_mask
+                ).end_layer(i)
         with nvtx_range("head"):
             h_BTD = self.norm(self.final_mix(stream))
             return self.output(h_BTD).float()

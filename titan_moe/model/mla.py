@@ -11,15 +11,21 @@
 No positional encoding anywhere (NoPE): scores depend on content and the causal/document mask
 only, so context can grow between training stages without rescaling. No biases.
 
-Packed documents. With ``doc_ids`` the attention is causal within each document. SDPA takes a
-dense ``[B, 1, T, T]`` boolean mask (its kernel keeps it for the backward: T^2 bytes per row,
-1 GiB at 32K). With ``TITAN_MOE_MLA_ATTENTION=flex`` a compiled layer on CUDA runs
-FlexAttention with a block mask built from ``doc_ids`` instead (O(T^2 / 128^2) memory, fully
-masked blocks skipped); eager layers and CPU tensors keep the dense mask (eager FlexAttention
-materialises the scores; FlexAttention has no CPU backward). Opt-in until timed on a GPU;
-it matches the dense mask on the H200 (tests/test_mla.py) but cannot yet run inside a
-compiled layer with activation checkpointing (`create_block_mask` inside the checkpoint is
-rejected by Dynamo; `config.load_config` refuses that combination).
+Packed documents. With ``doc_ids`` the attention is causal within each document and never
+forms a T x T tensor; the path is `ModelArgs.mla_attention` (`resolve_attention`):
+
+* ``cudnn`` (CUDA): one cuDNN causal attention call per document
+  (`titan_moe.ops.attention.doc_attention_cudnn`): the dense kernel's rate on exactly the
+  work the mask leaves.
+* ``flex`` (CUDA): FlexAttention under a block mask from the documents' starts; the blocks
+  that the mask empties are skipped.
+* ``chunked`` (any device): `titan_moe.ops.attention.doc_attention_chunked`, exact, by query
+  chunks, O(T * chunk) memory in forward and backward.
+* ``dense``: SDPA with a dense ``[B, 1, T, T]`` boolean mask (T^2 bytes per row kept for
+  the backward), the earlier path, for comparison.
+
+The mask a path needs (`document_mask`) is built once per forward by the decoder, outside
+the compiled and checkpointed layers, and shared by every MLA layer.
 
 Precision. Projections and the attention itself (SDPA) run in the input dtype. The SDPA
 output ``o`` is upcast to fp32; the gate ``sigmoid(W_g x)`` is computed in fp32 (from the
@@ -37,7 +43,6 @@ cannot fold into ``W_o`` because the gate sits between them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -46,38 +51,36 @@ from torch import nn
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.packing import same_doc_causal_mask
+from titan_moe.ops.attention import (
+    doc_attention_chunked,
+    doc_attention_cudnn,
+    doc_block_mask,
+    doc_starts,
+    flex_doc_attention,
+)
 from titan_moe.ops.nvtx import nvtx_wrap
 
 
-ATTENTION_ENV = "TITAN_MOE_MLA_ATTENTION"  # sdpa (default) | flex
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """The path "auto" stands for on `device` ("cudnn" on CUDA, "chunked" elsewhere); other
+    values unchanged. "cudnn" and "flex" need CUDA (FlexAttention has no CPU backward)."""
+    if choice == "auto":
+        return "cudnn" if device.type == "cuda" else "chunked"
+    if choice in ("cudnn", "flex") and device.type != "cuda":
+        raise ValueError(f"model.mla_attention = 'flex' needs a CUDA device, got {device.type}")
+    return choice
 
 
-def attention_backend() -> str:
-    """"sdpa" or "flex" (module docstring), from `$TITAN_MOE_MLA_ATTENTION`."""
-    name = os.environ.get(ATTENTION_ENV) or "sdpa"
-    if name not in ("sdpa", "flex"):
-        raise ValueError(f"{ATTENTION_ENV} must be 'sdpa' or 'flex', got {name!r}")
-    return name
-
-
-def flex_doc_causal_attention(
-    q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTV: torch.Tensor, doc_ids_BT: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """FlexAttention, causal within each document of `doc_ids_BT` [B, T]; o [B, H, T, V].
-    Meant for compiled regions (eager FlexAttention is a dense reference)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    B, _, T, _ = q_BHTK.shape
-
-    def same_doc_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc_ids_BT[b, q_idx] == doc_ids_BT[b, kv_idx])
-
-    block_mask = create_block_mask(same_doc_causal, B, None, T, T, device=q_BHTK.device)
-    # fp32 at K3's head dims (qk 192, v 128): Inductor's default forward tiles (64 x 64, three
-    # pipeline stages) need 279 KB of shared memory, over the H200's 227 KB; one stage fits.
-    # bf16 (training) keeps the defaults.
-    options = {"fwd_num_stages": 1} if q_BHTK.dtype == torch.float32 else None
-    return flex_attention(q_BHTK, k_BHTK, v_BHTV, block_mask=block_mask, scale=scale, kernel_options=options)
+def document_mask(path: str, doc_ids_BT: torch.Tensor):
+    """What `GatedMLA` needs for packed documents on `path`: the documents' starts [B, T]
+    (chunked; on the host for cudnn), a BlockMask (flex) or the dense bool mask [B, 1, T, T]
+    (dense)."""
+    if path == "dense":
+        return same_doc_causal_mask(doc_ids_BT)
+    starts_BT = doc_starts(doc_ids_BT)
+    if path == "cudnn":
+        return starts_BT.cpu()
+    return doc_block_mask(starts_BT) if path == "flex" else starts_BT
 
 
 @dataclass
@@ -120,9 +123,10 @@ class MLACache:
 class GatedMLA(nn.Module):
     """Gated NoPE MLA. ``forward(x_BTD, doc_ids_BT=None, cache=None) -> y_BTD``.
 
-    * Training / no cache: SDPA, causal; with ``doc_ids_BT`` (int32 [B, T], see
-      `titan_moe.model.packing`) also confined to each packed document. Traceable by
-      ``torch.compile(fullgraph=True)``.
+    * Training / no cache: causal SDPA; with packed documents, ``doc_mask`` (from
+      `document_mask` on the resolved path, built once per forward) confines it to each
+      document; ``doc_ids_BT`` alone also works (the mask is then built here). Traceable
+      by ``torch.compile(fullgraph=True)``.
     * With a cache (generation, no packing): an empty cache and ``T > 1`` is a prefill (the
       same SDPA path, causal, fills the cache); otherwise (any T on a non-empty cache, or
       T == 1) the absorbed decode path attends to the cache plus the new tokens.
@@ -137,6 +141,7 @@ class GatedMLA(nn.Module):
         self.qk_head_dim = self.qk_nope_dim + self.qk_shared_dim
         self.v_head_dim = args.mla_v_head_dim
         self.scale = self.qk_head_dim**-0.5
+        self.attention_choice = args.mla_attention
         H = self.n_heads
 
         self.w_dq = nn.Linear(args.dim, args.mla_q_lora_rank, bias=False)
@@ -166,22 +171,27 @@ class GatedMLA(nn.Module):
         q_BTHK: torch.Tensor,
         c_kv_BTR: torch.Tensor,
         k_s_BTS: torch.Tensor,
-        doc_ids_BT: torch.Tensor | None,
+        path: str,
+        doc_mask,
     ) -> torch.Tensor:
-        """Non-absorbed attention over the T tokens themselves; returns fp32 o [B, T, H, v_head]."""
+        """Non-absorbed attention over the T tokens themselves; returns fp32 o [B, T, H, v_head].
+        `doc_mask`: None (one causal sequence per row) or `document_mask(path, ...)`."""
         B, T, _ = c_kv_BTR.shape
         kv_BTHN = self.w_ukv(c_kv_BTR).view(B, T, -1, self.qk_nope_dim + self.v_head_dim)
         k_n_BTHN, v_BTHV = kv_BTHN.split([self.qk_nope_dim, self.v_head_dim], dim=-1)
         H = k_n_BTHN.shape[2]
         k_BTHK = torch.cat([k_n_BTHN, k_s_BTS[:, :, None, :].expand(B, T, H, self.qk_shared_dim)], dim=-1)
         q_BHTK, k_BHTK, v_BHTV = (t.transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))
-        if doc_ids_BT is None:
+        if doc_mask is None:
             o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=self.scale)
-        elif q_BHTK.is_cuda and torch.compiler.is_compiling() and attention_backend() == "flex":
-            o_BHTV = flex_doc_causal_attention(q_BHTK, k_BHTK, v_BHTV, doc_ids_BT, self.scale)
+        elif path == "cudnn":
+            o_BHTV = doc_attention_cudnn(q_BHTK, k_BHTK, v_BHTV, doc_mask, self.scale)
+        elif path == "flex":
+            o_BHTV = flex_doc_attention(q_BHTK, k_BHTK, v_BHTV, doc_mask, self.scale)
+        elif path == "chunked":
+            o_BHTV = doc_attention_chunked(q_BHTK, k_BHTK, v_BHTV, doc_mask, self.scale)
         else:
-            mask_B1TT = same_doc_causal_mask(doc_ids_BT)
-            o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, attn_mask=mask_B1TT, scale=self.scale)
+            o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, attn_mask=doc_mask, scale=self.scale)
         return o_BHTV.transpose(1, 2).float()
 
     def _attend_absorbed(self, q_BTHK: torch.Tensor, cache: MLACache, start: int) -> torch.Tensor:
@@ -214,13 +224,17 @@ class GatedMLA(nn.Module):
         x_BTD: torch.Tensor,
         doc_ids_BT: torch.Tensor | None = None,
         cache: MLACache | None = None,
+        doc_mask=None,
     ) -> torch.Tensor:
-        if cache is not None and doc_ids_BT is not None:
+        if cache is not None and (doc_ids_BT is not None or doc_mask is not None):
             raise ValueError("GatedMLA: packed documents (doc_ids_BT) are not supported with a decode cache")
         q_BTHK = self._queries(x_BTD)
         c_kv_BTR, k_s_BTS = self._latents(x_BTD)
         if cache is None:
-            o_BTHV = self._attend(q_BTHK, c_kv_BTR, k_s_BTS, doc_ids_BT)
+            path = resolve_attention(self.attention_choice, x_BTD.device)
+            if doc_mask is None and doc_ids_BT is not None:
+                doc_mask = document_mask(path, doc_ids_BT)
+            o_BTHV = self._attend(q_BTHK, c_kv_BTR, k_s_BTS, path, doc_mask)
         else:
             T = x_BTD.shape[1]
             start = cache.length
@@ -231,7 +245,7 @@ class GatedMLA(nn.Module):
                 cache.k_shared[:, start : start + T] = k_s_BTS
             cache.length = start + T
             if start == 0 and T > 1:
-                o_BTHV = self._attend(q_BTHK, c_kv_BTR, k_s_BTS, None)
+                o_BTHV = self._attend(q_BTHK, c_kv_BTR, k_s_BTS, "dense", None)
             else:
                 o_BTHV = self._attend_absorbed(q_BTHK, cache, start)
         return self._gate_and_project(x_BTD, o_BTHV)

@@ -1,0 +1,186 @@
+"""MLA attention over packed documents on one GPU: each path beside causal SDPA over one
+document of the same length (the bound), at MLA's head dims, bf16, forward and
+forward+backward.
+
+    python profiling/bench_attention.py --seq-lens 32768 131072 [--heads 8] [--json OUT.json]
+
+Rows per length: document mixes {T} (one document), {T-1, 1}, {T/2, T/2} and the first
+row of the built-in corpus packed at T. Paths: "cudnn" (cuDNN causal attention per
+document), "flex" (FlexAttention, document block mask), "dense" (SDPA with the [B, 1, T, T] mask; skipped above --dense-max), "varlen"
+(torch's varlen_attn, FlashAttention-2, v padded to the qk dim) and the bound
+"causal_sdpa" (SDPA is_causal over one document; cuDNN where torch picks it). Each path's
+o and dq are compared with the first document-masked path listed (err_o, err_dq). TFLOP/s count
+the work the mask leaves: per row sum over documents of l^2/2 query-key pairs, times
+2 * (qk + v) FLOPs forward and 2.5x that backward. Peak memory is the allocator's peak
+during forward+backward, minus the inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+
+import torch
+import torch.nn.functional as F
+
+from titan_moe.model.packing import cu_seqlens_from_doc_ids
+from titan_moe.ops.attention import doc_attention_cudnn, doc_block_mask, doc_starts, flex_doc_attention
+
+
+def corpus_doc_ids(T: int) -> torch.Tensor:
+    from titan_moe.config import load_config
+    from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config
+
+    config = load_config(["--job.config_file", "configs/small_1gpu.toml", "--training.seq_len", str(T)])
+    loader = dataloader_from_config(config, tokenizer=tokenizer_from_config(config), split="train", dp_rank=0, dp_world_size=1)
+    batch, _ = next(iter(loader))
+    return batch["doc_ids"][:1].to(torch.int32)
+
+
+def ids_from_lengths(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None]
+
+
+def doc_lengths(ids_1T: torch.Tensor) -> list[int]:
+    return torch.unique_consecutive(ids_1T[0], return_counts=True)[1].tolist()
+
+
+def masked_flops(lengths: list[int], H: int, K: int, V: int) -> tuple[float, float]:
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    fwd = 2 * pairs * H * (K + V)
+    return fwd, 3.5 * fwd
+
+
+def varlen_call(q, k, v, cu, max_len, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    K, V = q.shape[-1], v.shape[-1]
+    v_pad = F.pad(v, (0, K - V)) if V < K else v
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    o = varlen_attn(q, k, v_pad, cu, cu, max_len, max_len, scale=scale, **causal)
+    return o[..., :V]
+
+
+def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_row(name: str, ids_1T: torch.Tensor, H: int, K: int, V: int, dense_max: int, paths: list[str]) -> list[dict]:
+    T = ids_1T.shape[1]
+    dev = "cuda"
+    scale = K**-0.5
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k = (torch.randn(1, H, T, K, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    v = torch.randn(1, H, T, V, device=dev, dtype=torch.bfloat16, generator=gen)
+    do = torch.randn(1, H, T, V, device=dev, dtype=torch.bfloat16, generator=gen)
+    ids = ids_1T.to(dev)
+    lengths = doc_lengths(ids_1T)
+    fwd_flops, fb_flops = masked_flops(lengths, H, K, V)
+    one_fwd, one_fb = masked_flops([T], H, K, V)
+    results = []
+    reference = {}
+
+    def make(path: str):
+        if path == "causal_sdpa":
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), one_fwd, one_fb
+        if path == "cudnn":
+            starts_cpu = doc_starts(ids).cpu()
+            return lambda q, k, v: doc_attention_cudnn(q, k, v, starts_cpu, scale), fwd_flops, fb_flops
+        if path == "flex":
+            mask = doc_block_mask(doc_starts(ids))
+            return lambda q, k, v: flex_doc_attention(q, k, v, mask, scale), fwd_flops, fb_flops
+        if path == "dense":
+            from titan_moe.model.packing import same_doc_causal_mask
+
+            m = same_doc_causal_mask(ids)
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale), fwd_flops, fb_flops
+        if path == "varlen":
+            cu = cu_seqlens_from_doc_ids(ids)
+            max_len = max(lengths)
+
+            def run(q, k, v):
+                o = varlen_call(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max_len, scale)
+                return o.transpose(0, 1)[None]
+
+            return run, fwd_flops, fb_flops
+        raise ValueError(path)
+
+    for path in paths:
+        if path == "dense" and T > dense_max:
+            continue
+        row = {"row": name, "T": T, "docs": len(lengths), "path": path}
+        try:
+            fn, f_fwd, f_fb = make(path)
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+            def fwd():
+                with torch.no_grad():
+                    fn(q, k, v)
+
+            def fwd_bwd():
+                o = fn(qg, kg, vg)
+                torch.autograd.grad(o, (qg, kg, vg), do)
+
+            # correctness beside the timing: o and dq against the first exact path that ran
+            o = fn(qg, kg, vg)
+            grads = torch.autograd.grad(o, (qg, kg, vg), do)
+            if path != "causal_sdpa" and not reference:
+                reference.update(o=o.detach().float(), dq=grads[0].float())
+            elif path != "causal_sdpa":
+                def rel(a, b):
+                    return ((a.float() - b).norm() / b.norm()).item()
+
+                row.update(err_o=round(rel(o.detach(), reference["o"]), 5), err_dq=round(rel(grads[0], reference["dq"]), 5))
+            del o, grads
+            ms_f = time_ms(fwd)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ms_fb = time_ms(fwd_bwd)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            row.update(fwd_ms=round(ms_f, 3), fwd_bwd_ms=round(ms_fb, 3),
+                       fwd_tflops=round(f_fwd / ms_f / 1e9, 1), fwd_bwd_tflops=round(f_fb / ms_fb / 1e9, 1),
+                       peak_gib=round(peak, 3))
+        except Exception as e:  # a path that fails is reported, the others still run
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[32768])
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--qk-dim", type=int, default=192)
+    p.add_argument("--v-dim", type=int, default=128)
+    p.add_argument("--paths", nargs="+", default=["causal_sdpa", "flex", "cudnn", "varlen", "dense"])
+    p.add_argument("--dense-max", type=int, default=32768, help="longest T for the dense-mask path")
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    out = []
+    for T in a.seq_lens:
+        rows = {"one_doc": ids_from_lengths([T]), "T-1,1": ids_from_lengths([T - 1, 1]),
+                "half,half": ids_from_lengths([T // 2, T - T // 2]), "corpus": corpus_doc_ids(T)}
+        for name, ids in rows.items():
+            out += bench_row(name, ids, a.heads, a.qk_dim, a.v_dim, a.dense_max, a.paths)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

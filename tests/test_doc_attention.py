@@ -1,0 +1,213 @@
+"""Packed causal attention (titan_moe.ops.attention) against a float64 per-document reference.
+
+Tolerances: in float64 the chunked op and the reference differ only in summation order over
+at most a few hundred terms (~1e-15 relative); 1e-12 leaves a wide margin and still catches
+any wrong mask or missing key (O(1e-1) errors). In fp32 the softmax, weighted sums and the
+backward's recomputation add ~1e-6; 1e-5 as in test_mla.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from numerics import rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_moe.model.packing import same_doc_causal_mask
+from titan_moe.ops.attention import doc_attention_chunked, doc_attention_reference, doc_block_mask, doc_starts
+from titan_moe.ops.attention.chunked import chunked_backward, chunked_forward
+
+
+def doc_ids_from_lengths(rows: list[list[int]]) -> torch.Tensor:
+    """int32 [B, T] from per-row document lengths (each row summing to T)."""
+    return torch.stack([
+        torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)]) for lengths in rows
+    ])
+
+
+def random_qkv(B: int, H: int, T: int, K: int, V: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for d in (K, K, V)]
+
+
+MIXES = {
+    "several": [[40, 1, 100, 59], [200]],
+    "one_token_docs": [[1, 1, 1, 97, 1, 99], [1] * 200],
+    "long_and_one": [[199, 1], [13, 187]],
+}
+
+
+def test_doc_starts():
+    ids = doc_ids_from_lengths([[2, 3, 1], [6]])
+    assert doc_starts(ids).tolist() == [[0, 0, 2, 2, 2, 5], [0] * 6]
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        doc_starts(ids[0])
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("chunk", [7, 64, 512])  # T = 200: not a multiple of 7 or 64; one chunk
+def test_chunked_matches_float64_reference_with_gradients(mix, chunk):
+    ids = doc_ids_from_lengths(MIXES[mix])
+    q, k, v = random_qkv(2, 3, 200, 12, 8, torch.float64, seed=chunk)  # qk and v dims differ
+    o = doc_attention_chunked(q, k, v, doc_starts(ids), 0.3, chunk=chunk)
+    ref = doc_attention_reference(q, k, v, ids, 0.3)
+    assert rel_err(o, ref) < 1e-12
+    g = torch.randn_like(o)
+    got = torch.autograd.grad((o * g).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    for name, a, b in zip("qkv", got, want):
+        assert rel_err(a, b) < 1e-12, name
+
+
+def test_chunked_fp32_and_bf16_against_float64():
+    """fp32 within 1e-5; bf16 inputs (fp32 softmax inside) within bf16's rounding of inputs
+    and output, ~1e-2 (as test_mla's bf16 bound)."""
+    ids = doc_ids_from_lengths(MIXES["several"])
+    q, k, v = random_qkv(2, 2, 200, 16, 16, torch.float64, seed=1)
+    ref = doc_attention_reference(q, k, v, ids, 0.25)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        args = [t.detach().to(dtype) for t in (q, k, v)]
+        o = doc_attention_chunked(*args, doc_starts(ids), 0.25, chunk=64)
+        assert o.dtype == dtype and rel_err(o, ref) < tol, dtype
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an aten op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_never_forms_a_T_by_T_tensor():
+    """One document filling the row (the worst case): forward and backward stay within
+    O(B * H * chunk * T) elements per tensor, far below B * H * T * T."""
+    B, H, T, chunk = 1, 2, 2048, 64
+    ids = torch.zeros(B, T, dtype=torch.int32)
+    q, k, v = (t.detach() for t in random_qkv(B, H, T, 8, 8, torch.float32, seed=2))
+    starts = doc_starts(ids)
+    with LargestTensor() as mode:
+        o, lse = chunked_forward(q, k, v, starts, 0.3, chunk)
+        chunked_backward(torch.ones_like(o), q, k, v, o, lse, starts, 0.3, chunk)
+    assert mode.largest <= B * H * chunk * T
+    assert mode.largest < B * H * T * T // 16
+
+
+def test_cudnn_window_lengths():
+    """At least the document, at most 25% more above the minimum window, few lengths."""
+    from titan_moe.ops.attention.cudnn import MIN_WINDOW, documents, window_length
+
+    lengths = [window_length(n) for n in range(1, 200_000)]
+    assert all(L >= n for n, L in zip(range(1, 200_000), lengths))
+    assert all(L <= max(MIN_WINDOW, 1.25 * n) for n, L in zip(range(1, 200_000), lengths))
+    assert len(set(lengths)) <= 4 * 18
+    assert documents(doc_starts(doc_ids_from_lengths([[2, 3, 1], [6]]))) == [(0, 0, 2), (0, 2, 5), (0, 5, 6), (1, 0, 6)]
+
+
+def test_chunked_rejects_bad_arguments():
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 8, 4, 4, torch.float32, seed=3))
+    with pytest.raises(ValueError, match="chunk"):
+        doc_attention_chunked(q, k, v, torch.zeros(1, 8, dtype=torch.int32), 0.5, chunk=0)
+    with pytest.raises(ValueError, match="starts"):
+        doc_attention_chunked(q, k, v, torch.zeros(1, 7, dtype=torch.int32), 0.5)
+
+
+def test_chunked_op_passes_opcheck_and_compiles_without_graph_breaks():
+    ids = doc_ids_from_lengths([[3, 9, 4]])
+    q, k, v = random_qkv(1, 2, 16, 4, 4, torch.float32, seed=4)
+    starts = doc_starts(ids)
+    torch.library.opcheck(torch.ops.titan_moe.doc_attention_fwd.default, (q, k, v, starts, 0.5, 8))
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v, ids: doc_attention_chunked(q, k, v, doc_starts(ids), 0.5, chunk=8), backend="aot_eager", fullgraph=True
+    )
+    assert rel_err(compiled(q, k, v, ids), doc_attention_reference(q, k, v, ids, 0.5)) < 1e-6
+
+
+def block_mask_as_dense(block_mask, starts: torch.Tensor, T: int) -> torch.Tensor:
+    """bool [B, T, T] of what the kernel would compute: full blocks all visible, partial ones
+    through the mask function, the rest skipped."""
+    B = starts.shape[0]
+    bs = block_mask.BLOCK_SIZE[0]
+    out = torch.zeros(B, T, T, dtype=torch.bool)
+    q_idx = torch.arange(T)[:, None]
+    kv_idx = torch.arange(T)[None, :]
+    partial = block_mask.mask_mod(torch.arange(B)[:, None, None], 0, q_idx[None], kv_idx[None])
+    for b in range(B):
+        for qb in range(block_mask.kv_num_blocks.shape[-1]):
+            rows = slice(qb * bs, min((qb + 1) * bs, T))
+            for nums, idxs, full in ((block_mask.kv_num_blocks, block_mask.kv_indices, False),
+                                     (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True)):
+                for kb in idxs[b, 0, qb, : nums[b, 0, qb]].tolist():
+                    cols = slice(kb * bs, min((kb + 1) * bs, T))
+                    out[b, rows, cols] = True if full else partial[b, rows, cols]
+    return out
+
+
+@pytest.mark.parametrize("rows", [[[5, 300, 30], [335]], [[128, 128, 79], [1, 127, 1, 206]], [[200, 135], [130, 205]]])
+def test_block_mask_equals_the_document_mask_and_skips_empty_blocks(rows):
+    """The flex block tables (built on the CPU) against the dense rule; T = 335 is not a
+    multiple of the 128-token block. Every block marked full is entirely visible."""
+    ids = doc_ids_from_lengths(rows)
+    T = ids.shape[1]
+    starts = doc_starts(ids)
+    block_mask = doc_block_mask(starts, block_size=128)
+    want = same_doc_causal_mask(ids)[:, 0]
+    assert torch.equal(block_mask_as_dense(block_mask, starts, T), want)
+    # no block that the mask empties is listed
+    n_listed = (block_mask.kv_num_blocks + block_mask.full_kv_num_blocks).sum().item()
+    n_needed = sum(
+        want[b, qb * 128 : (qb + 1) * 128, kb * 128 : (kb + 1) * 128].any().item()
+        for b in range(ids.shape[0]) for qb in range(3) for kb in range(3)
+    )
+    assert n_listed == n_needed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_flex_matches_float64_reference_cuda(dtype, tol):
+    """FlexAttention under the document block mask at MLA's head dims (qk 192, v 128), T not a
+    multiple of the block, forward and gradients against the float64 per-document reference."""
+    from titan_moe.ops.attention import flex_doc_attention
+
+    ids = doc_ids_from_lengths([[5, 300, 30, 1, 64], [400]]).cuda()
+    q, k, v = random_qkv(2, 2, 400, 192, 128, torch.float64, seed=5)
+    ref = doc_attention_reference(q, k, v, ids.cpu(), 0.07)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    args = [t.detach().to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    o = flex_doc_attention(*args, doc_block_mask(doc_starts(ids)), 0.07)
+    got = torch.autograd.grad((o * g.to("cuda", dtype)).sum(), args)
+    assert rel_err(o, ref) < tol
+    for name, a, b in zip("qkv", got, want):
+        assert rel_err(a, b) < 2 * tol, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [[[5, 300, 30, 1, 64], [400]], [[1, 1, 398], [399, 1]], [[150, 250], [260, 140]]])
+def test_cudnn_per_document_matches_float64_reference_cuda(rows):
+    """cuDNN per document (bf16 only) at MLA's head dims against the float64 reference,
+    forward and gradients: one-token documents, windows running into the next document
+    (150 -> 160 tokens) and past the row's end (padded); bf16 bound as above."""
+    from titan_moe.ops.attention import doc_attention_cudnn
+
+    ids = doc_ids_from_lengths(rows)
+    q, k, v = random_qkv(2, 2, 400, 192, 128, torch.float64, seed=6)
+    ref = doc_attention_reference(q, k, v, ids, 0.07)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    args = [t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    o = doc_attention_cudnn(*args, doc_starts(ids), 0.07)
+    got = torch.autograd.grad((o * g.to("cuda", torch.bfloat16)).sum(), args)
+    assert rel_err(o, ref) < 2e-2
+    for name, a, b in zip("qkv", got, want):
+        assert rel_err(a, b) < 4e-2, name
