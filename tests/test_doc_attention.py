@@ -124,6 +124,9 @@ def test_chunked_op_passes_opcheck_and_compiles_without_graph_breaks():
     q, k, v = random_qkv(1, 2, 16, 4, 4, torch.float32, seed=4)
     starts = doc_starts(ids)
     torch.library.opcheck(torch.ops.titan_moe.doc_attention_fwd.default, (q, k, v, starts, 0.5, 8))
+    # as MLA passes them: [B, T, H, D] tensors transposed to [B, H, T, D]
+    q_t, k_t, v_t = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.titan_moe.doc_attention_fwd.default, (q_t, k_t, v_t, starts, 0.5, 8))
     torch._dynamo.reset()
     compiled = torch.compile(
         lambda q, k, v, ids: doc_attention_chunked(q, k, v, doc_starts(ids), 0.5, chunk=8), backend="aot_eager", fullgraph=True

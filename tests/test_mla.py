@@ -333,6 +333,6 @@ def test_attention_choice_is_validated_and_resolved():
     with pytest.raises(ValueError, match="mla_attention"):
         small_args(mla_attention="ring")
     assert resolve_attention("auto", torch.device("cpu")) == "chunked"
-    assert resolve_attention("auto", torch.device("cuda")) == "cudnn"
+    assert resolve_attention("auto", torch.device("cuda")) == "dense"
     with pytest.raises(ValueError, match="CUDA"):
         resolve_attention("flex", torch.device("cpu"))

@@ -44,7 +44,7 @@ class ModelArgs:
     mla_qk_nope_head_dim: int = 32
     mla_qk_shared_dim: int = 16  # K3: 64 shared, unrotated key dims (the "rope" dims of DeepSeek)
     mla_v_head_dim: int = 32
-    # How MLA attends over packed documents (`titan_moe.model.mla`): "auto" (cudnn on CUDA,
+    # How MLA attends over packed documents (`titan_moe.model.mla`): "auto" (dense on CUDA,
     # chunked elsewhere), "cudnn" (cuDNN causal attention per document, CUDA), "chunked"
     # (exact query-chunked op, any device), "flex" (FlexAttention with a document block
     # mask, CUDA), "dense" (SDPA with a [B, 1, T, T] mask; T^2 memory).

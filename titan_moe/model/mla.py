@@ -62,10 +62,14 @@ from titan_moe.ops.nvtx import nvtx_wrap
 
 
 def resolve_attention(choice: str, device: torch.device) -> str:
-    """The path "auto" stands for on `device` ("cudnn" on CUDA, "chunked" elsewhere); other
-    values unchanged. "cudnn" and "flex" need CUDA (FlexAttention has no CPU backward)."""
+    """The path "auto" stands for on `device` ("dense" on CUDA, "chunked" elsewhere); other
+    values unchanged. "cudnn" and "flex" need CUDA (FlexAttention has no CPU backward).
+
+    "auto" stays "dense" on CUDA until a training step with another path has been measured
+    faster: "cudnn" wins the attention benchmark by far, but its first training steps were
+    far slower than dense (docs/kernels.md)."""
     if choice == "auto":
-        return "cudnn" if device.type == "cuda" else "chunked"
+        return "dense" if device.type == "cuda" else "chunked"
     if choice in ("cudnn", "flex") and device.type != "cuda":
         raise ValueError(f"model.mla_attention = 'flex' needs a CUDA device, got {device.type}")
     return choice

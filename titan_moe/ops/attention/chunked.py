@@ -99,7 +99,8 @@ def doc_attention_bwd(
 
 @doc_attention_bwd.register_fake
 def _bwd_fake(do, q, k, v, o, lse, starts, scale, chunk):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as the implementation returns them (q, k, v are often transposed views)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
