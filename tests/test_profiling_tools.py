@@ -421,6 +421,18 @@ def test_gpu_suite_keep_section_runs_the_eager_trainer_with_and_without_the_swit
     assert all("--compile.enable" not in c and "small_1gpu.toml" in c for c in commands.values())
 
 
+def test_gpu_suite_mla_sections_time_every_attention_path(tmp_path):
+    proc = _gpu_suite(tmp_path, "mla_attention", "mla_step", gpus="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["mla_attention", "mla_step_dense", "mla_step_cudnn", "mla_step_flex", "mla_step_table"]
+    assert "bench_attention.py" in commands["mla_attention"] and "cudnn" in commands["mla_attention"]
+    for path in ("dense", "cudnn", "flex"):
+        command = commands[f"mla_step_{path}"]
+        assert f"--model.mla_attention {path}" in command and "--compile.enable" in command and "32768" in command
+    assert commands["mla_step_table"].count("mla_step_") == 3
+
+
 def test_gpu_suite_refuses_no_gpu_and_unknown_sections(tmp_path):
     one_gpu = _gpu_suite(tmp_path, gpus="1")
     assert one_gpu.returncode == 0
