@@ -31,7 +31,11 @@ H100/H200 dense bf16).
 Output: OUT/<rows>/<run>/ holds each run's dump folder (metrics.jsonl) and train.log;
 OUT/table.md and OUT/summary.json are rewritten after every run (so a cut-off call keeps
 what finished); at the end the table is printed, then the summary as one JSON line.
-`--table-only` rebuilds them from the existing folders; `--dry-run` prints the commands.
+`--budget-s S` fits the whole command into S seconds (a run that would overrun is killed, later
+ones are skipped, the table still prints); `--table-only` rebuilds the table from the existing
+folders (e.g. after runs split over several calls into one OUT); `--dry-run` prints the commands.
+The runs go model by model (a model's builtin rows, then its long rows), so the second compile
+of a model finds Inductor's cache.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ RUNS: dict[str, RunKind] = {
                                 "peer", "causal", "flex causal"),
 }
 DEFAULT_RUNS = "ours,ours_all_mla,peer_doc,peer_causal"
+_TABLE_MARGIN_S = 20  # what --budget-s keeps back for the FLOP counts and the table
 ROWS = ("builtin", "long")
 
 
@@ -272,6 +277,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", required=True)
     p.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS)
     p.add_argument("--run-timeout-s", type=float, default=None, help="kill a run after this long")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="the whole command's time: a run is killed when it would overrun it (leaving time for "
+                        "the table), and runs that cannot start with a minute left are skipped")
     p.add_argument("--table-only", action="store_true", help="no runs: the table of the existing folders")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
@@ -287,6 +295,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    started = time.perf_counter()
     args, extra = parse_args(argv)
     out = Path(args.out).resolve()
     config = Path(args.config) if Path(args.config).is_file() else REPO / args.config
@@ -327,10 +336,17 @@ def main(argv: list[str] | None = None) -> dict:
             has_metrics = (out / rows / run / "metrics.jsonl").is_file()
             record(run, rows, "ok" if has_metrics else "missing", None)
             continue
+        timeout_s = args.run_timeout_s
+        if args.budget_s is not None:
+            left = args.budget_s - (time.perf_counter() - started) - _TABLE_MARGIN_S
+            if left < 60:
+                record(run, rows, "skipped (budget)", None)
+                continue
+            timeout_s = left if timeout_s is None else min(timeout_s, left)
         dump = out / rows / run
         if (dump / "metrics.jsonl").exists():
             (dump / "metrics.jsonl").unlink()  # metrics append: start this run's file afresh
-        status, wall_s = run_one(plan.command(run, rows), dump / "train.log", args.run_timeout_s)
+        status, wall_s = run_one(plan.command(run, rows), dump / "train.log", timeout_s)
         print(f"peer_step: {run} [{rows}]: {status} ({wall_s:.0f} s)", file=sys.stderr)
         record(run, rows, status, wall_s)
     print(f"\n{plan.seq_len} x {plan.batch}, {summary.get('device') or 'device unknown'}, "
