@@ -59,6 +59,44 @@ def test_chunked_matches_float64_reference_with_gradients(mix, chunk):
         assert rel_err(a, b) < 1e-12, name
 
 
+@pytest.mark.parametrize("offset", [0, 77, 120])
+def test_query_slices_with_offset_equal_the_whole_row(offset):
+    """A context-parallel rank's queries (a slice at `offset`) against the keys before and within
+    it give the whole row's outputs for that slice, and the gradients it contributes."""
+    ids = doc_ids_from_lengths(MIXES["several"])
+    q, k, v = random_qkv(2, 3, 200, 12, 8, torch.float64, seed=offset)
+    starts = doc_starts(ids)
+    end = min(offset + 80, 200)
+    g = torch.randn(2, 3, 200, 8, dtype=torch.float64)
+    whole = doc_attention_chunked(q, k, v, starts, 0.3, chunk=32)
+    want = torch.autograd.grad((whole[:, :, offset:end] * g[:, :, offset:end]).sum(), (q, k, v))
+    part = doc_attention_chunked(q[:, :, offset:end], k[:, :, :end], v[:, :, :end], starts[:, offset:end], 0.3,
+                                 chunk=32, q_offset=offset)
+    assert rel_err(part, whole[:, :, offset:end]) < 1e-12
+    got = torch.autograd.grad((part * g[:, :, offset:end]).sum(), (q, k, v))
+    for name, a, b in zip("qkv", got, want):
+        assert rel_err(a, b) < 1e-12, name
+
+
+def test_keys_shared_by_all_heads_equal_expanded_keys():
+    """Hk = 1 (MLA's latent keys): the same outputs as the keys repeated per head, and key and
+    value gradients summed over the heads."""
+    ids = doc_ids_from_lengths(MIXES["one_token_docs"])
+    q = torch.randn(2, 4, 200, 10, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 1, 200, d, dtype=torch.float64, requires_grad=True) for d in (10, 6))
+    starts = doc_starts(ids)
+    shared = doc_attention_chunked(q, k, v, starts, 0.4, chunk=48)
+    expanded = doc_attention_chunked(q, k.expand(-1, 4, -1, -1), v.expand(-1, 4, -1, -1), starts, 0.4, chunk=48)
+    assert rel_err(shared, expanded) < 1e-12
+    g = torch.randn_like(shared)
+    got = torch.autograd.grad((shared * g).sum(), (q, k, v))
+    want = torch.autograd.grad((expanded * g).sum(), (q, k, v))
+    for name, a, b in zip("qkv", got, want):
+        assert rel_err(a, b) < 1e-12, name
+    with pytest.raises(ValueError, match="cover positions"):
+        doc_attention_chunked(q[:, :, 100:], k[:, :, :150], v[:, :, :150], starts[:, 100:], 0.4, q_offset=100)
+
+
 def test_chunked_fp32_and_bf16_against_float64():
     """fp32 within 1e-5; bf16 inputs (fp32 softmax inside) within bf16's rounding of inputs
     and output, ~1e-2 (as test_mla's bf16 bound)."""
@@ -123,10 +161,10 @@ def test_chunked_op_passes_opcheck_and_compiles_without_graph_breaks():
     ids = doc_ids_from_lengths([[3, 9, 4]])
     q, k, v = random_qkv(1, 2, 16, 4, 4, torch.float32, seed=4)
     starts = doc_starts(ids)
-    torch.library.opcheck(torch.ops.titan_moe.doc_attention_fwd.default, (q, k, v, starts, 0.5, 8))
+    torch.library.opcheck(torch.ops.titan_moe.doc_attention_fwd.default, (q, k, v, starts, 0.5, 8, 0))
     # as MLA passes them: [B, T, H, D] tensors transposed to [B, H, T, D]
     q_t, k_t, v_t = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.titan_moe.doc_attention_fwd.default, (q_t, k_t, v_t, starts, 0.5, 8))
+    torch.library.opcheck(torch.ops.titan_moe.doc_attention_fwd.default, (q_t, k_t, v_t, starts, 0.5, 8, 0))
     torch._dynamo.reset()
     compiled = torch.compile(
         lambda q, k, v, ids: doc_attention_chunked(q, k, v, doc_starts(ids), 0.5, chunk=8), backend="aot_eager", fullgraph=True
