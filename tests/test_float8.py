@@ -416,7 +416,7 @@ NARROW = [
     "--model.moe_latent_dim", "32", "--model.moe_expert_hidden", "64", "--model.moe_shared_hidden", "64",
     "--model.dense_hidden", "128", "--training.seq_len", "64",
     "--training.global_batch_size", "4", "--training.local_batch_size", "4",
-    "--training.steps", "100", "--validation.no_enable", "--metrics.log_freq", "1",
+    "--training.steps", "100", "--validation.no_enable", "--checkpoint.no_enable", "--metrics.log_freq", "1",
 ]
 
 

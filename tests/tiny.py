@@ -32,7 +32,7 @@ TINY_CLI = [
     "--model.moe_latent_dim", "32", "--model.moe_expert_hidden", "32", "--model.moe_shared_hidden", "32",
     "--model.dense_hidden", "96",
     "--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "4",
-    "--metrics.log_freq", "1", "--validation.no_enable", "--debug.deterministic",
+    "--metrics.log_freq", "1", "--validation.no_enable", "--checkpoint.no_enable", "--debug.deterministic",
 ]
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 import tomllib
 import types
@@ -87,6 +88,13 @@ class Checkpoint:
 
 
 @dataclass
+class Metrics:
+    log_all_ranks: bool = False
+    """Under torchrun, every rank logs its info lines; default: rank 0 only (warnings and errors
+    come from every rank)."""
+
+
+@dataclass
 class Profiling:
     nvtx: bool = False
     """Emit NVTX ranges (train step, forward, backward, optimizer, blocks, ops) for nsys."""
@@ -128,6 +136,7 @@ class TitanJobConfig:
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     compile: Compile = field(default_factory=Compile)
     validation: Validation = field(default_factory=Validation)
@@ -349,6 +358,9 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         raise SystemExit(0)
     path, rest = _config_file_arg(argv)
     data: dict[str, Any] = {}
+    if path is None:
+        raise ConfigError("no config file: pass --job.config_file FILE.toml (configs/debug_cpu.toml trains on "
+                          "the CPU; --help lists every key)")
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
@@ -358,16 +370,19 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
         data = _check_table(raw, cls, "", path)
+    cli: dict[str, Any] = {}
     for key_path, value in _parse_cli(rest, cls):
         table = data
         for part in key_path[:-1]:
             table = table.setdefault(part, {})
         table[key_path[-1]] = value
+        cli[".".join(key_path)] = value
     data.setdefault("job", {})["config_file"] = path
     try:
         config = ConfigManager(cls)._dict_to_dataclass(cls, data)
     except (AssertionError, ValueError, TypeError) as e:
-        raise ConfigError(f"{path or 'command line'}: {e}") from None
+        raise ConfigError(f"{_source_of(str(e), path, cli)}: {e}") from None
+    config._cli_settings = cli
     try:
         _check_compile_with_ac(model_args_from_config(config), config)
         _check_compile_passes(config.compile.passes)
@@ -375,8 +390,23 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         if config.compile.moe_regions not in ("auto", "piecewise"):
             raise ValueError(f"compile.moe_regions must be 'auto' or 'piecewise', got {config.compile.moe_regions!r}")
     except ValueError as e:
-        raise ConfigError(f"{path or 'command line'}: {e}") from None
+        raise ConfigError(f"{error_source(config, str(e))}: {e}") from None
     return config
+
+
+def _source_of(message: str, path: str | None, cli: dict[str, Any]) -> str:
+    """Where the setting a message complains about came from: "command line" when the
+    message names a key given there (`section.key`) or quotes its text value (a path), else
+    the config file."""
+    named = any(re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message) for key in cli)
+    quoted = any(isinstance(v, str) and len(v) >= 3 and repr(v) in message for v in cli.values())
+    return "command line" if path is None or named or quoted else path
+
+
+def error_source(config: Any, message: str) -> str:
+    """For an error found after loading (`message` names the key): "command line" or the
+    config file, whichever set that key."""
+    return _source_of(message, config.job.config_file, getattr(config, "_cli_settings", {}))
 
 
 def run_json_cli(prog: str, run: Any, argv: list[str] | None = None) -> None:

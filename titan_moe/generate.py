@@ -71,10 +71,12 @@ def _sample(logits_BV: torch.Tensor, temperature: float, top_k: int | None,
 
 
 def load_model(job_config, checkpoint: str | None, device: str) -> Decoder:
-    """Build the configured model and load its weights from a DCP checkpoint folder."""
+    """Build the configured model and load its weights from a DCP checkpoint folder; a
+    missing or damaged folder raises ValueError naming it."""
     import torch.distributed.checkpoint as dcp
 
     from titan_moe.config import model_args_from_config
+    from titan_moe.runtime.checkpoint import check_loadable
 
     args = model_args_from_config(job_config)
     with torch.device("meta"):
@@ -82,6 +84,7 @@ def load_model(job_config, checkpoint: str | None, device: str) -> Decoder:
     model.to_empty(device=device)
     model.init_weights()
     if checkpoint:
+        check_loadable(checkpoint)
         state = model.state_dict()
         dcp.load(state, checkpoint_id=checkpoint)
         model.load_state_dict(state)
@@ -92,13 +95,18 @@ def main(argv: list[str] | None = None) -> None:
     from titan_moe.config import ConfigError, load_config
     from titan_moe.data import load_tokenizer
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", default=None, help="a step-N folder of a DCP checkpoint")
-    parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top_k", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_moe.generate", description=__doc__.split("\n")[0],
+        usage="%(prog)s --job.config_file FILE.toml [--checkpoint DIR] [options] [--section.key value ...]",
+        epilog="Config keys (--section.key value): python -m titan_moe.train --help")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a step-N folder of a DCP checkpoint (default: the model's initial weights)")
+    parser.add_argument("--prompt", default="def ", help="text the sample continues (default %(default)r)")
+    parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens to sample (default %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature; 0 takes the most likely token (default %(default)s)")
+    parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     ours, rest = parser.parse_known_args(argv)
     try:
         config = load_config(rest)

@@ -4,6 +4,11 @@ Every logged step (and every eval) is also appended, on rank 0, to
 `<dump_folder>/metrics.jsonl` as one JSON object with full-precision floats, so that
 scripts and tests can read losses without parsing the console. Each run (a resume included)
 first writes `{"step": 0, "kernels": {...}}`: the resolved `[kernels]` choices it ran with.
+A resume from step N drops the file's records of later steps (the resumed run logs them
+again), so every step has one record.
+
+Each logged step also gets a progress line: step of total, steps/s since the last log, time
+left at that rate.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class TitanMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
         super().__init__(job_config, parallel_dims, tag)
         self._jsonl_path = None
+        self._last_progress: tuple[int, float] | None = None
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
@@ -31,6 +37,38 @@ class TitanMetricsProcessor(MetricsProcessor):
         if self._jsonl_path is not None:
             with open(self._jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def resumed_at(self, step: int) -> None:
+        """Drop the records of steps after `step` (the checkpoint resumed from): the run
+        computes and logs them again."""
+        if self._jsonl_path is None or not os.path.isfile(self._jsonl_path):
+            return
+        with open(self._jsonl_path) as f:
+            lines = f.readlines()
+        kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+        if len(kept) < len(lines):
+            with open(self._jsonl_path, "w") as f:
+                f.writelines(kept)
+            logger.info(f"metrics.jsonl: dropped {len(lines) - len(kept)} records of steps after {step} "
+                        "(this run logs them again)")
+
+    def start_progress(self, step: int) -> None:
+        """The rate of the first progress line counts from here (before step `step + 1`)."""
+        if self._last_progress is None:
+            self._last_progress = (step, time.perf_counter())
+
+    def progress(self, step: int, now: float) -> str | None:
+        """`step 10/60 (17%)  1.62 steps/s  left 0:00:31`, the rate since the previous log;
+        None at the first log of a run (no rate yet)."""
+        last, self._last_progress = self._last_progress, (step, now)
+        if last is None or step <= last[0] or now <= last[1]:
+            return None
+        training = self.job_config.training
+        end = training.steps if training.exit_at_step <= 0 else min(training.exit_at_step, training.steps)
+        rate = (step - last[0]) / (now - last[1])
+        left = int(max(0, end - step) / rate)
+        return (f"step {step}/{end} ({100 * step // max(end, 1)}%)  {rate:.2f} steps/s  "
+                f"left {left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}")
 
     def log_kernels(self, kernels: dict[str, str]) -> None:
         """Record the run's resolved `[kernels]` choices (a record of step 0, no loss)."""
@@ -47,6 +85,9 @@ class TitanMetricsProcessor(MetricsProcessor):
         if seconds > 0:
             record["tokens_per_s"] = tokens / (seconds * self.parallel_dims.non_data_parallel_size)
         self._append(record)
+        line = self.progress(step, time.perf_counter())
+        if line:
+            logger.info(line)
         if "moe/max_violation_max" in balance:
             logger.info(
                 f"step: {step:2}  experts: max_violation {balance['moe/max_violation_max']:.3f} "

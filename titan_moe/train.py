@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -35,13 +36,16 @@ from titan_moe.runtime.optional_packages import provide_datasets_placeholder
 configure_torchtitan_device()
 _DATASETS_PLACEHOLDER = provide_datasets_placeholder()  # torchtitan.train imports `datasets` at module level
 
+from torchtitan.components.checkpoint import AsyncMode, CheckpointManager  # noqa: E402
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
 
 from titan_moe import train_spec  # noqa: E402
-from titan_moe.config import ConfigError, load_config  # noqa: E402
+from titan_moe.config import ConfigError, error_source, load_config  # noqa: E402
+from titan_moe.data.corpus import CorpusError  # noqa: E402
 from titan_moe.model.moe import refresh_compute_weights  # noqa: E402
 from titan_moe.ops import choices, launch_env, nvtx  # noqa: E402
+from titan_moe.runtime import checkpoint as intact  # noqa: E402
 
 # Test hook: SIGKILL this process while it writes the checkpoint of this step, after the
 # data files and before the metadata that makes a checkpoint loadable.
@@ -103,6 +107,7 @@ class TitanTrainer(Trainer):
         train_spec.register()
         self.kernels = _activate_kernel_choices(job_config.kernels)
         super().__init__(job_config)
+        self.checkpointer.__class__ = IntactCheckpointManager
         self.metrics_processor.log_kernels(dataclasses.asdict(self.kernels))
         if job_config.profiling.nvtx:
             # "forward" ends once the loss is computed, "backward" covers loss.backward().
@@ -137,6 +142,7 @@ class TitanTrainer(Trainer):
         self.optimizers.register_step_post_hook(refresh)
 
     def train_step(self, data_iterator):
+        self.metrics_processor.start_progress(self.step - 1)
         self._cuda_profiler_window(before_step=True)
         with nvtx.nvtx_range("train_step"):
             super().train_step(data_iterator)
@@ -200,11 +206,50 @@ class TitanTrainer(Trainer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
+        self.metrics_processor.resumed_at(self.step)
+        if self.step >= self.job_config.training.steps:
+            logger.warning(f"the checkpoint of step {self.step} already reached training.steps = "
+                           f"{self.job_config.training.steps}: nothing to train (raise --training.steps, or "
+                           "start afresh with another --job.dump_folder)")
         _compare_kernel_choices(state_dict.get(KERNELS_STATE_KEY), self.kernels)
         if "rng_cpu" in state_dict:
             torch.set_rng_state(state_dict["rng_cpu"])
         if "rng_cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state(state_dict["rng_cuda"])
+
+
+class IntactCheckpointManager(CheckpointManager):
+    """torchtitan's checkpointer that writes a manifest after each save and resumes from the
+    newest intact checkpoint (`titan_moe.runtime.checkpoint`)."""
+
+    def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
+        result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        if to_hf or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+            return result
+        if async_mode == AsyncMode.DISABLED:
+            intact.write_manifest(checkpoint_id)
+        else:
+            future = getattr(result, "upload_completion", result)
+            future.add_done_callback(lambda f: f.exception() is None and intact.write_manifest(checkpoint_id))
+        return result
+
+    def _find_load_step(self, folder: str = "") -> int:
+        if folder:  # torchft's per-replica folder: torchtitan's rule
+            return super()._find_load_step(folder)
+        step = intact.newest_intact_step(self.folder, logger.warning)
+        if step == -1 and intact.saved_steps(self.folder):
+            raise ConfigError(f"every checkpoint in {self.folder} is damaged; move them away to start afresh "
+                              "(nothing was deleted)")
+        return step
+
+    def load(self, step: int = -1) -> bool:
+        if step != -1 and self.enable and os.path.isdir(self.folder):
+            checkpoint = self._create_checkpoint_id(step)
+            try:
+                intact.check_loadable(checkpoint)
+            except ValueError as e:
+                raise ConfigError(f"checkpoint.load_step = {step}: {e}") from None
+        return super().load(step)
 
 
 def _activate_kernel_choices(configured: choices.KernelChoices) -> choices.KernelChoices:
@@ -289,6 +334,52 @@ def _install_kill_during_save(trainer: TitanTrainer, step: int) -> None:
     FileSystemWriter.finish = finish
 
 
+def _reconcile(config, device_type: str) -> list[str]:
+    """Settings adjusted before the trainer is built, each with the warning that says so."""
+    notes = []
+    training, warmup = config.training, config.lr_scheduler.warmup_steps
+    if device_type == "cpu" and training.mixed_precision_param == "bfloat16":
+        # FSDP's bf16 compute is very slow on CPUs and gains nothing there.
+        training.mixed_precision_param = "float32"
+        notes.append("training.mixed_precision_param = 'bfloat16' on the CPU: training in float32 "
+                     "(bf16 matmuls are slow on CPUs); set it to 'float32' to silence this")
+    if warmup > training.steps:
+        # torchtitan's schedule caps the warm-up at the run's length; say so, and log the value used
+        config.lr_scheduler.warmup_steps = training.steps
+        notes.append(f"lr_scheduler.warmup_steps = {warmup} exceeds training.steps = {training.steps}: "
+                     f"warming up over {training.steps} steps")
+    return notes
+
+
+def _outputs_line(config) -> str:
+    """One start-up line: where this run writes what."""
+    dump = config.job.dump_folder
+    ckpt = config.checkpoint
+    parts = [f"metrics {os.path.join(dump, 'metrics.jsonl')}"]
+    if ckpt.enable:
+        where = os.path.join(dump, ckpt.folder)
+        parts.append(f"checkpoints {where}/step-N (every {ckpt.interval} steps and at the end)")
+    else:
+        parts.append("checkpoints off (--checkpoint.enable)")
+    if config.metrics.enable_tensorboard:
+        parts.append(f"TensorBoard {os.path.join(dump, config.metrics.save_tb_folder)}")
+    if config.profiling.enable_profiling:
+        parts.append(f"profiler traces {os.path.join(dump, config.profiling.save_traces_folder)}")
+    return "outputs: " + ", ".join(parts)
+
+
+def _quiet_other_ranks(config) -> None:
+    """Under torchrun only rank 0 logs info lines (warnings and errors come from every rank),
+    unless `metrics.log_all_ranks`."""
+    if int(os.environ.get("RANK", "0")) != 0 and not config.metrics.log_all_ranks:
+        logger.setLevel(logging.WARNING)
+
+
+def _user_error(message: str) -> None:
+    print(f"titan_moe.train: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     init_logger()
     try:
@@ -297,14 +388,14 @@ def main(argv: list[str] | None = None) -> None:
             _set_single_process_env()
         _fit_local_batch_to_global(config)
     except ConfigError as e:
-        print(f"titan_moe.train: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _user_error(str(e))
+    _quiet_other_ranks(config)
     if _DATASETS_PLACEHOLDER:
         logger.info("the `datasets` package is not installed: the built-in and text corpora work, "
                     "Hugging Face datasets do not")
-    if accelerator_type() == "cpu" and config.training.mixed_precision_param == "bfloat16":
-        # FSDP's bf16 compute is very slow on CPUs and gains nothing there.
-        config.training.mixed_precision_param = "float32"
+    for note in _reconcile(config, accelerator_type()):
+        logger.warning(note)
+    logger.info(_outputs_line(config))
     trainer = None
     normal_end = False
     try:
@@ -312,13 +403,15 @@ def main(argv: list[str] | None = None) -> None:
             trainer = TitanTrainer(config)
         except (FileNotFoundError, ValueError) as e:
             # bad data path, tokenizer or model settings found while building: one line, exit 2
-            print(f"titan_moe.train: error: {config.job.config_file or 'command line'}: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        if config.checkpoint.create_seed_checkpoint:
-            trainer.checkpointer.save(curr_step=0, last_step=True)
-            logger.info("Created seed checkpoint")
-        else:
-            trainer.train()
+            _user_error(f"{error_source(config, str(e))}: {e}")
+        try:
+            if config.checkpoint.create_seed_checkpoint:
+                trainer.checkpointer.save(curr_step=0, last_step=True)
+                logger.info("Created seed checkpoint")
+            else:
+                trainer.train()
+        except (ConfigError, CorpusError) as e:  # a damaged checkpoint or corpus met while training
+            _user_error(str(e))
         normal_end = True
     finally:
         if trainer is not None:

@@ -32,6 +32,9 @@ class TitanValidator(Validator):
         self.pp_has_last_stage = pp_kwargs.get("pp_has_last_stage")
         self._dp_world_size = dp_world_size
         self._dp_rank = dp_rank
+        # Built once, here: a held-out split that is missing or too small stops the start-up.
+        self._loader = dataloader_from_config(job_config, tokenizer=tokenizer, split="val", dp_rank=dp_rank,
+                                              dp_world_size=dp_world_size)
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         # Document boundaries travel as `doc_ids` in input_dict; no attention-mask objects.
@@ -41,8 +44,8 @@ class TitanValidator(Validator):
 
     @property
     def validation_dataloader(self):
-        return dataloader_from_config(self.job_config, tokenizer=self.tokenizer, split="val",
-                                      dp_rank=self._dp_rank, dp_world_size=self._dp_world_size)
+        self._loader.reset()  # every eval reads the split from its start
+        return self._loader
 
 
 def build_titan_validator(**kwargs) -> TitanValidator:

@@ -27,7 +27,9 @@ the source root with ``/`` separators (blake2b), the key of a dataset row its ro
 (splitmix64). The split depends on nothing else (no seed, no machine, no file order), so
 every machine agrees, and adding files never moves an old file across the split.
 
-A missing path, or a split with no documents, raises ValueError naming the path.
+A missing path, or a split with no documents, raises ValueError naming the path; a file
+that holds NUL bytes in its first 8 KiB is not text and raises `CorpusError` (a ValueError)
+naming it when it is read.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ _SKIPPED_STDLIB_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 )
 _VAL_SPLIT_NAMES = ("validation", "val", "test")
+
+
+_BINARY_PROBE = 8192  # bytes looked at for a NUL, as git does
+
+
+class CorpusError(ValueError):
+    """Damaged input found while reading the corpus (during training, too): one line."""
 
 
 # ---------------------------------------------------------------------------- split
@@ -137,7 +146,11 @@ class FileDocuments(DocumentSource):
     def __getitem__(self, i: int) -> str:  # type: ignore[override]
         path = os.path.join(self.root, *self.keys[i].split("/"))
         with open(path, "rb") as f:
-            return f.read().decode("utf-8", errors="replace")
+            data = f.read()
+        if b"\0" in data[:_BINARY_PROBE]:
+            raise CorpusError(f"{path!r} is not a text file (it holds NUL bytes); the text corpus takes "
+                              "UTF-8 text: remove it or point training.dataset_path elsewhere")
+        return data.decode("utf-8", errors="replace")
 
 
 class HFDiskDocuments(DocumentSource):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from titan_moe.data.corpus import CorpusError
 from titan_moe.data.loader import build_dataloader
 from titan_moe.data.tokenizer import load_tokenizer
 
@@ -14,10 +15,28 @@ def dataloader_from_config(job_config, *, tokenizer, split: str, dp_rank: int, d
     """The training stream (`split="train"`, endless) or the held-out split (`"val"`, one pass).
 
     The held-out split reads `validation.dataset`/`dataset_path` when set, else the training
-    source's own held-out documents.
+    source's own held-out documents. A split that cannot fill one batch, or holds no
+    documents, raises ValueError (CorpusError) saying which keys to change.
     """
     train = split == "train"
     section = job_config.training if train else job_config.validation
+    advice = ("add text, or lower training.local_batch_size or training.seq_len" if train else
+              "validation needs more held-out text: set validation.dataset_path, raise data.val_fraction, "
+              "lower validation.local_batch_size or validation.seq_len, or set validation.enable = false")
+    try:
+        loader = _build(job_config, section, tokenizer, split, dp_rank, dp_world_size)
+    except CorpusError:
+        raise
+    except ValueError as e:
+        if train:
+            raise
+        raise CorpusError(f"{e}; {advice}") from None
+    loader.check_fills_a_batch(advice)
+    return loader
+
+
+def _build(job_config, section, tokenizer, split, dp_rank, dp_world_size):
+    train = split == "train"
     return build_dataloader(
         tokenizer=tokenizer,
         source=job_config.training.dataset if train else (section.dataset or job_config.training.dataset),

@@ -23,6 +23,7 @@ ParallelAwareDataloader does.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Iterator
 
@@ -31,7 +32,7 @@ from tensordict import TensorDict
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 
-from titan_moe.data.corpus import DocumentSource, build_source, epoch_order
+from titan_moe.data.corpus import CorpusError, DocumentSource, build_source, epoch_order
 from titan_moe.data.packing import PackedRow, collate_rows, pack_rows
 
 logger = logging.getLogger(__name__)
@@ -103,11 +104,12 @@ class PackedTextDataLoader(BaseDataLoader):
             return encode_batch(texts, add_bos=True, add_eos=True)
         return [self.tokenizer.encode(t, add_bos=True, add_eos=True) for t in texts]
 
-    def _tokenized_documents(self, epoch: int, doc_index: int, offset: int):
+    def _tokenized_documents(self, epoch: int, doc_index: int, offset: int, one_epoch: bool = False):
         """(cursor=(epoch, doc_index), [bos]+tokens+[eos], start) from the given position on.
 
         Documents are read and tokenized a small group at a time (lazily); empty ones are
-        skipped, since they would only add a bare [bos, eos].
+        skipped, since they would only add a bare [bos, eos]. A finite loader (or `one_epoch`)
+        stops at the end of the epoch.
         """
         while True:
             order = self._order(epoch)
@@ -126,7 +128,7 @@ class PackedTextDataLoader(BaseDataLoader):
                     found_text = True
                     yield (epoch, j), tokens, offset
                     offset = 0
-            if not self.infinite:
+            if not self.infinite or one_epoch:
                 return
             if not found_text and doc_index == 0:
                 raise ValueError(f"{self.documents!r}: every document is empty")
@@ -164,6 +166,17 @@ class PackedTextDataLoader(BaseDataLoader):
             # next() describes the stream after that batch
             self._position = pos
             yield collate_rows(mine)
+
+    def check_fills_a_batch(self, advice: str = "add text or lower the batch size or seq_len") -> None:
+        """Raise CorpusError (ending in `advice`) unless one pass over the split fills one global
+        batch: a smaller corpus would be repeated in every batch (train) or give no eval step (val)."""
+        need = self.local_batch_size * self.dp_world_size
+        rows = pack_rows(self._tokenized_documents(0, 0, 0, one_epoch=True), row_len=self.seq_len + 1)
+        have = sum(1 for _ in itertools.islice(rows, need))
+        if have < need:
+            raise CorpusError(
+                f"{self.documents.description}: one pass gives {have} rows of {self.seq_len + 1} tokens, fewer "
+                f"than the {need} of one batch; {advice}")
 
     # ------------------------------------------------------------------- state
     def reset(self) -> None:

@@ -112,14 +112,24 @@ def load_tokenizer(path: str | None = None) -> BPETokenizer:
     """Load a byte-level BPE tokenizer.
 
     path: None for the tokenizer shipped with the package; else a ``tokenizer.json``
-    file, or a folder that holds one. Raises FileNotFoundError naming the path.
+    file, or a folder that holds one. Raises FileNotFoundError naming the path, or ValueError
+    naming it for a file that does not parse or lacks the special tokens.
     """
     file = BUILTIN_TOKENIZER_PATH if path is None else os.path.expanduser(path)
     if os.path.isdir(file):
         file = os.path.join(file, "tokenizer.json")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"tokenizer file {file!r} not found (from path {path!r})")
-    return BPETokenizer(Tokenizer.from_file(file))
+    try:
+        tokenizer = Tokenizer.from_file(file)
+    except Exception as e:  # the Rust parser raises a bare Exception
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"tokenizer file {file!r} does not load ({reason}); point data.tokenizer at a "
+                         "tokenizer.json saved by the `tokenizers` library") from None
+    try:
+        return BPETokenizer(tokenizer)
+    except ValueError as e:
+        raise ValueError(f"tokenizer file {file!r}: {e}") from None
 
 
 build_tokenizer = load_tokenizer

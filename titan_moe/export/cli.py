@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from titan_moe.runtime.checkpoint import check_loadable
+
 PROG = "titan_moe.export"
 WHATS = ("pt2", "aoti", "graphs")
 DEFAULT_WHAT = "pt2,graphs"
@@ -79,8 +81,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
             _fail(f"--{name} must be > 0, got {value}")
     if ours.inductor and "graphs" not in what:
         _fail("--inductor applies to --what graphs")
-    if ours.checkpoint is not None and not Path(ours.checkpoint).is_dir():
-        _fail(f"checkpoint folder not found: {ours.checkpoint}")
+    if ours.checkpoint is not None:
+        try:
+            check_loadable(ours.checkpoint)
+        except ValueError as e:
+            _fail(str(e))
     if ours.device == "cuda" and not torch.cuda.is_available():
         _fail("--device cuda: no CUDA device here")
     return ours, what, rest

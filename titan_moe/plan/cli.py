@@ -253,6 +253,31 @@ def run_plan(argv: list[str] | None = None) -> dict:
     }
 
 
+USAGE = """usage: python -m titan_moe.plan --job.config_file FILE.toml --gpus N [options] [--section.key value ...]
+
+Per-GPU memory of every parallel layout of the configured model on N GPUs (docs/planner.md);
+prints a table per layout kind and one JSON summary line.
+
+options:
+  --gpus N               number of GPUs (required)
+  --gpu-mem-gib G        memory of one GPU in GiB (default 141)
+  --ac MODE              activation checkpointing the fit is judged by: none|selective|full
+                         (default: the config's activation_checkpoint.mode)
+  --seq-len S            tokens per row (default: training.seq_len)
+  --local-batch B        rows per GPU (default: training.local_batch_size)
+  --headroom F           fraction of the memory kept free, in [0, 1) (default 0.1)
+  --hsdp                 also list replicated-shard (HSDP) layouts
+  --top K                layouts shown per table (default 5)
+  --activations MODEL    compiled|eager activation model (default: compiled when [compile] covers the model)
+  -h, --help             show this help and exit
+
+Config keys: python -m titan_moe.train --help"""
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(USAGE)
+        raise SystemExit(0)
     run_json_cli("titan_moe.plan", run_plan, argv)
 

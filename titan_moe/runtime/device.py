@@ -10,7 +10,8 @@ rebind the names in each of those modules rather than copying the trainer.
 `CPUDeviceModule` adds to `torch.cpu` the few functions torchtitan calls on a device
 module (name, capacity, memory stats); memory on CPU is the process's resident set.
 On CPU, `torch.profiler.profile` also learns to skip the missing accelerator activity that
-torchtitan's profiler setup passes as None.
+torchtitan's profiler setup passes as None, and the peak FLOP/s behind MFU is infinite (MFU
+reads 0) instead of an A100's found after a failed `lspci`.
 """
 
 from __future__ import annotations
@@ -110,4 +111,11 @@ def configure_torchtitan_device() -> str:
         if hasattr(module, "device_module"):
             module.device_module = CPUDeviceModule
     torch.profiler.profile = _ProfileSkippingMissingDevice
+    # torchtitan runs lspci and falls back to an A100's peak (with two warnings) for MFU; a CPU
+    # has no peak in its table: MFU reads 0 on the CPU.
+    importlib.import_module("torchtitan.tools.utils").get_peak_flops = _no_peak_flops
     return device_type
+
+
+def _no_peak_flops(device_name: str) -> float:
+    return float("inf")
