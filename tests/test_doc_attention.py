@@ -30,6 +30,17 @@ def random_qkv(B: int, H: int, T: int, K: int, V: int, dtype: torch.dtype, seed:
     return [torch.randn(B, H, T, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for d in (K, K, V)]
 
 
+def assert_same_outputs_and_grads(out, ref, leaves, tol: float) -> None:
+    """out == ref within `tol`, and so are the gradients of (out * g).sum() and (ref * g).sum()
+    with respect to `leaves` (q, k, v) for one random g."""
+    assert rel_err(out, ref) < tol
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), leaves)
+    want = torch.autograd.grad((ref * g).sum(), leaves)
+    for name, a, b in zip("qkv", got, want):
+        assert rel_err(a, b) < tol, name
+
+
 MIXES = {
     "several": [[40, 1, 100, 59], [200]],
     "one_token_docs": [[1, 1, 1, 97, 1, 99], [1] * 200],
@@ -50,13 +61,7 @@ def test_chunked_matches_float64_reference_with_gradients(mix, chunk):
     ids = doc_ids_from_lengths(MIXES[mix])
     q, k, v = random_qkv(2, 3, 200, 12, 8, torch.float64, seed=chunk)  # qk and v dims differ
     o = doc_attention_chunked(q, k, v, doc_starts(ids), 0.3, chunk=chunk)
-    ref = doc_attention_reference(q, k, v, ids, 0.3)
-    assert rel_err(o, ref) < 1e-12
-    g = torch.randn_like(o)
-    got = torch.autograd.grad((o * g).sum(), (q, k, v))
-    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
-    for name, a, b in zip("qkv", got, want):
-        assert rel_err(a, b) < 1e-12, name
+    assert_same_outputs_and_grads(o, doc_attention_reference(q, k, v, ids, 0.3), (q, k, v), 1e-12)
 
 
 @pytest.mark.parametrize("offset", [0, 77, 120])
@@ -67,15 +72,10 @@ def test_query_slices_with_offset_equal_the_whole_row(offset):
     q, k, v = random_qkv(2, 3, 200, 12, 8, torch.float64, seed=offset)
     starts = doc_starts(ids)
     end = min(offset + 80, 200)
-    g = torch.randn(2, 3, 200, 8, dtype=torch.float64)
     whole = doc_attention_chunked(q, k, v, starts, 0.3, chunk=32)
-    want = torch.autograd.grad((whole[:, :, offset:end] * g[:, :, offset:end]).sum(), (q, k, v))
     part = doc_attention_chunked(q[:, :, offset:end], k[:, :, :end], v[:, :, :end], starts[:, offset:end], 0.3,
                                  chunk=32, q_offset=offset)
-    assert rel_err(part, whole[:, :, offset:end]) < 1e-12
-    got = torch.autograd.grad((part * g[:, :, offset:end]).sum(), (q, k, v))
-    for name, a, b in zip("qkv", got, want):
-        assert rel_err(a, b) < 1e-12, name
+    assert_same_outputs_and_grads(part, whole[:, :, offset:end], (q, k, v), 1e-12)
 
 
 def test_keys_shared_by_all_heads_equal_expanded_keys():
@@ -87,12 +87,7 @@ def test_keys_shared_by_all_heads_equal_expanded_keys():
     starts = doc_starts(ids)
     shared = doc_attention_chunked(q, k, v, starts, 0.4, chunk=48)
     expanded = doc_attention_chunked(q, k.expand(-1, 4, -1, -1), v.expand(-1, 4, -1, -1), starts, 0.4, chunk=48)
-    assert rel_err(shared, expanded) < 1e-12
-    g = torch.randn_like(shared)
-    got = torch.autograd.grad((shared * g).sum(), (q, k, v))
-    want = torch.autograd.grad((expanded * g).sum(), (q, k, v))
-    for name, a, b in zip("qkv", got, want):
-        assert rel_err(a, b) < 1e-12, name
+    assert_same_outputs_and_grads(shared, expanded, (q, k, v), 1e-12)
     with pytest.raises(ValueError, match="cover positions"):
         doc_attention_chunked(q[:, :, 100:], k[:, :, :150], v[:, :, :150], starts[:, 100:], 0.4, q_offset=100)
 
