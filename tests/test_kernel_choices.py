@@ -124,3 +124,29 @@ def test_environment_variables_do_not_change_the_cpu_model(monkeypatch):
         monkeypatch.setenv(name, FORMER_VARIABLES.get(name) or _odd_value(name))
     for got, want in zip(_forward_backward(), reference, strict=True):
         assert torch.equal(got, want)
+
+
+def test_start_up_record_names_every_choice(caplog):
+    """The trainer's one start-up line and record: [kernels] resolved, the MLA attention path,
+    and with the fp8 experts converter its recipe."""
+    from torchtitan.tools.logging import logger
+
+    from titan_moe.config import load_config
+    from titan_moe.train import _activate_kernel_choices
+
+    previous = choices.current()
+    try:
+        plain = _activate_kernel_choices(load_config(["--job.config_file", "configs/debug_cpu.toml"]))
+        assert plain["mla_attention"] == "chunked" and plain["situ"] == "torch" and "float8_experts" not in plain
+        logger.propagate, propagate = True, logger.propagate
+        with caplog.at_level("INFO"):
+            fp8 = _activate_kernel_choices(load_config([
+                "--job.config_file", "configs/debug_cpu.toml", "--model.converters", "titan_float8_experts",
+                "--quantize.grouped_mm.float8.wgrad", "fp8_rows"]))
+        logger.propagate = propagate
+    finally:
+        choices.activate(previous)
+    assert fp8["float8_experts"]["wgrad"] == "fp8_rows"
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: ")]
+    assert "mla_attention=chunked" in line and "float8_experts=" in line
+    assert all(f"{k}:{v}" in line for k, v in (("gemm", "fused"), ("wgrad", "fp8_rows"), ("kernels", "auto")))

@@ -51,7 +51,8 @@ def test_resume_is_bit_identical(tmp_path):
     assert log.count("kernels: situ=torch dispatch=torch router_topk=torch grouped_mm=native") == 1
     kernels = [json.loads(line)["kernels"] for line in (split / "metrics.jsonl").read_text().splitlines()
                if "kernels" in line]
-    assert len(kernels) == 2 and kernels[0]["grouped_mm"] == "native"
+    assert len(kernels) == 2 and kernels[0]["grouped_mm"] == "native" and kernels[0]["mla_attention"] == "chunked"
+    assert log.count("kda_keep=True mla_attention=chunked") == 1
     proc = run_train(split, "--training.steps", "7", *common[2:], "--kernels.grouped_mm", "loop")
     _ok(proc)
     assert "kernels differ from the checkpoint's run" in proc.stdout + proc.stderr

@@ -41,8 +41,9 @@ from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
 
 from titan_moe import train_spec  # noqa: E402
-from titan_moe.config import ConfigError, error_source, load_config  # noqa: E402
+from titan_moe.config import ConfigError, error_source, load_config, model_args_from_config  # noqa: E402
 from titan_moe.data.corpus import CorpusError  # noqa: E402
+from titan_moe.model.mla import resolve_attention  # noqa: E402
 from titan_moe.model.moe import refresh_compute_weights  # noqa: E402
 from titan_moe.ops import choices, launch_env, nvtx  # noqa: E402
 from titan_moe.runtime import checkpoint as intact  # noqa: E402
@@ -105,10 +106,10 @@ class TitanTrainer(Trainer):
         if job_config.profiling.nvtx:
             nvtx.enable(True)
         train_spec.register()
-        self.kernels = _activate_kernel_choices(job_config.kernels)
+        self.kernels = _activate_kernel_choices(job_config)
         super().__init__(job_config)
         self.checkpointer.__class__ = IntactCheckpointManager
-        self.metrics_processor.log_kernels(dataclasses.asdict(self.kernels))
+        self.metrics_processor.log_kernels(self.kernels)
         if job_config.profiling.nvtx:
             # "forward" ends once the loss is computed, "backward" covers loss.backward().
             self.loss_fn = _loss_ends_forward_range(self.loss_fn)
@@ -199,7 +200,7 @@ class TitanTrainer(Trainer):
     def state_dict(self):
         state = super().state_dict()
         state["rng_cpu"] = torch.get_rng_state()
-        state[KERNELS_STATE_KEY] = json.dumps(dataclasses.asdict(self.kernels), sort_keys=True)
+        state[KERNELS_STATE_KEY] = json.dumps(self.kernels, sort_keys=True)
         if torch.cuda.is_available():
             state["rng_cuda"] = torch.cuda.get_rng_state()
         return state
@@ -252,21 +253,32 @@ class IntactCheckpointManager(CheckpointManager):
         return super().load(step)
 
 
-def _activate_kernel_choices(configured: choices.KernelChoices) -> choices.KernelChoices:
+def _activate_kernel_choices(job_config) -> dict[str, object]:
     """`[kernels]` resolved for this process's device and made current, before the model is
-    built; logged in one line. A ValueError naming the key for a value the device cannot run."""
-    resolved = choices.resolve(configured, accelerator_type())
+    built, with the MLA attention path the model resolves on this device (`model.mla_attention`)
+    and, with the fp8 experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in
+    one line and returned as the run's record of its choices. A ValueError naming
+    the key for a value the device cannot run."""
+    device_type = accelerator_type()
+    resolved = choices.resolve(job_config.kernels, device_type)
     choices.activate(resolved)
-    logger.info(choices.summary(resolved))
-    return resolved
+    record: dict[str, object] = dict(dataclasses.asdict(resolved))
+    record["mla_attention"] = resolve_attention(model_args_from_config(job_config).mla_attention, torch.device(device_type))
+    line = f"{choices.summary(resolved)} mla_attention={record['mla_attention']}"
+    if "titan_float8_experts" in (job_config.model.converters or []):
+        recipe = dataclasses.asdict(job_config.quantize.grouped_mm.float8)
+        record["float8_experts"] = recipe
+        line += " float8_experts=" + ",".join(f"{k}:{v}" for k, v in recipe.items())
+    logger.info(line)
+    return record
 
 
-def _compare_kernel_choices(saved: str | None, current: choices.KernelChoices) -> None:
+def _compare_kernel_choices(saved: str | None, current: dict[str, object]) -> None:
     """On resume: warn, key by key, where the checkpoint's resolved `[kernels]` choices differ
     from this run's (this run's stay in force)."""
     if not saved:
         return
-    before, now = json.loads(saved), dataclasses.asdict(current)
+    before, now = json.loads(saved), current
     changed = [f"{key}: {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(before) | set(now))
                if before.get(key) != now.get(key)]
     if changed:
