@@ -1,0 +1,186 @@
+"""KDA across context-parallel ranks (`titan_moe.ops.kda.context_parallel`) against
+`chunk_kda` on the whole row in one process: outputs and gradients, on gloo CPU ranks.
+
+Each rank builds the same global inputs from a seed, runs the single-process op on the
+whole row (the reference) and the context-parallel op on its segment, and compares its
+slice of the outputs and of the input gradients; gradients of the replicated inputs
+(initial state, A_log, dt_bias) are summed over the ranks first. One spawn per group size
+runs every case (spawning costs seconds).
+
+Segments of 96 tokens are not a multiple of the 64-token chunk, so the ranks' chunks are
+not the whole row's: the two sides agree by algebra, not by running the same chunks. In
+float64 they differ by rounding alone (about 1e-15 relative); the bound 1e-10 leaves room
+for the conditioning of long products and still catches any missing term (a wrong state
+or transition is off by O(1)). In fp32, rounding of the chunk products and the different
+chunking give about 1e-6; the bound is 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gloo_ranks import spawn_gloo
+from numerics import rel_err
+
+T_LOCAL, H, D, CONV = 96, 2, 16, 4
+F64_RTOL, F32_RTOL = 1e-10, 1e-4
+
+# Global document boundaries per group size (segments of 96 tokens):
+# "packed": documents crossing segment boundaries, one longer than a segment (cp = 4: the
+# second covers rank 1 wholly, so rank 1's transition M is used), one starting exactly at a
+# segment start (cp = 4: 288, rank 3), several documents in one segment.
+PACKED = {
+    2: [0, 20, 150, 170, 192],
+    4: [0, 30, 250, 288, 300, 310, 384],
+}
+ALIGNED = {  # every segment start is a document start: no state crosses a boundary
+    2: [0, 40, 96, 192],
+    4: [0, 96, 100, 192, 288, 384],
+}
+
+CASES = {
+    # name: (dtype, batch rows, bounds or None, initial state, g = g_min span, gate in kernel)
+    "one_document": (torch.float64, 2, None, True, None, False),
+    "packed": (torch.float64, 1, PACKED, True, None, False),
+    "aligned": (torch.float64, 1, ALIGNED, False, None, False),
+    "g_min_chunks": (torch.float64, 1, PACKED, True, (64, 256), False),
+    "gate_in_kernel": (torch.float64, 1, PACKED, True, None, True),
+    "packed_fp32": (torch.float32, 1, PACKED, True, None, True),
+}
+
+
+def _inputs(case: str, cp: int):
+    dtype, B, bounds, with_h0, g_min_span, gate = CASES[case]
+    T = cp * T_LOCAL
+    gen = torch.Generator().manual_seed(100 * list(CASES).index(case) + cp)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    bounds = None if bounds is None else bounds[cp]
+    N = B if bounds is None else len(bounds) - 1
+    x = {
+        "q": rand(B, T, H, D), "k": rand(B, T, H, D), "v": rand(B, T, H, D),
+        "beta": torch.sigmoid(rand(B, T, H)),
+    }
+    if gate:  # raw gate input; the op applies l2norm and the bounded gate
+        x["g"] = rand(B, T, H, D)
+        x["A_log"] = 0.3 * rand(H)
+        x["dt_bias"] = 0.5 * rand(H * D)
+    else:
+        x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
+        x["q"] = torch.nn.functional.normalize(x["q"], dim=-1)
+        x["g"] = -5.0 * torch.rand(B, T, H, D, generator=gen, dtype=torch.float64)
+        if g_min_span is not None:
+            x["g"][:, g_min_span[0] : g_min_span[1]] = -5.0
+    if with_h0:
+        x["initial_state"] = rand(N, H, D, D)
+    x = {name: t.to(dtype) for name, t in x.items()}
+    if "initial_state" in x and dtype != torch.float64:
+        x["initial_state"] = x["initial_state"].float()
+    weight = rand(B, T, H, D).to(dtype)  # the loss is sum(o * weight)
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
+    op_args = dict(use_qk_l2norm=gate, gate_in_kernel=gate, lower_bound=-5.0)
+    return x, weight, cu, op_args, dtype
+
+
+SEGMENTED = ("q", "k", "v", "g", "beta")  # split along T; the rest is replicated
+
+
+def _run_case(case: str, rank: int, cp: int) -> None:
+    import torch.distributed as dist
+
+    from titan_moe.ops.kda import chunk_kda
+    from titan_moe.ops.kda.context_parallel import kda_context_parallel
+
+    x, weight, cu, op_args, dtype = _inputs(case, cp)
+    rtol = F64_RTOL if dtype == torch.float64 else F32_RTOL
+
+    ref = {name: t.clone().requires_grad_() for name, t in x.items()}
+    kw = {n: ref[n] for n in ("initial_state", "A_log", "dt_bias") if n in ref}
+    o_ref, _ = chunk_kda(*(ref[n] for n in SEGMENTED), cu_seqlens=cu, **kw, **op_args)
+    (o_ref * weight).sum().backward()
+
+    sl = slice(rank * T_LOCAL, (rank + 1) * T_LOCAL)
+    mine = {n: (t[:, sl] if n in SEGMENTED else t).clone().requires_grad_() for n, t in x.items()}
+    kw = {n: mine[n] for n in ("initial_state", "A_log", "dt_bias") if n in mine}
+    o = kda_context_parallel(*(mine[n] for n in SEGMENTED), cu_seqlens=cu, **kw, **op_args)
+    (o * weight[:, sl]).sum().backward()
+    with torch.no_grad():  # no autograd: plain collectives, nothing recorded
+        o_inference = kda_context_parallel(*(x[n][:, sl] for n in SEGMENTED), cu_seqlens=cu, **kw, **op_args)
+
+    errors = {"o": rel_err(o, o_ref[:, sl]), "o without grad": rel_err(o_inference, o)}
+    for name, leaf in mine.items():
+        grad = leaf.grad
+        if name in SEGMENTED:
+            errors["d" + name] = rel_err(grad, ref[name].grad[:, sl])
+        else:
+            dist.all_reduce(grad)
+            errors["d" + name] = rel_err(grad, ref[name].grad)
+    bad = {name: err for name, err in errors.items() if not err <= rtol}
+    assert not bad, f"{case}, cp={cp}, rank {rank}: relative errors above {rtol}: {bad}"
+
+
+def _halo_case(rank: int, cp: int) -> None:
+    """The halo, and the layer's recipe with it: convolving [halo | segment] under the
+    document mask of the halo's own tokens and keeping the last T outputs gives the
+    segment's slice of the whole row's convolution, gradients too."""
+    from titan_moe.model.short_conv import short_conv_silu_reference
+    from titan_moe.ops.kda.context_parallel import conv_halo
+
+    gen = torch.Generator().manual_seed(7 + cp)
+    T, C, width = cp * T_LOCAL, 6, CONV - 1
+    x = torch.randn(2, T, C, generator=gen, dtype=torch.float64)
+    w = torch.randn(C, CONV, generator=gen, dtype=torch.float64)
+    weight = torch.randn(2, T, C, generator=gen, dtype=torch.float64)
+    bounds = PACKED[cp] + [T_LOCAL + 1]  # + a document starting at rank 1's second token
+    bounds = sorted(set(bounds + [T_LOCAL]))  # and one at rank 1's first token
+    doc_ids = (torch.bucketize(torch.arange(T), torch.tensor(bounds), right=True) - 1).expand(2, T)
+
+    x_ref = x.clone().requires_grad_()
+    y_ref, _ = short_conv_silu_reference(x_ref, w, doc_ids, None)
+    (y_ref * weight).sum().backward()
+
+    lo = rank * T_LOCAL
+    sl = slice(lo, lo + T_LOCAL)
+    x_mine = x[:, sl].clone().requires_grad_()
+    halo = conv_halo(x_mine, CONV, continues=lo not in bounds)
+    expected = x[:, lo - width : lo] if lo not in bounds else torch.zeros(2, width, C, dtype=x.dtype)
+    assert torch.equal(halo, expected), f"rank {rank}: wrong halo"
+    positions = torch.arange(lo - width, lo + T_LOCAL)
+    ids_ext = torch.where(positions >= 0, doc_ids[:, positions.clamp_min(0)], -1)
+    y_ext, _ = short_conv_silu_reference(torch.cat([halo, x_mine], dim=1), w, ids_ext, None)
+    y = y_ext[:, width:]
+    (y * weight[:, sl]).sum().backward()
+    assert rel_err(y, y_ref[:, sl]) <= F64_RTOL, f"rank {rank}: conv outputs differ"
+    assert rel_err(x_mine.grad, x_ref.grad[:, sl]) <= F64_RTOL, f"rank {rank}: conv gradients differ"
+
+
+def _worker(rank: int, world: int, cases: list[str], halo: bool) -> None:
+    for case in cases:
+        _run_case(case, rank, world)
+    if halo:
+        _halo_case(rank, world)
+
+
+def test_segment_layout():
+    from titan_moe.ops.kda.context_parallel import segment_layout
+
+    bounds = PACKED[4]  # [0, 30, 250, 288, 300, 310, 384], segments of 96
+    r0, r1, r2, r3 = (segment_layout(bounds, r, 4, T_LOCAL) for r in range(4))
+    assert r0.local_bounds == (0, 30, 96) and r0.piece_docs == (0, 1) and not r0.continues
+    assert r1.local_bounds == (0, 96) and r1.piece_docs == (1,) and r1.continues
+    assert r2.local_bounds == (0, 58, 96) and r2.piece_docs == (1, 2) and r2.first_end == 58
+    assert r3.local_bounds == (0, 12, 22, 96) and r3.piece_docs == (3, 4, 5) and not r3.continues
+    assert r0.cuts == (True, False, True, True)
+    # an empty document at a segment start is skipped
+    assert segment_layout([0, 96, 96, 192], 1, 2, T_LOCAL).piece_docs == (2,)
+    with pytest.raises(ValueError):
+        segment_layout([0, 100], 0, 2, T_LOCAL)
+
+
+def test_context_parallel_kda_two_ranks(tmp_path):
+    spawn_gloo(_worker, 2, tmp_path, list(CASES), True)
+
+
+@pytest.mark.slow
+def test_context_parallel_kda_four_ranks(tmp_path):
+    spawn_gloo(_worker, 4, tmp_path, list(CASES), True)
