@@ -222,7 +222,9 @@ def test_graph_dumps_name_our_ops(run):
     # the SiTU-GLU backward of the FFNs (dense, shared and routed experts) is our op; its forward is Inductor's
     assert index["kda_dense"]["custom_ops"] == ["titan_moe.kda_chunk_bwd_kept", "titan_moe.kda_chunk_fwd_kept",
                                                 "titan_moe.situ_glu_bwd"]
-    assert index["mla_moe"]["custom_ops"] == ["titan_moe.grouped_mm", "titan_moe.grouped_mm_dw", "titan_moe.grouped_mm_dx",
+    # MLA over packed documents on the CPU: the chunked attention op (model.mla_attention "auto")
+    assert index["mla_moe"]["custom_ops"] == ["titan_moe.doc_attention_bwd", "titan_moe.doc_attention_fwd",
+                                              "titan_moe.grouped_mm", "titan_moe.grouped_mm_dw", "titan_moe.grouped_mm_dx",
                                               "titan_moe.moe_permute", "titan_moe.moe_unpermute_combine", "titan_moe.moe_unpermute_combine_backward",
                                               "titan_moe.situ_glu_bwd"]
 

@@ -247,9 +247,19 @@ def _storage_key(storage: torch.UntypedStorage) -> int:
     return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
+def planned_attention(choice: str) -> str:
+    """The CPU stand-in for the MLA attention path a CUDA run of `model.mla_attention = choice`
+    takes: "dense" for auto and dense (the SDPA stand-in then saves the mask as CUDA does);
+    "chunked" for cudnn, flex and chunked, which all save q, k, v, the output and an fp32
+    log-sum-exp [B, H, T] and nothing of size T^2."""
+    return "dense" if choice in ("auto", "dense") else "chunked"
+
+
 def zero_layer(args: ModelArgs, layer_idx: int, param_dtype: torch.dtype) -> DecoderLayer:
     """Decoder layer `layer_idx` with zero parameters in `param_dtype` (buffers keep their
-    dtypes), in training mode. Under a FakeTensorMode its tensors are fake (no storage)."""
+    dtypes), in training mode, its MLA attention on the CPU stand-in of the CUDA path
+    (`planned_attention`). Under a FakeTensorMode its tensors are fake (no storage)."""
+    args = replace(args, mla_attention=planned_attention(args.mla_attention))
     with torch.device("meta"):
         layer = DecoderLayer(layer_idx, args)
     for module in layer.modules():
