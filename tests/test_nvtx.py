@@ -30,7 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EAGER_ONLY_OP_RANGES = {"op.situ_glu", "op.kda_prepare", "op.kda_prepare_bwd"}
 OP_RANGES = EAGER_ONLY_OP_RANGES | {"op.situ_glu_bwd", "op.kda_chunk_fwd", "op.kda_chunk_bwd", "op.grouped_mm",
              "op.grouped_mm_dx", "op.grouped_mm_dw",
-             "op.moe_permute", "op.moe_unpermute_combine", "op.moe_unpermute_combine_backward"}
+             "op.moe_permute", "op.moe_unpermute_combine", "op.moe_unpermute_combine_backward",
+             "op.doc_attention_fwd", "op.doc_attention_bwd"}
 IN_LAYER_RANGES = {"kda", "mla", "moe", "ffn", "kda.inputs", "kda.output", "mla.attend",
                    "moe.router", "moe.dispatch", "moe.experts", "moe.combine", "moe.shared"}
 
@@ -77,6 +78,8 @@ def _expected_counts(args) -> Counter:
         # SiTU-GLU: each dense FFN, each MoE layer's routed experts and its shared experts (one module)
         "op.situ_glu": n_situ, "op.situ_glu_bwd": n_situ,
         "mla": n_mla, "mla.attend": n_mla,
+        # MLA over packed documents on the CPU: the chunked attention op
+        "op.doc_attention_fwd": n_mla, "op.doc_attention_bwd": n_mla,
         "ffn": args.n_layers - n_moe, "moe": n_moe, "moe.router": n_moe, "moe.dispatch": n_moe,
         "moe.experts": n_moe, "moe.combine": n_moe, "moe.shared": n_moe if args.n_shared_experts else 0,
         # two grouped GEMMs per MoE layer (gate|up, down), each with a dx and a dw in backward
