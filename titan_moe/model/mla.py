@@ -11,8 +11,9 @@
 No positional encoding anywhere (NoPE): scores depend on content and the causal/document mask
 only, so context can grow between training stages without rescaling. No biases.
 
-Packed documents. With ``doc_ids`` the attention is causal within each document and never
-forms a T x T tensor; the path is `ModelArgs.mla_attention` (`resolve_attention`):
+Packed documents. With ``doc_ids`` the attention is causal within each document; the path
+is `ModelArgs.mla_attention` ("auto": dense on CUDA until a faster training step is measured,
+chunked elsewhere; `resolve_attention`). All but ``dense`` avoid any T x T tensor:
 
 * ``cudnn`` (CUDA): one cuDNN causal attention call per document
   (`titan_moe.ops.attention.doc_attention_cudnn`): the dense kernel's rate on exactly the
