@@ -89,7 +89,7 @@ def _run_case(case: str, rank: int, cp: int) -> None:
     import torch.distributed as dist
 
     from titan_moe.ops.kda import chunk_kda
-    from titan_moe.ops.kda.context_parallel import kda_context_parallel
+    from titan_moe.ops.kda.context_parallel import context_parallel_layout, kda_context_parallel
 
     x, weight, cu, op_args, dtype = _inputs(case, cp)
     rtol = F64_RTOL if dtype == torch.float64 else F32_RTOL
@@ -102,10 +102,11 @@ def _run_case(case: str, rank: int, cp: int) -> None:
     sl = slice(rank * T_LOCAL, (rank + 1) * T_LOCAL)
     mine = {n: (t[:, sl] if n in SEGMENTED else t).clone().requires_grad_() for n, t in x.items()}
     kw = {n: mine[n] for n in ("initial_state", "A_log", "dt_bias") if n in mine}
-    o = kda_context_parallel(*(mine[n] for n in SEGMENTED), cu_seqlens=cu, **kw, **op_args)
+    layout, local_cu = context_parallel_layout(cu, T_LOCAL)
+    o = kda_context_parallel(*(mine[n] for n in SEGMENTED), layout, local_cu, **kw, **op_args)
     (o * weight[:, sl]).sum().backward()
     with torch.no_grad():  # no autograd: plain collectives, nothing recorded
-        o_inference = kda_context_parallel(*(x[n][:, sl] for n in SEGMENTED), cu_seqlens=cu, **kw, **op_args)
+        o_inference = kda_context_parallel(*(x[n][:, sl] for n in SEGMENTED), layout, local_cu, **kw, **op_args)
 
     errors = {"o": rel_err(o, o_ref[:, sl]), "o without grad": rel_err(o_inference, o)}
     for name, leaf in mine.items():
@@ -154,11 +155,41 @@ def _halo_case(rank: int, cp: int) -> None:
     assert rel_err(x_mine.grad, x_ref.grad[:, sl]) <= F64_RTOL, f"rank {rank}: conv gradients differ"
 
 
-def _worker(rank: int, world: int, cases: list[str], halo: bool) -> None:
+def _compiled_case(rank: int, cp: int) -> None:
+    """The op traces whole (fullgraph, aot_eager: graph capture and the joint graph, no
+    code generation) with its functional all-gather, forward and backward, and gives the
+    eager results."""
+    from titan_moe.ops.kda.context_parallel import context_parallel_layout, kda_context_parallel
+
+    x, weight, cu, op_args, _ = _inputs("gate_in_kernel", cp)
+    sl = slice(rank * T_LOCAL, (rank + 1) * T_LOCAL)
+    layout, local_cu = context_parallel_layout(cu, T_LOCAL)
+
+    def loss(*segment_and_replicated):
+        q, k, v, g, beta, h0, A_log, dt_bias = segment_and_replicated
+        o = kda_context_parallel(
+            q, k, v, g, beta, layout, local_cu, initial_state=h0, A_log=A_log, dt_bias=dt_bias, **op_args
+        )
+        return (o * weight[:, sl]).sum()
+
+    names = (*SEGMENTED, "initial_state", "A_log", "dt_bias")
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        leaves = [(x[n][:, sl] if n in SEGMENTED else x[n]).clone().requires_grad_() for n in names]
+        value = fn(*leaves)
+        value.backward()
+        results.append([value, *(leaf.grad for leaf in leaves)])
+    errors = [rel_err(c, e) for e, c in zip(*results)]
+    assert max(errors) <= F64_RTOL, f"rank {rank}: compiled differs from eager: {errors}"
+
+
+def _worker(rank: int, world: int, cases: list[str], halo: bool, compiled: bool = False) -> None:
     for case in cases:
         _run_case(case, rank, world)
     if halo:
         _halo_case(rank, world)
+    if compiled:
+        _compiled_case(rank, world)
 
 
 def test_segment_layout():
@@ -178,7 +209,7 @@ def test_segment_layout():
 
 
 def test_context_parallel_kda_two_ranks(tmp_path):
-    spawn_gloo(_worker, 2, tmp_path, list(CASES), True)
+    spawn_gloo(_worker, 2, tmp_path, list(CASES), True, True)
 
 
 @pytest.mark.slow

@@ -39,12 +39,16 @@ Costs per rank (N rows, H heads, first piece of T1 tokens): the basis call is a 
 `chunk_kda` forward and backward over T1 tokens at dv = dk (for a rank inside a long
 document T1 = T: about twice the KDA op's work at dk = dv); it keeps the basis
 `[N, T1, H, dk]` in v's dtype plus what the op keeps for its backward. Communication: an
-all-gather of `cp x N x H x dk x (dk + dv)` state values (fp32; 32 MiB in all at cp = 8,
-H = 64, dk = dv = 128) in the forward and a reduce-scatter of the same size in the backward.
-The scan: at most cp - 1 products `[dk, dk] @ [dk, dv]` per row and head.
+all-gather of `cp x N x H x dk x (dk + dv)` state values (fp32; at H = 64, dk = dv = 128:
+8 MiB a rank, 64 MiB gathered at cp = 8) in the forward and a reduce-scatter of the same
+size in the backward; the gathered tensor stays alive for the scan's backward on ranks
+whose first piece continues a document. The scan: at most cp - 1 products
+`[dk, dk] @ [dk, dv]` per row and head. The basis is in v's dtype (bf16 inputs: rounded
+like the op's own outputs); states and the correction are fp32.
 
-The all-gather is a functional collective, which `torch.compile` traces; compiling the op
-inside a block is not yet tried.
+The host-side facts (where the documents fall) come from `context_parallel_layout`, once per
+batch outside compiled code; `kda_context_parallel` itself, with its functional
+all-gather, traces with `torch.compile(fullgraph=True)` (tested with the aot_eager backend).
 
 `conv_halo` gives each rank the previous rank's last `conv_size - 1` inputs of the short
 convolution (zeros on rank 0), differentiably.
@@ -70,8 +74,13 @@ from titan_moe.ops.kda.op import chunk_kda
 # ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SegmentLayout:
-    """How the documents of the packed row fall on one rank's segment.
+    """How the documents of the packed row fall on one rank's segment (host-side facts,
+    hashable: a compiled caller sees them as constants).
 
+    rank, cp, T: this rank's place in the group, the group's size, tokens per segment.
+    varlen: whether the row is packed (`cu_seqlens`, one row) or each of the batch rows
+        is one sequence (no `cu_seqlens`).
+    n_docs: the row's document count (varlen), to check `initial_state`.
     local_bounds: the boundaries of the segment's document pieces, local positions from
         0 to T (the `cu_seqlens` of the local call; empty pieces dropped).
     piece_docs: the global document index of each piece.
@@ -83,6 +92,11 @@ class SegmentLayout:
         on the state entering it.
     """
 
+    rank: int
+    cp: int
+    T: int
+    varlen: bool
+    n_docs: int
     local_bounds: tuple[int, ...]
     piece_docs: tuple[int, ...]
     continues: bool
@@ -90,18 +104,20 @@ class SegmentLayout:
     cuts: tuple[bool, ...]
 
 
-def segment_layout(bounds: list[int] | tuple[int, ...], rank: int, cp: int, T: int) -> SegmentLayout:
+def segment_layout(
+    bounds: list[int] | tuple[int, ...], rank: int, cp: int, T: int, varlen: bool = True
+) -> SegmentLayout:
     """The layout of rank `rank`'s segment `[rank T, (rank+1) T)` of a row of `cp T` tokens
     whose documents have the global boundaries `bounds` (`cu_seqlens` as a list)."""
     if not 0 <= rank < cp:
         raise ValueError(f"rank must lie in [0, {cp}), got {rank}")
     if bounds[0] != 0 or bounds[-1] != cp * T or any(a > b for a, b in zip(bounds[:-1], bounds[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing from 0 to cp * T = {cp * T}, got {list(bounds)}")
-    return _segment_layout(tuple(bounds), rank, cp, T)
+    return _segment_layout(tuple(bounds), rank, cp, T, varlen)
 
 
 @functools.lru_cache(maxsize=256)
-def _segment_layout(bounds: tuple[int, ...], rank: int, cp: int, T: int) -> SegmentLayout:
+def _segment_layout(bounds: tuple[int, ...], rank: int, cp: int, T: int, varlen: bool) -> SegmentLayout:
     lo, hi = rank * T, (rank + 1) * T
     local, docs = [0], []
     n = bisect.bisect_right(bounds, lo) - 1  # the document holding token lo (the last of equal bounds)
@@ -113,15 +129,32 @@ def _segment_layout(bounds: tuple[int, ...], rank: int, cp: int, T: int) -> Segm
         n += 1
     cuts = tuple(any(j * T <= b < (j + 1) * T for b in bounds[:-1]) for j in range(cp))
     continues = bounds[docs[0]] < lo
-    return SegmentLayout(tuple(local), tuple(docs), continues, local[1], cuts)
+    return SegmentLayout(rank, cp, T, varlen, len(bounds) - 1, tuple(local), tuple(docs), continues, local[1], cuts)
+
+
+def context_parallel_layout(
+    cu_seqlens: Tensor | None, T: int, group: dist.ProcessGroup | None = None
+) -> tuple[SegmentLayout, Tensor | None]:
+    """This rank's `SegmentLayout` and the local `cu_seqlens` of its pieces (int32, on
+    cu_seqlens' device; None without cu_seqlens), for `kda_context_parallel`.
+
+    cu_seqlens: int `[N+1]`, the boundaries of the row's N documents over all `cp T` tokens,
+    the same on every rank; None: each batch row is one sequence spread over the ranks.
+    Reads cu_seqlens on the host (once per tensor object, `seqlens_bounds`): call it
+    outside compiled code, once per batch, and pass the results to every KDA layer. The
+    local tensor is one object per layout, so `chunk_kda`'s own host read of it is
+    cached too. The group's rank order is the segments' order.
+    """
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    if cu_seqlens is None:
+        return segment_layout([0, cp * T], rank, cp, T, varlen=False), None
+    layout = segment_layout(seqlens_bounds(cu_seqlens, cp * T), rank, cp, T)
+    return layout, _local_cu_seqlens(layout.local_bounds, cu_seqlens.device)
 
 
 @functools.lru_cache(maxsize=256)
-def _local_cu_seqlens(local_bounds: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The local `cu_seqlens` tensor, one object per layout: `chunk_kda` reads its values on
-    the host once per tensor object (`seqlens_bounds`), so every layer's call and its backward
-    then skip the device-to-host copy."""
-    return torch.tensor(local_bounds, dtype=dtype, device=device)
+def _local_cu_seqlens(local_bounds: tuple[int, ...], device: torch.device) -> Tensor:
+    return torch.tensor(local_bounds, dtype=torch.int32, device=device)
 
 
 # ----------------------------------------------------------------------------------------
@@ -130,7 +163,11 @@ def _local_cu_seqlens(local_bounds: tuple[int, ...], dtype: torch.dtype, device:
 class _Tie(torch.autograd.Function):
     """`out` unchanged; `anchor` gets a zero gradient. A rank whose result does not use the
     all-gather's output would otherwise skip the gather's backward, a collective that the
-    other ranks wait in."""
+    other ranks wait in.
+
+    The zero is `0 * sum(grad)`, not a constant: compiled, the partitioner moves work that
+    needs no tangent into the forward graph, and a constant zero would put this rank's
+    reduce-scatter there, out of step with the other ranks' (seen as a hang)."""
 
     @staticmethod
     def forward(ctx, out: Tensor, anchor: Tensor) -> Tensor:
@@ -140,10 +177,10 @@ class _Tie(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         shape, dtype, device = ctx.anchor_meta
-        return grad, torch.zeros(shape, dtype=dtype, device=device)
+        return grad, torch.zeros(shape, dtype=dtype, device=device) + (grad.sum() * 0).to(dtype)
 
 
-def _all_gather(x: Tensor, group) -> Tensor:
+def _all_gather(x: Tensor, group, cp: int) -> Tensor:
     """`[cp, *x.shape]`: every rank's x, differentiable (the backward sums each rank's
     gradients back to their owner, a reduce-scatter). A functional collective, which
     `torch.compile` traces; `all_gather_single_autograd` is torch 2.13's name, 2.11 has
@@ -151,7 +188,7 @@ def _all_gather(x: Tensor, group) -> Tensor:
     group = dist.group.WORLD if group is None else group
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     parts = funcol.wait_tensor(gather(x.contiguous(), 0, group))
-    return parts.view(dist.get_world_size(group), *x.shape)
+    return parts.view(cp, *x.shape)
 
 
 def _tied(out: Tensor, parts: Tensor) -> Tensor:
@@ -169,9 +206,10 @@ def kda_context_parallel(
     v: Tensor,
     g: Tensor,
     beta: Tensor,
+    layout: SegmentLayout,
+    local_cu_seqlens: Tensor | None,
     *,
     group: dist.ProcessGroup | None = None,
-    cu_seqlens: Tensor | None = None,
     initial_state: Tensor | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
@@ -183,36 +221,28 @@ def kda_context_parallel(
     """`chunk_kda` over a row split across the ranks of `group` (see the module docstring).
 
     Every rank passes its segment: q, k, g `[B, T, H, dk]`, v `[B, T, H, dv]`, beta
-    `[B, T, H]` (rank r holds global tokens `[r T, (r+1) T)`; T is the same on every rank),
-    and the same global arguments:
+    `[B, T, H]` (rank r holds global tokens `[r T, (r+1) T)`; T is the same on every
+    rank; B = 1 for a packed row), with `layout, local_cu_seqlens =
+    context_parallel_layout(cu_seqlens, T, group)`, and
 
-        cu_seqlens: int `[N+1]`, the boundaries of the row's N documents over all `cp T`
-            tokens (B must be 1), the same tensor on every rank; None: each of the B rows
-            is one sequence spread over the ranks.
-        initial_state: `[N, H, dk, dv]` (N = B without cu_seqlens), each document's state
-            before its first token, the same on every rank, or None (zeros). Each rank's
-            gradient for it is that rank's share: their sum over the group is the gradient
-            of the whole row (what FSDP's reduction of a replicated input gives).
+        initial_state: `[N, H, dk, dv]` (N documents of the packed row, or N = B), each
+            document's state before its first token, the same on every rank, or None
+            (zeros). Each rank's gradient for it is that rank's share: their sum over the
+            group is the gradient of the whole row (what the reduction of a replicated
+            input gives).
 
     scale, use_qk_l2norm, gate_in_kernel, A_log, dt_bias, lower_bound: as `chunk_kda`.
     Returns this segment's `o [B, T, H, dv]` in v's dtype, equal (up to rounding) to the
     matching slice of `chunk_kda` on the whole row; differentiable in every input. All
-    ranks must call it together (it runs collectives in the forward and the backward);
-    the group's rank order is the segments' order.
+    ranks must call it together (it runs collectives in the forward and the backward).
     """
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, dk], got shape {tuple(q.shape)}")
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    if q.dim() != 4 or q.shape[1] != layout.T:
+        raise ValueError(f"q must be [B, T = {layout.T}, H, dk] (the layout's T), got shape {tuple(q.shape)}")
     B, T, H, dk = q.shape
     dv = v.shape[-1]
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens (varlen) needs batch size 1, got B={B}")
-        bounds = seqlens_bounds(cu_seqlens, cp * T)
-    else:
-        bounds = list(range(0, cp * T + 1, cp * T))  # one sequence per row (the rows side by side)
-    layout = segment_layout(bounds, rank, cp, T)
-    n_docs = len(bounds) - 1 if cu_seqlens is not None else B
+    if layout.varlen and (B != 1 or local_cu_seqlens is None):
+        raise ValueError(f"a packed row needs B = 1 and local_cu_seqlens, got B={B}")
+    n_docs = layout.n_docs if layout.varlen else B
     if initial_state is not None and initial_state.shape != (n_docs, H, dk, dv):
         raise ValueError(
             f"initial_state must be [N, H, dk, dv] = {(n_docs, H, dk, dv)}, got {tuple(initial_state.shape)}"
@@ -226,25 +256,24 @@ def kda_context_parallel(
     # 1. the segment from its pieces' own initial states, the continued piece from zero
     h0 = None
     if initial_state is not None:
-        docs = list(layout.piece_docs) if cu_seqlens is not None else list(range(B))
-        h0 = initial_state.to(state_dtype)[torch.tensor(docs, device=q.device)]
+        h0 = initial_state.to(state_dtype)
+        if layout.varlen:
+            h0 = torch.stack([h0[n] for n in layout.piece_docs])
         if layout.continues:
-            n_first = 1 if cu_seqlens is not None else B
+            n_first = 1 if layout.varlen else B
             h0 = torch.cat([h0.new_zeros(n_first, H, dk, dv), h0[n_first:]])
-    local_cu = None
-    if cu_seqlens is not None:
-        local_cu = _local_cu_seqlens(layout.local_bounds, cu_seqlens.dtype, q.device)
     o, ht = chunk_kda(
-        q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=local_cu, **op_args
+        q, k, v, g, beta, initial_state=h0, output_final_state=True,
+        cu_seqlens=local_cu_seqlens if layout.varlen else None, **op_args,
     )
-    S0 = ht[-1:] if cu_seqlens is not None else ht  # [R, H, dk, dv], R rows of states
+    S0 = ht[-1:] if layout.varlen else ht  # [R, H, dk, dv], R rows of states
     R = S0.shape[0]
 
     # 2. the basis of the continued piece, and its transition M when it fills the segment
-    cut = layout.cuts[rank]
+    cut = layout.cuts[layout.rank]
     M = S0.new_zeros(R, H, dk, dk)
+    T1 = layout.first_end
     if layout.continues:
-        T1 = layout.first_end
         eye = torch.eye(dk, dtype=state_dtype, device=q.device).expand(R, H, dk, dk)
         basis, M_end = chunk_kda(
             q[:, :T1], k[:, :T1], v.new_zeros(B, T1, H, dk), g[:, :T1], beta[:, :T1],
@@ -254,16 +283,15 @@ def kda_context_parallel(
             M = M_end
 
     # 3. all ranks' maps, and the state entering this segment
-    parts = _all_gather(torch.cat([M, S0.to(state_dtype)], dim=-1), group)
+    parts = _all_gather(torch.cat([M, S0.to(state_dtype)], dim=-1), group, layout.cp)
     if not layout.continues:
         return _tied(o, parts)
-    j0 = max(j for j in range(rank) if layout.cuts[j])
+    j0 = max(j for j in range(layout.rank) if layout.cuts[j])
     S_in = parts[j0][..., dk:]
-    for j in range(j0 + 1, rank):
+    for j in range(j0 + 1, layout.rank):
         S_in = parts[j][..., :dk] @ S_in + parts[j][..., dk:]
 
     # 4. the continued piece's outputs from its true incoming state
-    T1 = layout.first_end
     o_first = o[:, :T1].to(state_dtype) + torch.einsum("bthk,bhkv->bthv", basis.to(state_dtype), S_in)
     return torch.cat([o_first.to(o.dtype), o[:, T1:]], dim=1)
 
@@ -290,7 +318,7 @@ def conv_halo(x_local: Tensor, conv_size: int, group: dist.ProcessGroup | None =
     if conv_size < 1 or T < width:
         raise ValueError(f"conv_size must be in [1, T + 1] = [1, {T + 1}], got {conv_size}")
     rank = dist.get_rank(group)
-    parts = _all_gather(x_local[:, T - width :].contiguous(), group)
+    parts = _all_gather(x_local[:, T - width :].contiguous(), group, dist.get_world_size(group))
     if rank == 0 or not continues:
         return _tied(x_local.new_zeros(B, width, C), parts)
     return parts[rank - 1]
