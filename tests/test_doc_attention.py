@@ -13,8 +13,7 @@ import torch
 from numerics import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_moe.model.packing import same_doc_causal_mask
-from titan_moe.ops.attention import doc_attention_chunked, doc_attention_reference, doc_block_mask, doc_starts
+from titan_moe.ops.attention import doc_attention_chunked, doc_attention_reference, doc_starts
 from titan_moe.ops.attention.chunked import chunked_backward, chunked_forward
 
 
@@ -165,66 +164,6 @@ def test_chunked_op_passes_opcheck_and_compiles_without_graph_breaks():
         lambda q, k, v, ids: doc_attention_chunked(q, k, v, doc_starts(ids), 0.5, chunk=8), backend="aot_eager", fullgraph=True
     )
     assert rel_err(compiled(q, k, v, ids), doc_attention_reference(q, k, v, ids, 0.5)) < 1e-6
-
-
-def block_mask_as_dense(block_mask, starts: torch.Tensor, T: int) -> torch.Tensor:
-    """bool [B, T, T] of what the kernel would compute: full blocks all visible, partial ones
-    through the mask function, the rest skipped."""
-    B = starts.shape[0]
-    bs = block_mask.BLOCK_SIZE[0]
-    out = torch.zeros(B, T, T, dtype=torch.bool)
-    q_idx = torch.arange(T)[:, None]
-    kv_idx = torch.arange(T)[None, :]
-    partial = block_mask.mask_mod(torch.arange(B)[:, None, None], 0, q_idx[None], kv_idx[None])
-    for b in range(B):
-        for qb in range(block_mask.kv_num_blocks.shape[-1]):
-            rows = slice(qb * bs, min((qb + 1) * bs, T))
-            for nums, idxs, full in ((block_mask.kv_num_blocks, block_mask.kv_indices, False),
-                                     (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True)):
-                for kb in idxs[b, 0, qb, : nums[b, 0, qb]].tolist():
-                    cols = slice(kb * bs, min((kb + 1) * bs, T))
-                    out[b, rows, cols] = True if full else partial[b, rows, cols]
-    return out
-
-
-@pytest.mark.parametrize("rows", [[[5, 300, 30], [335]], [[128, 128, 79], [1, 127, 1, 206]], [[200, 135], [130, 205]]])
-def test_block_mask_equals_the_document_mask_and_skips_empty_blocks(rows):
-    """The flex block tables (built on the CPU) against the dense rule; T = 335 is not a
-    multiple of the 128-token block. Every block marked full is entirely visible."""
-    ids = doc_ids_from_lengths(rows)
-    T = ids.shape[1]
-    starts = doc_starts(ids)
-    block_mask = doc_block_mask(starts, block_size=128)
-    want = same_doc_causal_mask(ids)[:, 0]
-    assert torch.equal(block_mask_as_dense(block_mask, starts, T), want)
-    # no block that the mask empties is listed
-    n_listed = (block_mask.kv_num_blocks + block_mask.full_kv_num_blocks).sum().item()
-    n_needed = sum(
-        want[b, qb * 128 : (qb + 1) * 128, kb * 128 : (kb + 1) * 128].any().item()
-        for b in range(ids.shape[0]) for qb in range(3) for kb in range(3)
-    )
-    assert n_listed == n_needed
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_flex_matches_float64_reference_cuda(dtype, tol):
-    """FlexAttention under the document block mask at MLA's head dims (qk 192, v 128), T not a
-    multiple of the block, forward and gradients against the float64 per-document reference."""
-    from titan_moe.ops.attention import flex_doc_attention
-
-    ids = doc_ids_from_lengths([[5, 300, 30, 1, 64], [400]]).cuda()
-    q, k, v = random_qkv(2, 2, 400, 192, 128, torch.float64, seed=5)
-    ref = doc_attention_reference(q, k, v, ids.cpu(), 0.07)
-    g = torch.randn_like(ref)
-    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
-    args = [t.detach().to("cuda", dtype).requires_grad_() for t in (q, k, v)]
-    o = flex_doc_attention(*args, doc_block_mask(doc_starts(ids)), 0.07)
-    got = torch.autograd.grad((o * g.to("cuda", dtype)).sum(), args)
-    assert rel_err(o, ref) < tol
-    for name, a, b in zip("qkv", got, want):
-        assert rel_err(a, b) < 2 * tol, name
 
 
 @pytest.mark.gpu

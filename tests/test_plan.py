@@ -661,12 +661,12 @@ def test_cached_expert_casts_move_the_experts_copies_into_the_whole_step():
 
 
 def test_attention_paths_without_a_mask_have_no_T_squared_term():
-    """cudnn, flex and chunked save no document mask: the planner measures them through the
+    """cudnn and chunked save no document mask: the planner measures them through the
     chunked stand-in, whose MLA layer has no T^2 term; auto (dense on CUDA) keeps it."""
     from titan_moe.plan.eager import planned_attention
 
     assert planned_attention("auto") == planned_attention("dense") == "dense"
-    assert {planned_attention(c) for c in ("cudnn", "flex", "chunked")} == {"chunked"}
+    assert {planned_attention(c) for c in ("cudnn", "chunked")} == {"chunked"}
     args = replace(_tiny(), mla_attention="cudnn")
     i = _first_layer_of_each_kind(args)["mla+moe"]
     profile = measure_eager_layer(args, i, FP32_MASTER, False, fake=False)

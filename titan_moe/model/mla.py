@@ -18,8 +18,6 @@ chunked elsewhere; `resolve_attention`). All but ``dense`` avoid any T x T tenso
 * ``cudnn`` (CUDA): one cuDNN causal attention call per document
   (`titan_moe.ops.attention.doc_attention_cudnn`): the dense kernel's rate on exactly the
   work the mask leaves.
-* ``flex`` (CUDA): FlexAttention under a block mask from the documents' starts; the blocks
-  that the mask empties are skipped.
 * ``chunked`` (any device): `titan_moe.ops.attention.doc_attention_chunked`, exact, by query
   chunks, O(T * chunk) memory in forward and backward.
 * ``dense``: SDPA with a dense ``[B, 1, T, T]`` boolean mask (T^2 bytes per row kept for
@@ -55,37 +53,35 @@ from titan_moe.model.packing import same_doc_causal_mask
 from titan_moe.ops.attention import (
     doc_attention_chunked,
     doc_attention_cudnn,
-    doc_block_mask,
     doc_starts,
-    flex_doc_attention,
 )
 from titan_moe.ops.nvtx import nvtx_wrap
 
 
 def resolve_attention(choice: str, device: torch.device) -> str:
     """The path "auto" stands for on `device` ("dense" on CUDA, "chunked" elsewhere); other
-    values unchanged. "cudnn" and "flex" need CUDA (FlexAttention has no CPU backward).
+    values unchanged. "cudnn" needs CUDA.
 
     "auto" stays "dense" on CUDA until a training step with another path has been measured
     faster: "cudnn" wins the attention benchmark by far, but its first training steps were
     far slower than dense (docs/kernels.md)."""
     if choice == "auto":
         return "dense" if device.type == "cuda" else "chunked"
-    if choice in ("cudnn", "flex") and device.type != "cuda":
-        raise ValueError(f"model.mla_attention = 'flex' needs a CUDA device, got {device.type}")
+    if choice == "cudnn" and device.type != "cuda":
+        raise ValueError(f"model.mla_attention = 'cudnn' needs a CUDA device, got {device.type}")
     return choice
 
 
 def document_mask(path: str, doc_ids_BT: torch.Tensor):
     """What `GatedMLA` needs for packed documents on `path`: the documents' starts [B, T]
-    (chunked; on the host for cudnn), a BlockMask (flex) or the dense bool mask [B, 1, T, T]
+    (chunked; on the host for cudnn) or the dense bool mask [B, 1, T, T]
     (dense)."""
     if path == "dense":
         return same_doc_causal_mask(doc_ids_BT)
     starts_BT = doc_starts(doc_ids_BT)
     if path == "cudnn":
         return starts_BT.cpu()
-    return doc_block_mask(starts_BT) if path == "flex" else starts_BT
+    return starts_BT
 
 
 @dataclass
@@ -191,8 +187,6 @@ class GatedMLA(nn.Module):
             o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=self.scale)
         elif path == "cudnn":
             o_BHTV = doc_attention_cudnn(q_BHTK, k_BHTK, v_BHTV, doc_mask, self.scale)
-        elif path == "flex":
-            o_BHTV = flex_doc_attention(q_BHTK, k_BHTK, v_BHTV, doc_mask, self.scale)
         elif path == "chunked":
             o_BHTV = doc_attention_chunked(q_BHTK, k_BHTK, v_BHTV, doc_mask, self.scale)
         else:

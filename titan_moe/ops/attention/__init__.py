@@ -7,7 +7,6 @@ document up to itself. Every path here describes the documents by `starts_BT` (i
 
     doc_starts(doc_ids_BT)                         -> starts_BT             (once per forward)
     doc_attention_chunked(q, k, v, starts_BT, ...) -> o                     (any device; exact)
-    doc_block_mask(starts_BT, ...) / flex_doc_attention(q, k, v, mask, ...) (CUDA)
     doc_attention_cudnn(q, k, v, bounds_cpu, ...)                           (CUDA: cuDNN per document)
     doc_attention_reference(q, k, v, doc_ids_BT, ...)                       (tests: per document)
 
@@ -16,14 +15,11 @@ Shapes: q [B, H, T, K], k [B, H, T, K], v [B, H, T, V] (V may differ from K); o 
 
 from titan_moe.ops.attention.chunked import doc_attention_chunked
 from titan_moe.ops.attention.cudnn import doc_attention_cudnn
-from titan_moe.ops.attention.flex import doc_block_mask, flex_doc_attention
 from titan_moe.ops.attention.reference import doc_attention_reference, doc_starts
 
 __all__ = [
     "doc_attention_chunked",
     "doc_attention_cudnn",
     "doc_attention_reference",
-    "doc_block_mask",
     "doc_starts",
-    "flex_doc_attention",
 ]
