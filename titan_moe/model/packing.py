@@ -12,14 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
-def doc_start_mask(doc_ids_BT: torch.Tensor) -> torch.Tensor:
-    """bool [B, T]: True where a token starts a document (every row's first token too)."""
-    if doc_ids_BT.dim() != 2:
-        raise ValueError(f"doc_ids must be [B, T], got shape {tuple(doc_ids_BT.shape)}")
-    starts_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
-    starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
-    return starts_BT
+from titan_moe.ops.attention.reference import doc_start_mask  # re-exported: the model's name for it
 
 
 def cu_seqlens_from_doc_ids(doc_ids_BT: torch.Tensor) -> torch.Tensor:

@@ -6,17 +6,24 @@ import torch
 import torch.nn.functional as F
 
 
-def doc_starts(doc_ids_BT: torch.Tensor) -> torch.Tensor:
-    """int32 [B, T]: for each token, the position where its document begins.
+def doc_start_mask(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: True where a token starts a document (every row's first token too).
 
     `doc_ids_BT` is non-decreasing along a row and a new value starts a new document (see
-    `titan_moe.model.packing`). One cumulative max, no host sync: fit for compiled code."""
+    `titan_moe.model.packing`)."""
     if doc_ids_BT.dim() != 2:
         raise ValueError(f"doc_ids must be [B, T], got shape {tuple(doc_ids_BT.shape)}")
+    starts_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+    return starts_BT
+
+
+def doc_starts(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """int32 [B, T]: for each token, the position where its document begins. One cumulative
+    max, no host sync: fit for compiled code."""
+    is_start_BT = doc_start_mask(doc_ids_BT)
     B, T = doc_ids_BT.shape
     pos_BT = torch.arange(T, device=doc_ids_BT.device, dtype=torch.int32).expand(B, T)
-    is_start_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
-    is_start_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
     return torch.where(is_start_BT, pos_BT, 0).cummax(dim=1).values.to(torch.int32)
 
 
