@@ -21,7 +21,7 @@ chunked elsewhere; `resolve_attention`). All but ``dense`` avoid any T x T tenso
 * ``chunked`` (any device): `titan_moe.ops.attention.doc_attention_chunked`, exact, by query
   chunks, O(T * chunk) memory in forward and backward.
 * ``dense``: SDPA with a dense ``[B, 1, T, T]`` boolean mask (T^2 bytes per row kept for
-  the backward), the earlier path, for comparison.
+  the backward); the CUDA default until a faster training step is measured.
 
 The mask a path needs (`document_mask`) is built once per forward by the decoder, outside
 the compiled and checkpointed layers, and shared by every MLA layer.
@@ -62,9 +62,8 @@ def resolve_attention(choice: str, device: torch.device) -> str:
     """The path "auto" stands for on `device` ("dense" on CUDA, "chunked" elsewhere); other
     values unchanged. "cudnn" needs CUDA.
 
-    "auto" stays "dense" on CUDA until a training step with another path has been measured
-    faster: "cudnn" wins the attention benchmark by far, but its first training steps were
-    far slower than dense (docs/kernels.md)."""
+    "auto" stays "dense" on CUDA until a training step with "cudnn" is measured faster: cudnn
+    is the faster attention kernel, not yet the faster step (docs/kernels.md)."""
     if choice == "auto":
         return "dense" if device.type == "cuda" else "chunked"
     if choice == "cudnn" and device.type != "cuda":
