@@ -22,6 +22,8 @@ import torch
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
+from titan_moe.model.moe import balance_metrics
+
 
 class TitanMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
@@ -75,7 +77,7 @@ class TitanMetricsProcessor(MetricsProcessor):
         self._append({"step": 0, "kernels": kernels})
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        balance = dict(getattr(self.optimizers, "expert_balance_metrics", None) or {})
+        balance = balance_metrics(getattr(self.optimizers, "expert_balance_stats", None) or [])
         # Read before the parent's log resets the peaks and the token count.
         memory = self._peak_memory()
         tokens, seconds = self.ntokens_since_last_log, time.perf_counter() - self.time_last_log

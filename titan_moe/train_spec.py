@@ -21,7 +21,7 @@ from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_co
 from titan_moe.flavors import FLAVORS  # noqa: E402
 from titan_moe.metrics import build_titan_metrics_processor  # noqa: E402
 from titan_moe.model.decoder import Decoder  # noqa: E402
-from titan_moe.model.moe import update_expert_biases  # noqa: E402
+from titan_moe.model.moe import apply_expert_balance  # noqa: E402
 from titan_moe.parallelize import parallelize_decoder  # noqa: E402
 from titan_moe.validate import build_titan_validator  # noqa: E402
 
@@ -65,12 +65,11 @@ def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel
         group = parallel_dims.get_mesh("batch").get_group()
 
     def _update(*args, **kwargs):
-        metrics: dict[str, float] = {}
-        for part in model_parts:
-            metrics.update(update_expert_biases(part, group=group))
-        optimizers.expert_balance_metrics = metrics
+        # Kept on the device: the metrics processor reads them only on the steps it logs.
+        stats = [apply_expert_balance(part, group=group) for part in model_parts]
+        optimizers.expert_balance_stats = [s for s in stats if s is not None]
 
-    optimizers.expert_balance_metrics = {}
+    optimizers.expert_balance_stats = []
     optimizers.register_step_pre_hook(_update)
     return optimizers
 

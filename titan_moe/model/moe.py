@@ -26,6 +26,7 @@ is kept as the baseline.
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -537,18 +538,23 @@ class LatentMoE(nn.Module):
 _WRAPPER_PREFIXES = re.compile(r"(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
 
 
+class BalanceStats(NamedTuple):
+    """One step's load statistics of a model's MoE layers, still on the device."""
+
+    names: list[str]  # layer names, e.g. "layers.3"
+    stats_L2: Tensor  # [layers, 2]: max_violation, dead_experts (float64)
+
+
 @torch.no_grad()
-def update_expert_biases(model: nn.Module, group=None) -> dict[str, float]:
-    """Update the bias of every :class:`LatentMoE` in ``model`` from this step's statistics.
+def apply_expert_balance(model: nn.Module, group=None) -> BalanceStats | None:
+    """Update the bias of every :class:`LatentMoE` in ``model`` from this step's statistics
+    and return those statistics on the device (None without MoE layers).
 
     Call once per optimizer step (e.g. as an optimizer step pre-hook) with the
     data-parallel process group (``None`` for a single process); the statistics of all
-    microbatches since the last call are used and then reset.
-
-    Returns:
-        ``moe/<layer>/max_violation`` (max load / mean load - 1) and
-        ``moe/<layer>/dead_experts`` per layer, plus ``moe/max_violation_max``,
-        ``moe/max_violation_mean`` and ``moe/dead_experts_total``. Empty without MoE layers.
+    microbatches since the last call are used and then reset. No host transfer happens here,
+    so the step does not wait for the GPU; :func:`balance_metrics` reads them when they are
+    logged.
     """
     names, values = [], []
     for name, module in model.named_modules():
@@ -557,13 +563,30 @@ def update_expert_biases(model: nn.Module, group=None) -> dict[str, float]:
             names.append(_WRAPPER_PREFIXES.sub("", name) or "root")
             values.append(torch.stack([max_violation.double(), dead.double()]))
     if not names:
+        return None
+    return BalanceStats(names, torch.stack(values))
+
+
+def balance_metrics(stats: list[BalanceStats]) -> dict[str, float]:
+    """``moe/<layer>/max_violation`` (max load / mean load - 1) and ``moe/<layer>/dead_experts``
+    per layer, plus ``moe/max_violation_max``, ``moe/max_violation_mean`` and
+    ``moe/dead_experts_total`` over all layers of `stats`; one host transfer. Empty without
+    MoE layers."""
+    if not stats:
         return {}
-    stats = torch.stack(values).cpu().tolist()  # one host transfer for all layers
+    values = torch.cat([s.stats_L2 for s in stats]).cpu().tolist()
+    names = [name for s in stats for name in s.names]
     metrics: dict[str, float] = {}
-    for name, (max_violation, dead) in zip(names, stats):
+    for name, (max_violation, dead) in zip(names, values):
         metrics[f"moe/{name}/max_violation"] = max_violation
         metrics[f"moe/{name}/dead_experts"] = dead
-    metrics["moe/max_violation_max"] = max(s[0] for s in stats)
-    metrics["moe/max_violation_mean"] = sum(s[0] for s in stats) / len(stats)
-    metrics["moe/dead_experts_total"] = sum(s[1] for s in stats)
+    metrics["moe/max_violation_max"] = max(v[0] for v in values)
+    metrics["moe/max_violation_mean"] = sum(v[0] for v in values) / len(values)
+    metrics["moe/dead_experts_total"] = sum(v[1] for v in values)
     return metrics
+
+
+def update_expert_biases(model: nn.Module, group=None) -> dict[str, float]:
+    """:func:`apply_expert_balance` followed by :func:`balance_metrics` (a host sync)."""
+    stats = apply_expert_balance(model, group)
+    return balance_metrics([stats] if stats is not None else [])
