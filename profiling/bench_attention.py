@@ -160,6 +160,105 @@ def bench_row(name: str, ids_1T: torch.Tensor, H: int, K: int, V: int, dense_max
     return results
 
 
+def corpus_batches(T: int, B: int, n: int) -> list[torch.Tensor]:
+    """The doc ids [B, T] of the first n training batches of the built-in corpus at T."""
+    from titan_moe.config import load_config
+    from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config
+
+    config = load_config(["--job.config_file", "configs/small_1gpu.toml", "--training.seq_len", str(T),
+                          "--training.local_batch_size", str(B)])
+    loader = dataloader_from_config(config, tokenizer=tokenizer_from_config(config), split="train", dp_rank=0, dp_world_size=1)
+    out = []
+    for batch, _ in loader:
+        out.append(batch["doc_ids"].to(torch.int32))
+        if len(out) == n:
+            return out
+    return out
+
+
+class _CudnnRagged(torch.autograd.Function):
+    """One cuDNN call over all documents of the batch (THD layout, cumulative lengths)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):
+        out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False,
+                                                      scale=scale)
+        ctx.save_for_backward(q, k, v, out[0], out[1], cu, out[6], out[7])
+        ctx.max_len, ctx.scale = max_len, scale
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            do.contiguous(), q, k, v, o, lse, seed, offset, torch.empty(0, device=q.device), cu, cu,
+            ctx.max_len, ctx.max_len, 0.0, True, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def fresh_rows(T: int, B: int, n: int, H: int, K: int, V: int, paths: list[str]) -> list[dict]:
+    """fwd+bwd wall time per batch over n successive corpus batches [B, T], as training meets
+    them (every batch new), then the same batches again: a path whose first pass is much slower
+    pays a per-shape cost (cuDNN builds an execution plan per new window length)."""
+    import time
+
+    from titan_moe.ops.attention.cudnn import documents, window_length
+
+    dev, scale = "cuda", K**-0.5
+    batches = corpus_batches(T, B, n)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    # the model's layout: [B, T, H, K] projections viewed as [B, H, T, K]
+    q, k = (torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16, generator=gen).transpose(1, 2) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+    do = torch.randn(B, H, T, V, device=dev, dtype=torch.bfloat16, generator=gen)
+    results = []
+    for path in paths:
+        seen: set[int] = set()
+        for rep in range(2):
+            times, new_lengths, docs = [], 0, 0
+            for ids_BT in batches:
+                ids = ids_BT.to(dev)
+                qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if path == "cudnn":
+                    starts_cpu = doc_starts(ids).cpu()
+                    lengths = {window_length(e - s) for _, s, e in documents(starts_cpu)}
+                    new_lengths += len(lengths - seen)
+                    seen |= lengths
+                    docs += len(documents(starts_cpu))
+                    o = doc_attention_cudnn(qg, kg, vg, starts_cpu, scale)
+                elif path == "dense":
+                    from titan_moe.model.packing import same_doc_causal_mask
+
+                    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=same_doc_causal_mask(ids), scale=scale)
+                elif path in ("varlen", "cudnn_ragged"):
+                    cu = cu_seqlens_from_doc_ids(ids)  # every row's first token starts a document
+                    max_len = int((cu[1:] - cu[:-1]).max())
+                    docs += cu.numel() - 1
+
+                    def thd(x):
+                        return x.transpose(1, 2).reshape(B * T, H, x.shape[-1])
+
+                    if path == "varlen":
+                        o_thd = varlen_call(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
+                    else:
+                        o_thd = _CudnnRagged.apply(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
+                    o = o_thd.reshape(B, T, H, V).transpose(1, 2)
+                else:
+                    raise ValueError(path)
+                torch.autograd.grad(o, (qg, kg, vg), do)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            row = {"fresh_rows": path, "T": T, "B": B, "pass": rep + 1, "batches": len(batches),
+                   "docs_per_batch": round(docs / len(batches), 1), "new_window_lengths": new_lengths,
+                   "first_ms": round(times[0], 1), "median_ms": round(sorted(times)[len(times) // 2], 1),
+                   "total_ms": round(sum(times), 1)}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[32768])
@@ -169,9 +268,21 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", default=["causal_sdpa", "cudnn", "varlen", "dense"])
     p.add_argument("--dense-max", type=int, default=32768, help="longest T for the dense-mask path")
     p.add_argument("--json", default="")
+    p.add_argument("--fresh-rows", type=int, default=0, metavar="N",
+                   help="instead: fwd+bwd per corpus batch over N successive batches, twice (fresh_rows)")
+    p.add_argument("--batch", type=int, default=1, help="rows per batch with --fresh-rows")
     a = p.parse_args()
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     out = []
+    if a.fresh_rows:
+        for T in a.seq_lens:
+            for path in a.paths:
+                try:
+                    out += fresh_rows(T, a.batch, a.fresh_rows, a.heads, a.qk_dim, a.v_dim, [path])
+                except Exception as e:  # a path that fails is reported, the others still run
+                    print(json.dumps({"fresh_rows": path, "T": T, "error": f"{type(e).__name__}: {str(e)[:300]}"}),
+                          flush=True)
+        a.seq_lens = []
     for T in a.seq_lens:
         rows = {"one_doc": ids_from_lengths([T]), "T-1,1": ids_from_lengths([T - 1, 1]),
                 "half,half": ids_from_lengths([T // 2, T - T // 2]), "corpus": corpus_doc_ids(T)}

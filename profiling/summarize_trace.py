@@ -150,6 +150,83 @@ def summarize(events: list[dict], category: str = "user_annotation", step_name: 
     }
 
 
+KERNEL_CATEGORIES = [  # first match wins; names as CUDA kernels appear in Kineto traces
+    ("attention", re.compile(r"fmha|flash|cudnn|sdpa|attention|doc_attention", re.I)),
+    ("kda", re.compile(r"kda", re.I)),
+    ("grouped_gemm", re.compile(r"grouped|gmm", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("triton", re.compile(r"^triton", re.I)),
+]
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def kernel_category(event: dict) -> str:
+    """The table row of one GPU event: memcpy/memset by its trace category, else by name."""
+    if event.get("cat") != "kernel":
+        return event.get("cat", "other")
+    return next((cat for cat, pattern in KERNEL_CATEGORIES if pattern.search(event["name"])), "other")
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def gpu_summary(events: list[dict]) -> dict:
+    """GPU time by kernel category and the share of the step the GPU is busy; times in ms per step.
+
+    The step is torch.profiler's `ProfilerStep#N` (else our `train_step` range) on the host;
+    busy is the union of every kernel, memcpy and memset interval (overlapping streams
+    counted once), divided by the number of steps. Returns {"step_ms", "n_steps",
+    "busy_ms", "busy_pct", "idle_pct", "categories": [{"name", "count", "ms", "pct_of_step"}],
+    "top_kernels": [...]}."""
+    host = _complete_events(events, "user_annotation")
+    steps = [e for e in host if STEP_MARKER.match(e["name"])] or [e for e in host if e["name"] == STEP_RANGE]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES and "dur" in e]
+    if not gpu:
+        raise ValueError("no GPU kernel events in the trace (a CPU run, or CUDA activity not recorded)")
+    n_steps = max(len(steps), 1)
+    if steps:
+        step_us = sum(float(e["dur"]) for e in steps) / n_steps
+    else:
+        step_us = max(float(e["ts"]) + float(e["dur"]) for e in gpu) - min(float(e["ts"]) for e in gpu)
+    busy_us = _union_us([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]) / n_steps
+    by_cat: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in gpu:
+        for table, key in ((by_cat, kernel_category(e)), (by_name, e["name"])):
+            row = table.setdefault(key, [0, 0.0])
+            row[0] += 1
+            row[1] += float(e["dur"])
+
+    def rows(table: dict, top: int) -> list[dict]:
+        ranked = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+        return [{"name": name, "count": int(c) // n_steps, "ms": us / n_steps / 1e3,
+                 "pct_of_step": 100.0 * us / n_steps / step_us} for name, (c, us) in ranked]
+
+    return {"step_ms": step_us / 1e3, "n_steps": len(steps), "busy_ms": busy_us / 1e3,
+            "busy_pct": 100.0 * busy_us / step_us, "idle_pct": 100.0 - 100.0 * busy_us / step_us,
+            "categories": rows(by_cat, len(by_cat)), "top_kernels": rows(by_name, 15)}
+
+
+def format_gpu_table(summary: dict) -> str:
+    lines = [f"GPU per step: step {summary['step_ms']:.1f} ms over {summary['n_steps']} step(s); busy "
+             f"{summary['busy_ms']:.1f} ms ({summary['busy_pct']:.1f}%), idle {summary['idle_pct']:.1f}%",
+             f"{'category':<14}  {'calls':>7}  {'ms':>9}  {'% step':>7}"]
+    lines += [f"{r['name']:<14}  {r['count']:>7}  {r['ms']:>9.2f}  {r['pct_of_step']:>7.1f}"
+              for r in summary["categories"]]
+    lines.append("top kernels:")
+    lines += [f"  {r['ms']:>8.2f} ms {r['pct_of_step']:>5.1f}%  x{r['count']:<5} {r['name'][:110]}"
+              for r in summary["top_kernels"]]
+    return "\n".join(lines)
+
+
 def format_table(summary: dict) -> str:
     width = max([len("range")] + [len(r["name"]) for r in summary["ranges"]])
     lines = [
@@ -171,10 +248,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="event category to summarise (user_annotation, gpu_user_annotation, cpu_op, kernel)")
     parser.add_argument("--step-name", default=None, help="range whose total is the step time")
     parser.add_argument("--top", type=int, default=25, help="rows to show (0: all)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="instead: GPU time per step by kernel category, busy and idle %% (gpu_summary)")
     args = parser.parse_args(argv)
     try:
         files = trace_files(args.traces)
         events = [e for f in files for e in load_events(f)]
+        if args.gpu:
+            summary = gpu_summary(events)
+            summary["files"] = [str(f) for f in files]
+            print(format_gpu_table(summary))
+            print(json.dumps(summary))
+            return 0
         summary = summarize(events, args.category, args.step_name, args.top)
     except (OSError, ValueError, KeyError) as e:
         print(f"summarize_trace: error: {e}", file=sys.stderr)

@@ -768,3 +768,24 @@ def test_host_cost_tool_refuses_bad_arguments_and_a_machine_without_cuda():
     assert bad.returncode != 0 and "usage" in bad.stderr
     no_gpu = run("10")
     assert no_gpu.returncode != 0 and "needs a CUDA GPU" in no_gpu.stderr
+
+
+def test_gpu_summary_counts_overlapping_kernels_once_and_groups_by_category():
+    def ev(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 7}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 1000, "pid": 1, "tid": 1},
+        ev("cudnn_fmha_fwd", 100, 200),        # attention
+        ev("nvjet_tst_128x256", 250, 100),     # gemm, overlaps the attention kernel by 50 us
+        ev("triton_poi_fused_add_0", 500, 50),  # inductor elementwise
+        ev("Memcpy HtoD", 600, 10, cat="gpu_memcpy"),
+    ]
+    s = summary_tool.gpu_summary(events)
+    assert s["step_ms"] == pytest.approx(1.0)
+    assert s["busy_ms"] == pytest.approx(0.31)  # 100..350 once, 500..550, 600..610
+    assert s["idle_pct"] == pytest.approx(69.0)
+    cats = {r["name"]: r["ms"] for r in s["categories"]}
+    assert cats == pytest.approx({"attention": 0.2, "gemm": 0.1, "triton": 0.05, "gpu_memcpy": 0.01})
+    with pytest.raises(ValueError, match="no GPU kernel events"):
+        summary_tool.gpu_summary(events[:1])
