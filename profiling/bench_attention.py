@@ -19,7 +19,6 @@ during forward+backward, minus the inputs.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 
 import torch
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from titan_moe.model.packing import cu_seqlens_from_doc_ids
 from titan_moe.ops.attention import doc_attention_chunked, doc_attention_cudnn, doc_starts
+from titan_moe.ops.attention.varlen import varlen_causal
 
 
 def corpus_doc_ids(T: int) -> torch.Tensor:
@@ -51,17 +51,6 @@ def masked_flops(lengths: list[int], H: int, K: int, V: int) -> tuple[float, flo
     pairs = sum(n * (n + 1) / 2 for n in lengths)
     fwd = 2 * pairs * H * (K + V)
     return fwd, 3.5 * fwd
-
-
-def varlen_call(q, k, v, cu, max_len, scale):
-    from torch.nn.attention.varlen import varlen_attn
-
-    K, V = q.shape[-1], v.shape[-1]
-    v_pad = F.pad(v, (0, K - V)) if V < K else v
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    o = varlen_attn(q, k, v_pad, cu, cu, max_len, max_len, scale=scale, **causal)
-    return o[..., :V]
 
 
 def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
@@ -114,7 +103,7 @@ def bench_row(name: str, ids_1T: torch.Tensor, H: int, K: int, V: int, dense_max
             max_len = max(lengths)
 
             def run(q, k, v):
-                o = varlen_call(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max_len, scale)
+                o = varlen_causal(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max_len, scale)
                 return o.transpose(0, 1)[None]
 
             return run, fwd_flops, fb_flops
@@ -241,7 +230,7 @@ def fresh_rows(T: int, B: int, n: int, H: int, K: int, V: int, paths: list[str])
                         return x.transpose(1, 2).reshape(B * T, H, x.shape[-1])
 
                     if path == "varlen":
-                        o_thd = varlen_call(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
+                        o_thd = varlen_causal(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
                     else:
                         o_thd = _CudnnRagged.apply(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
                     o = o_thd.reshape(B, T, H, V).transpose(1, 2)

@@ -294,13 +294,14 @@ def test_cuda_bf16_sdpa_with_document_mask_and_decode():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("compiled", [False, True])
-def test_cudnn_document_attention_matches_the_dense_mask_cuda(compiled):
-    """mla_attention = "cudnn" (eager, and inside a compiled layer) equals "dense" (SDPA with the
-    [B, 1, T, T] mask), outputs and gradients, bf16 (cuDNN's dtype), K3's head dims (qk 128 +
+@pytest.mark.parametrize("path", ["cudnn", "varlen"])
+def test_document_attention_paths_match_the_dense_mask_cuda(path, compiled):
+    """mla_attention = "cudnn" / "varlen" (eager, and inside a compiled layer) equals "dense"
+    (SDPA with the [B, 1, T, T] mask), outputs and gradients, bf16, K3's head dims (qk 128 +
     64, v 128); both in bf16, so the bound is bf16's, as in the CPU bf16 test."""
     kw = dict(dim=256, mla_n_heads=2, mla_q_lora_rank=96, mla_kv_lora_rank=64,
               mla_qk_nope_head_dim=128, mla_qk_shared_dim=64, mla_v_head_dim=128)
-    m_cudnn = make_mla(small_args(mla_attention="cudnn", **kw), seed=9).cuda().to(torch.bfloat16)
+    m_cudnn = make_mla(small_args(mla_attention=path, **kw), seed=9).cuda().to(torch.bfloat16)
     m_dense = make_mla(small_args(mla_attention="dense", **kw), seed=9).cuda().to(torch.bfloat16)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(2, 300, kw["dim"], generator=gen).to("cuda", torch.bfloat16).requires_grad_()
@@ -334,5 +335,6 @@ def test_attention_choice_is_validated_and_resolved():
         small_args(mla_attention="ring")
     assert resolve_attention("auto", torch.device("cpu")) == "chunked"
     assert resolve_attention("auto", torch.device("cuda")) == "dense"
-    with pytest.raises(ValueError, match="CUDA"):
-        resolve_attention("cudnn", torch.device("cpu"))
+    for choice in ("cudnn", "varlen"):
+        with pytest.raises(ValueError, match="CUDA"):
+            resolve_attention(choice, torch.device("cpu"))

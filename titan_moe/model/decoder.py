@@ -133,7 +133,7 @@ class Decoder(nn.Module):
         mla_doc_mask = None
         if doc_ids is not None and "mla" in self.args.layer_kinds():
             path = resolve_attention(self.args.mla_attention, tokens.device)
-            mla_doc_mask = document_mask(path, doc_ids)
+            mla_doc_mask = document_mask(path, doc_ids, cu_seqlens)
         x_BTD = self.tok_embeddings(tokens)
         stream = ResidualStream.start(x_BTD, self.args.attn_res, self.args.n_layers, self.args.attn_res_block_size)
         for i, layer in enumerate(self.layers.values()):

@@ -18,6 +18,9 @@ chunked elsewhere; `resolve_attention`). All but ``dense`` avoid any T x T tenso
 * ``cudnn`` (CUDA): one cuDNN causal attention call per document
   (`titan_moe.ops.attention.doc_attention_cudnn`): the dense kernel's rate on exactly the
   work the mask leaves.
+* ``varlen`` (CUDA): one variable-length FlashAttention-2 call over all documents of the
+  batch (`titan_moe.ops.attention.doc_attention_varlen`), driven by the decoder's
+  ``cu_seqlens``: no host work per document.
 * ``chunked`` (any device): `titan_moe.ops.attention.doc_attention_chunked`, exact, by query
   chunks, O(T * chunk) memory in forward and backward.
 * ``dense``: SDPA with a dense ``[B, 1, T, T]`` boolean mask (T^2 bytes per row kept for
@@ -49,10 +52,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_moe.model.args import ModelArgs
-from titan_moe.model.packing import same_doc_causal_mask
+from titan_moe.model.packing import cu_seqlens_from_doc_ids, same_doc_causal_mask
 from titan_moe.ops.attention import (
     doc_attention_chunked,
     doc_attention_cudnn,
+    doc_attention_varlen,
     doc_starts,
 )
 from titan_moe.ops.nvtx import nvtx_wrap
@@ -66,17 +70,19 @@ def resolve_attention(choice: str, device: torch.device) -> str:
     is the faster attention kernel, not yet the faster step (docs/kernels.md)."""
     if choice == "auto":
         return "dense" if device.type == "cuda" else "chunked"
-    if choice == "cudnn" and device.type != "cuda":
-        raise ValueError(f"model.mla_attention = 'cudnn' needs a CUDA device, got {device.type}")
+    if choice in ("cudnn", "varlen") and device.type != "cuda":
+        raise ValueError(f"model.mla_attention = {choice!r} needs a CUDA device, got {device.type}")
     return choice
 
 
-def document_mask(path: str, doc_ids_BT: torch.Tensor):
+def document_mask(path: str, doc_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
     """What `GatedMLA` needs for packed documents on `path`: the documents' starts [B, T]
-    (chunked; on the host for cudnn) or the dense bool mask [B, 1, T, T]
-    (dense)."""
+    (chunked; on the host for cudnn), the flattened stream's `cu_seqlens` (varlen; the
+    given one, else computed) or the dense bool mask [B, 1, T, T] (dense)."""
     if path == "dense":
         return same_doc_causal_mask(doc_ids_BT)
+    if path == "varlen":
+        return cu_seqlens if cu_seqlens is not None else cu_seqlens_from_doc_ids(doc_ids_BT)
     starts_BT = doc_starts(doc_ids_BT)
     if path == "cudnn":
         return starts_BT.cpu()
@@ -181,6 +187,8 @@ class GatedMLA(nn.Module):
         k_n_BTHN, v_BTHV = kv_BTHN.split([self.qk_nope_dim, self.v_head_dim], dim=-1)
         H = k_n_BTHN.shape[2]
         k_BTHK = torch.cat([k_n_BTHN, k_s_BTS[:, :, None, :].expand(B, T, H, self.qk_shared_dim)], dim=-1)
+        if doc_mask is not None and path == "varlen":
+            return doc_attention_varlen(q_BTHK, k_BTHK, v_BTHV, doc_mask, self.scale).float()
         q_BHTK, k_BHTK, v_BHTV = (t.transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))
         if doc_mask is None:
             o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=self.scale)

@@ -250,8 +250,9 @@ def _storage_key(storage: torch.UntypedStorage) -> int:
 def planned_attention(choice: str) -> str:
     """The CPU stand-in for the MLA attention path a CUDA run of `model.mla_attention = choice`
     takes: "dense" for auto and dense (the SDPA stand-in then saves the mask as CUDA does);
-    "chunked" for cudnn and chunked, which both save q, k, v, the output and an fp32
-    log-sum-exp [B, H, T] and nothing of size T^2."""
+    "chunked" for cudnn, varlen and chunked, which all save q, k, v, the output and an fp32
+    log-sum-exp [B, H, T] and nothing of size T^2 (varlen's v and output are padded to the
+    qk head dim: slightly more)."""
     return "dense" if choice in ("auto", "dense") else "chunked"
 
 
