@@ -152,8 +152,11 @@ def summarize(events: list[dict], category: str = "user_annotation", step_name: 
 
 KERNEL_CATEGORIES = [  # first match wins; names as CUDA kernels appear in Kineto traces
     ("attention", re.compile(r"fmha|flash|cudnn|sdpa|attention|doc_attention", re.I)),
-    ("kda", re.compile(r"kda", re.I)),
-    ("grouped_gemm", re.compile(r"grouped|gmm", re.I)),
+    ("kda", re.compile(r"kda|^_(bwd_(chunk_keys|chunk_values|intra|reverse_cumsum|state_scan|walk_prep)|chunk_cumsum"
+                       r"|diag_inverse|gate_cumsum_fwd|intra_columns|output|prepare_(fwd|bwd)|state_scan|wy|segment_"
+                       r"(combine|transition|walk))_kernel")),
+    ("grouped_gemm", re.compile(r"grouped|gmm|^_(dw|ragged_[a-z_]+|zero_empty_groups)_kernel", re.I)),
+    ("moe_glue", re.compile(r"^_(situ_(fwd|bwd)|permute|combine_bwd|gather_sum|router_topk_fwd|zero_rows_past)_kernel")),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("nccl", re.compile(r"nccl", re.I)),
@@ -212,7 +215,7 @@ def gpu_summary(events: list[dict]) -> dict:
 
     return {"step_ms": step_us / 1e3, "n_steps": len(steps), "busy_ms": busy_us / 1e3,
             "busy_pct": 100.0 * busy_us / step_us, "idle_pct": 100.0 - 100.0 * busy_us / step_us,
-            "categories": rows(by_cat, len(by_cat)), "top_kernels": rows(by_name, 15)}
+            "categories": rows(by_cat, len(by_cat)), "top_kernels": rows(by_name, 40)}
 
 
 def format_gpu_table(summary: dict) -> str:
