@@ -3,9 +3,7 @@ value for value, and the name/shape map against the meta-device K3."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 from types import SimpleNamespace
 
@@ -13,7 +11,7 @@ import pytest
 import torch
 from torchtitan.components.checkpoint import MODEL, CheckpointManager, ModelWrapper
 
-from tiny import TINY_ARGS
+from tiny import TINY_ARGS, call_main
 from titan_moe.flavors import FLAVORS
 from titan_moe.hf import kimi_k3
 from titan_moe.hf.__main__ import main as hf_main
@@ -131,14 +129,7 @@ def _write_k3_checkpoint(folder, args, drop: str | None = None) -> dict[str, tor
 
 
 def _run(argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            hf_main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
+    return call_main(hf_main, argv)
 
 
 def test_synthetic_k3_checkpoint_imports_value_for_value(tmp_path):
