@@ -155,7 +155,15 @@ class TitanStateDictAdapter(StateDictAdapter):
         # hf_assets_path (for us, the tokenizer folder); ours comes from the model's shapes.
         self.model_args = model_args
         self.hf_assets_path = hf_assets_path
-        self.fqn_to_index_mapping = shard_plan(model_shapes(model_args), max_shard_bytes)
+        self.max_shard_bytes = max_shard_bytes
+        self._plan: dict[str, int] | None = None
+
+    @property
+    def fqn_to_index_mapping(self) -> dict[str, int]:
+        """HF name -> shard number; planned at the first HF save or load, not at start-up."""
+        if self._plan is None:
+            self._plan = shard_plan(model_shapes(self.model_args), self.max_shard_bytes)
+        return self._plan
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         out = {to_hf_name(name): value for name, value in state_dict.items()}
