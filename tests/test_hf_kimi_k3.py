@@ -95,7 +95,7 @@ _SAME_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight"
              "output.weight": "lm_head.weight", "final_mix.key_norm.weight": "model.output_attn_res_norm.weight"}
 
 
-def _write_k3_checkpoint(folder, args, drop: str | None = None) -> dict[str, torch.Tensor]:
+def _write_k3_checkpoint(folder, args, drop: str | None = None, a_log_tail: float = 0.0) -> dict[str, torch.Tensor]:
     """A checkpoint in the released layout (`language_model.` prefix, bf16 weights, MXFP4
     routed experts, 3 shards, index json, nested config.json, two vision tensors)."""
     from safetensors.torch import save_file
@@ -108,7 +108,7 @@ def _write_k3_checkpoint(folder, args, drop: str | None = None) -> dict[str, tor
         elif name.endswith("weight_scale"):
             tensors[name] = torch.randint(118, 137, shape, dtype=torch.uint8, generator=gen)
         elif name.endswith("A_log"):  # heads first, then zero padding
-            tensors[name] = torch.zeros(shape, dtype=torch.float32)
+            tensors[name] = torch.full(shape, a_log_tail, dtype=torch.float32)
             tensors[name][:args.kda_n_heads] = torch.randn(args.kda_n_heads, generator=gen)
         else:
             tensors[name] = torch.randn(shape, generator=gen).to(torch.bfloat16)
@@ -208,6 +208,13 @@ def test_a_missing_expert_tensor_is_one_line_naming_it(tmp_path):
     code, _, stderr = _run(["import-k3", str(tmp_path / "k3"), str(tmp_path / "ours")])
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert missing in stderr
+
+
+def test_a_log_padding_that_is_not_zero_stops_the_import(tmp_path):
+    _write_k3_checkpoint(tmp_path / "k3", SMALL, a_log_tail=0.5)
+    code, _, stderr = _run(["import-k3", str(tmp_path / "k3"), str(tmp_path / "ours")])
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "model.layers.0.self_attn.A_log: expected 2 heads followed by zero padding" in stderr
 
 
 # ---------------------------------------------------------------- against the meta K3

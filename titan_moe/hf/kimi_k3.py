@@ -317,6 +317,16 @@ def _routed_experts(src: Source, available: set[str], prefix: str, args: ModelAr
     return gate_up, down
 
 
+def _unpad(a_log: torch.Tensor, heads: int, name: str) -> torch.Tensor:
+    """The first `heads` entries of the padded `A_log`; the padding must be zeros (else the
+    assumed layout is wrong, and the import stops rather than guess)."""
+    flat = a_log.reshape(-1)
+    if flat.numel() < heads or (not flat.is_meta and bool(flat[heads:].any())):
+        raise ValueError(f"{name}: expected {heads} heads followed by zero padding, got {flat.numel()} entries "
+                         f"with {int((flat[heads:] != 0).sum()) if not flat.is_meta else '?'} nonzero past the heads")
+    return flat[:heads]
+
+
 def _rules(args: ModelArgs) -> Iterator[tuple[str, list[str] | Callable, Callable]]:
     """(our name, public names it reads, how to build it from them)."""
 
@@ -335,7 +345,7 @@ def _rules(args: ModelArgs) -> Iterator[tuple[str, list[str] | Callable, Callabl
                                  ("v_conv1d", "v_conv_weight")):
                 yield oa + ours, [f"{a}{theirs}.weight"], lambda t: t.reshape(t.shape[0], t.shape[-1])
             H = args.kda_n_heads
-            yield oa + "A_log", [a + "A_log"], lambda t, H=H: t.reshape(-1)[:H]
+            yield oa + "A_log", [a + "A_log"], lambda t, H=H, name=a + "A_log": _unpad(t, H, name)
             yield oa + "dt_bias", [a + "dt_bias"], same
             yield oa + "o_norm_weight", [a + "o_norm.weight"], same
             pairs = (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("f_a_proj", "w_f_down"),
