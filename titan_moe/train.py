@@ -229,7 +229,7 @@ class IntactCheckpointManager(CheckpointManager):
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return result
         if to_hf:
-            hf_adapter.finish_save(checkpoint_id, self.sd_adapter.model_args)  # config.json
+            hf_adapter.finish_save(checkpoint_id, self.sd_adapter.model_args)  # config.json, index
             return result
         if async_mode == AsyncMode.DISABLED:
             intact.write_manifest(checkpoint_id)
