@@ -6,8 +6,6 @@ Most checks call the entry points in-process; two run the tiny trainer as a subp
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
@@ -21,20 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tiny import CONFIG, REPO, TINY_CLI, records, run_train
+from tiny import call_main as _exit  # (exit code, stdout, stderr) of a CLI main run in-process
 from titan_moe.config import ConfigError, error_source, load_config
 from titan_moe.runtime import checkpoint as intact
-
-
-def _exit(main, argv) -> tuple[int, str, str]:
-    """Run a CLI main in-process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def _one_line_error(code: int, err: str, *needles: str) -> None:

@@ -6,7 +6,9 @@ dense FFN and MoE FFNs (8 experts, top-2, QB), block AttnRes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -64,3 +66,15 @@ def records(dump: Path) -> dict[int, dict]:
 
 def losses(dump: Path) -> dict[int, float]:
     return {step: r["loss"] for step, r in records(dump).items()}
+
+
+def call_main(main, argv) -> tuple[int, str, str]:
+    """Run a CLI's main in-process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, out.getvalue(), err.getvalue()

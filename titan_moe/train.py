@@ -43,6 +43,7 @@ from torchtitan.train import Trainer  # noqa: E402
 from titan_moe import train_spec  # noqa: E402
 from titan_moe.config import ConfigError, error_source, load_config, model_args_from_config  # noqa: E402
 from titan_moe.data.corpus import CorpusError  # noqa: E402
+from titan_moe.hf import adapter as hf_adapter  # noqa: E402
 from titan_moe.model.mla import resolve_attention  # noqa: E402
 from titan_moe.model.moe import refresh_compute_weights  # noqa: E402
 from titan_moe.ops import choices, launch_env, nvtx  # noqa: E402
@@ -225,7 +226,10 @@ class IntactCheckpointManager(CheckpointManager):
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        if to_hf or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return result
+        if to_hf:
+            hf_adapter.finish_save(checkpoint_id, self.sd_adapter.model_args)  # config.json, index
             return result
         if async_mode == AsyncMode.DISABLED:
             intact.write_manifest(checkpoint_id)

@@ -19,6 +19,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config  # noqa: E402
 from titan_moe.flavors import FLAVORS  # noqa: E402
+from titan_moe.hf.adapter import TitanStateDictAdapter  # noqa: E402
 from titan_moe.metrics import build_titan_metrics_processor  # noqa: E402
 from titan_moe.model.decoder import Decoder  # noqa: E402
 from titan_moe.model.moe import apply_expert_balance  # noqa: E402
@@ -88,6 +89,7 @@ def get_titan_train_spec() -> TrainSpec:
         build_loss_fn=build_cross_entropy_loss,
         build_validator_fn=build_titan_validator,
         build_metrics_processor_fn=build_titan_metrics_processor,
+        state_dict_adapter=TitanStateDictAdapter,  # checkpoint.last_save_in_hf / initial_load_in_hf
     )
 
 
