@@ -74,6 +74,8 @@ interval = 2
 log_freq = 1
 [validation]
 enable = false
+[debug]
+seed = 0
 """
 
 
@@ -370,6 +372,7 @@ def _train(tmp_path, dump, *extra, env=None):
     return proc
 
 
+@pytest.mark.slow  # three training processes: about a minute on two idle cores
 def test_ladder_runs_stages_and_resumes_bit_identically(tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
     proc = _train(tmp_path, full)
