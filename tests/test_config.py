@@ -117,7 +117,10 @@ def test_every_shipped_config_loads_and_builds_on_meta(path):
 
     summary = inspect_model(["--job.config_file", str(path)])
     assert summary["total_params"] > summary["active_params"] > 0
-    assert 0.5 < summary["matmul_flops_share"] < 1.0
+    # At 64K tokens a row and beyond (the ladders' last stages), attention's T^2 FLOPs may
+    # outweigh the matmuls of a narrow model: 0.19 for ladder_1gpu at 128K.
+    long_rows = load_config(["--job.config_file", str(path)]).training.seq_len >= 65536
+    assert (0.0 if long_rows else 0.5) < summary["matmul_flops_share"] < 1.0
 
 
 def test_exact_qb_with_compile_and_checkpointing_is_refused(tmp_path):

@@ -13,6 +13,8 @@ Our additions:
   [quantize.linear.float8] min_features, next to torchtitan's float8 keys (titan_moe.float8).
   [kernels] which implementation each op runs (`titan_moe.ops.choices.KernelChoices`),
            resolved for the device when the model is built.
+  [ladder] the context-length stages (`titan_moe.ladder`): `[[ladder.stages]]` tables in the
+           TOML, `--ladder.stages.N.key value` (N from 1) on the command line.
 torchtitan's own keys keep their meaning; `training.dataset` is one of "builtin", "text",
 "hf_disk" and `training.dataset_path` points at the user's files for the last two.
 """
@@ -34,6 +36,7 @@ from typing import Any, Literal
 from torchtitan.config import ConfigManager, JobConfig
 
 from titan_moe.float8.config import QuantizeExtras  # also registers the float8 converters
+from titan_moe.ladder import SYNTHETIC_TASKS, Ladder, apply_to_config as apply_ladder
 from titan_moe.model.args import ModelArgs
 from titan_moe.ops.choices import KernelChoices, check as check_kernel_choices
 
@@ -61,6 +64,19 @@ class Data:
 
     hf_text_column: str = "text"
     """Column holding the text when training.dataset = "hf_disk"."""
+
+    long_documents: list[str] = field(default_factory=list)
+    """Sources of long documents for ladder stages with long_fraction > 0: "packages" (each
+    package of the Python standard library, its modules concatenated in import order) and/or
+    "text" (each file at long_documents_path is one document). Split into train/val like the corpus."""
+
+    long_documents_path: str = ""
+    """File, folder or glob of long text files, for long_documents = ["text"]."""
+
+    synthetic_tasks: list[str] = field(default_factory=lambda: ["passkey", "mqar"])
+    """Synthetic whole-context tasks mixed in by a stage's synthetic_fraction (equal shares):
+    "passkey" (a number hidden in filler text, asked for at the end) and "mqar" (key-value
+    pairs spread over the context, every key asked for at the end)."""
 
 
 @dataclass
@@ -142,6 +158,7 @@ class TitanJobConfig:
     validation: Validation = field(default_factory=Validation)
     quantize: QuantizeExtras = field(default_factory=QuantizeExtras)
     kernels: KernelChoices = field(default_factory=KernelChoices)
+    ladder: Ladder = field(default_factory=Ladder)
 
 
 def job_config_class() -> type:
@@ -248,6 +265,12 @@ def _check_table(table: dict[str, Any], cls: type, prefix: str, where: str) -> d
                 raise ConfigError(f"{where}: [{dotted}] must be a table, got {value!r}")
             out[key] = _check_table(value, tp, dotted + ".", where)
             continue
+        item = _table_list_item(tp)
+        if item is not None:  # [[section.key]] tables: kept as checked dicts, built after the CLI
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"{where}: {dotted} must be a list of tables ([[{dotted}]]), got {value!r}")
+            out[key] = [_check_table(v, item, f"{dotted}.{n + 1}.", where) for n, v in enumerate(value)]
+            continue
         try:
             out[key] = _coerce(value, tp, from_cli=False)
         except (TypeError, ValueError) as e:
@@ -255,26 +278,51 @@ def _check_table(table: dict[str, Any], cls: type, prefix: str, where: str) -> d
     return out
 
 
+def _table_list_item(tp: Any) -> type | None:
+    """The dataclass of a `list[SomeDataclass]` field (a TOML array of tables), else None."""
+    if typing.get_origin(tp) is list:
+        (inner, *_) = typing.get_args(tp) or (None,)
+        if is_dataclass(inner):
+            return inner
+    return None
+
+
 def _resolve_cli_key(cls: type, dotted: str) -> tuple[list[str], Any, bool]:
-    """Map 'section.key' (hyphens allowed, 'no_' prefix for booleans) to a path and type."""
+    """Map 'section.key' (hyphens allowed, 'no_' prefix for booleans) to a path and type.
+
+    An array of tables is indexed from 1: `ladder.stages.2.seq_len` is the second stage's key
+    (the path holds the 0-based int 1)."""
     parts = dotted.replace("-", "_").split(".")
-    path: list[str] = []
+    path: list[Any] = []
     current = cls
     for i, part in enumerate(parts):
+        item = _table_list_item(current)
+        if item is not None:
+            if not part.isdigit() or int(part) < 1:
+                raise ConfigError(f"command line: --{'.'.join(map(str, _shown(path)))}.N.KEY needs a stage "
+                                  f"number N >= 1, got {part!r}")
+            path.append(int(part) - 1)
+            current = item
+            continue
         hints = _field_types(current)
         negate = False
         if part not in hints and part.startswith("no_") and part[3:] in hints and i == len(parts) - 1:
             part, negate = part[3:], True
         if part not in hints:
-            known = [".".join(path + [k]) for k in hints]
+            known = [".".join(map(str, _shown(path) + [k])) for k in hints]
             raise ConfigError(f"command line: {_unknown_key_message('.'.join(parts), known)}")
         path.append(part)
         current = hints[part]
-        if i < len(parts) - 1 and not is_dataclass(current):
-            raise ConfigError(f"command line: {'.'.join(path)} is not a section")
-    if is_dataclass(current):
-        raise ConfigError(f"command line: --{'.'.join(path)} is a section, not a key")
+        if i < len(parts) - 1 and not is_dataclass(current) and _table_list_item(current) is None:
+            raise ConfigError(f"command line: {'.'.join(map(str, _shown(path)))} is not a section")
+    if is_dataclass(current) or _table_list_item(current) is not None:
+        raise ConfigError(f"command line: --{'.'.join(map(str, _shown(path)))} is a section, not a key")
     return path, current, negate
+
+
+def _shown(path: list[Any]) -> list[Any]:
+    """A key path as the user writes it (list indices from 1)."""
+    return [p + 1 if isinstance(p, int) else p for p in path]
 
 
 def _parse_cli(argv: list[str], cls: type) -> list[tuple[list[str], Any]]:
@@ -302,11 +350,45 @@ def _parse_cli(argv: list[str], cls: type) -> list[tuple[list[str], Any]]:
         try:
             value = _coerce(raw, tp, from_cli=True)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"command line: bad value for --{'.'.join(path)} {raw!r}: {e}") from None
+            raise ConfigError(f"command line: bad value for --{'.'.join(map(str, _shown(path)))} {raw!r}: {e}") from None
         if negate:
             value = not value
         overrides.append((path, value))
     return overrides
+
+
+def _set_override(data: dict[str, Any], key_path: list[Any], value: Any) -> str:
+    """Put a command-line value into the checked TOML data; returns the dotted key."""
+    table: Any = data
+    for n, part in enumerate(key_path[:-1]):
+        if isinstance(part, int):
+            dotted = ".".join(map(str, _shown(key_path[:n])))
+            if part >= len(table):
+                raise ConfigError(f"command line: --{'.'.join(map(str, _shown(key_path)))}: the config has "
+                                  f"{len(table)} {dotted} entries (numbered from 1)")
+            table = table[part]
+        else:
+            table = table.setdefault(part, [] if _is_list_next(key_path, n) else {})
+    table[key_path[-1]] = value
+    return ".".join(map(str, _shown(key_path)))
+
+
+def _is_list_next(key_path: list[Any], n: int) -> bool:
+    return n + 1 < len(key_path) and isinstance(key_path[n + 1], int)
+
+
+def _build_table_lists(cls: type, data: dict[str, Any]) -> None:
+    """Turn checked [[...]] tables (lists of dicts) into their dataclasses, in place."""
+    hints = _field_types(cls)
+    for key, value in data.items():
+        tp = hints.get(key)
+        if tp is None:
+            continue
+        if is_dataclass(tp) and isinstance(value, dict):
+            _build_table_lists(tp, value)
+        item = _table_list_item(tp)
+        if item is not None:
+            data[key] = [item(**v) for v in value]
 
 
 def _config_file_arg(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -372,13 +454,11 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         data = _check_table(raw, cls, "", path)
     cli: dict[str, Any] = {}
     for key_path, value in _parse_cli(rest, cls):
-        table = data
-        for part in key_path[:-1]:
-            table = table.setdefault(part, {})
-        table[key_path[-1]] = value
-        cli[".".join(key_path)] = value
+        cli[_set_override(data, key_path, value)] = value
+    set_keys = {f"{section}.{key}" for section, table in data.items() if isinstance(table, dict) for key in table}
     data.setdefault("job", {})["config_file"] = path
     try:
+        _build_table_lists(cls, data)
         config = ConfigManager(cls)._dict_to_dataclass(cls, data)
     except (AssertionError, ValueError, TypeError) as e:
         raise ConfigError(f"{_source_of(str(e), path, cli)}: {e}") from None
@@ -387,6 +467,8 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         _check_compile_with_ac(model_args_from_config(config), config)
         _check_compile_passes(config.compile.passes)
         check_kernel_choices(config.kernels)
+        _check_data_mix(config.data)
+        apply_ladder(config, set_keys)
         if config.compile.moe_regions not in ("auto", "piecewise"):
             raise ValueError(f"compile.moe_regions must be 'auto' or 'piecewise', got {config.compile.moe_regions!r}")
     except ValueError as e:
@@ -432,6 +514,17 @@ def _check_compile_with_ac(args: ModelArgs, config: Any) -> None:
             "model.qb_bins = 0 (exact QB) cannot be compiled with activation checkpointing; "
             "set model.qb_bins > 0 (SPEC: 1000), activation_checkpoint.mode = 'none' or compile.enable = false"
         )
+
+
+def _check_data_mix(data: Any) -> None:
+    unknown = [t for t in data.synthetic_tasks if t not in SYNTHETIC_TASKS]
+    if unknown:
+        raise ValueError(f"data.synthetic_tasks: unknown task {unknown[0]!r}; known: {list(SYNTHETIC_TASKS)}")
+    bad = [s for s in data.long_documents if s not in ("packages", "text")]
+    if bad:
+        raise ValueError(f"data.long_documents: unknown source {bad[0]!r}; known: ['packages', 'text']")
+    if "text" in data.long_documents and not data.long_documents_path:
+        raise ValueError("data.long_documents includes 'text' but data.long_documents_path is empty")
 
 
 def _check_compile_passes(passes: list[str]) -> None:

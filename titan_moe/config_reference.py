@@ -138,6 +138,9 @@ def _leaves(cls: type, prefix: str) -> list[tuple[str, type]]:
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.type):
             out += _leaves(f.type, f"{prefix}.{f.name}")
+        elif typing.get_origin(f.type) is list and dataclasses.is_dataclass(typing.get_args(f.type)[0]):
+            # an array of tables ([[ladder.stages]]): the keys of one entry
+            out += _leaves(typing.get_args(f.type)[0], f"{prefix}.{f.name}")
     return out
 
 

@@ -29,6 +29,18 @@ FLAVORS: dict[str, ModelArgs] = {
         moe_latent_dim=512, moe_expert_hidden=768, moe_shared_hidden=1536, dense_hidden=4096,
         qb_ema=0.5, qb_bins=1000,
     ),
+    # About 150M parameters (16 experts, top-2): the one-GPU context ladder 8K -> 32K -> 128K
+    # (configs/ladder_1gpu.toml).
+    "ladder_1gpu": ModelArgs(
+        vocab_size=4096, dim=640, n_layers=12, n_dense_layers=1,
+        kda_n_heads=5, kda_head_dim=128,
+        mla_n_heads=5, mla_q_lora_rank=384, mla_kv_lora_rank=256, mla_qk_nope_head_dim=128,
+        mla_qk_shared_dim=64, mla_v_head_dim=128,
+        attn_res="block", attn_res_block_size=4,
+        n_routed_experts=16, top_k=2, n_shared_experts=1,
+        moe_latent_dim=320, moe_expert_hidden=512, moe_shared_hidden=1280, dense_hidden=2560,
+        qb_ema=0.5, qb_bins=1000,
+    ),
     # Width 4096 on one H200: a model whose step is mostly expert and linear GEMMs, for
     # measuring float8 training speed (configs/wide_1gpu.toml).
     "wide_1gpu": ModelArgs(

@@ -83,7 +83,8 @@ class TitanMetricsProcessor(MetricsProcessor):
         tokens, seconds = self.ntokens_since_last_log, time.perf_counter() - self.time_last_log
         super().log(step, global_avg_loss, global_max_loss, grad_norm, {**(extra_metrics or {}), **balance})
         loss = float(global_avg_loss)
-        record = {"step": step, "loss": loss, "grad_norm": float(grad_norm), **balance, **memory}
+        record = {"step": step, "loss": loss, "grad_norm": float(grad_norm),
+                  "seq_len": self.job_config.training.seq_len, **balance, **memory}
         if seconds > 0:
             record["tokens_per_s"] = tokens / (seconds * self.parallel_dims.non_data_parallel_size)
         self._append(record)

@@ -13,6 +13,8 @@ What we change in torchtitan 0.2.2's Trainer, and why (everything else is theirs
   * `[kernels]`: resolved for the device and made current before the model is built, logged
     in one line, written to metrics.jsonl and kept in the checkpoint's train state (a resume
     with other choices keeps the new run's and warns).
+  * `[ladder]` stages (`titan_moe.ladder`, `titan_moe.stages.LadderRun`): per-stage rows,
+    batch, data mix and LR; a checkpoint and evaluations at each stage's end.
   * `[profiling] nvtx`: NVTX ranges around the step, forward, backward and optimizer step
     (`ops.nvtx`), and a cudaProfilerStart/Stop window (`nvtx_start_step`/`nvtx_stop_step`)
     for `nsys --capture-range=cudaProfilerApi` (see profiling/nsys_launch.py).
@@ -48,6 +50,7 @@ from titan_moe.model.mla import resolve_attention  # noqa: E402
 from titan_moe.model.moe import refresh_compute_weights  # noqa: E402
 from titan_moe.ops import choices, launch_env, nvtx  # noqa: E402
 from titan_moe.runtime import checkpoint as intact  # noqa: E402
+from titan_moe.stages import LadderRun  # noqa: E402
 
 # Test hook: SIGKILL this process while it writes the checkpoint of this step, after the
 # data files and before the metadata that makes a checkpoint loadable.
@@ -128,6 +131,10 @@ class TitanTrainer(Trainer):
         kill_step = launch_env.read(KILL_DURING_SAVE_ENV)
         if kill_step:
             _install_kill_during_save(self, int(kill_step))
+        # The context ladder, when [[ladder.stages]] are configured.
+        self.ladder_run = LadderRun(self, job_config) if job_config.ladder.stages else None
+        if self.ladder_run is not None:
+            self.ladder_run.install()
 
     def _cache_compute_weights(self, dtype: torch.dtype) -> None:
         """After every optimizer step, the routed experts' weights cast to autocast's dtype
@@ -144,6 +151,8 @@ class TitanTrainer(Trainer):
         self.optimizers.register_step_post_hook(refresh)
 
     def train_step(self, data_iterator):
+        if self.ladder_run is not None:  # this step's stage: its rows, batch and data mix
+            data_iterator = self.ladder_run.data_iterator(self.step, data_iterator)
         self.metrics_processor.start_progress(self.step - 1)
         self._cuda_profiler_window(before_step=True)
         with nvtx.nvtx_range("train_step"):
@@ -185,6 +194,8 @@ class TitanTrainer(Trainer):
             nvtx.enable(False)
 
     def should_continue_training(self) -> bool:
+        if self.ladder_run is not None:  # a stage's end: its checkpoint and evaluations
+            self.ladder_run.after_step(self.step)
         exit_at = self.job_config.training.exit_at_step
         if 0 < exit_at <= self.step < self.job_config.training.steps:
             if self.step % self.checkpointer.interval:

@@ -19,6 +19,18 @@ for bit; the position does not depend on seq_len or the batch size, so a run may
 resume with another seq_len (a context-length stage) and continue the same document
 stream. Each rank stores its state under "dp_rank_{r}", as torchtitan's
 ParallelAwareDataloader does.
+
+Data mix (the context ladder's stages, `set_stage`): besides the corpus, the stream may draw
+documents from a source of long documents (`long_documents`, its own per-epoch order) and
+synthetic whole-context tasks (`synthetic`, `titan_moe.data.synthetic`), at target fractions
+of the stage's tokens. Before each document the stream picks the source whose share is
+furthest behind: a synthetic task while its tokens are below `synthetic_fraction` of the
+stage's tokens so far and at least a quarter of the current row is free (the task then
+fills the row exactly, so it is never cut), else a long document while below
+`long_fraction`, else the corpus. The position then holds every source's place (epoch and
+index of its current or next document, the synthetic tasks' count), which source holds
+the next token and the stage's token counts: a resume still continues bit for bit.
+Synthetic tasks carry a loss mask: labels are IGNORE_INDEX (-100) except on their answers.
 """
 
 from __future__ import annotations
@@ -34,10 +46,16 @@ from torchtitan.components.tokenizer import BaseTokenizer
 
 from titan_moe.data.corpus import CorpusError, DocumentSource, build_source, epoch_order
 from titan_moe.data.packing import PackedRow, collate_rows, pack_rows
+from titan_moe.data.synthetic import SyntheticTasks
 
 logger = logging.getLogger(__name__)
 
-_STATE_KEYS = ("epoch", "doc_index", "token_offset", "batches", "rows")
+_STATE_KEYS = ("epoch", "doc_index", "token_offset", "batches", "rows",
+               # the data mix (all 0 without long documents or synthetic tasks)
+               "source", "long_epoch", "long_index", "synth_index", "synth_len", "stage",
+               "corpus_tokens", "long_tokens", "synth_tokens")
+CORPUS, LONG, SYNTH = 0, 1, 2  # values of "source"
+_LONG_SEED_SALT = 7919  # the long documents' shuffle differs from the corpus's
 # documents tokenized per group: enough text to amortise a batched encode, little
 # enough that the first batch comes quickly
 _GROUP_DOCS = 64
@@ -68,6 +86,8 @@ class PackedTextDataLoader(BaseDataLoader):
         seed: int = 0,
         shuffle: bool = True,
         infinite: bool = True,
+        long_documents: DocumentSource | None = None,
+        synthetic: SyntheticTasks | None = None,
     ):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -87,8 +107,30 @@ class PackedTextDataLoader(BaseDataLoader):
         self.shuffle = shuffle
         self.infinite = infinite
         self._rank_key = f"dp_rank_{dp_rank}"
+        self.long_documents = long_documents
+        self.synthetic = synthetic
+        self.long_fraction = 0.0
+        self.synthetic_fraction = 0.0
         self.reset()
         self._order_cache: tuple[int, list[int]] | None = None
+        self._long_order_cache: tuple[int, list[int]] | None = None
+
+    def set_stage(self, stage: int, *, seq_len: int, local_batch_size: int, long_fraction: float = 0.0,
+                  synthetic_fraction: float = 0.0) -> None:
+        """Switch to a ladder stage: rows of `seq_len`, `local_batch_size` rows per rank and the
+        stage's data mix. The stream goes on from the current position; entering another stage
+        than the position's restarts the mix's token counts. Make a new iterator afterwards."""
+        if seq_len < 1 or local_batch_size < 1:
+            raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len}, {local_batch_size}")
+        if long_fraction > 0 and self.long_documents is None:
+            raise ValueError("long_fraction > 0 needs long documents (data.long_documents)")
+        if synthetic_fraction > 0 and self.synthetic is None:
+            raise ValueError("synthetic_fraction > 0 needs synthetic tasks (data.synthetic_tasks)")
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.long_fraction, self.synthetic_fraction = long_fraction, synthetic_fraction
+        if self._position["stage"] != stage:
+            self._position = {**self._position, "stage": stage, "corpus_tokens": 0, "long_tokens": 0,
+                              "synth_tokens": 0}
 
     # ------------------------------------------------------------------ stream
     def _order(self, epoch: int) -> list[int]:
@@ -104,8 +146,8 @@ class PackedTextDataLoader(BaseDataLoader):
             return encode_batch(texts, add_bos=True, add_eos=True)
         return [self.tokenizer.encode(t, add_bos=True, add_eos=True) for t in texts]
 
-    def _tokenized_documents(self, epoch: int, doc_index: int, offset: int, one_epoch: bool = False):
-        """(cursor=(epoch, doc_index), [bos]+tokens+[eos], start) from the given position on.
+    def _corpus(self, epoch: int, doc_index: int, one_epoch: bool = False):
+        """(epoch, index, [bos]+tokens+[eos]) of the corpus from the given place on.
 
         Documents are read and tokenized a small group at a time (lazily); empty ones are
         skipped, since they would only add a bare [bos, eos]. A finite loader (or `one_epoch`)
@@ -126,20 +168,90 @@ class PackedTextDataLoader(BaseDataLoader):
                     i += 1
                 for j, tokens in zip(group_index, self._encode(group_text)):
                     found_text = True
-                    yield (epoch, j), tokens, offset
-                    offset = 0
+                    yield epoch, j, tokens
             if not self.infinite or one_epoch:
                 return
             if not found_text and doc_index == 0:
                 raise ValueError(f"{self.documents!r}: every document is empty")
-            epoch, doc_index, offset = epoch + 1, 0, 0
+            epoch, doc_index = epoch + 1, 0
+
+    def _long(self, epoch: int, index: int):
+        """(epoch, index, tokens) of the long documents, endlessly, one at a time."""
+        assert self.long_documents is not None
+        n = len(self.long_documents)
+        while True:
+            if self._long_order_cache is None or self._long_order_cache[0] != epoch:
+                order = epoch_order(n, seed=self.seed + _LONG_SEED_SALT, epoch=epoch, shuffle=self.shuffle)
+                self._long_order_cache = (epoch, order)
+            order = self._long_order_cache[1]
+            found = False
+            for i in range(index, n):
+                text = self.long_documents[order[i]]
+                if text:
+                    found = True
+                    yield epoch, i, self._encode([text])[0]
+            if not found and index == 0:
+                raise ValueError(f"{self.long_documents!r}: every document is empty")
+            epoch, index = epoch + 1, 0
+
+    def _documents(self, pos: dict[str, int], one_epoch: bool = False):
+        """(cursor, tokens, start, loss_mask) from position `pos` on: the mixed document stream.
+
+        cursor: the stream position at this document (every source's place, the counts before
+        it), which `pack_rows` hands back with the offset after a row.
+        """
+        state = {k: pos[k] for k in _STATE_KEYS if k not in ("token_offset", "batches", "rows")}
+        row_len = self.seq_len + 1
+        offset = pos["token_offset"]
+        fill = 0  # tokens in the current row; the rest of the current document starts a row
+        corpus = self._corpus(state["epoch"], state["doc_index"], one_epoch)
+        long_docs = self._long(state["long_epoch"], state["long_index"]) if self.long_documents is not None else None
+        source = state["source"]
+        while True:
+            if source == SYNTH:
+                assert self.synthetic is not None
+                task = self.synthetic.task(state["synth_index"], state["synth_len"])
+                tokens, mask = task.tokens, task.loss_mask
+            elif source == LONG:
+                assert long_docs is not None
+                state["long_epoch"], state["long_index"], tokens = next(long_docs)
+                mask = None
+            else:
+                got = next(corpus, None)
+                if got is None:
+                    return
+                state["epoch"], state["doc_index"], tokens = got
+                mask = None
+            state["source"] = source
+            yield dict(state), tokens, offset, mask
+            # past this document: its source moves on, its tokens count
+            count_key = ("corpus_tokens", "long_tokens", "synth_tokens")[source]
+            state[count_key] += len(tokens)
+            if source == SYNTH:
+                state["synth_index"] += 1
+            elif source == LONG:
+                state["long_index"] += 1
+            else:
+                state["doc_index"] += 1
+            fill = (fill + len(tokens) - offset) % row_len
+            offset = 0
+            source = self._next_source(state, row_len - fill)
+            if source == SYNTH:
+                state["synth_len"] = row_len - fill
+
+    def _next_source(self, state: dict[str, int], free: int) -> int:
+        """The source of the next document (the rule in the module docstring)."""
+        total = state["corpus_tokens"] + state["long_tokens"] + state["synth_tokens"]
+        if (self.synthetic_fraction > 0 and state["synth_tokens"] < self.synthetic_fraction * total
+                and free >= max(self.synthetic.min_length, (self.seq_len + 1) // 4)):
+            return SYNTH
+        if self.long_fraction > 0 and state["long_tokens"] < self.long_fraction * total:
+            return LONG
+        return CORPUS
 
     def __iter__(self) -> Iterator[tuple[TensorDict, torch.Tensor]]:
         pos = dict(self._position)
-        rows = pack_rows(
-            self._tokenized_documents(pos["epoch"], pos["doc_index"], pos["token_offset"]),
-            row_len=self.seq_len + 1,
-        )
+        rows = pack_rows(self._documents(pos), row_len=self.seq_len + 1)
         B = self.local_batch_size
         first = self.dp_rank * B
         while True:
@@ -154,11 +266,9 @@ class PackedTextDataLoader(BaseDataLoader):
                     return
                 if first <= j < first + B:
                     mine.append(last)
-            (epoch, doc_index), offset = last.cursor, last.offset
             pos = {
-                "epoch": epoch,
-                "doc_index": doc_index,
-                "token_offset": offset,
+                **last.cursor,
+                "token_offset": last.offset,
                 "batches": pos["batches"] + 1,
                 "rows": pos["rows"] + B * self.dp_world_size,
             }
@@ -171,7 +281,7 @@ class PackedTextDataLoader(BaseDataLoader):
         """Raise CorpusError (ending in `advice`) unless one pass over the split fills one global
         batch: a smaller corpus would be repeated in every batch (train) or give no eval step (val)."""
         need = self.local_batch_size * self.dp_world_size
-        rows = pack_rows(self._tokenized_documents(0, 0, 0, one_epoch=True), row_len=self.seq_len + 1)
+        rows = pack_rows(self._documents(dict.fromkeys(_STATE_KEYS, 0), one_epoch=True), row_len=self.seq_len + 1)
         have = sum(1 for _ in itertools.islice(rows, need))
         if have < need:
             raise CorpusError(
@@ -200,7 +310,8 @@ class PackedTextDataLoader(BaseDataLoader):
             state = state_dict[others[0]]
         if int(state.get("seed", self.seed)) != self.seed:
             logger.warning("dataloader resumes with seed %d, saved with %s", self.seed, state["seed"])
-        self._position = {k: int(state[k]) for k in _STATE_KEYS}
+        # keys of the data mix are absent from checkpoints written before it: 0
+        self._position = {k: int(state.get(k, 0)) for k in _STATE_KEYS}
 
 
 def build_dataloader(
@@ -217,6 +328,8 @@ def build_dataloader(
     val_fraction: float = 0.02,
     infinite: bool = True,
     hf_text_column: str = "text",
+    long_documents: DocumentSource | None = None,
+    synthetic: SyntheticTasks | None = None,
 ) -> PackedTextDataLoader:
     """A packed-row loader over one split ("train" shuffles per epoch, "val" does not).
 
@@ -233,4 +346,6 @@ def build_dataloader(
         seed=seed,
         shuffle=split == "train",
         infinite=infinite,
+        long_documents=long_documents,
+        synthetic=synthetic,
     )

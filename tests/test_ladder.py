@@ -1,0 +1,413 @@
+"""The context ladder: stage config and schedule, the mixed data stream, synthetic tasks,
+long documents, the evaluations (oracle and random models), and the trainer end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from titan_moe import evaluate
+from titan_moe.config import ConfigError, load_config
+from titan_moe.data import build_dataloader, load_tokenizer, text_source
+from titan_moe.data.long_documents import import_order, package_documents
+from titan_moe.data.packing import IGNORE_INDEX
+from titan_moe.data.synthetic import Filler, SyntheticTasks, mqar_task, passkey_task, task_rng
+from titan_moe.ladder import Ladder, Stage, lr_lambda, resolve_stages, short_length
+
+from tiny import REPO, TINY_CLI, records
+
+LADDER_TOML = """
+[job]
+dump_folder = "{dump}"
+[model]
+name = "titan_moe"
+flavor = "debug"
+[data]
+long_documents = ["packages"]
+[training]
+local_batch_size = 4
+global_batch_size = 4
+dtype = "float32"
+mixed_precision_param = "float32"
+[optimizer]
+lr = 1e-3
+[lr_scheduler]
+warmup_steps = 2
+decay_type = "cosine"
+min_lr_factor = 0.1
+[[ladder.stages]]
+seq_len = 64
+steps = 3
+[[ladder.stages]]
+seq_len = 128
+steps = 3
+local_batch_size = 2
+global_batch_size = 2
+lr = 5e-4
+long_fraction = 0.3
+synthetic_fraction = 0.1
+[[ladder.stages]]
+seq_len = 256
+steps = 3
+local_batch_size = 1
+global_batch_size = 1
+long_fraction = 0.5
+synthetic_fraction = 0.1
+[ladder]
+eval_depths = [0.5]
+eval_samples = 1
+eval_mqar_pairs = 1
+eval_loss_docs = 1
+[checkpoint]
+enable = true
+interval = 2
+[metrics]
+log_freq = 1
+[validation]
+enable = false
+[debug]
+seed = 0
+"""
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def _write_config(tmp_path, text=LADDER_TOML):
+    path = tmp_path / "ladder.toml"
+    path.write_text(text.format(dump=tmp_path / "run"))
+    return str(path)
+
+
+# ------------------------------------------------------------------------ config
+def test_stages_load_override_and_fill_training(tmp_path):
+    path = _write_config(tmp_path)
+    config = load_config(["--job.config_file", path, "--ladder.stages.2.steps", "5",
+                          "--ladder.stages.3.synthetic_fraction=0.05"])
+    stages = config.ladder.stages
+    assert [s.seq_len for s in stages] == [64, 128, 256] and stages[1].steps == 5
+    assert stages[2].synthetic_fraction == 0.05
+    # [training] describes the ladder: its total steps, the last stage's rows and batch
+    assert config.training.steps == 11 and config.training.seq_len == 256
+    assert config.training.local_batch_size == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ladder.stages.4.steps", "1"], "has 3 ladder.stages entries"),
+    (["--ladder.stages.0.steps", "1"], "stage number N >= 1"),
+    (["--ladder.stages.1.stepz", "1"], "unknown key 'ladder.stages.1.stepz' (did you mean 'steps'?)"),
+    (["--ladder.stages.1.steps", "x"], "bad value for --ladder.stages.1.steps"),
+    (["--training.seq_len", "64"], "training.seq_len is set by [[ladder.stages]]"),
+    (["--ladder.stages.2.seq_len", "32"], "shorter than the stage before"),
+    (["--ladder.stages.2.decay_type", "step"], "decay_type must be one of"),
+    (["--ladder.stages.2.long_fraction", "0.95"], "must stay below 1"),
+    (["--data.synthetic_tasks", "passkey,needle"], "unknown task 'needle'"),
+])
+def test_bad_stage_keys_are_one_line_errors(tmp_path, args, message):
+    path = _write_config(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load_config(["--job.config_file", path, *args])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_key_in_a_stage_table_exits_2(tmp_path):
+    path = _write_config(tmp_path, LADDER_TOML.replace("steps = 3\nlocal_batch_size = 2", "steps = 3\nbatch = 2"))
+    proc = subprocess.run([sys.executable, "-m", "titan_moe.train", "--job.config_file", path],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == f"titan_moe.train: error: {path}: unknown key 'ladder.stages.2.batch'"
+
+
+def test_lr_schedule_per_stage():
+    class T:
+        local_batch_size, global_batch_size = 4, -1
+
+    class O:
+        lr = 1e-3
+
+    class S:
+        warmup_steps, decay_type, min_lr_factor = 2, "cosine", 0.1
+
+    ladder = Ladder(stages=[Stage(seq_len=8, steps=6), Stage(seq_len=16, steps=4, lr=5e-4, decay_type="linear"),
+                            Stage(seq_len=32, steps=3, decay_type="constant", warmup_steps=1)])
+    stages = resolve_stages(ladder, T, O, S)
+    assert [(s.start, s.end) for s in stages] == [(0, 6), (6, 10), (10, 13)]
+    f = lr_lambda(stages, 1e-3)
+    lrs = [f(k) for k in range(13)]  # factor of steps 1..13
+    assert lrs[0] == pytest.approx(1 / 3) and lrs[1] == pytest.approx(2 / 3)  # warm-up of stage 1
+    assert lrs[2] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert lrs[5] == pytest.approx(0.1)  # stage 1 ends at min_lr_factor
+    assert lrs[6] == pytest.approx(0.5 * (0.1 + 0.9 * 0.75))  # stage 2: no warm-up, linear, lr 5e-4
+    assert lrs[9] == pytest.approx(0.5 * 0.1)
+    assert lrs[10] == pytest.approx(0.5) and lrs[11] == lrs[12] == pytest.approx(1.0)
+    assert short_length(1 << 20) == "1M" and short_length(262144) == "256K" and short_length(300) == "300"
+
+
+# -------------------------------------------------------------- synthetic tasks
+@pytest.fixture(scope="module")
+def filler(tok):
+    return Filler(text_source(str(REPO / "titan_moe" / "data"), "train", 0.0), tok)
+
+
+def test_tasks_have_exact_length_and_answer_only_mask(tok, filler):
+    for length in (64, 100, 257, 1024):
+        for i in range(3):
+            rng = task_rng(0, i)
+            for task in (passkey_task(tok, filler, length, rng), mqar_task(tok, filler, length, rng)):
+                assert len(task.tokens) == len(task.loss_mask) == length
+                assert task.tokens[0] == tok.bos_id and task.tokens[-1] == tok.eos_id
+                answered = [j for j, m in enumerate(task.loss_mask) if m]
+                assert answered == [j for s, e in task.answers for j in range(s, e)] and answered
+    task = passkey_task(tok, filler, 300, task_rng(0, 0), depth=0.0)
+    text = tok.decode(task.tokens[1:-1])
+    assert text.startswith("\n# The pass key is " + task.info["key"])
+    assert tok.decode(task.tokens[task.answers[0][0]:task.answers[0][1]]) == " " + task.info["key"]
+    with pytest.raises(ValueError, match="needs at least"):
+        passkey_task(tok, filler, 20, task_rng(0, 0))
+
+
+def induction_oracle(vocab: int, max_n: int = 8):
+    """A model that copies: at each position it predicts the token that followed the most
+    recent earlier occurrence of the longest matching n-gram ending here."""
+
+    def logits(tokens_BT, doc_ids_BT):
+        B, T = tokens_BT.shape
+        out = torch.zeros(B, T, vocab)
+        for b in range(B):
+            seq = tokens_BT[b].tolist()
+            last_end: dict[tuple, int] = {}
+            for t in range(T):
+                for n in range(min(max_n, t + 1), 0, -1):
+                    s = last_end.get(tuple(seq[t - n + 1 : t + 1]))
+                    if s is not None:
+                        out[b, t, seq[s + 1]] = 1.0
+                        break
+                for n in range(1, min(max_n, t) + 1):  # n-grams ending at t - 1, followed by seq[t]
+                    last_end[tuple(seq[t - n : t])] = t - 1
+        return out
+
+    return logits
+
+
+def test_evaluator_oracle_copies_everything_random_model_is_at_chance(tok, filler):
+    oracle = induction_oracle(tok.get_vocab_size())
+    passkey = evaluate.passkey_accuracy(oracle, tok, filler, [128, 384], [0.0, 0.5, 1.0], samples=3)
+    assert set(passkey.values()) == {1.0}
+    assert evaluate.mqar_accuracy(oracle, tok, filler, [384], samples=3, n_pairs=6) == {384: 1.0}
+    gen = torch.Generator().manual_seed(0)
+
+    def random_model(tokens_BT, doc_ids_BT):
+        return torch.randn(*tokens_BT.shape, tok.get_vocab_size(), generator=gen)
+
+    # chance: a 5-digit key is 2-3 tokens of a 4096 vocabulary, an MQAR value 1-2: < 1e-3 a question
+    passkey = evaluate.passkey_accuracy(random_model, tok, filler, [128, 384], [0.0, 0.5, 1.0], samples=3)
+    assert set(passkey.values()) == {0.0}
+    assert evaluate.mqar_accuracy(random_model, tok, filler, [384], samples=3, n_pairs=6) == {384: 0.0}
+
+
+def test_loss_by_position_uniform_model_and_buckets():
+    assert evaluate.position_buckets(300) == [(0, 64), (64, 128), (128, 256), (256, 300)]
+    V = 50
+
+    def uniform(tokens_BT, doc_ids_BT):
+        return torch.zeros(*tokens_BT.shape, V)
+
+    docs = [[t % V for t in range(301)], list(range(40)), [1]]
+    result = evaluate.loss_by_position(uniform, docs, 300)
+    assert result[(0, 64)] == (pytest.approx(math.log(V)), 64 + 39)
+    assert result[(256, 300)] == (pytest.approx(math.log(V)), 44)
+
+
+def test_metrics_table_and_heatmap(tmp_path):
+    metrics = {"eval/passkey/256/d0.00": 1.0, "eval/passkey/256/d1.00": 0.5, "eval/passkey/256": 0.75,
+               "eval/passkey/1K/d0.00": 0.0, "eval/passkey/1K/d1.00": 0.25, "eval/passkey/1K": 0.125,
+               "eval/mqar/1K": 0.5, "eval/loss_by_pos/0-64": 3.0}
+    table = evaluate.format_table(metrics)
+    assert "length      256" in table and "[0-64) 3.000" in table
+    evaluate.record(str(tmp_path), 7, 1024, metrics, "1K")
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert line["step"] == 7 and line["seq_len"] == 1024 and line["eval/mqar/1K"] == 0.5
+    png = (tmp_path / "passkey_7.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", png[16:24])
+    assert (w, h) == (2 * 24 + 1, 2 * 24 + 1)
+    idat_len = struct.unpack(">I", png[33:37])[0]
+    pixels = zlib.decompress(png[41 : 41 + idat_len])
+    row = 12 * (w + 1)  # a row inside the first length (256): white then grey
+    assert pixels[row + 1 + 12] == 255 and pixels[row + 1 + 24 + 12] == 128
+
+
+# ---------------------------------------------------------------- long documents
+def test_import_order_and_package_split(tmp_path):
+    files = {"pkg/__init__.py": "from .b import x\nfrom pkg import a\n", "pkg/a.py": "import os\n",
+             "pkg/b.py": "from . import c\n", "pkg/c.py": "from .a import y\n", "pkg/d.py": "import pkg.b\n"}
+    order = import_order(files)
+    assert order.index("pkg/a.py") < order.index("pkg/c.py") < order.index("pkg/b.py") < order.index("pkg/__init__.py")
+    assert order.index("pkg/b.py") < order.index("pkg/d.py") and sorted(order) == sorted(files)
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    docs = package_documents("train", 0.0, root=str(tmp_path))
+    assert len(docs) == 1 and docs[0].startswith("# file: pkg/a.py\nimport os\n")
+    # the real standard library: train and val documents never share a file
+    train, val = package_documents("train"), package_documents("val")
+    train_files = {f for _, rels in train.packages for f in rels}
+    val_files = {f for _, rels in val.packages for f in rels}
+    assert train_files and val_files and not train_files & val_files
+
+
+# ------------------------------------------------------------ mixed data stream
+def _mixed_loader(tok, filler, corpus, seq_len=48, batch=2):
+    long_docs = text_source(os.path.join(corpus, "long"), "train", 0.0)
+    synthetic = SyntheticTasks(tok, filler, ["passkey", "mqar"], seed=3)
+    return build_dataloader(tokenizer=tok, source="text", path=os.path.join(corpus, "d*.txt"), split="train", seq_len=seq_len,
+                            local_batch_size=batch, dp_rank=0, dp_world_size=1, seed=3, val_fraction=0.0,
+                            long_documents=long_docs, synthetic=synthetic)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "def", "x", "=", "42", "\n"]
+    for i in range(40):
+        (root / f"d{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(5, 120))))
+    (root / "long").mkdir()
+    for i in range(12):  # a few hundred tokens each
+        (root / "long" / f"l{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(200, 500))))
+    return str(root)
+
+
+STAGES = [(0, 48, 2, 0.0, 0.0), (1, 96, 2, 0.3, 0.1), (2, 200, 1, 0.5, 0.1)]
+
+
+def _run(loader, plan):
+    """Batches of a staged run: plan = [(stage, batches)]; returns the flat list."""
+    out = []
+    for stage, n in plan:
+        index, seq_len, batch, long_f, synth_f = STAGES[stage]
+        loader.set_stage(index, seq_len=seq_len, local_batch_size=batch, long_fraction=long_f,
+                         synthetic_fraction=synth_f)
+        it = iter(loader)
+        out += [next(it) for _ in range(n)]
+    return out
+
+
+def test_mix_shares_uncut_tasks_and_answer_only_loss(tok, filler, corpus):
+    loader = _mixed_loader(tok, filler, corpus)
+    batches = _run(loader, [(0, 2), (2, 60)])[2:]
+    state = loader.state_dict()["dp_rank_0"]
+    total = state["corpus_tokens"] + state["long_tokens"] + state["synth_tokens"]
+    assert abs(state["synth_tokens"] / total - 0.1) < 0.04 and abs(state["long_tokens"] / total - 0.5) < 0.1
+    tasks_seen = 0
+    for x, y in batches:
+        ids, doc_ids = x["input"][0], x["doc_ids"][0]
+        masked = y[0] == IGNORE_INDEX
+        if not masked.any():
+            continue
+        # the synthetic document is the row's last, starts with bos and ends the row (uncut)
+        start = int((doc_ids == doc_ids[-1]).nonzero()[0])
+        assert ids[start] == tok.bos_id and masked[: max(start - 1, 0)].sum() == 0
+        assert y[0, -1] == IGNORE_INDEX  # predicting the eos (the row's last label) is no target
+        answer = y[0][~masked][(~masked).nonzero()[:, 0] >= start]
+        assert 0 < len(answer) < 0.5 * (len(ids) - start)  # the loss is on the answers only
+        tasks_seen += 1
+    assert tasks_seen >= 3
+
+
+def test_mixed_stream_resumes_exactly_across_stages(tok, filler, corpus):
+    plan = [(0, 5), (1, 12), (2, 9)]
+    reference = _run(_mixed_loader(tok, filler, corpus), plan)
+    flat_plan = [s for s, n in plan for _ in range(n)]
+    for cut in (3, 5, 6, 11, 17, 20):
+        first = _mixed_loader(tok, filler, corpus)
+        done = []
+        k = 0
+        while k < cut:  # the batches before the cut, stage by stage
+            stage = flat_plan[k]
+            n = min(cut, flat_plan.index(stage) + flat_plan.count(stage)) - k
+            done += _run(first, [(stage, n)])
+            k += n
+        state = first.state_dict()
+        resumed = _mixed_loader(tok, filler, corpus)
+        resumed.load_state_dict(state)
+        rest_plan = []
+        for stage in flat_plan[cut:]:
+            if rest_plan and rest_plan[-1][0] == stage:
+                rest_plan[-1] = (stage, rest_plan[-1][1] + 1)
+            else:
+                rest_plan.append((stage, 1))
+        rest = _run(resumed, rest_plan)
+        for (x, y), (xr, yr) in zip(done + rest, reference, strict=True):
+            assert torch.equal(x["input"], xr["input"]) and torch.equal(y, yr)
+            assert torch.equal(x["doc_ids"], xr["doc_ids"])
+
+
+# ------------------------------------------------------------------- end to end
+def _ladder_cli(tmp_path, *extra):
+    cli = [a for a in TINY_CLI]
+    for key in ("--training.seq_len", "--training.global_batch_size", "--training.local_batch_size"):
+        i = cli.index(key)
+        del cli[i : i + 2]
+    cli.remove("--checkpoint.no_enable")
+    return [sys.executable, "-m", "titan_moe.train", "--job.config_file", _write_config(tmp_path), *cli, *extra]
+
+
+def _train(tmp_path, dump, *extra, env=None):
+    cmd = _ladder_cli(tmp_path, "--job.dump_folder", str(dump), *extra)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return proc
+
+
+@pytest.mark.slow  # three training processes: about a minute on two idle cores
+def test_ladder_runs_stages_and_resumes_bit_identically(tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    proc = _train(tmp_path, full)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    assert log.count("ladder: stage ") == 3 and "ladder: evaluations at the end of stage '256'" in log
+    recs = records(full)
+    assert [recs[s]["seq_len"] for s in range(1, 10)] == [64] * 3 + [128] * 3 + [256] * 3
+    evals = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines() if "eval/passkey" in line]
+    assert [(e["step"], e["seq_len"]) for e in evals] == [(3, 64), (6, 128), (9, 256)]
+    assert "eval/passkey/256/d0.50" in evals[-1] and "eval/loss_by_pos/0-64" in evals[-1]
+    assert all((full / "checkpoint" / f"step-{s}" / ".metadata").is_file() for s in (3, 6, 9))
+    assert (full / "passkey_9.png").is_file()
+
+    # stopped inside stage 2 (step 5, after the checkpoint of step 4), then run again
+    proc = _train(tmp_path, split, "--training.exit_at_step", "5")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _train(tmp_path, split)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Loading the checkpoint" in proc.stdout + proc.stderr
+    reference, resumed = records(full), records(split)
+    assert sorted(resumed) == list(range(1, 10))
+    for step in range(1, 10):
+        assert resumed[step]["loss"] == reference[step]["loss"], step
+
+
+@pytest.mark.slow
+def test_ladder_killed_mid_stage_resumes_from_last_checkpoint(tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert _train(tmp_path, full).returncode == 0
+    proc = _train(tmp_path, killed, env={"TITAN_MOE_KILL_DURING_SAVE_STEP": "8"})
+    assert proc.returncode != 0
+    proc = _train(tmp_path, killed)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step-6" in proc.stdout + proc.stderr
+    reference, resumed = records(full), records(killed)
+    for step in (7, 8, 9):
+        assert resumed[step]["loss"] == reference[step]["loss"], step

@@ -1,0 +1,291 @@
+"""Long-context evaluations: passkey retrieval, MQAR and held-out loss by position.
+
+    python -m titan_moe.evaluate --job.config_file configs/ladder_cpu.toml \\
+        --checkpoint outputs/ladder_cpu/checkpoint/step-125 [--lengths 256,1024,4096] [--samples 4]
+
+  passkey      a 5-digit key hidden in real filler text (the held-out split) at each depth of
+               `ladder.eval_depths`, asked for at the end; accuracy by context length and depth.
+  mqar         `ladder.eval_mqar_pairs` key-value pairs spread over the context, every key
+               asked for at the end; accuracy over all questions, by length.
+  loss_by_pos  held-out documents of at least `seq_len + 1` tokens (the corpus's and the long
+               documents' val split, longest first, `ladder.eval_loss_docs` of them), each
+               evaluated from its start: mean loss per position bucket [0, 64), [64, 128),
+               [128, 256), ... (doubling). Fewer such documents: the longest ones, shorter.
+
+An answer counts when the model's argmax at every answer token is that token, which is what
+greedy decoding would write. Tasks are drawn from fixed seeds, so two checkpoints meet the
+same questions. The training run calls `run_evals` at each ladder stage's end; this command
+evaluates any checkpoint. Results: one metrics.jsonl record (keys `eval/passkey/<len>/d<depth>`,
+`eval/passkey/<len>`, `eval/mqar/<len>`, `eval/loss_by_pos/<lo>-<hi>`, with `seq_len` and
+`step`), a table on stdout and `passkey_<step>.png`, a heatmap of accuracy by length x depth
+(rows: lengths, columns: depths; black 0 to white 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import zlib
+from typing import Callable, Sequence
+
+import torch
+
+from titan_moe.data.synthetic import Filler, mqar_task, passkey_task, task_rng
+from titan_moe.ladder import short_length
+
+LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # tokens [B, T], doc_ids [B, T] -> [B, T, V]
+EVAL_SEED = 1_000_003  # the evaluation's tasks never coincide with the training stream's
+
+
+def model_logits_fn(model: torch.nn.Module, device: torch.device | str) -> LogitsFn:
+    def logits(tokens_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> torch.Tensor:
+        return model(tokens_BT.to(device), doc_ids_BT.to(device)).float()
+
+    return logits
+
+
+def _answer_hits(logits_fn: LogitsFn, tasks) -> list[list[bool]]:
+    """Per task, per answer span: whether the argmax predicts every answer token."""
+    tokens_BT = torch.tensor([t.tokens for t in tasks], dtype=torch.int64)
+    with torch.no_grad():
+        pred_BT = logits_fn(tokens_BT, torch.zeros_like(tokens_BT, dtype=torch.int32)).argmax(-1).cpu()
+    out = []
+    for b, task in enumerate(tasks):
+        # the token at position i is predicted at position i - 1
+        out.append([bool((pred_BT[b, s - 1 : e - 1] == tokens_BT[b, s:e]).all()) for s, e in task.answers])
+    return out
+
+
+def passkey_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Sequence[int],
+                     depths: Sequence[float], samples: int, seed: int = EVAL_SEED) -> dict[tuple[int, float], float]:
+    """(length, depth) -> fraction of `samples` passkeys retrieved."""
+    out = {}
+    for length in lengths:
+        for depth in depths:
+            tasks = [passkey_task(tokenizer, filler, length, task_rng(seed, i, f"passkey:{length}:{depth}"), depth)
+                     for i in range(samples)]
+            out[(length, depth)] = sum(h[0] for h in _answer_hits(logits_fn, tasks)) / samples
+    return out
+
+
+def mqar_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Sequence[int], samples: int,
+                  n_pairs: int, seed: int = EVAL_SEED) -> dict[int, float]:
+    """length -> fraction of all MQAR questions answered (`samples` tasks of `n_pairs` keys)."""
+    out = {}
+    for length in lengths:
+        tasks = [mqar_task(tokenizer, filler, length, task_rng(seed, i, f"mqar:{length}"), n_pairs)
+                 for i in range(samples)]
+        hits = [h for task_hits in _answer_hits(logits_fn, tasks) for h in task_hits]
+        out[length] = sum(hits) / len(hits)
+    return out
+
+
+def position_buckets(seq_len: int, first: int = 64) -> list[tuple[int, int]]:
+    """[0, first), [first, 2 first), [2 first, 4 first), ... up to seq_len."""
+    edges = [0, first]
+    while edges[-1] < seq_len:
+        edges.append(edges[-1] * 2)
+    edges = [e for e in edges if e < seq_len] + [seq_len]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def loss_by_position(logits_fn: LogitsFn, documents: Sequence[Sequence[int]], seq_len: int,
+                     batch: int = 4) -> dict[tuple[int, int], tuple[float, int]]:
+    """bucket -> (mean loss, tokens) over the first seq_len predictions of each document."""
+    buckets = position_buckets(seq_len)
+    sums = [0.0] * len(buckets)
+    counts = [0] * len(buckets)
+    docs = [list(d[: seq_len + 1]) for d in documents if len(d) >= 2]
+    for length in sorted({len(d) for d in docs}, reverse=True):
+        same = [d for d in docs if len(d) == length]
+        for i in range(0, len(same), batch):
+            rows_BR = torch.tensor(same[i : i + batch], dtype=torch.int64)
+            x_BT, y_BT = rows_BR[:, :-1], rows_BR[:, 1:]
+            with torch.no_grad():
+                logits = logits_fn(x_BT, torch.zeros_like(x_BT, dtype=torch.int32)).cpu()
+            loss_BT = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y_BT, reduction="none")
+            for j, (lo, hi) in enumerate(buckets):
+                part = loss_BT[:, lo:hi]
+                sums[j] += float(part.sum())
+                counts[j] += part.numel()
+    return {b: (sums[j] / counts[j] if counts[j] else math.nan, counts[j]) for j, b in enumerate(buckets)}
+
+
+def held_out_documents(documents, tokenizer, min_tokens: int, n: int, scan: int = 400) -> list[list[int]]:
+    """Up to n held-out documents, tokenized with [bos]: those of at least `min_tokens`
+    tokens, longest first; when fewer reach it, the longest ones (among the first `scan`
+    by character length, to bound the tokenizing)."""
+    if n <= 0:
+        return []
+    by_chars = sorted(range(len(documents)), key=lambda i: -len(documents[i]))[:scan]
+    encoded = []
+    for i in by_chars:
+        tokens = tokenizer.encode(documents[i], add_bos=True, add_eos=True)
+        encoded.append(tokens)
+        if sum(len(t) >= min_tokens for t in encoded) >= n:
+            break
+    encoded.sort(key=len, reverse=True)
+    return encoded[:n]
+
+
+def run_evals(logits_fn: LogitsFn, tokenizer, filler: Filler, held_out: list[list[int]], *, lengths: Sequence[int],
+              seq_len: int, depths: Sequence[float], samples: int, mqar_pairs: int) -> dict[str, float]:
+    """Every evaluation, as flat metrics (the keys in the module docstring)."""
+    metrics: dict[str, float] = {}
+    passkey = passkey_accuracy(logits_fn, tokenizer, filler, lengths, depths, samples)
+    for length in lengths:
+        cells = [passkey[(length, d)] for d in depths]
+        for d, acc in zip(depths, cells):
+            metrics[f"eval/passkey/{short_length(length)}/d{d:.2f}"] = acc
+        metrics[f"eval/passkey/{short_length(length)}"] = sum(cells) / len(cells)
+    mqar_lengths = [L for L in lengths if _mqar_fits(tokenizer, L, mqar_pairs)]
+    for length, acc in mqar_accuracy(logits_fn, tokenizer, filler, mqar_lengths, samples, mqar_pairs).items():
+        metrics[f"eval/mqar/{short_length(length)}"] = acc
+    if held_out:
+        for (lo, hi), (loss, count) in loss_by_position(logits_fn, held_out, seq_len).items():
+            if count:
+                metrics[f"eval/loss_by_pos/{lo}-{hi}"] = loss
+    return metrics
+
+
+def _mqar_fits(tokenizer, length: int, pairs: int) -> bool:
+    # about 8 tokens per pair line and per question (4 letters, " = ", 3 digits)
+    return length >= 24 * pairs + 16
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    """The metrics of `run_evals` as text tables."""
+    lines = []
+    lengths, depths, grid = passkey_grid(metrics)
+    if grid:
+        lines.append("passkey accuracy by depth " + " ".join(f"{d:>6}" for d in depths) + "    mean   mqar")
+        for L, row in zip(lengths, grid):
+            mqar = metrics.get(f"eval/mqar/{L}")
+            mqar_text = f"{mqar:6.2f}" if mqar is not None else "     -"
+            lines.append(f"  length {L:>8}          " + " ".join(f"{v:6.2f}" for v in row)
+                         + f"  {metrics[f'eval/passkey/{L}']:6.2f} {mqar_text}")
+    buckets = [(k.split("/")[2], v) for k, v in metrics.items() if k.startswith("eval/loss_by_pos/")]
+    if buckets:
+        lines.append("held-out loss by position: " + "  ".join(f"[{b}) {v:.3f}" for b, v in buckets))
+    return "\n".join(lines)
+
+
+def passkey_grid(metrics: dict[str, float]) -> tuple[list[str], list[str], list[list[float]]]:
+    cells = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if parts[:2] == ["eval", "passkey"] and len(parts) == 4:
+            cells[(parts[2], parts[3])] = value
+    lengths = list(dict.fromkeys(L for L, _ in cells))
+    depths = list(dict.fromkeys(d for _, d in cells))
+    return lengths, depths, [[cells[(L, d)] for d in depths] for L in lengths]
+
+
+def write_heatmap(path: str, metrics: dict[str, float], cell: int = 24) -> bool:
+    """A grey-scale PNG of passkey accuracy (rows: lengths, short first; columns: depths),
+    black 0 to white 1, a one-pixel grid. Written without plotting packages; False when
+    there is nothing to draw."""
+    lengths, depths, grid = passkey_grid(metrics)
+    if not grid:
+        return False
+    h, w = len(lengths) * cell + 1, len(depths) * cell + 1
+    raw = bytearray()
+    for y in range(h):
+        raw.append(0)  # filter: none
+        for x in range(w):
+            if y % cell == 0 or x % cell == 0:
+                raw.append(128)
+            else:
+                raw.append(round(255 * grid[y // cell][x // cell]))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(bytes(raw))) + chunk(b"IEND", b""))
+    with open(path, "wb") as f:
+        f.write(png)
+    return True
+
+
+def record(dump_folder: str, step: int, seq_len: int, metrics: dict[str, float], stage: str | None = None) -> None:
+    """Append the metrics to metrics.jsonl and write the heatmap beside it."""
+    os.makedirs(dump_folder, exist_ok=True)
+    entry = {"step": step, "seq_len": seq_len, **({"stage": stage} if stage else {}), **metrics}
+    with open(os.path.join(dump_folder, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    write_heatmap(os.path.join(dump_folder, f"passkey_{step}.png"), metrics)
+
+
+# ---------------------------------------------------------------------------- command line
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_moe.evaluate",
+        usage="%(prog)s --job.config_file FILE.toml [--checkpoint DIR] [options] [--section.key value ...]",
+        description="Passkey, MQAR and loss-by-position evaluations of a checkpoint (module docstring).")
+    parser.add_argument("--checkpoint", default=None, help="a step-N folder of a DCP checkpoint "
+                        "(default: the newest intact one under the config's dump folder)")
+    parser.add_argument("--lengths", default=None,
+                        help="comma-separated context lengths (default: every ladder stage's seq_len, or training.seq_len)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="length of the loss-by-position rows (default: the longest of --lengths)")
+    parser.add_argument("--samples", type=int, default=None, help="samples per cell (default: ladder.eval_samples)")
+    parser.add_argument("--no-record", action="store_true", help="print only; do not append to metrics.jsonl")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from titan_moe.config import ConfigError, load_config
+    from titan_moe.data.from_config import corpus_documents, tokenizer_from_config
+    from titan_moe.data.long_documents import long_source
+    from titan_moe.generate import load_model
+    from titan_moe.runtime import checkpoint as intact
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = _parse(argv)
+    try:
+        config = load_config(rest)
+        stages = config.ladder.stages
+        lengths = ([int(x) for x in ours.lengths.split(",")] if ours.lengths
+                   else sorted({s.seq_len for s in stages}) or [config.training.seq_len])
+        seq_len = ours.seq_len or max(lengths)
+        checkpoint = ours.checkpoint
+        if checkpoint is None:
+            folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+            step = intact.newest_intact_step(folder, print) if os.path.isdir(folder) else -1
+            if step < 0:
+                raise ConfigError(f"no intact checkpoint under {folder}; pass --checkpoint DIR")
+            checkpoint = os.path.join(folder, f"step-{step}")
+        step = int(os.path.basename(os.path.normpath(checkpoint)).rpartition("-")[2] or 0)
+        tokenizer = tokenizer_from_config(config)
+        val = corpus_documents(config, "val")
+        filler = Filler(val, tokenizer)
+        long_val = long_source(config.data.long_documents, config.data.long_documents_path, "val",
+                               config.data.val_fraction) if config.data.long_documents else None
+    except (ConfigError, ValueError) as e:
+        print(f"titan_moe.evaluate: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(config, checkpoint, device)
+    model.eval()
+    held_out = held_out_documents(val, tokenizer, seq_len + 1, config.ladder.eval_loss_docs)
+    if long_val is not None:
+        held_out = sorted(held_out + held_out_documents(long_val, tokenizer, seq_len + 1,
+                                                        config.ladder.eval_loss_docs), key=len, reverse=True)
+        held_out = held_out[: config.ladder.eval_loss_docs]
+    metrics = run_evals(model_logits_fn(model, device), tokenizer, filler, held_out, lengths=lengths, seq_len=seq_len,
+                        depths=config.ladder.eval_depths, samples=ours.samples or config.ladder.eval_samples,
+                        mqar_pairs=config.ladder.eval_mqar_pairs)
+    print(f"titan_moe.evaluate: {checkpoint}")
+    print(format_table(metrics))
+    if not ours.no_record:
+        record(config.job.dump_folder, step, seq_len, metrics)
+        print(f"recorded in {os.path.join(config.job.dump_folder, 'metrics.jsonl')} and passkey_{step}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The trainer's side of the context ladder (`titan_moe.ladder`): one `LadderRun` per run.
+
+`TitanTrainer` calls it at three points:
+  * `install()` after torchtitan builds the trainer: the LR schedulers get the ladder's
+    per-stage factor (a function of the global step, so a resumed run follows it).
+  * `data_iterator(step, iterator)` at each step: entering a stage (the first step of a run
+    included, fresh or resumed) points `[training]` at the stage, reshapes the loader (rows,
+    batch, data mix) and the gradient accumulation, logs one line, and hands out a new
+    iterator that continues the document stream.
+  * `after_step(step)` after each step's own save and validation: at a stage's end, a
+    checkpoint (when the interval did not already write one) and the stage's evaluations.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torchtitan.tools.logging import logger
+
+from titan_moe import evaluate
+from titan_moe.data.from_config import corpus_documents
+from titan_moe.data.long_documents import long_source
+from titan_moe.data.synthetic import Filler
+from titan_moe.ladder import enter_stage, lr_lambda, resolve_stages, stage_of_step
+
+
+class LadderRun:
+    def __init__(self, trainer, job_config):
+        self.trainer = trainer
+        self.config = job_config
+        self.stages = resolve_stages(job_config.ladder, job_config.training, job_config.optimizer,
+                                     job_config.lr_scheduler)
+        self.current = None
+        self._iterator = None
+        self._started_at: int | None = None
+        self._filler: Filler | None = None
+
+    def install(self) -> None:
+        base_lr = self.config.optimizer.lr
+        factor = lr_lambda(self.stages, base_lr)
+        for scheduler in self.trainer.lr_schedulers.schedulers:
+            scheduler.lr_lambdas = [factor] * len(scheduler.optimizer.param_groups)
+            for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+                group["lr"] = base * factor(scheduler.last_epoch)
+            scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+        if not self.config.checkpoint.enable:
+            logger.warning("ladder: checkpoint.enable = false: no checkpoint at the stages' ends, "
+                           "a stopped run cannot resume")
+        names = ", ".join(f"{s.name} ({s.steps} steps x {s.global_batch_size if s.global_batch_size > 0 else s.local_batch_size} rows)"
+                          for s in self.stages)
+        logger.info(f"ladder: {len(self.stages)} stages, {self.stages[-1].end} steps: {names}")
+
+    def data_iterator(self, step: int, iterator):
+        stage = stage_of_step(self.stages, step)
+        if stage is not self.current:
+            self._enter(stage)
+        return self._iterator
+
+    def _enter(self, stage) -> None:
+        trainer, loader = self.trainer, self.trainer.dataloader
+        dp = loader.dp_world_size
+        local, global_ = stage.local_batch_size, stage.global_batch_size
+        if global_ > 0 and local * dp > global_:
+            local = global_ // dp  # as titan_moe.train does for [training]
+        if global_ <= 0:
+            global_ = local * dp
+        if global_ % (local * dp):
+            raise ValueError(f"ladder.stages.{stage.index + 1}: global_batch_size {global_} is not a multiple of "
+                             f"local_batch_size {local} x {dp} data-parallel ranks")
+        enter_stage(self.config, stage)
+        self.config.training.local_batch_size = local
+        trainer.gradient_accumulation_steps = global_ // (local * dp)
+        loader.set_stage(stage.index, seq_len=stage.seq_len, local_batch_size=local,
+                         long_fraction=stage.long_fraction, synthetic_fraction=stage.synthetic_fraction)
+        self._iterator = trainer.batch_generator(loader)
+        self.current = stage
+        logger.info(f"ladder: stage {stage.index + 1}/{len(self.stages)} '{stage.name}': seq_len {stage.seq_len}, "
+                    f"steps {stage.start + 1}-{stage.end}, {global_} rows a step ({local} x {dp} ranks x "
+                    f"{trainer.gradient_accumulation_steps} microbatches), lr {stage.lr:g} ({stage.decay_type}, "
+                    f"warm-up {stage.warmup_steps}), long {stage.long_fraction:.0%}, synthetic "
+                    f"{stage.synthetic_fraction:.0%}")
+
+    def after_step(self, step: int) -> None:
+        if self._started_at is None:
+            self._started_at = step  # the step the run starts from: nothing of it is ours
+            return
+        stage = stage_of_step(self.stages, step)
+        if step != stage.end or step <= self._started_at:
+            return
+        checkpointer = self.trainer.checkpointer
+        if checkpointer.enable and step % checkpointer.interval and step != self.config.training.steps:
+            interval, checkpointer.interval = checkpointer.interval, 1
+            try:
+                checkpointer.save(step)
+            finally:
+                checkpointer.interval = interval
+        if self.config.ladder.eval_at_stage_end:
+            self.evaluate(stage, step)
+
+    def evaluate(self, stage, step: int) -> dict[str, float]:
+        trainer = self.trainer
+        ladder = self.config.ladder
+        tokenizer = trainer.tokenizer
+        if self._filler is None:
+            self._filler = Filler(corpus_documents(self.config, "val"), tokenizer)
+        held_out = evaluate.held_out_documents(self._filler.documents, tokenizer, stage.seq_len + 1,
+                                               ladder.eval_loss_docs)
+        if self.config.data.long_documents:
+            long_val = long_source(self.config.data.long_documents, self.config.data.long_documents_path, "val",
+                                   self.config.data.val_fraction)
+            held_out = sorted(held_out + evaluate.held_out_documents(long_val, tokenizer, stage.seq_len + 1,
+                                                                     ladder.eval_loss_docs),
+                              key=len, reverse=True)[: ladder.eval_loss_docs]
+        lengths = sorted({s.seq_len for s in self.stages[: stage.index + 1]})
+        (model,) = trainer.model_parts
+        model.eval()
+        try:
+            with trainer.maybe_enable_amp:
+                metrics = evaluate.run_evals(
+                    evaluate.model_logits_fn(model, trainer.device), tokenizer, self._filler, held_out,
+                    lengths=lengths, seq_len=stage.seq_len, depths=ladder.eval_depths,
+                    samples=ladder.eval_samples, mqar_pairs=ladder.eval_mqar_pairs)
+        finally:
+            model.train()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == 0:
+            evaluate.record(self.config.job.dump_folder, step, stage.seq_len, metrics, stage.name)
+            logger.info(f"ladder: evaluations at the end of stage '{stage.name}' (step {step}), heatmap "
+                        f"{os.path.join(self.config.job.dump_folder, f'passkey_{step}.png')}:\n"
+                        + evaluate.format_table(metrics))
+        return metrics
