@@ -5,13 +5,12 @@ forward+backward.
     python profiling/bench_attention.py --seq-lens 32768 131072 [--heads 8] [--json OUT.json]
 
 Rows per length: document mixes {T} (one document), {T-1, 1}, {T/2, T/2} and the first
-row of the built-in corpus packed at T. Paths: "cudnn" (the model's cuDNN call per
-document), "dense" (SDPA with the [B, 1, T, T] mask; skipped above --dense-max), "varlen"
-(a peer: torch's varlen_attn, FlashAttention-2, v padded to the qk dim) and the bound
-"causal_sdpa" (SDPA is_causal over one document; cuDNN where torch picks it). Each
-document-masked path's o and dq are compared with the exact chunked op's (err_o, err_dq).
-TFLOP/s count
-the work the mask leaves: per row sum over documents of l^2/2 query-key pairs, times
+row of the built-in corpus packed at T. Paths: "varlen" (the model's CUDA default: torch's
+varlen_attn, FlashAttention-2, v padded to the qk dim), "dense" (SDPA with the [B, 1, T, T]
+mask; skipped above --dense-max) and the bound "causal_sdpa" (SDPA is_causal over one
+document; cuDNN where torch picks it). Each document-masked path's o and dq are compared with
+the exact chunked op's (err_o, err_dq). With --fresh-rows N: fwd+bwd per batch over N
+successive corpus batches, twice (`fresh_rows`). TFLOP/s count the work the mask leaves: per row sum over documents of l^2/2 query-key pairs, times
 2 * (qk + v) FLOPs forward and 2.5x that backward. Peak memory is the allocator's peak
 during forward+backward, minus the inputs.
 """
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_moe.model.packing import cu_seqlens_from_doc_ids
-from titan_moe.ops.attention import doc_attention_chunked, doc_attention_cudnn, doc_starts
+from titan_moe.ops.attention import doc_attention_chunked, doc_starts
 from titan_moe.ops.attention.varlen import varlen_causal
 
 
@@ -90,9 +89,6 @@ def bench_row(name: str, ids_1T: torch.Tensor, H: int, K: int, V: int, dense_max
     def make(path: str):
         if path == "causal_sdpa":
             return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), one_fwd, one_fb
-        if path == "cudnn":
-            starts_cpu = doc_starts(ids).cpu()
-            return lambda q, k, v: doc_attention_cudnn(q, k, v, starts_cpu, scale), fwd_flops, fb_flops
         if path == "dense":
             from titan_moe.model.packing import same_doc_causal_mask
 
@@ -165,33 +161,12 @@ def corpus_batches(T: int, B: int, n: int) -> list[torch.Tensor]:
     return out
 
 
-class _CudnnRagged(torch.autograd.Function):
-    """One cuDNN call over all documents of the batch (THD layout, cumulative lengths)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
-        out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False,
-                                                      scale=scale)
-        ctx.save_for_backward(q, k, v, out[0], out[1], cu, out[6], out[7])
-        ctx.max_len, ctx.scale = max_len, scale
-        return out[0]
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, cu, seed, offset = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            do.contiguous(), q, k, v, o, lse, seed, offset, torch.empty(0, device=q.device), cu, cu,
-            ctx.max_len, ctx.max_len, 0.0, True, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
 def fresh_rows(T: int, B: int, n: int, H: int, K: int, V: int, paths: list[str]) -> list[dict]:
     """fwd+bwd wall time per batch over n successive corpus batches [B, T], as training meets
     them (every batch new), then the same batches again: a path whose first pass is much slower
-    pays a per-shape cost (cuDNN builds an execution plan per new window length)."""
+    pays a per-shape cost (a cuDNN call per document, tried and removed, built an execution
+    plan per new document length: docs/LOG.md)."""
     import time
-
-    from titan_moe.ops.attention.cudnn import documents, window_length
 
     dev, scale = "cuda", K**-0.5
     batches = corpus_batches(T, B, n)
@@ -202,26 +177,18 @@ def fresh_rows(T: int, B: int, n: int, H: int, K: int, V: int, paths: list[str])
     do = torch.randn(B, H, T, V, device=dev, dtype=torch.bfloat16, generator=gen)
     results = []
     for path in paths:
-        seen: set[int] = set()
         for rep in range(2):
-            times, new_lengths, docs = [], 0, 0
+            times, docs = [], 0
             for ids_BT in batches:
                 ids = ids_BT.to(dev)
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                if path == "cudnn":
-                    starts_cpu = doc_starts(ids).cpu()
-                    lengths = {window_length(e - s) for _, s, e in documents(starts_cpu)}
-                    new_lengths += len(lengths - seen)
-                    seen |= lengths
-                    docs += len(documents(starts_cpu))
-                    o = doc_attention_cudnn(qg, kg, vg, starts_cpu, scale)
-                elif path == "dense":
+                if path == "dense":
                     from titan_moe.model.packing import same_doc_causal_mask
 
                     o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=same_doc_causal_mask(ids), scale=scale)
-                elif path in ("varlen", "cudnn_ragged"):
+                elif path == "varlen":
                     cu = cu_seqlens_from_doc_ids(ids)  # every row's first token starts a document
                     max_len = int((cu[1:] - cu[:-1]).max())
                     docs += cu.numel() - 1
@@ -229,10 +196,7 @@ def fresh_rows(T: int, B: int, n: int, H: int, K: int, V: int, paths: list[str])
                     def thd(x):
                         return x.transpose(1, 2).reshape(B * T, H, x.shape[-1])
 
-                    if path == "varlen":
-                        o_thd = varlen_causal(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
-                    else:
-                        o_thd = _CudnnRagged.apply(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
+                    o_thd = varlen_causal(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
                     o = o_thd.reshape(B, T, H, V).transpose(1, 2)
                 else:
                     raise ValueError(path)
@@ -240,7 +204,7 @@ def fresh_rows(T: int, B: int, n: int, H: int, K: int, V: int, paths: list[str])
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t0) * 1e3)
             row = {"fresh_rows": path, "T": T, "B": B, "pass": rep + 1, "batches": len(batches),
-                   "docs_per_batch": round(docs / len(batches), 1), "new_window_lengths": new_lengths,
+                   "docs_per_batch": round(docs / len(batches), 1),
                    "first_ms": round(times[0], 1), "median_ms": round(sorted(times)[len(times) // 2], 1),
                    "total_ms": round(sum(times), 1)}
             print(json.dumps(row), flush=True)
@@ -254,7 +218,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--qk-dim", type=int, default=192)
     p.add_argument("--v-dim", type=int, default=128)
-    p.add_argument("--paths", nargs="+", default=["causal_sdpa", "cudnn", "varlen", "dense"])
+    p.add_argument("--paths", nargs="+", default=["causal_sdpa", "varlen", "dense"])
     p.add_argument("--dense-max", type=int, default=32768, help="longest T for the dense-mask path")
     p.add_argument("--json", default="")
     p.add_argument("--fresh-rows", type=int, default=0, metavar="N",

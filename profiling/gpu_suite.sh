@@ -67,10 +67,10 @@
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   mla_attention  profiling/bench_attention.py at 32K and 128K: MLA attention over packed documents
-#              per path (cudnn, varlen, dense) beside causal SDPA over one document (not in
-#              the default list)
+#              per path (varlen, dense) beside causal SDPA over one document, then the same paths
+#              over 8 successive corpus rows (--fresh-rows) (not in the default list)
 #   mla_step   small_1gpu compiled at 32K x 1, 16 steps, once per CUDA model.mla_attention path
-#              (dense, cudnn), each with TORCH_LOGS=recompiles,graph_breaks (in its output file), then
+#              (dense, varlen), each with TORCH_LOGS=recompiles,graph_breaks (in its output file), then
 #              profiling/step_table.py over the two (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with --kernels.kda_keep False (the KDA backward recomputes
 #              the forward's intermediates) beside the default, which keeps them (not in the default list)
@@ -248,15 +248,18 @@ for section in "${SECTIONS[@]}"; do
             run gemm_goals_layer python profiling/bench_moe.py --skip-gemm --layer-providers ours_auto \
                 --layer-kernels 14 ;;
         parts) run parts python profiling/bench_step_parts.py ;;
-        mla_attention) run mla_attention python profiling/bench_attention.py --seq-lens 32768 131072 \
-                --paths causal_sdpa cudnn varlen dense ;;
+        mla_attention)
+            run mla_attention python profiling/bench_attention.py --seq-lens 32768 131072 \
+                --paths causal_sdpa varlen dense
+            run mla_attention_rows python profiling/bench_attention.py --seq-lens 32768 --fresh-rows 8 \
+                --paths varlen dense ;;
         mla_step)
-            for path in dense cudnn; do
+            for path in dense varlen; do
                 TORCH_LOGS=recompiles,graph_breaks run "mla_step_$path" torchrun --standalone --nproc_per_node=1 \
                     "${SMALL[@]}" --compile.enable --training.seq_len 32768 --training.steps 16 --metrics.log_freq 2 \
                     --validation.no_enable --model.mla_attention "$path" --job.dump_folder "$DUMP/mla_step_$path"
             done
-            run mla_step_table python profiling/step_table.py "$DUMP/mla_step_dense" "$DUMP/mla_step_cudnn" \
+            run mla_step_table python profiling/step_table.py "$DUMP/mla_step_dense" "$DUMP/mla_step_varlen" \
                 --mean-after 4 ;;
         keep)
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"

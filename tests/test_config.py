@@ -135,12 +135,12 @@ def test_exact_qb_with_compile_and_checkpointing_is_refused(tmp_path):
 
 
 def test_mla_attention_is_a_model_key(tmp_path):
-    """The MLA attention path is chosen in the config (validated like any model key); cudnn
-    with compile and activation checkpointing is accepted (its document starts are built
-    outside the checkpointed layers)."""
-    path = _write(tmp_path, '[model]\nname = "titan_moe"\nflavor = "debug"\nqb_bins = 100\nmla_attention = "cudnn"\n')
+    """The MLA attention path is chosen in the config (validated like any model key); varlen
+    with compile and activation checkpointing is accepted (its cu_seqlens are built outside
+    the checkpointed layers)."""
+    path = _write(tmp_path, '[model]\nname = "titan_moe"\nflavor = "debug"\nqb_bins = 100\nmla_attention = "varlen"\n')
     config = load_config(["--job.config_file", path, "--compile.enable", "--activation_checkpoint.mode", "selective"])
-    assert config.model.mla_attention == "cudnn"
+    assert config.model.mla_attention == "varlen"
     assert load_config(["--job.config_file", path, "--model.mla_attention", "dense"]).model.mla_attention == "dense"
     with pytest.raises(ConfigError, match="mla_attention"):
         load_config(["--job.config_file", path, "--model.mla_attention", "ring"])

@@ -294,21 +294,20 @@ def test_cuda_bf16_sdpa_with_document_mask_and_decode():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("path", ["cudnn", "varlen"])
-def test_document_attention_paths_match_the_dense_mask_cuda(path, compiled):
-    """mla_attention = "cudnn" / "varlen" (eager, and inside a compiled layer) equals "dense"
+def test_varlen_document_attention_matches_the_dense_mask_cuda(compiled):
+    """mla_attention = "varlen" (eager, and inside a compiled layer) equals "dense"
     (SDPA with the [B, 1, T, T] mask), outputs and gradients, bf16, K3's head dims (qk 128 +
     64, v 128); both in bf16, so the bound is bf16's, as in the CPU bf16 test."""
     kw = dict(dim=256, mla_n_heads=2, mla_q_lora_rank=96, mla_kv_lora_rank=64,
               mla_qk_nope_head_dim=128, mla_qk_shared_dim=64, mla_v_head_dim=128)
-    m_cudnn = make_mla(small_args(mla_attention=path, **kw), seed=9).cuda().to(torch.bfloat16)
+    m_varlen = make_mla(small_args(mla_attention="varlen", **kw), seed=9).cuda().to(torch.bfloat16)
     m_dense = make_mla(small_args(mla_attention="dense", **kw), seed=9).cuda().to(torch.bfloat16)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(2, 300, kw["dim"], generator=gen).to("cuda", torch.bfloat16).requires_grad_()
     doc_ids = random_doc_ids(2, 300, gen).cuda()
     torch._dynamo.reset()
     counters.clear()
-    run = torch.compile(m_cudnn, backend="inductor", fullgraph=True) if compiled else m_cudnn
+    run = torch.compile(m_varlen, backend="inductor", fullgraph=True) if compiled else m_varlen
     y_c = run(x, doc_ids_BT=doc_ids)
     (g_c,) = torch.autograd.grad(y_c.float().square().sum(), x)
     y_d = m_dense(x, doc_ids_BT=doc_ids)
@@ -334,7 +333,6 @@ def test_attention_choice_is_validated_and_resolved():
     with pytest.raises(ValueError, match="mla_attention"):
         small_args(mla_attention="ring")
     assert resolve_attention("auto", torch.device("cpu")) == "chunked"
-    assert resolve_attention("auto", torch.device("cuda")) == "dense"
-    for choice in ("cudnn", "varlen"):
-        with pytest.raises(ValueError, match="CUDA"):
-            resolve_attention(choice, torch.device("cpu"))
+    assert resolve_attention("auto", torch.device("cuda")) == "varlen"
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_attention("varlen", torch.device("cpu"))

@@ -380,7 +380,9 @@ def test_eager_fit_predicts_a_direct_measurement_at_another_length(fsdp):
     extrapolated to n) and the T^2 term predict what the full layer (all n experts) saves at
     T = 320. Tolerance 0.5%: saved sizes are exact polynomials in T at multiples of 64, the
     slack only covers tile-rounded sizes (the logsumexp's 32-row padding)."""
-    args = _tiny()  # n = 8 > top_k + 4 = 6: the expert-count extrapolation is exercised
+    # n = 8 > top_k + 4 = 6: the expert-count extrapolation is exercised; the dense MLA path
+    # keeps the T^2 term for the fit to find
+    args = replace(_tiny(), mla_attention="dense")
     dtype, amp = _setting(fsdp)
     for kind, i in _first_layer_of_each_kind(args).items():
         profile = measure_eager_layer(args, i, FP32_MASTER, fsdp, fake=False)
@@ -661,13 +663,13 @@ def test_cached_expert_casts_move_the_experts_copies_into_the_whole_step():
 
 
 def test_attention_paths_without_a_mask_have_no_T_squared_term():
-    """cudnn and chunked save no document mask: the planner measures them through the
-    chunked stand-in, whose MLA layer has no T^2 term; auto (dense on CUDA) keeps it."""
+    """varlen (auto on CUDA) and chunked save no document mask: the planner measures them
+    through the chunked stand-in, whose MLA layer has no T^2 term; dense keeps it."""
     from titan_moe.plan.eager import planned_attention
 
-    assert planned_attention("auto") == planned_attention("dense") == "dense"
-    assert {planned_attention(c) for c in ("cudnn", "chunked")} == {"chunked"}
-    args = replace(_tiny(), mla_attention="cudnn")
+    assert planned_attention("dense") == "dense"
+    assert {planned_attention(c) for c in ("auto", "varlen", "chunked")} == {"chunked"}
+    args = replace(_tiny(), mla_attention="varlen")
     i = _first_layer_of_each_kind(args)["mla+moe"]
     profile = measure_eager_layer(args, i, FP32_MASTER, False, fake=False)
     assert profile.per_seq_sq == 0.0 and profile.per_token > 0

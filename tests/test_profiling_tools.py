@@ -425,9 +425,11 @@ def test_gpu_suite_mla_sections_time_every_attention_path(tmp_path):
     proc = _gpu_suite(tmp_path, "mla_attention", "mla_step", gpus="1")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["mla_attention", "mla_step_dense", "mla_step_cudnn", "mla_step_table"]
-    assert "bench_attention.py" in commands["mla_attention"] and "cudnn" in commands["mla_attention"]
-    for path in ("dense", "cudnn"):
+    assert list(commands) == ["mla_attention", "mla_attention_rows", "mla_step_dense", "mla_step_varlen",
+                              "mla_step_table"]
+    assert "bench_attention.py" in commands["mla_attention"] and "varlen" in commands["mla_attention"]
+    assert "--fresh-rows" in commands["mla_attention_rows"]
+    for path in ("dense", "varlen"):
         command = commands[f"mla_step_{path}"]
         assert f"--model.mla_attention {path}" in command and "--compile.enable" in command and "32768" in command
     assert commands["mla_step_table"].count("mla_step_") == 2

@@ -12,7 +12,7 @@ from typing import Literal
 
 AttnResMode = Literal["block", "full", "none"]
 BalanceRule = Literal["qb", "sign"]
-MLAAttention = Literal["auto", "cudnn", "varlen", "chunked", "dense"]
+MLAAttention = Literal["auto", "varlen", "chunked", "dense"]
 
 
 @dataclass
@@ -44,10 +44,10 @@ class ModelArgs:
     mla_qk_nope_head_dim: int = 32
     mla_qk_shared_dim: int = 16  # K3: 64 shared, unrotated key dims (the "rope" dims of DeepSeek)
     mla_v_head_dim: int = 32
-    # How MLA attends over packed documents (`titan_moe.model.mla`): "auto" (dense on CUDA,
-    # chunked elsewhere), "cudnn" (cuDNN causal attention per document, CUDA), "varlen"
-    # (one variable-length FlashAttention-2 call, CUDA), "chunked" (exact query-chunked op,
-    # any device), "dense" (SDPA with a [B, 1, T, T] mask; T^2 memory).
+    # How MLA attends over packed documents (`titan_moe.model.mla`): "auto" (varlen on CUDA,
+    # chunked elsewhere), "varlen" (one variable-length FlashAttention-2 call, CUDA),
+    # "chunked" (exact query-chunked op, any device), "dense" (SDPA with a [B, 1, T, T] mask;
+    # T^2 memory).
     mla_attention: MLAAttention = "auto"
 
     # --- AttnRes (SPEC §4) ---
@@ -95,8 +95,8 @@ class ModelArgs:
             )
         if self.attn_res not in ("block", "full", "none"):
             raise ValueError(f"model.attn_res must be block|full|none, got {self.attn_res!r}")
-        if self.mla_attention not in ("auto", "cudnn", "varlen", "chunked", "dense"):
-            raise ValueError(f"model.mla_attention must be auto|cudnn|varlen|chunked|dense, got {self.mla_attention!r}")
+        if self.mla_attention not in ("auto", "varlen", "chunked", "dense"):
+            raise ValueError(f"model.mla_attention must be auto|varlen|chunked|dense, got {self.mla_attention!r}")
         if self.balance_rule not in ("qb", "sign"):
             raise ValueError(f"model.balance_rule must be qb|sign, got {self.balance_rule!r}")
         if self.qb_bins < 0:

@@ -12,19 +12,16 @@ No positional encoding anywhere (NoPE): scores depend on content and the causal/
 only, so context can grow between training stages without rescaling. No biases.
 
 Packed documents. With ``doc_ids`` the attention is causal within each document; the path
-is `ModelArgs.mla_attention` ("auto": dense on CUDA until a faster training step is measured,
-chunked elsewhere; `resolve_attention`). All but ``dense`` avoid any T x T tensor:
+is `ModelArgs.mla_attention` ("auto": varlen on CUDA, chunked elsewhere;
+`resolve_attention`). All but ``dense`` avoid any T x T tensor:
 
-* ``cudnn`` (CUDA): one cuDNN causal attention call per document
-  (`titan_moe.ops.attention.doc_attention_cudnn`): the dense kernel's rate on exactly the
-  work the mask leaves.
 * ``varlen`` (CUDA): one variable-length FlashAttention-2 call over all documents of the
   batch (`titan_moe.ops.attention.doc_attention_varlen`), driven by the decoder's
   ``cu_seqlens``: no host work per document.
 * ``chunked`` (any device): `titan_moe.ops.attention.doc_attention_chunked`, exact, by query
   chunks, O(T * chunk) memory in forward and backward.
 * ``dense``: SDPA with a dense ``[B, 1, T, T]`` boolean mask (T^2 bytes per row kept for
-  the backward); the CUDA default until a faster training step is measured.
+  the backward; the mask also keeps SDPA from skipping masked blocks).
 
 The mask a path needs (`document_mask`) is built once per forward by the decoder, outside
 the compiled and checkpointed layers, and shared by every MLA layer.
@@ -55,7 +52,6 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.packing import cu_seqlens_from_doc_ids, same_doc_causal_mask
 from titan_moe.ops.attention import (
     doc_attention_chunked,
-    doc_attention_cudnn,
     doc_attention_varlen,
     doc_starts,
 )
@@ -63,30 +59,25 @@ from titan_moe.ops.nvtx import nvtx_wrap
 
 
 def resolve_attention(choice: str, device: torch.device) -> str:
-    """The path "auto" stands for on `device` ("dense" on CUDA, "chunked" elsewhere); other
-    values unchanged. "cudnn" needs CUDA.
-
-    "auto" stays "dense" on CUDA until a training step with "cudnn" is measured faster: cudnn
-    is the faster attention kernel, not yet the faster step (docs/kernels.md)."""
+    """The path "auto" stands for on `device` ("varlen" on CUDA: the fastest training step
+    measured, docs/kernels.md; "chunked" elsewhere); other values unchanged. "varlen" needs
+    CUDA."""
     if choice == "auto":
-        return "dense" if device.type == "cuda" else "chunked"
-    if choice in ("cudnn", "varlen") and device.type != "cuda":
+        return "varlen" if device.type == "cuda" else "chunked"
+    if choice == "varlen" and device.type != "cuda":
         raise ValueError(f"model.mla_attention = {choice!r} needs a CUDA device, got {device.type}")
     return choice
 
 
 def document_mask(path: str, doc_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
     """What `GatedMLA` needs for packed documents on `path`: the documents' starts [B, T]
-    (chunked; on the host for cudnn), the flattened stream's `cu_seqlens` (varlen; the
-    given one, else computed) or the dense bool mask [B, 1, T, T] (dense)."""
+    (chunked), the flattened stream's `cu_seqlens` (varlen; the given one, else computed)
+    or the dense bool mask [B, 1, T, T] (dense)."""
     if path == "dense":
         return same_doc_causal_mask(doc_ids_BT)
     if path == "varlen":
         return cu_seqlens if cu_seqlens is not None else cu_seqlens_from_doc_ids(doc_ids_BT)
-    starts_BT = doc_starts(doc_ids_BT)
-    if path == "cudnn":
-        return starts_BT.cpu()
-    return starts_BT
+    return doc_starts(doc_ids_BT)
 
 
 @dataclass
@@ -192,8 +183,6 @@ class GatedMLA(nn.Module):
         q_BHTK, k_BHTK, v_BHTV = (t.transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV))
         if doc_mask is None:
             o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=self.scale)
-        elif path == "cudnn":
-            o_BHTV = doc_attention_cudnn(q_BHTK, k_BHTK, v_BHTV, doc_mask, self.scale)
         elif path == "chunked":
             o_BHTV = doc_attention_chunked(q_BHTK, k_BHTK, v_BHTV, doc_mask, self.scale)
         else:

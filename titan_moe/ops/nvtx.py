@@ -30,7 +30,7 @@ aggregate them across steps and layers):
     op.grouped_mm, op.grouped_mm_dx,     custom op implementations          yes   yes
       op.grouped_mm_dw, op.router_topk,
       op.moe_permute, op.moe_unpermute_combine(_backward),
-      op.doc_attention_fwd/_bwd, op.doc_attention_cudnn_fwd/_bwd
+      op.doc_attention_fwd/_bwd
 
 "compiled layers" is torchtitan's regional compile (one `torch.compile(fullgraph=True)`
 region per decoder layer). A Python-side range inside a compiled region would break the

@@ -249,11 +249,11 @@ def _storage_key(storage: torch.UntypedStorage) -> int:
 
 def planned_attention(choice: str) -> str:
     """The CPU stand-in for the MLA attention path a CUDA run of `model.mla_attention = choice`
-    takes: "dense" for auto and dense (the SDPA stand-in then saves the mask as CUDA does);
-    "chunked" for cudnn, varlen and chunked, which all save q, k, v, the output and an fp32
-    log-sum-exp [B, H, T] and nothing of size T^2 (varlen's v and output are padded to the
-    qk head dim: slightly more)."""
-    return "dense" if choice in ("auto", "dense") else "chunked"
+    takes: "dense" for dense (the SDPA stand-in then saves the mask as CUDA does); "chunked"
+    for auto (varlen on CUDA), varlen and chunked, which all save q, k, v, the output and an
+    fp32 log-sum-exp [B, H, T] and nothing of size T^2 (varlen's v and output are padded to
+    the qk head dim: slightly more)."""
+    return "dense" if choice == "dense" else "chunked"
 
 
 def zero_layer(args: ModelArgs, layer_idx: int, param_dtype: torch.dtype) -> DecoderLayer:

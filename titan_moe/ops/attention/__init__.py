@@ -7,7 +7,6 @@ document up to itself. Every path here describes the documents by `starts_BT` (i
 
     doc_starts(doc_ids_BT)                         -> starts_BT             (once per forward)
     doc_attention_chunked(q, k, v, starts_BT, ...) -> o                     (any device; exact)
-    doc_attention_cudnn(q, k, v, bounds_cpu, ...)                           (CUDA: cuDNN per document)
     doc_attention_varlen(q_BTHK, k_BTHK, v_BTHV, cu_seqlens, ...)           (CUDA: FlashAttention-2 varlen)
     doc_attention_reference(q, k, v, doc_ids_BT, ...)                       (tests: per document)
 
@@ -15,13 +14,11 @@ Shapes: q [B, H, T, K], k [B, H, T, K], v [B, H, T, V] (V may differ from K); o 
 """
 
 from titan_moe.ops.attention.chunked import doc_attention_chunked
-from titan_moe.ops.attention.cudnn import doc_attention_cudnn
 from titan_moe.ops.attention.reference import doc_attention_reference, doc_starts
 from titan_moe.ops.attention.varlen import doc_attention_varlen
 
 __all__ = [
     "doc_attention_chunked",
-    "doc_attention_cudnn",
     "doc_attention_reference",
     "doc_attention_varlen",
     "doc_starts",
