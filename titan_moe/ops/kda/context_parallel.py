@@ -149,11 +149,13 @@ def context_parallel_layout(
     if cu_seqlens is None:
         return segment_layout([0, cp * T], rank, cp, T, varlen=False), None
     layout = segment_layout(seqlens_bounds(cu_seqlens, cp * T), rank, cp, T)
-    return layout, _local_cu_seqlens(layout.local_bounds, cu_seqlens.device)
+    return layout, local_cu_seqlens(layout.local_bounds, cu_seqlens.device)
 
 
 @functools.lru_cache(maxsize=256)
-def _local_cu_seqlens(local_bounds: tuple[int, ...], device: torch.device) -> Tensor:
+def local_cu_seqlens(local_bounds: tuple[int, ...], device: torch.device) -> Tensor:
+    """int32 `cu_seqlens` of a segment's pieces (`SegmentLayout.local_bounds`) on `device`,
+    one tensor object per layout and device (so `chunk_kda`'s host read of it is cached)."""
     return torch.tensor(local_bounds, dtype=torch.int32, device=device)
 
 
