@@ -54,17 +54,47 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titan_moe.config import ConfigError
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.short_conv import short_conv_silu
 from titan_moe.ops.attention import doc_attention_chunked, doc_starts
 from titan_moe.ops.attention.reference import doc_start_mask
-from titan_moe.ops.kda.context_parallel import SegmentLayout, conv_halo, kda_context_parallel, local_cu_seqlens, segment_layout
+from titan_moe.ops.kda.chunk_torch import CHUNK as KDA_CHUNK
+from titan_moe.ops.kda.context_parallel import (
+    SegmentLayout,
+    all_gather_ranks,
+    conv_halo,
+    kda_context_parallel,
+    local_cu_seqlens,
+    segment_layout,
+)
 
 
 # ----------------------------------------------------------------------------------------
 # the batch: segments and their documents
 # ----------------------------------------------------------------------------------------
+def check_context_parallel(job_config) -> None:
+    """A `ConfigError` (one line naming the keys) for a layout or option that context
+    parallelism does not run with; nothing when `parallelism.context_parallel_degree` is 1."""
+    cp = job_config.parallelism.context_parallel_degree
+    if cp <= 1:
+        return
+    key = f"parallelism.context_parallel_degree = {cp}"
+    seq_len = job_config.training.seq_len
+    if seq_len % cp:
+        raise ConfigError(f"training.seq_len = {seq_len} is not divisible by {key}")
+    if seq_len // cp < KDA_CHUNK:
+        raise ConfigError(
+            f"training.seq_len = {seq_len} over {key} leaves segments of {seq_len // cp} tokens, shorter than "
+            f"a KDA chunk ({KDA_CHUNK}): raise training.seq_len or lower the degree"
+        )
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ConfigError(f"compile.enable with {key} is not supported yet (the context-parallel layers run eagerly)")
+    if job_config.validation.enable:
+        raise ConfigError(f"validation.enable with {key} is not supported yet; pass --validation.no_enable")
+
+
 def segment_of(x_BT: Tensor, rank: int, cp: int) -> Tensor:
     """Rank `rank`'s contiguous segment of `x_BT [B, T, ...]` along dim 1: [B, T / cp, ...]."""
     T = x_BT.shape[1]
@@ -141,10 +171,10 @@ def row_segments(tokens_BL: Tensor, doc_ids_BL: Tensor | None, group, conv_size:
 # ----------------------------------------------------------------------------------------
 def gather_sequence(x_BL: Tensor, group) -> Tensor:
     """The ranks' slices [B, L, ...] concatenated along dim 1 -> [B, cp * L, ...];
-    differentiable (the gradient of each slice returns to its rank, summed over ranks)."""
-    from torch.distributed.nn.functional import all_gather
-
-    return torch.cat(all_gather(x_BL.contiguous(), group=group), dim=1)
+    differentiable (the backward reduce-scatters: each slice's gradient, summed over the
+    ranks, returns to its rank). A functional collective, which `torch.compile` traces."""
+    parts = all_gather_ranks(x_BL, group, dist.get_world_size(group))  # [cp, B, L, ...]
+    return parts.movedim(0, 1).flatten(1, 2)
 
 
 def mla_latent_attention(
@@ -165,15 +195,15 @@ def mla_latent_attention(
 
 def mla_context_parallel(attn: GatedMLA, x_BLD: Tensor, starts_BL: Tensor, group) -> Tensor:
     """y [B, L, D] of the MLA layer `attn` for this rank's slice `x_BLD` of the packed rows
-    (`starts_BL` from `context_parallel_starts`); equal to the unsharded layer's output on
-    the same tokens."""
+    (`starts_BL`: `RowSegments.starts_BL`); equal to the unsharded layer's output on the
+    same tokens. One all-gather of [c_kv | k_s], R + S values a token."""
     rank = dist.get_rank(group)
     L = x_BLD.shape[1]
     q_BLHK = attn._queries(x_BLD)
     c_kv_BLR, k_s_BLS = attn._latents(x_BLD)
     end = (rank + 1) * L
-    c_kv_BTR = gather_sequence(c_kv_BLR, group)[:, :end]
-    k_s_BTS = gather_sequence(k_s_BLS, group)[:, :end]
+    latents_BTX = gather_sequence(torch.cat([c_kv_BLR, k_s_BLS], dim=-1), group)[:, :end]
+    c_kv_BTR, k_s_BTS = latents_BTX.split([attn.kv_lora_rank, attn.qk_shared_dim], dim=-1)
     o_BLHV = mla_latent_attention(attn, q_BLHK, c_kv_BTR, k_s_BTS, starts_BL, q_offset=rank * L)
     return attn._gate_and_project(x_BLD, o_BLHV)
 
