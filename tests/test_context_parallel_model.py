@@ -16,7 +16,8 @@ Tolerance: the model is fp32; the segments' KDA chunks are not the whole row's (
 crosses the ranks by the transition algebra, not by the same chunk products) and MLA runs
 in latent space, so the two sides agree to fp32 rounding accumulated through four layers
 and their backward: at most 1.3e-5 relative measured (cp 2 and 4, over every parameter's
-gradient); 1e-4 leaves room and still catches a wrong halo, document cut or missing
+gradient; the largest is A_log's, a sum over every token with cancellation, which falls to
+2e-7 with the decoder in float64); 1e-4 leaves room and still catches a wrong halo, document cut or missing
 gradient term (a zeroed halo gives 1.8).
 """
 
