@@ -10,7 +10,8 @@ reduction does). Each rank also checks that its KDA and MLA layers saw L = T / c
 Rows (T = 128): documents crossing segment boundaries, one document longer than a segment
 (cp = 4: it covers rank 1 wholly, so that rank's transition M carries the state), a
 one-token document, documents starting exactly at a segment's first token, and a row that
-is one document. A second pass runs the rows unpacked (no document ids).
+is one document; with MLA's queries on their own rank and balanced ("headtail": half-
+segments moved between the ranks), and the rows unpacked (no document ids), balanced.
 
 Tolerance: the model is fp32; the segments' KDA chunks are not the whole row's (the state
 crosses the ranks by the transition algebra, not by the same chunk products) and MLA runs
@@ -77,7 +78,7 @@ def _worker(rank: int, world: int) -> None:
     assert torch.equal(rows.starts_BL, segment_of(doc_starts(doc_ids), rank, world))
     halo_ids = doc_ids[:, rank * L - 3 : rank * L] if rank else torch.full((3, 3), -1, dtype=torch.int32)
     assert torch.equal(rows.conv_ids_BX, torch.cat([halo_ids, segment_of(doc_ids, rank, world)], dim=1))
-    for packed in (True, False):
+    for packed, balance in ((True, None), (True, "headtail"), (False, "headtail")):
         ids = doc_ids if packed else None
         reference = _model()
         logits_ref = reference(tokens, ids)
@@ -85,7 +86,7 @@ def _worker(rank: int, world: int) -> None:
 
         model = copy.deepcopy(reference)
         model.zero_grad(set_to_none=True)
-        apply_context_parallel(model, dist.group.WORLD)
+        apply_context_parallel(model, dist.group.WORLD, balance)
         seen = []
         for layer in model.layers.values():
             layer.attention.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
@@ -101,7 +102,7 @@ def _worker(rank: int, world: int) -> None:
             dist.all_reduce(grad)
             errors[name] = rel_err(grad, grads_ref[name])
         bad = {name: err for name, err in errors.items() if not err <= RTOL}
-        assert not bad, f"cp={world}, rank {rank}, packed={packed}: relative errors above {RTOL}: {bad}"
+        assert not bad, f"cp={world}, rank {rank}, packed={packed}, {balance}: relative errors above {RTOL}: {bad}"
 
 
 @pytest.mark.slow

@@ -3,8 +3,10 @@ process: the tiny debug model, the same rows, seed and global batch (4 rows of 2
 steps 1-3, on gloo CPU ranks.
 
 Layouts: CP2, CP4, CP2 x FSDP2, CP2 x HSDP2 (replicated), CP2 x EP2 and CP2 x FSDP2 x
-EP2; a CP2 checkpoint resumed in one process and a one-process checkpoint resumed under
-CP2. The rows of those steps hold documents crossing segment boundaries, documents longer than a segment and documents
+EP2, MLA's queries balanced ("headtail", the default) except under CP2 x EP2 (each rank
+its own queries: `context_parallel_load_balancer = none`); a CP2 checkpoint resumed in one
+process and a one-process checkpoint resumed under CP2. The rows of those steps hold
+documents crossing segment boundaries, documents longer than a segment and documents
 starting inside a segment (checked below on the loader's own rows, so that the parity
 runs cannot pass on rows without them).
 
@@ -49,7 +51,7 @@ LAYOUTS = {  # name: (arguments, processes)
     "CP4": (cp(4), 4),
     "CP2xFSDP2": (cp(2), 4),
     "CP2xHSDP2": ([*cp(2), "--parallelism.data_parallel_replicate_degree", "2"], 4),
-    "CP2xEP2": ([*cp(2), *EP2], 2),
+    "CP2xEP2": ([*cp(2), *EP2, "--parallelism.context_parallel_load_balancer", "none"], 2),
     "CP2xFSDP2xEP2": ([*cp(2), *EP2], 4),
 }
 
@@ -135,6 +137,8 @@ def test_one_process_checkpoint_resumes_under_cp2(one_process, tmp_path):
     ([*cp(4), "--training.seq_len", "128"], "shorter than a KDA chunk"),
     ([*cp(2), "--compile.enable"], "compile.enable with parallelism.context_parallel_degree"),
     ([*cp(2), "--validation.enable"], "validation.enable with parallelism.context_parallel_degree"),
+    ([*cp(2), "--parallelism.context_parallel_load_balancer", "ptrr"], "context_parallel_load_balancer = 'ptrr'"),
+    ([*cp(2), "--training.seq_len", "130"], "not divisible by 2 x parallelism.context_parallel_degree"),
 ])
 def test_bad_layouts_are_refused(args, needle):
     from titan_moe.config import ConfigError, load_config

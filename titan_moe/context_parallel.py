@@ -38,11 +38,17 @@ full-sequence per-head tensor on any rank. The keys and values are shared by the
 differentiable (its backward reduce-scatters the latents' gradients to their ranks).
 
 Load balance: contiguous segments keep KDA's chain one scan, but leave causal MLA work
-growing with the rank (docs/parallelism.md measures it).
+growing with the rank. With `balance="headtail"` (`parallelism.context_parallel_load_balancer`,
+torchtitan's default) MLA's queries are reassigned: each rank computes its own first
+half-segment and its mirror rank's second one (`mla_context_parallel_headtail`), equal
+work for a document filling the row; KDA's segments stay contiguous. docs/parallelism.md
+measures both.
 
 Where the collectives sit: in the layers' eager forward (the CP layers are not compiled
-yet; `parallelize` refuses `compile.enable` with CP) and in the root module's forward
-pre-hook (the document ids).
+yet; `parallelize` refuses `compile.enable` with CP): KDA's state and halo all-gathers,
+MLA's latent all-gather and, under "headtail", its two all-to-alls; and in the root
+module's forward pre-hook (the document ids). Their backward runs the reverse collectives
+(reduce-scatters, all-to-alls) in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -74,6 +81,9 @@ from titan_moe.ops.kda.context_parallel import (
 # ----------------------------------------------------------------------------------------
 # the batch: segments and their documents
 # ----------------------------------------------------------------------------------------
+BALANCES = (None, "headtail")  # `parallelism.context_parallel_load_balancer` values we run
+
+
 def check_context_parallel(job_config) -> None:
     """A `ConfigError` (one line naming the keys) for a layout or option that context
     parallelism does not run with; nothing when `parallelism.context_parallel_degree` is 1."""
@@ -84,6 +94,15 @@ def check_context_parallel(job_config) -> None:
     seq_len = job_config.training.seq_len
     if seq_len % cp:
         raise ConfigError(f"training.seq_len = {seq_len} is not divisible by {key}")
+    balance = job_config.parallelism.context_parallel_load_balancer
+    if balance not in BALANCES:
+        raise ConfigError(f"parallelism.context_parallel_load_balancer = {balance!r} is not supported with {key} "
+                          "(use 'headtail' or none)")
+    if balance == "headtail" and seq_len % (2 * cp):
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is not divisible by 2 x {key} (the 'headtail' "
+            "parallelism.context_parallel_load_balancer halves each segment; or set it to none)"
+        )
     if seq_len // cp < KDA_CHUNK:
         raise ConfigError(
             f"training.seq_len = {seq_len} over {key} leaves segments of {seq_len // cp} tokens, shorter than "
@@ -118,8 +137,9 @@ class RowSegments:
 
     kda: per row, its `SegmentLayout` and local `cu_seqlens` for `kda_context_parallel`;
         one entry for all rows when the rows are not packed (each row one sequence).
-    starts_BL: int32, the global position in its row where each local token's document
-        begins (MLA's document mask; zeros when not packed).
+    starts_BT: int32 [B, cp * L], for every token of the whole rows, the position where its
+        document begins (MLA's document mask; zeros when not packed); `starts_BL` is this
+        rank's segment of it.
     conv_ids_BX: int32 [B, conv_size - 1 + L], the document ids of the halo and the local
         tokens (-1 before the row's start); None when not packed.
     """
@@ -128,12 +148,16 @@ class RowSegments:
     rank: int
     cp: int
     kda: tuple[tuple[SegmentLayout, Tensor | None], ...]
-    starts_BL: Tensor
+    starts_BT: Tensor
     conv_ids_BX: Tensor | None
 
     @property
     def packed(self) -> bool:
         return self.conv_ids_BX is not None
+
+    @property
+    def starts_BL(self) -> Tensor:
+        return segment_of(self.starts_BT, self.rank, self.cp)
 
 
 def row_segments(tokens_BL: Tensor, doc_ids_BL: Tensor | None, group, conv_size: int) -> RowSegments:
@@ -147,8 +171,8 @@ def row_segments(tokens_BL: Tensor, doc_ids_BL: Tensor | None, group, conv_size:
         raise ValueError(f"a segment of {L} tokens is shorter than the short convolution's halo ({conv_size - 1})")
     if doc_ids_BL is None:
         layout = segment_layout([0, cp * L], rank, cp, L, varlen=False)
-        starts_BL = torch.zeros(B, L, dtype=torch.int32, device=tokens_BL.device)
-        return RowSegments(group, rank, cp, ((layout, None),), starts_BL, None)
+        starts_BT = torch.zeros(B, cp * L, dtype=torch.int32, device=tokens_BL.device)
+        return RowSegments(group, rank, cp, ((layout, None),), starts_BT, None)
     parts = [torch.empty_like(doc_ids_BL) for _ in range(cp)]
     dist.all_gather(parts, doc_ids_BL.contiguous(), group=group)
     ids_BT = torch.cat(parts, dim=1)
@@ -163,7 +187,7 @@ def row_segments(tokens_BL: Tensor, doc_ids_BL: Tensor | None, group, conv_size:
     lo, hi = rank * L, (rank + 1) * L
     width = conv_size - 1
     conv_ids_BX = F.pad(ids_BT, (width, 0), value=-1)[:, lo : hi + width].contiguous()
-    return RowSegments(group, rank, cp, tuple(kda), doc_starts(ids_BT)[:, lo:hi].contiguous(), conv_ids_BX)
+    return RowSegments(group, rank, cp, tuple(kda), doc_starts(ids_BT), conv_ids_BX)
 
 
 # ----------------------------------------------------------------------------------------
@@ -206,6 +230,60 @@ def mla_context_parallel(attn: GatedMLA, x_BLD: Tensor, starts_BL: Tensor, group
     c_kv_BTR, k_s_BTS = latents_BTX.split([attn.kv_lora_rank, attn.qk_shared_dim], dim=-1)
     o_BLHV = mla_latent_attention(attn, q_BLHK, c_kv_BTR, k_s_BTS, starts_BL, q_offset=rank * L)
     return attn._gate_and_project(x_BLD, o_BLHV)
+
+
+def headtail_blocks(rank: int, cp: int) -> tuple[int, int]:
+    """The half-segments (blocks of L / 2 tokens, 0 .. 2 cp - 1 along the row) whose MLA
+    queries rank `rank` computes under the "headtail" balance: its own first half (block
+    2 r) and the second half of its mirror rank cp - 1 - r (block 2 cp - 1 - 2 r). A block
+    j of one long document costs j + 1/2 (in units of its first block's), so every rank's
+    pair costs 2 cp; only second halves move, each between a rank and its mirror."""
+    return 2 * rank, 2 * cp - 1 - 2 * rank
+
+
+def _headtail_computer(j: int, cp: int) -> int:
+    """The rank that computes half-segment j (the inverse of `headtail_blocks`)."""
+    return j // 2 if j % 2 == 0 else cp - 1 - j // 2
+
+
+def _all_to_all(x_NBD: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x_NBD.contiguous(), out_splits, in_splits, group))
+
+
+def mla_context_parallel_headtail(attn: GatedMLA, x_BLD: Tensor, starts_BT: Tensor, group) -> Tensor:
+    """`mla_context_parallel` with the causal work balanced over the ranks: rank r computes
+    the layer for its first half-segment and its mirror rank's second one
+    (`headtail_blocks`), whose attention work sums to the same on every rank for a document
+    filling the row. The second half's layer input goes to the mirror rank and the layer's
+    output comes back (all-to-alls of D values a token for L / 2 tokens, autograd through
+    both; a rank's own first half passes as a local copy); the latents are all-gathered as
+    in `mla_context_parallel`. Equal to the unsharded layer's output on
+    the rank's own tokens. `starts_BT`: `RowSegments.starts_BT`; L must be even."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    B, L, D = x_BLD.shape
+    h = L // 2
+    c_kv_BLR, k_s_BLS = attn._latents(x_BLD)
+    latents_BTX = gather_sequence(torch.cat([c_kv_BLR, k_s_BLS], dim=-1), group)
+    c_kv_BTR, k_s_BTS = latents_BTX.split([attn.kv_lora_rank, attn.qk_shared_dim], dim=-1)
+
+    own = (2 * rank, 2 * rank + 1)  # this rank's blocks, sent in the order of their computers
+    sent = sorted(own, key=lambda j: (_headtail_computer(j, cp), j))
+    todo = sorted(headtail_blocks(rank, cp), key=lambda j: (j // 2, j))  # received by source rank
+    send_splits = [h * sum(_headtail_computer(j, cp) == d for j in sent) for d in range(cp)]
+    recv_splits = [h * sum(j // 2 == s for j in todo) for s in range(cp)]
+    x_own = dict(zip(own, x_BLD.split(h, dim=1)))
+    x_NBD = torch.cat([x_own[j] for j in sent], dim=1).transpose(0, 1)
+    x_todo_BND = _all_to_all(x_NBD, recv_splits, send_splits, group).transpose(0, 1)
+    y_todo = []
+    for i, j in enumerate(todo):
+        x_BhD = x_todo_BND[:, i * h : (i + 1) * h]
+        end = (j + 1) * h
+        o_BhHV = mla_latent_attention(attn, attn._queries(x_BhD), c_kv_BTR[:, :end], k_s_BTS[:, :end],
+                                      starts_BT[:, j * h : end], q_offset=j * h)
+        y_todo.append(attn._gate_and_project(x_BhD, o_BhHV))
+    y_NBD = _all_to_all(torch.cat(y_todo, dim=1).transpose(0, 1), send_splits, recv_splits, group)
+    y_own = dict(zip(sent, y_NBD.transpose(0, 1).split(h, dim=1)))
+    return torch.cat([y_own[j] for j in own], dim=1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -265,23 +343,33 @@ class ContextParallelKDA(KimiDeltaAttention):
 
 class ContextParallelMLA(GatedMLA):
     """`GatedMLA` over this rank's segment of the rows, attending in latent space to the
-    all-gathered latents of the row (`mla_context_parallel`)."""
+    all-gathered latents of the row: for its own queries (`mla_context_parallel`) or, with
+    `cp_headtail`, for an early and a late half-segment (`mla_context_parallel_headtail`)."""
 
     cp_slot: RowsSlot
+    cp_headtail: bool
 
     def forward(self, x_BTD: Tensor, doc_ids_BT=None, cache=None, doc_mask=None) -> Tensor:
         _refuse_local_documents("MLA", cache, doc_ids_BT, doc_mask)
         rows = self.cp_slot.current()
+        if self.cp_headtail:
+            return mla_context_parallel_headtail(self, x_BTD, rows.starts_BT, rows.group)
         return mla_context_parallel(self, x_BTD, rows.starts_BL, rows.group)
 
 
-def apply_context_parallel(model: nn.Module, group) -> None:
+def apply_context_parallel(model: nn.Module, group, balance: str | None = None) -> None:
     """Make `model` (a `Decoder`, before activation checkpointing, compile and FSDP) run on
     this rank's segments: its KDA and MLA layers become `ContextParallelKDA` and
     `ContextParallelMLA` (class swap; parameters and names unchanged, so checkpoints stay
     layout-independent), and a forward pre-hook turns the `doc_ids` segment the model is
     called with into the batch's `RowSegments`, read by those layers (the decoder itself
-    then runs as for unpacked rows: no local `cu_seqlens` or document mask)."""
+    then runs as for unpacked rows: no local `cu_seqlens` or document mask).
+
+    balance: how MLA's queries are assigned to the ranks: None, each rank its own segment's;
+    "headtail", an early and a late half-segment per rank (`mla_context_parallel_headtail`).
+    KDA's segments stay contiguous either way."""
+    if balance not in BALANCES:
+        raise ValueError(f"context-parallel balance must be one of {BALANCES}, got {balance!r}")
     slot = RowsSlot()
     conv_size = model.args.kda_conv_size
     for layer in model.layers.values():
@@ -290,6 +378,7 @@ def apply_context_parallel(model: nn.Module, group) -> None:
             attention.__class__ = ContextParallelKDA
         elif isinstance(attention, GatedMLA):
             attention.__class__ = ContextParallelMLA
+            attention.cp_headtail = balance == "headtail"
         else:
             raise ValueError(f"context parallelism does not know the mixer {type(attention).__name__}")
         attention.cp_slot = slot

@@ -282,11 +282,14 @@ def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_confi
     if parallel_dims.ep_enabled:
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
     if parallel_dims.cp_enabled:
-        apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group())
+        balance = job_config.parallelism.context_parallel_load_balancer
+        apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group(), balance)
         seq_len, cp = job_config.training.seq_len, parallel_dims.cp
+        queries = ("an early and a late half-segment of queries per rank" if balance == "headtail"
+                   else "each rank its own queries")
         logger.info(f"Applied context parallelism over {cp} ranks: each row's {seq_len} tokens in contiguous "
                     f"segments of {seq_len // cp} (KDA: state scan across ranks and conv halo; MLA: latent "
-                    "all-gather)")
+                    f"all-gather, {queries}: context_parallel_load_balancer = {balance!r})")
     compile_enabled = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(
