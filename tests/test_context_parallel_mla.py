@@ -63,14 +63,14 @@ def reference(mix: str):
 def _rank(rank: int, world: int, mix: str, want) -> None:
     import torch.distributed as dist
 
-    from titan_moe.context_parallel import context_parallel_starts, mla_context_parallel
+    from titan_moe.context_parallel import mla_context_parallel, row_segments
     from titan_moe.ops.attention import doc_starts
 
     y_ref, dx_ref, grads_ref = want
     ids, x, g = inputs(mix)
     L = T // world
     piece = slice(rank * L, (rank + 1) * L)
-    starts = context_parallel_starts(ids[:, piece], group=dist.group.WORLD)
+    starts = row_segments(ids[:, piece], ids[:, piece], dist.group.WORLD, conv_size=1).starts_BL
     assert torch.equal(starts, doc_starts(ids)[:, piece])
     m = make_mla()
     x_local = x[:, piece].clone().requires_grad_()

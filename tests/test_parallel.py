@@ -141,8 +141,6 @@ def test_unsupported_layouts_are_refused():
     _check_supported(dims(ep=2), config)  # EP is supported
     with pytest.raises(ValueError, match="tensor_parallel_degree"):
         _check_supported(dims(tp=2), config)
-    with pytest.raises(ValueError, match="context_parallel_degree"):
-        _check_supported(dims(cp=2), config)
     op_sac = load_config(["--job.config_file", CONFIG, "--activation_checkpoint.mode", "selective",
                           "--activation_checkpoint.selective_ac_option", "op"])
     _check_supported(dims(), op_sac)

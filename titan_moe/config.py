@@ -138,6 +138,16 @@ class Compile:
 
 
 @dataclass
+class Parallelism:
+    context_parallel_load_balancer: str | None = "headtail"
+    """Under context parallelism, which MLA queries each rank computes (KDA's segments stay
+    contiguous either way): "headtail" = its own first half-segment and its mirror rank's
+    second one, equal causal work on rows of one long document, at the cost of moving half
+    a segment's layer inputs and outputs between mirror ranks; none = its own segment's.
+    torchtitan's other values do not apply (docs/parallelism.md)."""
+
+
+@dataclass
 class Validation:
     dataset: str = ""
     """Like training.dataset; empty: the held-out split of the training source."""
@@ -155,6 +165,7 @@ class TitanJobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     compile: Compile = field(default_factory=Compile)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     validation: Validation = field(default_factory=Validation)
     quantize: QuantizeExtras = field(default_factory=QuantizeExtras)
     kernels: KernelChoices = field(default_factory=KernelChoices)

@@ -6,6 +6,10 @@ materialised. In order (as torchtitan's DeepSeek-V3 does it):
 1. expert parallelism (`parallelism.expert_parallel_degree` > 1): the routed experts of
    every MoE layer are sharded on the expert dim over the "ep" mesh by
    :class:`LatentExpertParallel`, whose hooks exchange the token copies by all-to-all;
+   context parallelism (`parallelism.context_parallel_degree` > 1): the KDA and MLA layers
+   become their context-parallel forms over the "cp" mesh
+   (`titan_moe.context_parallel.apply_context_parallel`); the trainer gives each cp rank
+   its contiguous segment of every row;
 2. activation checkpointing per block (torchtitan's `apply_ac`, full or selective);
 3. regional compile (:func:`apply_compile`): one `torch.compile(fullgraph=True)` region per
    block, except around expert-parallel experts (see there);
@@ -16,9 +20,11 @@ materialised. In order (as torchtitan's DeepSeek-V3 does it):
 
 The meshes are torchtitan 0.2.2's (`ParallelDims`): the dense parameters are sharded over
 "fsdp" (every data-parallel rank); EP borrows its ranks from "fsdp", so "ep" x "efsdp" =
-"fsdp" for the experts. Every rank still reads its own tokens ("batch" mesh), which is why
-the expert-balance counts are summed over "batch" (`train_spec`). Tensor, pipeline and
-context parallelism are not wired: asking for them stops with an error.
+"fsdp" for the experts. Every rank still reads its own tokens ("batch" mesh; its cp ranks hold segments of the
+same rows), which is why the expert-balance counts are summed over "loss" (= "batch" x
+"cp", every rank routing distinct tokens; `train_spec`). FSDP's "fsdp" dim spans dp x cp,
+so gradients are summed over the cp ranks too. Tensor and pipeline parallelism are not
+wired: asking for them stops with an error.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ddp, disable_fsdp_gradient_division
 from torchtitan.tools.logging import logger
 
+from titan_moe.context_parallel import apply_context_parallel, check_context_parallel
 from titan_moe.model.moe import LatentMoE, RoutedExperts
 
 
@@ -44,12 +51,12 @@ def _check_supported(parallel_dims: ParallelDims, job_config) -> None:
     unsupported = {
         "tensor_parallel_degree": parallel_dims.tp,
         "pipeline_parallel_degree": parallel_dims.pp,
-        "context_parallel_degree": parallel_dims.cp,
         "expert_tensor_parallel_degree": parallel_dims.etp,
     }
     for name, degree in unsupported.items():
         if degree > 1:
-            raise ValueError(f"parallelism.{name} = {degree} is not supported yet (only FSDP/HSDP/DDP and EP)")
+            raise ValueError(f"parallelism.{name} = {degree} is not supported yet (only FSDP/HSDP/DDP, CP and EP)")
+    check_context_parallel(job_config)
     if not parallel_dims.ep_enabled:
         return
     backend = job_config.parallelism.expert_parallel_comm_backend
@@ -274,6 +281,15 @@ def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_confi
     _check_supported(parallel_dims, job_config)
     if parallel_dims.ep_enabled:
         apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
+    if parallel_dims.cp_enabled:
+        balance = job_config.parallelism.context_parallel_load_balancer
+        apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group(), balance)
+        seq_len, cp = job_config.training.seq_len, parallel_dims.cp
+        queries = ("an early and a late half-segment of queries per rank" if balance == "headtail"
+                   else "each rank its own queries")
+        logger.info(f"Applied context parallelism over {cp} ranks: each row's {seq_len} tokens in contiguous "
+                    f"segments of {seq_len // cp} (KDA: state scan across ranks and conv halo; MLA: latent "
+                    f"all-gather, {queries}: context_parallel_load_balancer = {balance!r})")
     compile_enabled = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(

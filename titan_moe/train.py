@@ -15,6 +15,8 @@ What we change in torchtitan 0.2.2's Trainer, and why (everything else is theirs
     with other choices keeps the new run's and warns).
   * `[ladder]` stages (`titan_moe.ladder`, `titan_moe.stages.LadderRun`): per-stage rows,
     batch, data mix and LR; a checkpoint and evaluations at each stage's end.
+  * context parallelism: each cp rank keeps its contiguous segment of every row
+    (`post_dataloading_process`; the layers are made context-parallel by `parallelize`).
   * `[profiling] nvtx`: NVTX ranges around the step, forward, backward and optimizer step
     (`ops.nvtx`), and a cudaProfilerStart/Stop window (`nvtx_start_step`/`nvtx_stop_step`)
     for `nsys --capture-range=cudaProfilerApi` (see profiling/nsys_launch.py).
@@ -44,6 +46,7 @@ from torchtitan.train import Trainer  # noqa: E402
 
 from titan_moe import train_spec  # noqa: E402
 from titan_moe.config import ConfigError, error_source, load_config, model_args_from_config  # noqa: E402
+from titan_moe.context_parallel import check_context_parallel, shard_batch  # noqa: E402
 from titan_moe.data.corpus import CorpusError  # noqa: E402
 from titan_moe.hf import adapter as hf_adapter  # noqa: E402
 from titan_moe.model.mla import resolve_attention  # noqa: E402
@@ -158,6 +161,20 @@ class TitanTrainer(Trainer):
         with nvtx.nvtx_range("train_step"):
             super().train_step(data_iterator)
         self._cuda_profiler_window(before_step=False)
+
+    def post_dataloading_process(self, input_dict, labels):
+        """torchtitan's, except under context parallelism: each cp rank keeps its contiguous
+        segment of every row (`titan_moe.context_parallel`). The global token count that
+        normalises the loss was taken on the whole rows before this; the tokens counted for
+        the throughput metrics become this rank's own (summed over dp x cp when logged)."""
+        if not self.parallel_dims.cp_enabled:
+            return super().post_dataloading_process(input_dict, labels)
+        n_row_tokens = labels.numel()
+        input_dict, labels = shard_batch(input_dict, labels, self.parallel_dims.get_mesh("cp").get_group())
+        self.ntokens_seen -= n_row_tokens - labels.numel()
+        self.metrics_processor.ntokens_since_last_log -= n_row_tokens - labels.numel()
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        return input_dict["input"], labels, extra_inputs, {}
 
     def forward_backward_step(self, **kwargs):
         if not nvtx.is_enabled():
@@ -414,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
         if "RANK" not in os.environ:
             _set_single_process_env()
         _fit_local_batch_to_global(config)
+        check_context_parallel(config)
     except ConfigError as e:
         _user_error(str(e))
     _quiet_other_ranks(config)

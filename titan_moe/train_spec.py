@@ -57,13 +57,15 @@ def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel
     update (QB or sign rule) as a step pre-hook.
 
     The update runs once per optimizer step, after all microbatches of the step have
-    accumulated their routing statistics; its counts are summed over the data-parallel ranks.
+    accumulated their routing statistics; its counts are summed over every rank that routes
+    distinct tokens: the data-parallel ranks and, under context parallelism, the cp ranks
+    holding the rows' other segments (torchtitan's "loss" mesh, dp x cp).
     """
     optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     _split_weight_decay(optimizers, model_parts)
     group = None
-    if parallel_dims.dp_enabled:
-        group = parallel_dims.get_mesh("batch").get_group()
+    if parallel_dims.dp_cp_enabled:
+        group = parallel_dims.get_mesh("loss").get_group()
 
     def _update(*args, **kwargs):
         # Kept on the device: the metrics processor reads them only on the steps it logs.

@@ -149,11 +149,13 @@ def context_parallel_layout(
     if cu_seqlens is None:
         return segment_layout([0, cp * T], rank, cp, T, varlen=False), None
     layout = segment_layout(seqlens_bounds(cu_seqlens, cp * T), rank, cp, T)
-    return layout, _local_cu_seqlens(layout.local_bounds, cu_seqlens.device)
+    return layout, local_cu_seqlens(layout.local_bounds, cu_seqlens.device)
 
 
 @functools.lru_cache(maxsize=256)
-def _local_cu_seqlens(local_bounds: tuple[int, ...], device: torch.device) -> Tensor:
+def local_cu_seqlens(local_bounds: tuple[int, ...], device: torch.device) -> Tensor:
+    """int32 `cu_seqlens` of a segment's pieces (`SegmentLayout.local_bounds`) on `device`,
+    one tensor object per layout and device (so `chunk_kda`'s host read of it is cached)."""
     return torch.tensor(local_bounds, dtype=torch.int32, device=device)
 
 
@@ -180,7 +182,7 @@ class _Tie(torch.autograd.Function):
         return grad, torch.zeros(shape, dtype=dtype, device=device) + (grad.sum() * 0).to(dtype)
 
 
-def _all_gather(x: Tensor, group, cp: int) -> Tensor:
+def all_gather_ranks(x: Tensor, group, cp: int) -> Tensor:
     """`[cp, *x.shape]`: every rank's x, differentiable (the backward sums each rank's
     gradients back to their owner, a reduce-scatter). A functional collective, which
     `torch.compile` traces; `all_gather_single_autograd` is torch 2.13's name, 2.11 has
@@ -283,7 +285,7 @@ def kda_context_parallel(
             M = M_end
 
     # 3. all ranks' maps, and the state entering this segment
-    parts = _all_gather(torch.cat([M, S0.to(state_dtype)], dim=-1), group, layout.cp)
+    parts = all_gather_ranks(torch.cat([M, S0.to(state_dtype)], dim=-1), group, layout.cp)
     if not layout.continues:
         return _tied(o, parts)
     j0 = max(j for j in range(layout.rank) if layout.cuts[j])
@@ -318,7 +320,7 @@ def conv_halo(x_local: Tensor, conv_size: int, group: dist.ProcessGroup | None =
     if conv_size < 1 or T < width:
         raise ValueError(f"conv_size must be in [1, T + 1] = [1, {T + 1}], got {conv_size}")
     rank = dist.get_rank(group)
-    parts = _all_gather(x_local[:, T - width :].contiguous(), group, dist.get_world_size(group))
+    parts = all_gather_ranks(x_local[:, T - width :].contiguous(), group, dist.get_world_size(group))
     if rank == 0 or not continues:
         return _tied(x_local.new_zeros(B, width, C), parts)
     return parts[rank - 1]

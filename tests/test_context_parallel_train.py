@@ -1,0 +1,157 @@
+"""Training under context parallelism (`parallelism.context_parallel_degree`) against one
+process: the tiny debug model, the same rows, seed and global batch (4 rows of 256 tokens),
+steps 1-3, on gloo CPU ranks.
+
+Layouts: CP2, CP4, CP2 x FSDP2, CP2 x HSDP2 (replicated), CP2 x EP2 and CP2 x FSDP2 x
+EP2, MLA's queries balanced ("headtail", the default) except under CP2 x EP2 (each rank
+its own queries: `context_parallel_load_balancer = none`); a CP2 checkpoint resumed in one
+process and a one-process checkpoint resumed under CP2. The rows of those steps hold
+documents crossing segment boundaries, documents longer than a segment and documents
+starting inside a segment (checked below on the loader's own rows, so that the parity
+runs cannot pass on rows without them).
+
+Tolerance, as for the FSDP/EP layouts (tests/test_parallel.py): only the fp32 summation
+order differs at step 1 (the loss summed over the ranks, the KDA state passed between
+segments by the transition algebra instead of the whole row's chunks, MLA in latent
+space); later steps add the gradients' reduction order and the clip. Measured: losses
+within 2e-7 relative at steps 1-3. The gradient norm (of every parameter's gradient, the trainer's
+check that they match) differs by up to 2e-5 relative already at step 1: the KDA decay
+parameters' gradients (A_log, dt_bias) sum every token's contribution with cancellation,
+and the cross-rank algebra reorders that sum (A_log's gradient: 1.2e-5 relative in fp32;
+the whole decoder in float64, dense FFNs, the layers' own fp32 casts left in: 2e-7; the
+KDA op alone in float64: 1e-10, tests/test_kda_context_parallel.py). configs/debug_cpu.toml
+at seq 512 (batch 8): 4e-5 at CP4. 1e-4 leaves room.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny import CONFIG, TINY_CLI, records
+from tiny import run_train as _run_train
+
+STEPS = 3
+SEQ = ["--training.seq_len", "256"]
+STEP1_RTOL, LATER_RTOL = 1e-5, 1e-4
+GRAD_NORM_RTOL = 1e-4
+
+
+def cp(n: int) -> list[str]:
+    return ["--parallelism.context_parallel_degree", str(n)]
+
+
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+LAYOUTS = {  # name: (arguments, processes)
+    "CP2": ([*cp(2), *CKPT], 2),
+    "CP4": (cp(4), 4),
+    "CP2xFSDP2": (cp(2), 4),
+    "CP2xHSDP2": ([*cp(2), "--parallelism.data_parallel_replicate_degree", "2"], 4),
+    "CP2xEP2": ([*cp(2), *EP2, "--parallelism.context_parallel_load_balancer", "none"], 2),
+    "CP2xFSDP2xEP2": ([*cp(2), *EP2], 4),
+}
+
+
+def run_train(dump: Path, *args: str, nproc: int = 1):
+    proc = _run_train(dump, "--training.steps", str(STEPS), *SEQ, *args, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _assert_close(got: dict[int, dict], ref: dict[int, dict], steps, label: str) -> None:
+    for step in steps:
+        rtols = {"loss": STEP1_RTOL if step == 1 else LATER_RTOL, "grad_norm": GRAD_NORM_RTOL}
+        for key, rtol in rtols.items():
+            a, b = got[step][key], ref[step][key]
+            assert abs(a - b) <= rtol * abs(b), (label, step, key, a, b)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("cp") / "one_process"
+    run_train(dump, *CKPT)  # also saves step 2 for the resume under CP2
+    return dump
+
+
+def test_the_rows_cross_segments():
+    """The rows of steps 1-3 (the loader's, as every layout reads them) hold documents
+    that cross a segment boundary at cp 2 and 4, a document longer than a segment, and
+    documents that start inside a segment (not at its first token)."""
+    from titan_moe.config import load_config
+    from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config
+
+    config = load_config(["--job.config_file", CONFIG, *TINY_CLI, *SEQ])
+    loader = dataloader_from_config(config, tokenizer=tokenizer_from_config(config), split="train", dp_rank=0,
+                                    dp_world_size=1)
+    batches = [batch for batch, _ in zip(loader, range(STEPS))]
+    ids = torch.cat([input_dict["doc_ids"] for input_dict, _ in batches])
+    T = ids.shape[1]
+    for n in (2, 4):
+        L = T // n
+        crossing = (ids[:, L - 1 :: L][:, : n - 1] == ids[:, L::L]).any()
+        starts = [(ids[b, 1:] != ids[b, :-1]).nonzero().flatten() + 1 for b in range(ids.shape[0])]
+        inside = any(((s % L) != 0).any() for s in starts)
+        lengths = torch.cat([torch.unique_consecutive(row, return_counts=True)[1] for row in ids])
+        assert crossing and inside and (lengths > L).any(), f"cp {n}: the rows lack a case"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_losses_match_one_process(name, one_process, tmp_path):
+    args, nproc = LAYOUTS[name]
+    proc = run_train(tmp_path / name, *args, nproc=nproc)
+    log = proc.stdout + proc.stderr
+    assert f"Applied context parallelism over {name[2]} ranks" in log
+    assert ("Applied expert parallelism over 2 ranks" in log) == ("EP2" in name)
+    ref, got = records(one_process), records(tmp_path / name)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    _assert_close(got, ref, range(1, STEPS + 1), name)
+    # The balance statistics are counts summed over dp x cp: a sum over dp alone would
+    # see half the tokens and set other biases from step 2 on.
+    for step in ref:
+        for key in ("moe/max_violation_max", "moe/max_violation_mean", "moe/dead_experts_total"):
+            assert got[step][key] == pytest.approx(ref[step][key], abs=1e-9), (name, step, key)
+    if name == "CP2":  # its step-2 checkpoint, resumed in one process
+        resumed = tmp_path / "resumed_in_one_process"
+        shutil.copytree(tmp_path / name / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+        run_train(resumed, *CKPT)
+        _assert_close(records(resumed), ref, [3], "CP2 checkpoint resumed in one process")
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_under_cp2(one_process, tmp_path):
+    resumed = tmp_path / "resumed_under_cp2"
+    shutil.copytree(one_process / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    run_train(resumed, *cp(2), *CKPT, nproc=2)
+    got = records(resumed)
+    assert sorted(got) == [3]
+    _assert_close(got, records(one_process), [3], "one-process checkpoint resumed under CP2")
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([*cp(2), "--training.seq_len", "255"], "training.seq_len = 255 is not divisible by"),
+    ([*cp(4), "--training.seq_len", "128"], "shorter than a KDA chunk"),
+    ([*cp(2), "--compile.enable"], "compile.enable with parallelism.context_parallel_degree"),
+    ([*cp(2), "--validation.enable"], "validation.enable with parallelism.context_parallel_degree"),
+    ([*cp(2), "--parallelism.context_parallel_load_balancer", "ptrr"], "context_parallel_load_balancer = 'ptrr'"),
+    ([*cp(2), "--training.seq_len", "130"], "not divisible by 2 x parallelism.context_parallel_degree"),
+])
+def test_bad_layouts_are_refused(args, needle):
+    from titan_moe.config import ConfigError, load_config
+    from titan_moe.context_parallel import check_context_parallel
+
+    config = load_config(["--job.config_file", CONFIG, *TINY_CLI, *SEQ, *args])
+    with pytest.raises(ConfigError, match=needle):
+        check_context_parallel(config)
+
+
+def test_a_bad_layout_stops_the_trainer_with_one_line(tmp_path):
+    proc = _run_train(tmp_path, *cp(2), "--training.seq_len", "255")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("titan_moe.train: error:")]
+    assert len(lines) == 1 and "training.seq_len = 255" in lines[0] and "context_parallel_degree" in lines[0]
+    assert "Traceback" not in proc.stderr
