@@ -3,6 +3,7 @@ KDA launchers' allocations, the GPU kernels' stand-ins, per-token profiles."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -239,11 +240,16 @@ def test_fake_tensors_measure_the_same_peaks_as_real_ones():
 
 
 def test_profiles_do_not_depend_on_the_measuring_lengths():
-    """Per-allocation coefficients are exact: lengths 2x longer give the same profiles, MLA's
-    T^2 terms (the mask, its recompute under full AC) included."""
-    args = _tiny()
-    short = measure_layer_peaks(args, 3, FP32_MASTER, False)
-    long = measure_layer_peaks(args, 3, FP32_MASTER, False, tokens=tuple(2 * T for T in TRANSIENT_TOKENS))
-    assert short == long
-    assert max(q for _, q in short.full_backward.points) > 0  # the recomputed mask
-    assert all(q == 0 for _, q in short.backward.points)  # without AC the bias is kept, not made
+    """Per-allocation coefficients are exact: lengths 2x longer give the same profiles, the
+    dense path's T^2 terms (the mask, its recompute under full AC) included; the default path
+    (varlen on CUDA) has none."""
+    for choice in ("dense", "auto"):
+        args = replace(_tiny(), mla_attention=choice)
+        short = measure_layer_peaks(args, 3, FP32_MASTER, False)
+        long = measure_layer_peaks(args, 3, FP32_MASTER, False, tokens=tuple(2 * T for T in TRANSIENT_TOKENS))
+        assert short == long
+        assert all(q == 0 for _, q in short.backward.points)  # without AC the bias is kept, not made
+        if choice == "dense":
+            assert max(q for _, q in short.full_backward.points) > 0  # the recomputed mask
+        else:
+            assert all(q == 0 for _, q in short.full_backward.points)

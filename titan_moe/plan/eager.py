@@ -3,8 +3,9 @@
   * what runs: the first layer of each kind (KDA/MLA x dense/MoE), built at the configured
     widths with zero weights, forward in training mode as the Decoder runs it: an AttnRes
     stream started from a `[1, T, D]` embedding, one packed document (`doc_ids` and
-    `cu_seqlens` given, as the loader always does: MLA builds its dense `[B, 1, T, T]` mask,
-    the short convolution masks its taps). Precision as training: without FSDP weights and
+    `cu_seqlens` given, as the loader always does: MLA attends on the CPU stand-in of its
+    CUDA path (`planned_attention`: the dense `[B, 1, T, T]` mask for `dense`, none
+    otherwise), the short convolution masks its taps). Precision as training: without FSDP weights and
     stream in `training.dtype` under CPU autocast to the compute dtype (torchtitan's AMP);
     with FSDP both in the compute dtype, no autocast (FSDP's mixed precision).
   * what is counted: `torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd

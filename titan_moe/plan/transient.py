@@ -98,7 +98,7 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import ResidualStream, max_sources
 from titan_moe.model.decoder import DecoderLayer
 
-from titan_moe.plan.eager import GpuKernelSaves, _fit_tokens, per_layer_kind, zero_layer
+from titan_moe.plan.eager import GpuKernelSaves, _fit_tokens, per_layer_kind, planned_attention, zero_layer
 from titan_moe.plan.layout import KDA_CHUNK, Precision
 
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
@@ -407,6 +407,11 @@ def layer_counter(
     """
     hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in layer.parameters()]
     doc_ids_BT = torch.zeros(1, T, dtype=torch.int32)
+    if args.layer_kinds()[layer_idx] == "mla" and planned_attention(args.mla_attention) == "chunked":
+        # One document: the mask-free paths (varlen on CUDA) attend causally over the whole row,
+        # which plain causal SDPA does with the same O(T) allocations at every T (the chunked
+        # stand-in's query loop allocates per chunk, not as an affine function of T).
+        doc_ids_BT = None
     cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
     if model_stream:
         stream = _leaf_stream(args, layer_idx, T, stream_dtype)

@@ -24,6 +24,7 @@ inside compiled regions.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch import Tensor
 
 from titan_moe.ops.nvtx import nvtx_range
@@ -36,9 +37,15 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_bounds(starts: Tensor, chunk: int, q_offset: int) -> list[tuple[int, int, int, int]]:
-    """(s, e, lo, hi) per query chunk: local queries [s, e) see at most keys [lo, hi)."""
+    """(s, e, lo, hi) per query chunk: local queries [s, e) see at most keys [lo, hi).
+
+    Without values (fake or meta `starts`: the memory planner's shapes-only runs) every chunk
+    starts at key 0, as in a row that is one document: the largest score block."""
     Tq = starts.shape[1]
-    lows = starts[:, ::chunk].min(dim=0).values.tolist()  # one host read for all chunks
+    if is_fake(starts) or starts.device.type == "meta":
+        lows = [0] * len(range(0, Tq, chunk))
+    else:
+        lows = starts[:, ::chunk].min(dim=0).values.tolist()  # one host read for all chunks
     return [(s, min(s + chunk, Tq), lo, q_offset + min(s + chunk, Tq)) for s, lo in zip(range(0, Tq, chunk), lows)]
 
 
