@@ -21,7 +21,7 @@ from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_co
 from titan_moe.flavors import FLAVORS  # noqa: E402
 from titan_moe.metrics import build_titan_metrics_processor  # noqa: E402
 from titan_moe.model.decoder import Decoder  # noqa: E402
-from titan_moe.model.moe import apply_expert_balance  # noqa: E402
+from titan_moe.model.moe import LatentMoE, apply_expert_balance  # noqa: E402
 from titan_moe.optim import Muon, muon_param_groups, no_weight_decay  # noqa: E402
 from titan_moe.parallelize import parallelize_decoder  # noqa: E402
 from titan_moe.validate import build_titan_validator  # noqa: E402
@@ -92,6 +92,10 @@ def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel
     group = None
     if parallel_dims.dp_enabled:
         group = parallel_dims.get_mesh("batch").get_group()
+    for part in model_parts:  # in-batch QB (model.qb_batch_iters > 0) balances over the same group
+        for module in part.modules():
+            if isinstance(module, LatentMoE):
+                module.balance_group = group
 
     def _update(*args, **kwargs):
         # Kept on the device: the metrics processor reads them only on the steps it logs.
