@@ -8,7 +8,7 @@ One optimizer holds two kinds of parameter group:
   ``torch.optim.Muon`` does to one 2-D matrix::
 
       B  <- mu B + (1 - mu) g                      (momentum buffer, whole parameter)
-      U  =  g + mu (B - g) ... = lerp(g, B, mu)    (Nesterov, as torch.optim.Muon)
+      U  =  g + mu (B - g)                         (Nesterov, as torch.optim.Muon)
       O_b = NS5(U_b)                               per block b (bf16, 5 quintic steps)
       p  <- p (1 - lr wd) - lr * 0.2 sqrt(max(m_b, n_b)) * O_b
 
