@@ -229,3 +229,19 @@ def test_trainer_with_muon_matches_across_fsdp_and_ep_layouts(tmp_path):
         # elements differently (one bf16 ulp, 0.4%), far below a wrong block or shard (O(1))
         for step in (1, 2, 3):
             assert got[name][step] == pytest.approx(got["one"][step], rel=1e-4), (name, step)
+
+
+@pytest.mark.slow
+def test_trainer_resumes_muon_bit_identically(tmp_path):
+    """A DCP checkpoint at step 3 holds Muon's momentum buffers and the AdamW moments: the
+    resumed run continues with the very losses of an uninterrupted one (the same ops on the
+    same values, so exact equality)."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    common = ["--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "3", "--optimizer.name", "Muon"]
+    for dump, extra in ((full, []), (split, ["--training.exit_at_step", "3"]), (split, [])):
+        proc = run_train(dump, *common, *extra)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    reference, resumed = losses(full), losses(split)
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    for step in (4, 5):
+        assert resumed[step] == reference[step], (step, resumed[step], reference[step])
