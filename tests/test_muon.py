@@ -204,6 +204,7 @@ def _fsdp_rank(rank, world, steps, expected):
         torch.testing.assert_close(p.full_tensor(), expected[n], rtol=0, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_fsdp2_shards_match_single_process(tmp_path):
     os.environ["OMP_NUM_THREADS"] = "1"
     steps = 2
