@@ -52,10 +52,10 @@ def test_each_block_matches_torch_muon_on_that_block(shape, block_dim, block_siz
     ours_delta = to_blocks(p.detach() - start, block_dim, block_size)
     for i, b in enumerate(blocks):
         ref_delta = b.detach() - to_blocks(start, block_dim, block_size)[i]
-        # Both run NS in bf16 (8-bit mantissa); batched vs single matmuls may round differently,
-        # and five NS steps amplify a few ulps: 2% of the update is far below a wrong block
-        # layout or LR factor (those change the update by O(1)).
-        assert _rel(ours_delta[i], ref_delta) < 2e-2, i
+        # Both run NS in bf16; batched and single matmuls (and the norm) may round differently:
+        # under one bf16 ulp (2^-8 = 3.9e-3) of the update (measured ~1.1e-3), far below a wrong
+        # block layout or LR factor (those change the update by O(1)).
+        assert _rel(ours_delta[i], ref_delta) < 4e-3, i
 
 
 def test_adamw_groups_match_torch_adamw():
