@@ -14,7 +14,7 @@ provide_datasets_placeholder()  # torchtitan imports `datasets` at module level
 
 from torchtitan.components.loss import build_cross_entropy_loss  # noqa: E402
 from torchtitan.components.lr_scheduler import build_lr_schedulers  # noqa: E402
-from torchtitan.components.optimizer import build_optimizers  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers  # noqa: E402
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec  # noqa: E402
 
 from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config  # noqa: E402
@@ -22,7 +22,8 @@ from titan_moe.flavors import FLAVORS  # noqa: E402
 from titan_moe.hf.adapter import TitanStateDictAdapter  # noqa: E402
 from titan_moe.metrics import build_titan_metrics_processor  # noqa: E402
 from titan_moe.model.decoder import Decoder  # noqa: E402
-from titan_moe.model.moe import apply_expert_balance  # noqa: E402
+from titan_moe.model.moe import LatentMoE, apply_expert_balance  # noqa: E402
+from titan_moe.optim import Muon, muon_param_groups, no_weight_decay  # noqa: E402
 from titan_moe.parallelize import parallelize_decoder  # noqa: E402
 from titan_moe.validate import build_titan_validator  # noqa: E402
 
@@ -32,12 +33,6 @@ TRAIN_SPEC_NAME = "titan_moe"
 def build_train_dataloader(*, dp_world_size: int, dp_rank: int, tokenizer, job_config):
     return dataloader_from_config(job_config, tokenizer=tokenizer, split="train", dp_rank=dp_rank,
                                   dp_world_size=dp_world_size)
-
-
-def no_weight_decay(name: str, param) -> bool:
-    """SPEC §1: no decay on the KDA decay parameters; none on vectors (norm weights, AttnRes
-    queries) either, as usual for AdamW."""
-    return name.endswith(("A_log", "dt_bias")) or param.ndim < 2
 
 
 def _split_weight_decay(optimizers, model_parts) -> None:
@@ -52,20 +47,58 @@ def _split_weight_decay(optimizers, model_parts) -> None:
             optimizer.add_param_group({"params": moved, "weight_decay": 0.0})
 
 
+class MuonOptimizersContainer(OptimizersContainer):
+    """torchtitan's container holding one :class:`titan_moe.optim.Muon` per model part, its
+    parameter groups from :func:`titan_moe.optim.muon_param_groups` (per-head / per-expert
+    Muon blocks, AdamW for the rest). Checkpoints like the AdamW container (DCP, flattened
+    optimizer state dict keyed by parameter name)."""
+
+    def __init__(self, model_parts, optimizer_kwargs):
+        all_params = []
+        self.optimizers = []
+        self.model_parts = model_parts
+        for model in model_parts:
+            groups = muon_param_groups(model, optimizer_kwargs["weight_decay"])
+            self.optimizers.append(Muon(groups, **optimizer_kwargs))
+            all_params.extend(p for g in groups for p in g["params"])
+        self._validate_length(len(model_parts))
+        self._post_init(all_params, optimizer_kwargs)
+
+
+def build_muon_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
+    """`optimizer.name = "Muon"`: per-head Muon with AdamW for the rest, sharing `optimizer.lr`
+    and `optimizer.weight_decay` (Muon's updates are RMS-matched to AdamW's, see
+    titan_moe.optim.muon); `beta1`, `beta2`, `eps` are the AdamW groups'."""
+    if optimizer_config.early_step_in_backward:
+        raise ValueError("optimizer.name = 'Muon' does not support optimizer.early_step_in_backward")
+    if ft_manager is not None and getattr(ft_manager, "enabled", False):
+        raise ValueError("optimizer.name = 'Muon' does not support torchft")
+    kwargs = {"lr": optimizer_config.lr, "weight_decay": optimizer_config.weight_decay,
+              "betas": (optimizer_config.beta1, optimizer_config.beta2), "eps": optimizer_config.eps}
+    return MuonOptimizersContainer(model_parts, kwargs)
+
+
 def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel_dims, ft_manager=None):
-    """torchtitan's optimizers (no weight decay on the exempt parameters) plus the expert-bias
-    update (QB or sign rule) as a step pre-hook.
+    """torchtitan's optimizers (no weight decay on the exempt parameters), or per-head Muon for
+    `optimizer.name = "Muon"`, plus the expert-bias update (QB or sign rule) as a step pre-hook.
 
     The update runs once per optimizer step, after all microbatches of the step have
     accumulated their routing statistics; its counts are summed over every rank that routes
     distinct tokens: the data-parallel ranks and, under context parallelism, the cp ranks
     holding the rows' other segments (torchtitan's "loss" mesh, dp x cp).
     """
-    optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
-    _split_weight_decay(optimizers, model_parts)
+    if optimizer_config.name == "Muon":
+        optimizers = build_muon_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    else:
+        optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+        _split_weight_decay(optimizers, model_parts)
     group = None
     if parallel_dims.dp_cp_enabled:
         group = parallel_dims.get_mesh("loss").get_group()
+    for part in model_parts:  # in-batch QB (model.qb_batch_iters > 0) balances over the same group
+        for module in part.modules():
+            if isinstance(module, LatentMoE):
+                module.balance_group = group
 
     def _update(*args, **kwargs):
         # Kept on the device: the metrics processor reads them only on the steps it logs.

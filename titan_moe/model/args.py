@@ -70,6 +70,9 @@ class ModelArgs:
     balance_rule: BalanceRule = "qb"
     qb_bins: int = 0  # 0: exact per-expert quantile; >0: histogram with this many bins
     qb_ema: float = 0.0  # 0: no EMA; else b <- ema*b_old + (1-ema)*b_new
+    # 0: the bias fitted to one step routes the next; >0: in training, each batch is routed with
+    # the bias fitted to itself by this many QB passes (expert_bias: their EMA, frozen at inference)
+    qb_batch_iters: int = 0
     sign_gamma: float = 1e-3  # DeepSeek-V3 sign rule step size
 
     def __post_init__(self) -> None:
@@ -101,6 +104,8 @@ class ModelArgs:
             raise ValueError(f"model.balance_rule must be qb|sign, got {self.balance_rule!r}")
         if self.qb_bins < 0:
             raise ValueError(f"model.qb_bins must be >= 0, got {self.qb_bins}")
+        if self.qb_batch_iters < 0:
+            raise ValueError(f"model.qb_batch_iters must be >= 0, got {self.qb_batch_iters}")
         if not 0.0 <= self.qb_ema < 1.0:
             raise ValueError(f"model.qb_ema must lie in [0, 1), got {self.qb_ema}")
         if not 0 <= self.n_dense_layers <= self.n_layers:

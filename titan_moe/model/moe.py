@@ -7,15 +7,24 @@ Routing (no auxiliary loss)::
     T_i  = top-k_j (s_ij + b_j)               b: fp32 buffer `expert_bias`, never trained
     p_ij = routed_scale * s_ij / Σ_{r∈T_i} s_ir   (b never enters p)
 
-Balancing happens once per optimizer step, outside autograd, in
+The persistent bias ``expert_bias`` changes once per optimizer step, outside autograd, in
 :func:`update_expert_biases`. Quantile balancing (QB) sets every expert's bias to the
-value at which it would have won exactly its share ``q = m*k/n`` of the step's ``m``
-tokens, given the other experts' biases:
+value at which it would have won exactly its share ``q = m*k/n`` of ``m`` tokens, given
+the other experts' biases:
 
 * ``alpha_ij`` = k-th largest biased score of token i among the experts other than j
   (the (k+1)-th largest overall when j is in T_i, else the k-th largest);
 * ``r_ij = alpha_ij - s_ij``: expert j wins token i iff ``b_j > r_ij``;
 * ``b_j`` = the value with exactly ``q`` of the ``r_ij`` below it, then ``b -= mean(b)``.
+
+When that bias applies (``ModelArgs.qb_batch_iters``):
+
+* 0 (lag): the bias fitted to one optimizer step's tokens routes the next step's;
+* N > 0 (in-batch): in training, each forward routes its tokens with the bias fitted to those
+  same tokens (N passes of the quantile above, starting from ``expert_bias``, before the
+  top-k); ``expert_bias`` becomes the (``qb_ema``) average of those biases and is what eval
+  mode routes with. A token's route then depends on the other tokens of its batch (later
+  positions included) during training; at inference it does not.
 
 At scale the quantile comes from a histogram of ``r`` over ``[min b - 1, max b + 1]``
 (``r`` always lies inside: scores are in (0, 1)), whose integer counts are all-reduced
@@ -76,9 +85,13 @@ class TopKRouter(nn.Module):
         self.n_experts, self.top_k, self.routed_scale = n_experts, top_k, routed_scale
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
 
+    def scores(self, x_ND: Tensor) -> Tensor:
+        """x_ND [N, dim] -> sigmoid scores [N, n] fp32."""
+        return torch.sigmoid(F.linear(x_ND.float(), self.weight.float()))
+
     def forward(self, x_ND: Tensor, bias_n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x_ND [N, dim], bias_n [n] -> scores_Nn [N, n] fp32, expert_idx_Nk [N, k], weights_Nk [N, k] fp32."""
-        scores_Nn = torch.sigmoid(F.linear(x_ND.float(), self.weight.float()))
+        scores_Nn = self.scores(x_ND)
         expert_idx_Nk, weights_Nk = route(scores_Nn, bias_n, self.top_k, self.routed_scale)
         return scores_Nn, expert_idx_Nk, weights_Nk
 
@@ -343,6 +356,10 @@ class LatentMoE(nn.Module):
       the sign rule);
     * ``qb_counts`` [n, qb_bins] int64 (QB with ``qb_bins > 0``): histogram of ``r_ij``
       over the bin range of the current bias, which stays fixed until the step ends;
+    * in-batch QB (``qb_batch_iters > 0``): ``qb_batch_bias_sum`` [n] fp32 and
+      ``qb_batch_count`` (0-d int64), the sum and number of the biases each forward routed
+      with (fitted over ``balance_group``, the data-parallel group the trainer sets, so every
+      rank routes with the bias of the whole global microbatch); no histogram kept;
     * exact QB (``qb_bins == 0``) keeps the latest microbatch's scores as the plain
       attribute ``step_scores`` ([N, n] fp32; replaced, not accumulated, each forward, so
       its size is one microbatch's ``N x n``; with a process group the update
@@ -357,7 +374,7 @@ class LatentMoE(nn.Module):
 
     # Non-persistent buffers that only training reads or writes (the balance statistics);
     # inference programs are exported without them (titan_moe.export.programs).
-    TRAINING_STATS = ("tokens_per_expert", "qb_counts")
+    TRAINING_STATS = ("tokens_per_expert", "qb_counts", "qb_batch_bias_sum", "qb_batch_count")
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -370,6 +387,9 @@ class LatentMoE(nn.Module):
         self.norm_eps = args.norm_eps
         self.balance_rule, self.qb_bins = args.balance_rule, args.qb_bins
         self.qb_ema, self.sign_gamma = args.qb_ema, args.sign_gamma
+        self.qb_batch_iters = args.qb_batch_iters
+        # Data-parallel group of the in-batch QB collectives (set by the trainer; None: local tokens).
+        self.balance_group = None
 
         self.router = TopKRouter(args.dim, args.n_routed_experts, args.top_k, args.routed_scale)
         self.w_latent_down = nn.Linear(args.dim, args.moe_latent_dim, bias=False)
@@ -394,11 +414,18 @@ class LatentMoE(nn.Module):
             self.register_buffer(
                 "qb_counts", torch.zeros(n, args.qb_bins, dtype=torch.int64), persistent=False
             )
+        if self._in_batch:
+            self.register_buffer("qb_batch_bias_sum", torch.zeros(n, dtype=torch.float32), persistent=False)
+            self.register_buffer("qb_batch_count", torch.zeros((), dtype=torch.int64), persistent=False)
         self.step_scores: Tensor | None = None
 
     @property
+    def _in_batch(self) -> bool:
+        return self.balance_rule == "qb" and self.qb_batch_iters > 0 and self.top_k < self.n_experts
+
+    @property
     def _uses_histogram(self) -> bool:
-        return self.balance_rule == "qb" and self.qb_bins > 0 and self.top_k < self.n_experts
+        return self.balance_rule == "qb" and self.qb_bins > 0 and self.top_k < self.n_experts and not self._in_batch
 
     # ------------------------------------------------------------------ forward
     def forward(self, x_BTD: Tensor) -> Tensor:
@@ -434,7 +461,12 @@ class LatentMoE(nn.Module):
         """
         k = self.top_k
         with nvtx_range("moe.router"):
-            scores_Nn, expert_idx_Nk, weights_Nk = self.router(x_ND, self.expert_bias)
+            if self.training and self._in_batch:
+                scores_Nn = self.router.scores(x_ND)
+                bias_n = self._batch_bias(scores_Nn.detach())
+                expert_idx_Nk, weights_Nk = route(scores_Nn, bias_n, k, self.router.routed_scale)
+            else:
+                scores_Nn, expert_idx_Nk, weights_Nk = self.router(x_ND, self.expert_bias)
             counts_E = expert_counts(expert_idx_Nk, self.n_experts)
             if self.training:
                 self._accumulate(scores_Nn.detach(), counts_E)
@@ -471,9 +503,23 @@ class LatentMoE(nn.Module):
         return y_ND
 
     @torch.no_grad()
+    def _batch_bias(self, scores_Nn: Tensor) -> Tensor:
+        """In-batch QB: the bias that balances the tokens being routed, ``qb_batch_iters``
+        passes of :func:`quantile_balance` from ``expert_bias``, over ``balance_group``. Summed
+        into ``qb_batch_bias_sum`` for the step's update of ``expert_bias``."""
+        bias_n = self.expert_bias.float()
+        for _ in range(self.qb_batch_iters):
+            bias_n = quantile_balance(scores_Nn, bias_n, self.top_k, self.qb_bins or None, self.balance_group)
+        self.qb_batch_bias_sum.add_(bias_n)
+        self.qb_batch_count.add_(1)
+        return bias_n
+
+    @torch.no_grad()
     def _accumulate(self, scores_Nn: Tensor, counts_E: Tensor) -> None:
         self.tokens_per_expert.add_(counts_E)
-        if self._uses_histogram:
+        if self._in_batch:
+            pass  # the bias statistics were gathered by _batch_bias
+        elif self._uses_histogram:
             self.qb_counts.add_(qb_histogram(scores_Nn, self.expert_bias, self.top_k, self.qb_bins))
         elif self.balance_rule == "qb":
             self.step_scores = scores_Nn
@@ -500,6 +546,9 @@ class LatentMoE(nn.Module):
         new_bias = None
         if self.balance_rule == "sign":
             new_bias = sign_balance(load_n, old_bias, self.sign_gamma)
+        elif self._in_batch:
+            # identical on every rank: each microbatch's bias came from the group's histogram / rows
+            new_bias = self.qb_batch_bias_sum / self.qb_batch_count.clamp_min(1)
         elif self._uses_histogram:
             counts_nB = self.qb_counts.clone()
             if group is not None:
@@ -520,6 +569,9 @@ class LatentMoE(nn.Module):
         self.tokens_per_expert.zero_()
         if self._uses_histogram:
             self.qb_counts.zero_()
+        if self._in_batch:
+            self.qb_batch_bias_sum.zero_()
+            self.qb_batch_count.zero_()
         self.step_scores = None
 
     @torch.no_grad()

@@ -1,0 +1,142 @@
+"""Ablation harness: the same config, seed, data and steps for every arm; one table, one loss plot.
+
+    python scripts/ablate.py --out outputs/ablate_cpu --job.config_file configs/debug_cpu.toml
+    python scripts/ablate.py --out OUT --arms qb,sign,muon --seeds 0,1 --job.config_file configs/small_1gpu.toml \\
+        --training.steps 300          # any further --section.key value goes to every arm
+
+Each arm is one `python -m titan_moe.train` run (its own dump folder OUT/ARM_sSEED) with the
+arm's overrides added to the shared ones, `debug.seed` and `data.seed` set to the seed, and
+validation once at the last step (held-out loss, routed with the frozen expert bias). An arm
+whose folder already holds a record of the last step is not run again, so a sweep can be
+spread over several sessions. Then OUT/ablation.md (a markdown table: final and last-10%
+mean training loss, held-out loss, per-layer-mean max violation over the second half of
+training, tokens/s; mean over seeds) and OUT/loss.png (training loss per arm and seed).
+
+Arms not built yet (auxiliary-loss balancing, SwiGLU experts, the unbounded softplus gate)
+are absent from ARMS; add them here once their config keys exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# arm name -> overrides of the shared config
+ARMS: dict[str, list[str]] = {
+    "qb": ["--model.balance_rule", "qb", "--model.qb_batch_iters", "0"],
+    "qb_batch": ["--model.balance_rule", "qb", "--model.qb_batch_iters", "2"],
+    "sign": ["--model.balance_rule", "sign"],
+    "attn_res_full": ["--model.attn_res", "full"],
+    "attn_res_none": ["--model.attn_res", "none"],
+    "adamw": ["--optimizer.name", "AdamW"],
+    "muon": ["--optimizer.name", "Muon"],
+}
+
+
+def read_records(folder: Path) -> tuple[dict[int, dict], dict[int, float]]:
+    """(training records by step, held-out losses by step) of a run's metrics.jsonl."""
+    steps, evals = {}, {}
+    path = folder / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if "eval_loss" in record:
+                evals[record["step"]] = record["eval_loss"]
+            elif "loss" in record:
+                steps[record["step"]] = record
+    return steps, evals
+
+
+def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int) -> Path:
+    dump = out / f"{arm}_s{seed}"
+    if steps in read_records(dump)[0]:
+        return dump
+    cmd = [sys.executable, "-m", "titan_moe.train", *shared, *ARMS[arm],
+           "--debug.seed", str(seed), "--data.seed", str(seed), "--job.dump_folder", str(dump),
+           "--validation.enable", "--validation.freq", str(steps), "--checkpoint.no_enable"]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ})
+    return dump
+
+
+def summarize(dump: Path, steps: int) -> dict[str, float]:
+    records, evals = read_records(dump)
+    logged = sorted(records)
+    tail = [s for s in logged if s > 0.9 * steps] or logged[-1:]
+    second_half = [s for s in logged if s > steps / 2 and "moe/max_violation_mean" in records[s]]
+    rates = [records[s]["tokens_per_s"] for s in logged[1:] if "tokens_per_s" in records[s]]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "loss": records[logged[-1]]["loss"],
+        "loss_tail": mean([records[s]["loss"] for s in tail]),
+        "eval_loss": evals.get(max(evals)) if evals else float("nan"),
+        "violation": mean([records[s]["moe/max_violation_mean"] for s in second_half]),
+        "tokens_per_s": mean(rates),
+    }
+
+
+def write_table(out: Path, results: dict[str, list[dict]], header: str) -> str:
+    cols = ["loss", "loss_tail", "eval_loss", "violation", "tokens_per_s"]
+    lines = [header, "", "| arm | seeds | final loss | loss, last 10% | held-out loss | violation, 2nd half | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for arm, runs in results.items():
+        means = [sum(r[c] for r in runs) / len(runs) for c in cols]
+        lines.append(f"| {arm} | {len(runs)} | " + " | ".join(
+            f"{v:.0f}" if c == "tokens_per_s" else f"{v:.3f}" for c, v in zip(cols, means)) + " |")
+    text = "\n".join(lines) + "\n"
+    (out / "ablation.md").write_text(text)
+    return text
+
+
+def plot(out: Path, dumps: dict[str, list[Path]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (arm, folders) in enumerate(dumps.items()):
+        for j, folder in enumerate(folders):
+            records, _ = read_records(folder)
+            xs = sorted(records)
+            ax.plot(xs, [records[s]["loss"] for s in xs], color=f"C{i}", alpha=1.0 if j == 0 else 0.5,
+                    label=arm if j == 0 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--arms", default="qb,qb_batch,sign,adamw,muon", help=f"from {', '.join(ARMS)}")
+    parser.add_argument("--seeds", default="0")
+    args, shared = parser.parse_known_args(argv)
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+    if "--training.steps" in shared:
+        steps = int(shared[shared.index("--training.steps") + 1])
+    else:
+        steps = 60
+        shared += ["--training.steps", str(steps)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    dumps = {arm: [run_arm(args.out, arm, seed, shared, steps) for seed in seeds] for arm in arms}
+    results = {arm: [summarize(d, steps) for d in folders] for arm, folders in dumps.items()}
+    header = f"{steps} steps, seeds {args.seeds}, shared overrides: `{' '.join(shared)}`"
+    print(write_table(args.out, results, header))
+    plot(args.out, dumps)
+
+
+if __name__ == "__main__":
+    main()
