@@ -29,13 +29,8 @@ from titan_moe.ops.attention.varlen import varlen_causal
 
 
 def corpus_doc_ids(T: int) -> torch.Tensor:
-    from titan_moe.config import load_config
-    from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config
-
-    config = load_config(["--job.config_file", "configs/small_1gpu.toml", "--training.seq_len", str(T)])
-    loader = dataloader_from_config(config, tokenizer=tokenizer_from_config(config), split="train", dp_rank=0, dp_world_size=1)
-    batch, _ = next(iter(loader))
-    return batch["doc_ids"][:1].to(torch.int32)
+    """The doc ids [1, T] of the first training row of the built-in corpus at T."""
+    return corpus_batches(T, 1, 1)[0]
 
 
 def ids_from_lengths(lengths: list[int]) -> torch.Tensor:
