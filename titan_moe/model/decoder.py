@@ -128,6 +128,10 @@ class Decoder(nn.Module):
         if caches is not None and doc_ids is not None:
             raise ValueError("packed documents (doc_ids) are not supported with decode caches")
         cu_seqlens = cu_seqlens_from_doc_ids(doc_ids) if doc_ids is not None else None
+        if cu_seqlens is not None and not torch.compiler.is_compiling():
+            # The document count changes from batch to batch: the compiled layers take it as
+            # a dynamic size from the first call instead of recompiling at the second count.
+            torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
         # The MLA layers' document mask, once per forward and outside the (compiled,
         # checkpointed) layers.
         mla_doc_mask = None
