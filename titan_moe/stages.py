@@ -84,6 +84,7 @@ class LadderRun:
     def after_step(self, step: int) -> None:
         if self._started_at is None:
             self._started_at = step  # the step the run starts from: nothing of it is ours
+            self._finish_interrupted_evaluation(step)
             return
         stage = stage_of_step(self.stages, step)
         if step != stage.end or step <= self._started_at:
@@ -96,6 +97,19 @@ class LadderRun:
             finally:
                 checkpointer.interval = interval
         if self.config.ladder.eval_at_stage_end:
+            self.evaluate(stage, step)
+
+    def _finish_interrupted_evaluation(self, step: int) -> None:
+        """A run resumed from a stage's last step whose evaluations never finished (stopped
+        after the stage's checkpoint, before the heatmap that `evaluate.record` writes last)
+        runs them now."""
+        if step <= 0 or not self.config.ladder.eval_at_stage_end:
+            return
+        stage = stage_of_step(self.stages, step)
+        heatmap = os.path.join(self.config.job.dump_folder, f"passkey_{step}.png")
+        if step == stage.end and not os.path.exists(heatmap):
+            logger.info(f"ladder: the evaluations of stage '{stage.name}' (step {step}) did not finish; "
+                        "running them now")
             self.evaluate(stage, step)
 
     def evaluate(self, stage, step: int) -> dict[str, float]:
