@@ -12,8 +12,12 @@ spread over several sessions. Then OUT/ablation.md (a markdown table: final and 
 mean training loss, held-out loss, per-layer-mean max violation over the second half of
 training, tokens/s; mean over seeds) and OUT/loss.png (training loss per arm and seed).
 
-Arms not built yet (auxiliary-loss balancing, SwiGLU experts, the unbounded softplus gate)
-are absent from ARMS; add them here once their config keys exist.
+Arms: qb (the bias fitted to one step routes the next), qb_batch (each batch routed with the
+bias fitted to itself), sign (DeepSeek-V3's sign rule), aux_loss (no bias: the Switch/GShard
+auxiliary loss, `model.aux_loss_coef`), attn_res_full / attn_res_none (AttnRes variants),
+adamw / muon (optimizers), swiglu (SwiGLU instead of SiTU-GLU in the experts) and
+unbounded_gate (KDA's softplus gate with no lower bound; it runs the PyTorch KDA path, so
+compare its loss, not its speed).
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ ARMS: dict[str, list[str]] = {
     "qb": ["--model.balance_rule", "qb", "--model.qb_batch_iters", "0"],
     "qb_batch": ["--model.balance_rule", "qb", "--model.qb_batch_iters", "2"],
     "sign": ["--model.balance_rule", "sign"],
+    "aux_loss": ["--model.balance_rule", "aux_loss"],
     "attn_res_full": ["--model.attn_res", "full"],
     "attn_res_none": ["--model.attn_res", "none"],
     "adamw": ["--optimizer.name", "AdamW"],
     "muon": ["--optimizer.name", "Muon"],
+    "swiglu": ["--model.expert_activation", "swiglu"],
+    "unbounded_gate": ["--model.kda_gate", "unbounded"],
 }
 
 

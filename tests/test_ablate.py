@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -9,6 +10,28 @@ import sys
 import pytest
 
 from tiny import CONFIG, REPO, TINY_CLI
+
+from titan_moe.config import load_config, model_args_from_config
+
+
+def _ablate_module():
+    spec = importlib.util.spec_from_file_location("ablate", REPO / "scripts" / "ablate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arm,field,value", [
+    ("aux_loss", "balance_rule", "aux_loss"), ("swiglu", "expert_activation", "swiglu"),
+    ("unbounded_gate", "kda_gate", "unbounded"),
+])
+def test_arm_overrides_parse_through_the_trainer_config(arm, field, value):
+    arms = _ablate_module().ARMS
+    args = model_args_from_config(load_config(["--job.config_file", CONFIG, *TINY_CLI, *arms[arm]]))
+    assert getattr(args, field) == value
+    # every arm parses (a renamed key would stop the sweep only when its turn came)
+    for overrides in arms.values():
+        load_config(["--job.config_file", CONFIG, *overrides])
 
 
 @pytest.mark.slow

@@ -112,6 +112,9 @@ def check_context_parallel(job_config) -> None:
         raise ConfigError(f"compile.enable with {key} is not supported yet (the context-parallel layers run eagerly)")
     if job_config.validation.enable:
         raise ConfigError(f"validation.enable with {key} is not supported yet; pass --validation.no_enable")
+    if getattr(job_config.model, "kda_gate", None) == "unbounded":
+        raise ConfigError(f"model.kda_gate = 'unbounded' is not supported with {key} (the context-parallel "
+                          "KDA computes the bounded gate)")
 
 
 def segment_of(x_BT: Tensor, rank: int, cp: int) -> Tensor:

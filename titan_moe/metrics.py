@@ -96,6 +96,8 @@ class TitanMetricsProcessor(MetricsProcessor):
                 f"step: {step:2}  experts: max_violation {balance['moe/max_violation_max']:.3f} "
                 f"(mean over layers {balance['moe/max_violation_mean']:.3f})  "
                 f"dead {int(balance.get('moe/dead_experts_total', 0))}"
+                + (f"  aux_loss {balance['moe/aux_loss_mean']:.4f} (mean over layers)"
+                   if "moe/aux_loss_mean" in balance else "")
             )
 
     def _peak_memory(self) -> dict[str, float]:

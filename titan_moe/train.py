@@ -50,7 +50,7 @@ from titan_moe.context_parallel import check_context_parallel, shard_batch  # no
 from titan_moe.data.corpus import CorpusError  # noqa: E402
 from titan_moe.hf import adapter as hf_adapter  # noqa: E402
 from titan_moe.model.mla import resolve_attention  # noqa: E402
-from titan_moe.model.moe import refresh_compute_weights  # noqa: E402
+from titan_moe.model.moe import refresh_compute_weights, set_aux_loss_weight  # noqa: E402
 from titan_moe.ops import choices, launch_env, nvtx  # noqa: E402
 from titan_moe.runtime import checkpoint as intact  # noqa: E402
 from titan_moe.stages import LadderRun  # noqa: E402
@@ -158,9 +158,23 @@ class TitanTrainer(Trainer):
             data_iterator = self.ladder_run.data_iterator(self.step, data_iterator)
         self.metrics_processor.start_progress(self.step - 1)
         self._cuda_profiler_window(before_step=True)
+        self._set_aux_loss_weight()
         with nvtx.nvtx_range("train_step"):
             super().train_step(data_iterator)
         self._cuda_profiler_window(before_step=False)
+
+    def _set_aux_loss_weight(self) -> None:
+        """`model.balance_rule = "aux_loss"`: each forward's share of the step's objective,
+        1 / (microbatches x ranks routing distinct tokens), as the loss's token normalisation
+        gives the cross-entropy (`set_aux_loss_weight`); set again when a ladder stage changes
+        the number of microbatches."""
+        if self.model_args.balance_rule != "aux_loss":
+            return
+        pd = self.parallel_dims
+        weight = 1.0 / (self.gradient_accumulation_steps * pd.dp_replicate * pd.dp_shard * pd.cp)
+        if weight != getattr(self, "_aux_loss_weight", None):
+            set_aux_loss_weight(self.model_parts, weight)
+            self._aux_loss_weight = weight
 
     def post_dataloading_process(self, input_dict, labels):
         """torchtitan's, except under context parallelism: each cp rank keeps its contiguous
@@ -287,16 +301,25 @@ class IntactCheckpointManager(CheckpointManager):
 
 def _activate_kernel_choices(job_config) -> dict[str, object]:
     """`[kernels]` resolved for this process's device and made current, before the model is
-    built, with the MLA attention path the model resolves on this device (`model.mla_attention`)
-    and, with the fp8 experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in
-    one line and returned as the run's record of its choices. A ValueError naming
-    the key for a value the device cannot run."""
+    built, with the MLA attention path the model resolves on this device (`model.mla_attention`),
+    the model's other path choices (`balance_rule`, with `aux_loss_coef` for the auxiliary loss,
+    `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch) and, with
+    the fp8 experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in one line
+    and returned as the run's record of its choices. A ValueError naming the key for a value
+    the device or the model cannot run."""
     device_type = accelerator_type()
-    resolved = choices.resolve(job_config.kernels, device_type)
+    args = model_args_from_config(job_config)
+    resolved = choices.resolve(job_config.kernels, device_type, kda_gate_bounded=args.kda_gate == "bounded")
     choices.activate(resolved)
     record: dict[str, object] = dict(dataclasses.asdict(resolved))
-    record["mla_attention"] = resolve_attention(model_args_from_config(job_config).mla_attention, torch.device(device_type))
-    line = f"{choices.summary(resolved)} mla_attention={record['mla_attention']}"
+    record["mla_attention"] = resolve_attention(args.mla_attention, torch.device(device_type))
+    record["balance_rule"] = args.balance_rule
+    if args.balance_rule == "aux_loss":
+        record["aux_loss_coef"] = args.aux_loss_coef
+    record["expert_activation"], record["kda_gate"] = args.expert_activation, args.kda_gate
+    line = choices.summary(resolved) + "".join(
+        f" {key}={record[key]}" for key in ("mla_attention", "balance_rule", "aux_loss_coef", "expert_activation",
+                                           "kda_gate") if key in record)
     if "titan_float8_experts" in (job_config.model.converters or []):
         recipe = dataclasses.asdict(job_config.quantize.grouped_mm.float8)
         record["float8_experts"] = recipe
@@ -311,8 +334,9 @@ def _compare_kernel_choices(saved: str | None, current: dict[str, object]) -> No
     if not saved:
         return
     before, now = json.loads(saved), current
+    # a key the checkpoint's run did not record (an older run) is not compared
     changed = [f"{key}: {before.get(key)!r} -> {now.get(key)!r}" for key in sorted(set(before) | set(now))
-               if before.get(key) != now.get(key)]
+               if key in before and before.get(key) != now.get(key)]
     if changed:
         logger.warning("kernels differ from the checkpoint's run (this run's choices apply): " + ", ".join(changed))
 

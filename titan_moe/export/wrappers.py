@@ -49,9 +49,7 @@ def kda_prefill(
     """
     B, T, _ = x_BTD.shape
     q, k, v, z, beta, conv_BKC = attn.attention_inputs(x_BTD, doc_ids_BT, None)
-    gate_args = dict(
-        use_qk_l2norm=True, gate_in_kernel=True, A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.g_min
-    )
+    z, gate_args = attn.gate_inputs(z)
     if cu_seqlens is None:
         o, state_BHKV = chunk_kda(q, k, v, z, beta, output_final_state=True, **gate_args)
         return attn.output_projection(o, x_BTD), conv_BKC, state_BHKV

@@ -189,6 +189,9 @@ class Float8RoutedExperts(RoutedExperts):
     @classmethod
     def from_experts(cls, experts: RoutedExperts) -> Float8RoutedExperts:
         """A Float8RoutedExperts sharing `experts`' Parameters (works on the meta device)."""
+        if experts.activation != "situ":
+            raise ValueError(f"the titan_float8_experts converter runs SiTU-GLU experts only, not "
+                             f"model.expert_activation = {experts.activation!r}")
         E, latent, _ = experts.w_gate_up.shape
         with torch.device("meta"):
             new = cls(E, latent, experts.hidden, experts.beta1, experts.beta2)

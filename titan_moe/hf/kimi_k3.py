@@ -114,6 +114,9 @@ def public_config_from_args(args: ModelArgs) -> dict[str, Any]:
 
 
 def check_supported(args: ModelArgs) -> None:
+    if args.expert_activation != "situ" or args.kda_gate != "bounded":
+        raise ValueError("the K3 layout has SiTU-GLU experts and the bounded KDA gate; model.expert_activation = "
+                         f"{args.expert_activation!r}, model.kda_gate = {args.kda_gate!r}")
     if args.attn_res != "block":
         raise ValueError(f"the K3 layout has block AttnRes; model.attn_res = {args.attn_res!r}")
     if args.n_shared_experts > 0 and args.moe_shared_hidden != args.moe_expert_hidden:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 AttnResMode = Literal["block", "full", "none"]
-BalanceRule = Literal["qb", "sign"]
+BalanceRule = Literal["qb", "sign", "aux_loss"]
+ExpertActivation = Literal["situ", "swiglu"]
+KDAGate = Literal["bounded", "unbounded"]
 MLAAttention = Literal["auto", "varlen", "chunked", "dense"]
 
 
@@ -36,6 +38,11 @@ class ModelArgs:
     kda_head_dim: int = 64  # dk = dv
     kda_conv_size: int = 4
     kda_g_min: float = -5.0
+    # "bounded": g = kda_g_min * sigmoid(exp(A_log) * (z + dt_bias)), in [kda_g_min, 0) (SPEC §1);
+    # "unbounded": g = -exp(A_log) * softplus(z + dt_bias), no lower bound (the older form, for
+    # ablation): runs the PyTorch KDA path only (kernels.kda = torch; "auto" is set to it), whose
+    # fp32 exponentials stay finite while the decay averages under about 11 per token over 8 tokens
+    kda_gate: KDAGate = "bounded"
 
     # --- gated NoPE MLA (SPEC §2) ---
     mla_n_heads: int = 4
@@ -65,8 +72,13 @@ class ModelArgs:
     routed_scale: float = 1.0
     situ_beta1: float = 4.0
     situ_beta2: float = 25.0
+    # GLU activation of the routed and shared experts: "situ" (SiTU-GLU, SPEC §6) or "swiglu"
+    # (silu(z_g) * z_u, plain PyTorch on every device; for ablation). The dense first layer keeps SiTU-GLU.
+    expert_activation: ExpertActivation = "situ"
 
     # --- balancing (SPEC §5) ---
+    # "qb" (quantile balancing), "sign" (DeepSeek-V3's bias rule) or "aux_loss" (no bias: the
+    # Switch/GShard auxiliary loss, weighted by aux_loss_coef; for ablation)
     balance_rule: BalanceRule = "qb"
     qb_bins: int = 0  # 0: exact per-expert quantile; >0: histogram with this many bins
     qb_ema: float = 0.0  # 0: no EMA; else b <- ema*b_old + (1-ema)*b_new
@@ -74,6 +86,11 @@ class ModelArgs:
     # the bias fitted to itself by this many QB passes (expert_bias: their EMA, frozen at inference)
     qb_batch_iters: int = 0
     sign_gamma: float = 1e-3  # DeepSeek-V3 sign rule step size
+    # balance_rule = "aux_loss": weight of each MoE layer's auxiliary loss E * Σ_e f_e P_e in the
+    # training objective (`titan_moe.model.moe.aux_balance_loss`). 1e-2 is Switch Transformer's
+    # value, chosen there as balancing without hurting quality; with no bias rule beside it the loss
+    # must balance on its own (DeepSeek-V3's 1e-4 only complements its bias rule).
+    aux_loss_coef: float = 1e-2
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,8 +117,14 @@ class ModelArgs:
             raise ValueError(f"model.attn_res must be block|full|none, got {self.attn_res!r}")
         if self.mla_attention not in ("auto", "varlen", "chunked", "dense"):
             raise ValueError(f"model.mla_attention must be auto|varlen|chunked|dense, got {self.mla_attention!r}")
-        if self.balance_rule not in ("qb", "sign"):
-            raise ValueError(f"model.balance_rule must be qb|sign, got {self.balance_rule!r}")
+        if self.balance_rule not in ("qb", "sign", "aux_loss"):
+            raise ValueError(f"model.balance_rule must be qb|sign|aux_loss, got {self.balance_rule!r}")
+        if not 0.0 < self.aux_loss_coef <= 1.0:
+            raise ValueError(f"model.aux_loss_coef must lie in (0, 1], got {self.aux_loss_coef}")
+        if self.expert_activation not in ("situ", "swiglu"):
+            raise ValueError(f"model.expert_activation must be situ|swiglu, got {self.expert_activation!r}")
+        if self.kda_gate not in ("bounded", "unbounded"):
+            raise ValueError(f"model.kda_gate must be bounded|unbounded, got {self.kda_gate!r}")
         if self.qb_bins < 0:
             raise ValueError(f"model.qb_bins must be >= 0, got {self.qb_bins}")
         if self.qb_batch_iters < 0:

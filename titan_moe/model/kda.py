@@ -3,6 +3,7 @@
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))
     q, k    = per-head L2 norm (eps 1e-6)
     g       = g_min * sigmoid(exp(A_log) * (W_f_up W_f_down x + dt_bias))     [H, dk]
+              (kda_gate = "unbounded": -exp(A_log) * softplus(W_f_up W_f_down x + dt_bias))
     beta    = sigmoid(W_b x)                                                  [H]
     o       = KDA(q, k, v, g, beta)                                           [H, dv]
     y       = W_o [ sigmoid(W_g x) ⊙ RMSNorm_head(o) ]
@@ -11,6 +12,10 @@ The recurrence runs in `titan_moe.ops.kda` (custom op for training/prefill, a re
 step for decoding). Packed documents (`doc_ids_BT`, `cu_seqlens`, see `packing.py`) never
 see each other: the short convolution masks taps across a document start and the state
 restarts at every `cu_seqlens` boundary.
+
+`ModelArgs.kda_gate = "unbounded"` (an ablation of the bound) computes the softplus gate here
+and hands the op finished gates; only the PyTorch chunked path takes them (the trainer
+resolves `kernels.kda` to torch; a layer asked to run the Triton kernels on CUDA raises).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from torch import nn
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.short_conv import short_conv_silu, short_conv_silu_reference
-from titan_moe.ops.kda import chunk_kda, kda_decode_step
+from titan_moe.ops.kda import chunk_kda, kda_decode_step, softplus_gate
+from titan_moe.ops.kda.triton_op import kernels_selected
 from titan_moe.ops.nvtx import nvtx_wrap
 
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
@@ -65,6 +71,14 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.T
     return starts.cumsum(0, dtype=torch.int32).view(B, T)
 
 
+def check_unbounded_gate_path(device: torch.device) -> None:
+    """A ValueError when the `[kernels] kda` choice in force would run the Triton kernels on
+    `device` (CUDA) for unbounded gates, which they do not take."""
+    if device.type == "cuda" and kernels_selected(device):
+        raise ValueError("model.kda_gate = 'unbounded' runs the PyTorch KDA path only, but kernels.kda picks the "
+                         "Triton kernels here: set kernels.kda = 'torch'")
+
+
 class KimiDeltaAttention(nn.Module):
     """KDA token mixer: `[B, T, dim] -> [B, T, dim]`.
 
@@ -81,6 +95,7 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = d = args.kda_head_dim
         self.conv_size = args.kda_conv_size
         self.g_min = args.kda_g_min
+        self.gate = args.kda_gate
         self.norm_eps = args.norm_eps
         inner = H * d
 
@@ -163,6 +178,16 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.w_beta(x_BTD).float())
         return q, k, v, z, beta, new_conv_state
 
+    def gate_inputs(self, z_BTHK: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The gate operand and keyword arguments of `chunk_kda` / `kda_decode_step`: the raw
+        `z` with the bounded gate applied in the op, or (`kda_gate = "unbounded"`) the finished
+        fp32 softplus gate, which the op takes as given (on its PyTorch path only)."""
+        if self.gate == "bounded":
+            return z_BTHK, dict(use_qk_l2norm=True, gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                                lower_bound=self.g_min)
+        check_unbounded_gate_path(z_BTHK.device)
+        return softplus_gate(z_BTHK, self.A_log, self.dt_bias), dict(use_qk_l2norm=True)
+
     @nvtx_wrap("kda.output")
     def output_projection(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
         """`W_o [sigmoid(W_g x) ⊙ RMSNorm_head(o)]`, norm and gate in fp32."""
@@ -223,10 +248,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, z, beta, new_conv_state = self.attention_inputs(
             x_BTD, doc_ids_BT, None if cache is None else cache.conv_state
         )
-        gate_args = dict(
-            use_qk_l2norm=True, gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
-            lower_bound=self.g_min,
-        )
+        z, gate_args = self.gate_inputs(z)
         if cache is not None and T == 1:
             o_BHV, state = kda_decode_step(
                 q[:, 0], k[:, 0], v[:, 0], z[:, 0], beta[:, 0], cache.recurrent_state, **gate_args

@@ -30,6 +30,12 @@ At scale the quantile comes from a histogram of ``r`` over ``[min b - 1, max b +
 (``r`` always lies inside: scores are in (0, 1)), whose integer counts are all-reduced
 across data-parallel ranks. The DeepSeek-V3 rule ``b_j += γ sign(mean load - load_j)``
 is kept as the baseline.
+
+``ModelArgs.balance_rule = "aux_loss"`` replaces the bias by the Switch/GShard auxiliary
+load-balancing loss (:func:`aux_balance_loss`, for ablation): the bias stays zero and each
+training forward adds ``aux_loss_coef * E * Σ_e f_e P_e`` to the objective through
+:class:`AddAuxiliaryLoss`, which leaves the forward's values (and so the loss the trainer
+computes and logs) unchanged and gives the router the term's gradient.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.ffn import SiTUGLUFeedForward
-from titan_moe.model.situ import situ_glu_packed
+from titan_moe.model.situ import check_glu_activation, glu_packed
 from titan_moe.model.weight_cache import CachedCast, WeightCacheMixin
 from titan_moe.ops.dispatch import aligned_positions, combine_copies, scatter_copies, sorted_positions
 from titan_moe.ops.grouped_gemm import grouped_mm
@@ -236,6 +242,40 @@ def quantile_balance(scores: Tensor, bias: Tensor, top_k: int, bins: int | None 
     return new_bias - new_bias.mean()
 
 
+def aux_balance_loss(scores_Nn: Tensor, counts_E: Tensor, top_k: int) -> Tensor:
+    """The auxiliary load-balancing loss ``E * Σ_e f_e P_e`` of one forward's tokens. 0-d fp32.
+
+    ``f_e = counts_E[e] / (N k)``: the fraction of the ``N * k`` routed token copies sent to
+    expert e (from the top-k, no gradient); ``P_e = mean_i s_ie / Σ_j s_ij``: expert e's mean
+    router probability, the sigmoid scores normalised over all experts per token (as
+    DeepSeek-V3 does for its sigmoid router). Both sum to 1, so the loss is 1 for uniform
+    routing and at most E; it is differentiable in ``scores_Nn`` [N, E] through ``P``.
+    """
+    N, E = scores_Nn.shape
+    f_E = counts_E.float() / max(N * top_k, 1)
+    P_E = (scores_Nn.float() / scores_Nn.float().sum(-1, keepdim=True)).mean(0)
+    return E * (f_E * P_E).sum()
+
+
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """``x`` unchanged; the backward also gives ``aux`` (0-d) the gradient ``scale`` (0-d), as if
+    ``scale * aux`` were added to the loss (DeepSeek-MoE's ``AddAuxiliaryLoss``).
+
+    Attached to the routing weights, which every path from the router to the loss goes through,
+    so it needs no side channel past the layer's output: it works inside compiled regions and
+    activation checkpointing like any op, and the loss value stays the cross-entropy."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(scale)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad_x: Tensor):
+        (scale,) = ctx.saved_tensors
+        return grad_x, scale.float(), None
+
+
 def load_metrics(load_n: Tensor) -> tuple[Tensor, Tensor]:
     """``max_violation = max load / mean load - 1`` and the number of experts with no token."""
     load = load_n.double()
@@ -259,7 +299,8 @@ def refresh_compute_weights(model: nn.Module | list[nn.Module], dtype: torch.dty
 
 
 class RoutedExperts(WeightCacheMixin, nn.Module):
-    """``n`` SiTU-GLU experts ``latent -> hidden -> latent`` as stacked weights (expert dim 0).
+    """``n`` SiTU-GLU experts ``latent -> hidden -> latent`` as stacked weights (expert dim 0);
+    SwiGLU experts with ``activation = "swiglu"`` (``ModelArgs.expert_activation``).
 
     ``w_gate_up`` [E, latent, 2*hidden] (gate columns first, then up) and ``w_down``
     [E, hidden, latent] are laid out ``[E, K, N]`` for :func:`grouped_mm`.
@@ -283,10 +324,12 @@ class RoutedExperts(WeightCacheMixin, nn.Module):
     group_alignment = 1
     expert_parallel = False
 
-    def __init__(self, n_experts: int, latent: int, hidden: int, beta1: float, beta2: float):
+    def __init__(self, n_experts: int, latent: int, hidden: int, beta1: float, beta2: float,
+                 activation: str = "situ"):
         super().__init__()
+        check_glu_activation(activation)
         self.n_experts, self.hidden = n_experts, hidden
-        self.beta1, self.beta2 = beta1, beta2
+        self.beta1, self.beta2, self.activation = beta1, beta2, activation
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, latent, 2 * hidden))
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, latent))
 
@@ -301,7 +344,7 @@ class RoutedExperts(WeightCacheMixin, nn.Module):
         # (or take the casts made once per step).
         cached = self._valid_weight_cache() or (None, None)
         z_M2H = grouped_mm(x_ML, _in_dtype(w_gate_up, cached[0], x_ML.dtype), offs_E)
-        hidden_MH = situ_glu_packed(z_M2H, self.beta1, self.beta2)
+        hidden_MH = glu_packed(z_M2H, self.activation, self.beta1, self.beta2)
         return grouped_mm(hidden_MH, _in_dtype(w_down, cached[1], hidden_MH.dtype), offs_E)
 
     def _cache_sources(self) -> tuple[Tensor, Tensor]:
@@ -364,17 +407,23 @@ class LatentMoE(nn.Module):
       attribute ``step_scores`` ([N, n] fp32; replaced, not accumulated, each forward, so
       its size is one microbatch's ``N x n``; with a process group the update
       all-gathers it, so every rank must use the same ``N``). Exact mode is meant for
-      small configs; at scale use ``qb_bins > 0`` (SPEC: 1000).
+      small configs; at scale use ``qb_bins > 0`` (SPEC: 1000);
+    * auxiliary loss (``balance_rule = "aux_loss"``): ``aux_loss_sum`` (0-d fp32) and
+      ``aux_loss_count`` (0-d int64), the sum and number of the forwards' loss values (for the
+      metrics). ``aux_loss_weight`` (0-d fp32, 1 unless the trainer sets it,
+      :func:`set_aux_loss_weight`) is this forward's share of the step's objective: the
+      gradient ``aux`` receives is ``aux_loss_coef * aux_loss_weight``.
 
-    An activation-checkpointing recompute adds each microbatch twice; the QB quantile
-    and the load ratios are invariant to that. ``expert_bias`` is only changed by
-    :func:`update_expert_biases`; in eval mode nothing is accumulated.
+    An activation-checkpointing recompute adds each microbatch twice; the QB quantile, the
+    load ratios and the mean auxiliary loss are invariant to that. ``expert_bias`` is only
+    changed by :func:`update_expert_biases`; in eval mode nothing is accumulated.
     ``expert_bias`` must stay fp32: cast parameters, not the whole module, to bf16.
     """
 
     # Non-persistent buffers that only training reads or writes (the balance statistics);
     # inference programs are exported without them (titan_moe.export.programs).
-    TRAINING_STATS = ("tokens_per_expert", "qb_counts", "qb_batch_bias_sum", "qb_batch_count")
+    TRAINING_STATS = ("tokens_per_expert", "qb_counts", "qb_batch_bias_sum", "qb_batch_count",
+                      "aux_loss_weight", "aux_loss_sum", "aux_loss_count")
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -388,19 +437,22 @@ class LatentMoE(nn.Module):
         self.balance_rule, self.qb_bins = args.balance_rule, args.qb_bins
         self.qb_ema, self.sign_gamma = args.qb_ema, args.sign_gamma
         self.qb_batch_iters = args.qb_batch_iters
+        self.aux_loss_coef = args.aux_loss_coef
         # Data-parallel group of the in-batch QB collectives (set by the trainer; None: local tokens).
         self.balance_group = None
 
         self.router = TopKRouter(args.dim, args.n_routed_experts, args.top_k, args.routed_scale)
         self.w_latent_down = nn.Linear(args.dim, args.moe_latent_dim, bias=False)
         self.experts = RoutedExperts(
-            args.n_routed_experts, args.moe_latent_dim, args.moe_expert_hidden, args.situ_beta1, args.situ_beta2
+            args.n_routed_experts, args.moe_latent_dim, args.moe_expert_hidden, args.situ_beta1, args.situ_beta2,
+            args.expert_activation,
         )
         self.latent_norm = nn.RMSNorm(args.moe_latent_dim, eps=args.norm_eps)
         self.w_latent_up = nn.Linear(args.moe_latent_dim, args.dim, bias=False)
         self.shared_experts = (
             SiTUGLUFeedForward(
-                args.dim, args.n_shared_experts * args.moe_shared_hidden, args.situ_beta1, args.situ_beta2
+                args.dim, args.n_shared_experts * args.moe_shared_hidden, args.situ_beta1, args.situ_beta2,
+                args.expert_activation,
             )
             if args.n_shared_experts > 0
             else None
@@ -417,11 +469,19 @@ class LatentMoE(nn.Module):
         if self._in_batch:
             self.register_buffer("qb_batch_bias_sum", torch.zeros(n, dtype=torch.float32), persistent=False)
             self.register_buffer("qb_batch_count", torch.zeros((), dtype=torch.int64), persistent=False)
+        if self._aux_loss:
+            self.register_buffer("aux_loss_weight", torch.ones((), dtype=torch.float32), persistent=False)
+            self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
+            self.register_buffer("aux_loss_count", torch.zeros((), dtype=torch.int64), persistent=False)
         self.step_scores: Tensor | None = None
 
     @property
     def _in_batch(self) -> bool:
         return self.balance_rule == "qb" and self.qb_batch_iters > 0 and self.top_k < self.n_experts
+
+    @property
+    def _aux_loss(self) -> bool:
+        return self.balance_rule == "aux_loss"
 
     @property
     def _uses_histogram(self) -> bool:
@@ -470,6 +530,10 @@ class LatentMoE(nn.Module):
             counts_E = expert_counts(expert_idx_Nk, self.n_experts)
             if self.training:
                 self._accumulate(scores_Nn.detach(), counts_E)
+                if self._aux_loss:
+                    aux = aux_balance_loss(scores_Nn, counts_E, k)
+                    self._accumulate_aux(aux.detach())
+                    weights_Nk = AddAuxiliaryLoss.apply(weights_Nk, aux, self.aux_loss_weight * self.aux_loss_coef)
 
         # Dispatch: sort the N*k token copies by expert so that each expert's rows are contiguous.
         with nvtx_range("moe.dispatch"):
@@ -513,6 +577,18 @@ class LatentMoE(nn.Module):
         self.qb_batch_bias_sum.add_(bias_n)
         self.qb_batch_count.add_(1)
         return bias_n
+
+    @torch.no_grad()
+    def _accumulate_aux(self, aux: Tensor) -> None:
+        self.aux_loss_sum.add_(aux)
+        self.aux_loss_count.add_(1)
+
+    def step_aux_loss(self) -> Tensor | None:
+        """The mean auxiliary loss of the forwards since the last update (0-d fp32, 0 when none),
+        or None unless ``balance_rule = "aux_loss"``."""
+        if not self._aux_loss:
+            return None
+        return self.aux_loss_sum / self.aux_loss_count.clamp_min(1)
 
     @torch.no_grad()
     def _accumulate(self, scores_Nn: Tensor, counts_E: Tensor) -> None:
@@ -572,6 +648,9 @@ class LatentMoE(nn.Module):
         if self._in_batch:
             self.qb_batch_bias_sum.zero_()
             self.qb_batch_count.zero_()
+        if self._aux_loss:
+            self.aux_loss_sum.zero_()
+            self.aux_loss_count.zero_()
         self.step_scores = None
 
     @torch.no_grad()
@@ -584,6 +663,8 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)
         self.expert_bias.zero_()
+        if self._aux_loss:
+            self.aux_loss_weight.fill_(1.0)
         self.reset_balance_stats()
 
 
@@ -595,6 +676,7 @@ class BalanceStats(NamedTuple):
 
     names: list[str]  # layer names, e.g. "layers.3"
     stats_L2: Tensor  # [layers, 2]: max_violation, dead_experts (float64)
+    aux_L: Tensor | None = None  # [layers]: mean auxiliary loss (balance_rule = "aux_loss"; float64)
 
 
 @torch.no_grad()
@@ -608,34 +690,59 @@ def apply_expert_balance(model: nn.Module, group=None) -> BalanceStats | None:
     so the step does not wait for the GPU; :func:`balance_metrics` reads them when they are
     logged.
     """
-    names, values = [], []
+    names, values, aux = [], [], []
     for name, module in model.named_modules():
         if isinstance(module, LatentMoE):
+            step_aux = module.step_aux_loss()  # before the update resets it
+            if step_aux is not None:
+                aux.append(step_aux.double())
             max_violation, dead = module.update_expert_bias(group)
             names.append(_WRAPPER_PREFIXES.sub("", name) or "root")
             values.append(torch.stack([max_violation.double(), dead.double()]))
     if not names:
         return None
-    return BalanceStats(names, torch.stack(values))
+    return BalanceStats(names, torch.stack(values), torch.stack(aux) if aux else None)
 
 
 def balance_metrics(stats: list[BalanceStats]) -> dict[str, float]:
     """``moe/<layer>/max_violation`` (max load / mean load - 1) and ``moe/<layer>/dead_experts``
     per layer, plus ``moe/max_violation_max``, ``moe/max_violation_mean`` and
-    ``moe/dead_experts_total`` over all layers of `stats`; one host transfer. Empty without
-    MoE layers."""
+    ``moe/dead_experts_total`` over all layers of `stats`; with the auxiliary loss also
+    ``moe/<layer>/aux_loss`` (the step's mean of ``E * Σ_e f_e P_e``, 1 for uniform routing) and
+    ``moe/aux_loss_mean`` over the layers (the objective adds ``aux_loss_coef`` times their
+    sum). One host transfer. Empty without MoE layers."""
     if not stats:
         return {}
-    values = torch.cat([s.stats_L2 for s in stats]).cpu().tolist()
+    with_aux = all(s.aux_L is not None for s in stats)
+    columns = [torch.cat([s.stats_L2, s.aux_L[:, None]], 1) if with_aux else s.stats_L2 for s in stats]
+    values = torch.cat(columns).cpu().tolist()
     names = [name for s in stats for name in s.names]
     metrics: dict[str, float] = {}
-    for name, (max_violation, dead) in zip(names, values):
-        metrics[f"moe/{name}/max_violation"] = max_violation
-        metrics[f"moe/{name}/dead_experts"] = dead
+    for name, row in zip(names, values):
+        metrics[f"moe/{name}/max_violation"] = row[0]
+        metrics[f"moe/{name}/dead_experts"] = row[1]
+        if with_aux:
+            metrics[f"moe/{name}/aux_loss"] = row[2]
     metrics["moe/max_violation_max"] = max(v[0] for v in values)
     metrics["moe/max_violation_mean"] = sum(v[0] for v in values) / len(values)
     metrics["moe/dead_experts_total"] = sum(v[1] for v in values)
+    if with_aux:
+        metrics["moe/aux_loss_mean"] = sum(v[2] for v in values) / len(values)
     return metrics
+
+
+def set_aux_loss_weight(model: nn.Module | list[nn.Module], weight: float) -> None:
+    """Set each auxiliary-loss :class:`LatentMoE`'s share of the step's objective (no-op without).
+
+    The trainer's loss is the token sum over every microbatch and rank divided by the global
+    token count, and the ranks' gradients are summed, so each forward's cross-entropy counts
+    with its share of the step's tokens. ``weight = 1 / (microbatches x ranks that route
+    distinct tokens)`` gives each forward's auxiliary loss the same share, so that the step
+    optimizes ``cross-entropy + aux_loss_coef * Σ_layers mean aux`` whatever the layout."""
+    for part in model if isinstance(model, (list, tuple)) else [model]:
+        for module in part.modules():
+            if isinstance(module, LatentMoE) and module._aux_loss:
+                module.aux_loss_weight.fill_(weight)
 
 
 def update_expert_biases(model: nn.Module, group=None) -> dict[str, float]:

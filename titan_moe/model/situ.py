@@ -25,6 +25,7 @@ neighbours); the packed form's backward is the op's one-pass kernel (`situ_glu_p
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from titan_moe.ops.situ import situ_glu_backward_torch, situ_glu_forward_torch
@@ -71,6 +72,31 @@ def situ_glu_packed(z: Tensor, beta1: float = DEFAULT_BETA1, beta2: float = DEFA
         hidden = z.shape[-1] // 2
         return situ_glu_forward_torch(z[..., :hidden], z[..., hidden:], beta1, beta2)
     return ops_situ_glu_packed(z, beta1, beta2)
+
+
+def swiglu_packed(z: Tensor) -> Tensor:
+    """SwiGLU of a fused gate|up projection `z [..., 2 * hidden]` -> `silu(z_g) * z_u [..., hidden]`.
+
+    The activation of `ModelArgs.expert_activation = "swiglu"` (an ablation of SiTU-GLU): plain
+    PyTorch on every device (no custom op; Inductor fuses it when compiled), unbounded.
+    """
+    hidden = z.shape[-1] // 2
+    return F.silu(z[..., :hidden]) * z[..., hidden:]
+
+
+GLU_ACTIVATIONS = ("situ", "swiglu")
+
+
+def check_glu_activation(activation: str) -> None:
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"the GLU activation must be situ|swiglu, got {activation!r}")
+
+
+def glu_packed(z: Tensor, activation: str, beta1: float = DEFAULT_BETA1, beta2: float = DEFAULT_BETA2) -> Tensor:
+    """The GLU `activation` ("situ" or "swiglu", `ModelArgs.expert_activation`) of packed `z`."""
+    if activation == "swiglu":
+        return swiglu_packed(z)
+    return situ_glu_packed(z, beta1, beta2)
 
 
 class _SiTUGLUCompiled(torch.autograd.Function):

@@ -51,7 +51,9 @@ class KernelChoices:
     kda: Backend = "auto"
     """KDA chunked attention and its eager input maps (`titan_moe::kda_chunk_fwd/bwd`, their
     `_kept` pair, `kda_prepare`): auto (Triton on CUDA, PyTorch elsewhere), torch, triton.
-    Shapes the kernels do not cover (float64, head dims outside 16-128) take PyTorch."""
+    Shapes the kernels do not cover (float64, head dims outside 16-128) take PyTorch. A model
+    with unbounded decay gates (`model.kda_gate = "unbounded"`) runs PyTorch: "auto" resolves to
+    torch for it, "triton" is refused (the kernels' tiles assume gates bounded below by -5)."""
 
     kda_keep: bool = True
     """KDA under autograd keeps the forward's intermediates for the backward (the
@@ -137,16 +139,23 @@ def _resolve_grouped_mm(spec: str, device_type: str) -> str:
     return ",".join(f"{p}={name}" for p, name in names.items())
 
 
-def resolve(choices: KernelChoices, device_type: str) -> KernelChoices:
+def resolve(choices: KernelChoices, device_type: str, kda_gate_bounded: bool = True) -> KernelChoices:
     """`choices` with every "auto" replaced by the path it stands for on `device_type` (the
     grouped GEMM's "auto" stays on CUDA: it picks per call from the shapes), and a ValueError
     naming the key for a value the device cannot run (Triton off CUDA without the interpreter,
-    TRITON_INTERPRET=1; Gluon off CUDA)."""
+    TRITON_INTERPRET=1; Gluon off CUDA) or the model cannot (`kda_gate_bounded` False: the
+    model's KDA gates have no lower bound, which only the PyTorch KDA path computes; "auto"
+    then resolves to torch)."""
     check(choices)
+    if not kda_gate_bounded and choices.kda == "triton":
+        raise ValueError("kernels.kda = 'triton' cannot run model.kda_gate = 'unbounded' (the Triton KDA "
+                         "kernels need gates bounded below by -5); set kernels.kda = 'torch' or 'auto'")
     out = {}
     for f in dataclasses.fields(choices):
         value = getattr(choices, f.name)
-        if _is_backend_field(f):
+        if f.name == "kda" and not kda_gate_bounded:
+            value = "torch"
+        elif _is_backend_field(f):
             value = pick_backend(value, device_type)
         elif f.name == "grouped_mm":
             value = _resolve_grouped_mm(value, device_type)
