@@ -168,7 +168,7 @@ class TitanTrainer(Trainer):
         1 / (microbatches x ranks routing distinct tokens), as the loss's token normalisation
         gives the cross-entropy (`set_aux_loss_weight`); set again when a ladder stage changes
         the number of microbatches."""
-        if self.model_args.balance_rule != "aux_loss":
+        if getattr(self.model_args, "balance_rule", None) != "aux_loss":
             return
         pd = self.parallel_dims
         weight = 1.0 / (self.gradient_accumulation_steps * pd.dp_replicate * pd.dp_shard * pd.cp)
@@ -309,14 +309,17 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     the device or the model cannot run."""
     device_type = accelerator_type()
     args = model_args_from_config(job_config)
-    resolved = choices.resolve(job_config.kernels, device_type, kda_gate_bounded=args.kda_gate == "bounded")
+    # Other train specs' model args (e.g. profiling's peer) define only some of these choices.
+    model_choices = {key: getattr(args, key) for key in ("balance_rule", "expert_activation", "kda_gate")
+                     if hasattr(args, key)}
+    resolved = choices.resolve(job_config.kernels, device_type,
+                               kda_gate_bounded=model_choices.get("kda_gate", "bounded") == "bounded")
     choices.activate(resolved)
     record: dict[str, object] = dict(dataclasses.asdict(resolved))
     record["mla_attention"] = resolve_attention(args.mla_attention, torch.device(device_type))
-    record["balance_rule"] = args.balance_rule
-    if args.balance_rule == "aux_loss":
+    record.update(model_choices)
+    if model_choices.get("balance_rule") == "aux_loss":
         record["aux_loss_coef"] = args.aux_loss_coef
-    record["expert_activation"], record["kda_gate"] = args.expert_activation, args.kda_gate
     line = choices.summary(resolved) + "".join(
         f" {key}={record[key]}" for key in ("mla_attention", "balance_rule", "aux_loss_coef", "expert_activation",
                                            "kda_gate") if key in record)
