@@ -155,6 +155,31 @@ def test_lr_schedule_per_stage():
     assert short_length(1 << 20) == "1M" and short_length(262144) == "256K" and short_length(300) == "300"
 
 
+@pytest.mark.parametrize("resumed_at, heatmap_written, evaluated", [
+    (6, False, True),   # stopped at a stage's end before its evaluations finished
+    (6, True, False),   # its evaluations finished before the stop
+    (5, False, False),  # mid-stage: nothing to evaluate
+    (0, False, False),  # a fresh run
+])
+def test_resume_at_a_stage_end_finishes_its_evaluations(tmp_path, resumed_at, heatmap_written, evaluated):
+    from types import SimpleNamespace
+
+    from titan_moe.stages import LadderRun
+
+    ladder = Ladder(stages=[Stage(seq_len=8, steps=6), Stage(seq_len=16, steps=4)])
+    training = SimpleNamespace(local_batch_size=4, global_batch_size=-1)
+    schedule = SimpleNamespace(warmup_steps=2, decay_type="cosine", min_lr_factor=0.1)
+    config = SimpleNamespace(ladder=ladder, training=training, optimizer=SimpleNamespace(lr=1e-3),
+                             lr_scheduler=schedule, job=SimpleNamespace(dump_folder=str(tmp_path)))
+    run = LadderRun(trainer=None, job_config=config)
+    calls = []
+    run.evaluate = lambda stage, step: calls.append((stage.index, step))
+    if heatmap_written:
+        (tmp_path / f"passkey_{resumed_at}.png").write_bytes(b"")
+    run.after_step(resumed_at)  # the check before the first step of this process
+    assert calls == ([(0, resumed_at)] if evaluated else [])
+
+
 # -------------------------------------------------------------- synthetic tasks
 @pytest.fixture(scope="module")
 def filler(tok):
