@@ -58,6 +58,7 @@ from titan_moe.stages import LadderRun  # noqa: E402
 # Test hook: SIGKILL this process while it writes the checkpoint of this step, after the
 # data files and before the metadata that makes a checkpoint loadable.
 KILL_DURING_SAVE_ENV = "TITAN_MOE_KILL_DURING_SAVE_STEP"
+LOG_TRITON_COMPILES_ENV = "TITAN_MOE_LOG_TRITON_COMPILES"
 KERNELS_STATE_KEY = "kernels"  # the train state's entry: the resolved `[kernels]` choices as JSON
 
 
@@ -114,6 +115,10 @@ class TitanTrainer(Trainer):
             nvtx.enable(True)
         train_spec.register()
         self.kernels = _activate_kernel_choices(job_config)
+        if launch_env.read(LOG_TRITON_COMPILES_ENV) == "1":
+            from titan_moe.ops.triton_runtime import log_jit_compiles
+
+            log_jit_compiles(step_of=lambda: getattr(self, "step", None))
         super().__init__(job_config)
         self.checkpointer.__class__ = IntactCheckpointManager
         self.metrics_processor.log_kernels(self.kernels)

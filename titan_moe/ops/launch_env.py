@@ -26,6 +26,8 @@ VARIABLES: dict[str, str] = {
                                    "descriptors, 'group' per-group descriptors made in the kernel",
     "TITAN_MOE_FP8_CHECK_OFFSETS": "debug: '1' adds a device-side assert that the fp8 grouped GEMM's group ends are "
                                    "multiples of 16 on CUDA (always checked on the CPU)",
+    "TITAN_MOE_LOG_TRITON_COMPILES": "debug: '1' logs every compile of one of our Triton kernels (name, launch "
+                                      "options, argument specializations) with the trainer step it happens in",
     "TITAN_MOE_DEBUG": "debug: '1' checks input contracts outside compiled code at the cost of a host sync "
                        "(chunk_kda: the gate lies in [lower_bound, 0])",
     # KDA kernel launches (GPU only; same results, other launch configurations)

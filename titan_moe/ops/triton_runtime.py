@@ -193,3 +193,21 @@ def row_major_descriptor(t_MK: torch.Tensor, block: list[int]):
     if t_MK.is_cuda:
         ensure_cuda_context(t_MK.device.index if t_MK.device.index is not None else torch.cuda.current_device())
     return TensorDescriptor(t_MK, list(t_MK.shape), [t_MK.stride(0), 1], block)
+
+
+def log_jit_compiles(step_of=lambda: None) -> None:
+    """Log each compile of a `@triton.jit` kernel (ours; Inductor compiles its kernels its own
+    way): the kernel, its launch options and how each argument was specialized (Triton
+    specializes integers on == 1 and on divisibility by 16, pointers on alignment), with the
+    trainer step `step_of()` when given. A compile in the middle of training (a new document
+    count choosing another launch configuration, an integer argument that first turns
+    divisible by 16) costs the host a second or more; this finds which kernel and why."""
+    from triton import knobs
+
+    def hook(*, repr, **_kwargs):
+        step = step_of()
+        logger.warning(f"triton: compiling {repr}" + (f" (step {step})" if step is not None else ""))
+        return None  # go on compiling
+
+    knobs.runtime.jit_cache_hook = hook
+
