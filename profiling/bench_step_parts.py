@@ -83,7 +83,7 @@ def mix_einsum(mixer: AttnResMixer, stream: ResidualStream) -> torch.Tensor:
     def logits(v_XD):
         return (v_XD @ wq_D) * torch.rsqrt(v_XD.square().mean(-1) + mixer.eps)
 
-    v_SBTD = stream.sources_SBTD.float()
+    v_SBTD = torch.stack(stream.sources).float()
     S = v_SBTD.shape[0]
     valid_S = torch.arange(S, device=v_SBTD.device) < stream.n_sources
     logit_SBT = logits(v_SBTD).masked_fill(~valid_S[:, None, None], float("-inf"))
@@ -91,7 +91,7 @@ def mix_einsum(mixer: AttnResMixer, stream: ResidualStream) -> torch.Tensor:
     logit_BT = logits(cur_BTD).masked_fill(~stream.partial_used, float("-inf"))
     p_SBT = torch.softmax(torch.cat([logit_SBT, logit_BT[None]], dim=0), dim=0)
     h_BTD = torch.einsum("sbt,sbtd->btd", p_SBT[:S], v_SBTD) + p_SBT[S, ..., None] * cur_BTD
-    return h_BTD.to(stream.sources_SBTD.dtype)
+    return h_BTD.to(stream.partial_BTD.dtype)
 
 
 def fwd_bwd(fn, inputs, grad):
@@ -199,7 +199,7 @@ def mix_parts(device, dtype, tiny: bool, gen, results: dict) -> tuple[dict, list
     for s in srcs[1:]:
         stream = stream.add(s).add(s).close_block()
     stream = stream.add(srcs[-1])
-    for t in (stream.sources_SBTD, stream.partial_BTD):
+    for t in (*stream.sources, stream.partial_BTD):
         t.requires_grad_()
     g_BTD = torch.randn(B, T, D, device=device, generator=gen).to(dtype)
     mix = {
@@ -208,7 +208,7 @@ def mix_parts(device, dtype, tiny: bool, gen, results: dict) -> tuple[dict, list
     }
     with torch.no_grad():
         results["attn_res_max_abs_diff"] = float((mixer(stream).float() - mix_einsum(mixer, stream).float()).abs().max())
-    return mix, [mixer.query, mixer.key_norm.weight, stream.sources_SBTD, stream.partial_BTD]
+    return mix, [mixer.query, mixer.key_norm.weight, *stream.sources, stream.partial_BTD]
 
 
 def compiled(fn):

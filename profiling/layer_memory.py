@@ -71,7 +71,8 @@ def measure(layer: DecoderLayer, args, T: int, full_ac: bool) -> dict:
             out = checkpoint(run, *stream.tensors(), use_reentrant=False)
         else:
             out = run(*stream.tensors())
-    out_bytes = sum(t.untyped_storage().nbytes() for t in out if isinstance(t, torch.Tensor) and t.is_floating_point())
+    out_bytes = sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point())
     loss = (out[2].float() * probe_BTD).sum()
     torch.cuda.synchronize()
     after_fwd = torch.cuda.memory_allocated()

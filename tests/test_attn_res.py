@@ -267,7 +267,8 @@ def test_buffer_sizes_and_user_errors():
     assert max_sources("full", 4, 2) == 9
     e = torch.zeros(1, 2, 4)
     s = ResidualStream.start(e, "block", n_layers=3, block_size=2)
-    assert s.sources_SBTD.shape == (2, 1, 2, 4) and int(s.n_sources) == 1 and not bool(s.partial_used)
+    assert len(s.sources) == 2 and all(v.shape == (1, 2, 4) for v in s.sources)
+    assert int(s.n_sources) == 1 and not bool(s.partial_used)
     with pytest.raises(ValueError):
         ResidualStream.start(e, "blocks", n_layers=3, block_size=2)
     with pytest.raises(ValueError):
@@ -344,7 +345,26 @@ def test_stream_is_a_pytree_of_its_tensors():
 
     stream = ResidualStream.start(torch.randn(2, 3, 8), "block", n_layers=4, block_size=2)
     leaves, spec = pytree.tree_flatten(stream)
-    assert len(leaves) == 4 and all(isinstance(t, torch.Tensor) for t in leaves)
-    assert leaves[0] is stream.sources_SBTD and leaves[2] is stream.partial_BTD
+    S = max_sources("block", 4, 2)
+    assert len(leaves) == S + 3 and all(isinstance(t, torch.Tensor) for t in leaves)
+    assert all(a is b for a, b in zip(leaves[:S], stream.sources)) and leaves[S + 1] is stream.partial_BTD
     back = pytree.tree_unflatten(leaves, spec)
     assert isinstance(back, ResidualStream) and (back.mode, back.block_size) == ("block", 2)
+    assert len(back.sources) == S and back.partial_BTD is stream.partial_BTD
+
+
+def test_closing_a_block_copies_nothing_and_aliases_nothing():
+    """A closed block goes into its slot as it is (no copy of the other slots), and no slot
+    shares storage with another or with b_cur: the memory stays O(S_max), and the compiled
+    layers see one aliasing pattern at every layer."""
+    e = torch.randn(1, 3, 4, requires_grad=True)
+    stream = ResidualStream.start(e, "block", n_layers=4, block_size=1)
+    before = stream.sources
+    written = stream.add(torch.randn(1, 3, 4, requires_grad=True) * 1.0)
+    stream = written.end_layer(0)
+    assert stream.sources[0] is e and stream.sources[1] is written.partial_BTD
+    assert all(a is b for a, b in zip(stream.sources[2:], before[2:]))
+    assert int(stream.n_sources) == 2 and not bool(stream.partial_used)
+    ptrs = [v.untyped_storage().data_ptr() for v in (*stream.sources, stream.partial_BTD)]
+    assert len(set(ptrs)) == len(ptrs)
+    assert all(v.requires_grad for v in (*stream.sources, stream.partial_BTD))

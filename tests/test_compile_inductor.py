@@ -108,11 +108,11 @@ def _stream_before(model: Decoder, layer_idx: int, tokens_BT: torch.Tensor, doc_
         )
         for i in range(layer_idx):
             stream = run_layer(model.layers[str(i)], stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens).end_layer(i)
-    # All four stream tensors on `device`, as the Decoder keeps them: the source count and the
+    # All stream tensors on `device`, as the Decoder keeps them: the source count and the
     # partial-block flag are 0-dim tensors that mask the mixer's logits.
     return dataclasses.replace(
         stream,
-        sources_SBTD=stream.sources_SBTD.detach().to(device).requires_grad_(),
+        sources=tuple(v.detach().to(device).requires_grad_() for v in stream.sources),
         n_sources=stream.n_sources.to(device),
         partial_BTD=stream.partial_BTD.detach().to(device).requires_grad_(),
         partial_used=stream.partial_used.to(device),
@@ -127,7 +127,7 @@ def _train_step(layer, stream: ResidualStream, doc_ids_BT: torch.Tensor, probe_B
         p.grad = None
     out = run_layer(layer, stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens_from_doc_ids(doc_ids_BT))
     (out.partial_BTD * probe_BTD).sum().backward()
-    return out.partial_BTD.detach(), stream.sources_SBTD.grad, stream.partial_BTD.grad
+    return out.partial_BTD.detach(), torch.stack([v.grad for v in stream.sources]), stream.partial_BTD.grad
 
 
 def _check_step_matches_eager(

@@ -263,22 +263,60 @@ def test_step_walk_matches_a_hand_computed_two_layer_step(case):
         assert with_fsdp - without == (0.0 if name == "optimizer step" else 500.0), name
 
 
-def test_block_stream_frees_buffers_of_later_blocks_in_backward():
-    """Block mode, 4 layers, blocks of 2: S = 3 source buffers [S, D] (the initial one and one
-    per closed block). In layer i's backward the buffers of blocks up to i's are alive (1 for
-    layers 0-1, 2 for layers 2-3); the end of the forward holds all 3 (the last one feeds the
-    final mixer). Partial sums: 2 per layer without AC, 1 under AC."""
+def test_block_stream_frees_closed_blocks_of_later_layers_in_backward():
+    """Block mode, 4 layers, blocks of 2: S = 3 slots, b_0 and two zero placeholders from the
+    start, and one [T, D] tensor per closed block. In layer i's backward the blocks closed
+    before i's are alive (none for layers 0-1, one for layers 2-3); the end of the forward
+    holds both (the last one feeds the final mixer). Partial sums: 2 per layer without AC, 1
+    under AC."""
     args = _tiny(n_layers=4, attn_res="block", attn_res_block_size=2)
     D, s = args.dim, 2
-    buffer, partial = 3 * D * s, D * s
+    slots, one = 3 * D * s, D * s
     none, full = ["none"] * 4, ["full"] * 4
     assert [_stream_bytes_per_token(args, s, none, upto=i) for i in range(4)] == [
-        buffer + 2 * partial, buffer + 4 * partial, 2 * buffer + 6 * partial, 2 * buffer + 8 * partial]
-    assert _stream_bytes_per_token(args, s, none) == 3 * buffer + 8 * partial
+        slots + 2 * one, slots + 4 * one, slots + 7 * one, slots + 9 * one]
+    assert _stream_bytes_per_token(args, s, none) == slots + 10 * one
     assert [_stream_bytes_per_token(args, s, full, upto=i) for i in range(4)] == [
-        buffer + partial, buffer + 2 * partial, 2 * buffer + 3 * partial, 2 * buffer + 4 * partial]
-    full_mode = _tiny(n_layers=4, attn_res="full")  # S = 9: the initial buffer + one per sub-layer
+        slots + one, slots + 2 * one, slots + 4 * one, slots + 5 * one]
+    full_mode = _tiny(n_layers=4, attn_res="full")  # S = 9: the initial set + one per sub-layer
     assert _stream_bytes_per_token(full_mode, s, none, upto=1) == (1 + 4) * 9 * D * s
+
+
+@pytest.mark.parametrize("n_layers,block_size", [(4, 2), (8, 2), (12, 3)])
+def test_block_stream_term_counts_the_tensors_a_checkpointed_forward_keeps(n_layers, block_size):
+    """The step walk's stream term at the end of the forward against the `[T, D]` tensors
+    alive after a real forward with every layer checkpointed (found by walking the
+    garbage collector's objects), less the final mixer's output and input cast."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+
+    from titan_moe.model.decoder import Decoder
+
+    args = _tiny(n_layers=n_layers, n_dense_layers=n_layers, attn_res="block", attn_res_block_size=block_size)
+    torch.manual_seed(0)
+    model = Decoder(args)
+    model.init_weights()
+    T = 64
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def stream_sized_alive() -> set[int]:
+        gc.collect()
+        return {o.untyped_storage().data_ptr() for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and o.dtype == torch.float32
+                and o.untyped_storage().nbytes() == T * args.dim * 4 and o.untyped_storage().data_ptr() not in params}
+
+    before = stream_sized_alive()
+    stream = ResidualStream.start(model.tok_embeddings(torch.randint(0, args.vocab_size, (1, T))), args.attn_res,
+                                  args.n_layers, args.attn_res_block_size)
+    for i, layer in enumerate(model.layers.values()):
+        out = checkpoint(lambda *t, layer=layer: layer(t), *stream.tensors(), use_reentrant=False)
+        stream = stream.with_tensors(out).end_layer(i)
+    h_BTD = model.final_mix(stream)
+    del stream, out
+    alive = len(stream_sized_alive() - before) - 2  # h_BTD, and the sum the mixer keeps for its cast
+    assert h_BTD.requires_grad
+    assert alive * args.dim * 4 == _stream_bytes_per_token(args, 4, ["full"] * n_layers)
 
 
 @pytest.mark.parametrize("flavor,layout,activations", [

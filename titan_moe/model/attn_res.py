@@ -32,23 +32,32 @@ The very first sub-layer therefore sees ``b_0`` alone and gets ``h = b_0``.
 
 Fixed shapes for compilation. Under regional compile (one compiled region per decoder
 layer, SPEC §4) the number of sources differs from layer to layer. `ResidualStream` keeps
-the finished sources in one stacked buffer of fixed size ``S_max`` plus a 0-dim count
-tensor, and ``b_cur`` plus a 0-dim "written" flag, so the same graph serves every layer:
-unused slots are zeros and get logit ``-inf``. Nothing that varies per layer may be a Python
+the finished sources in a fixed number ``S_max`` of slots (one ``[B, T, D]`` tensor each)
+plus a 0-dim count tensor, and ``b_cur`` plus a 0-dim "written" flag, so the same graph
+serves every layer: unused slots are zeros and get logit ``-inf``. Every slot is its own
+tensor, none aliases another or ``b_cur``, and all share one ``requires_grad``: Dynamo
+guards on aliasing and on ``requires_grad``, and a pattern that changed from layer to layer
+would recompile the layer. Nothing that varies per layer may be a Python
 value read inside the compiled region (Dynamo specialises on Python ints and fails a
 ``fullgraph=True`` compile after 8 recompiles): closing a block therefore happens in
 `ResidualStream.end_layer`, which the decoder calls between layers, outside the compiled
 layers. All stream methods are functional: they return a new stream and never write into a
 tensor that autograd may have saved.
 
-Memory: the buffer is copied when a source is pushed (out-of-place ``index_copy``). Block
-mode pushes once per block, so a block-mode model holds about ``n_blocks * S_max`` extra
-``[B, T, D]`` tensors; full mode pushes after every sub-layer and holds ``O(L^2)`` of them,
-fine for the small ablation models it is meant for, not for paper scale.
+Memory: closing a block (outside the compiled layers, where the slot index is a Python
+int) puts ``b_cur`` into its slot and copies nothing, so a block-mode stream holds ``b_0``,
+the ``S_max - 1`` zero placeholders, one empty-``b_cur`` placeholder per closed block and
+the closed blocks beside the layers' own inputs: ``O(S_max)`` extra ``[B, T, D]`` tensors.
+(A stacked ``[S_max, B, T, D]`` buffer, copied at every close and kept by every
+checkpointed layer that read it, held ``n_blocks * S_max``.) Full mode pushes after every
+sub-layer inside the compiled layer, where the slot index is a tensor: each push rewrites
+every slot (``torch.where``), ``O(L^2)`` tensors in all, fine for the small ablation models
+it is meant for, not for paper scale.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +68,12 @@ from titan_moe.ops.nvtx import nvtx_wrap
 
 _MODES = ("block", "full", "none")
 
-# (sources_SBTD, n_sources, partial_BTD, partial_used): see ResidualStream.
-StreamTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# (sources, n_sources, partial_BTD, partial_used): see ResidualStream.
+StreamTensors = tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def max_sources(mode: str, n_layers: int, block_size: int) -> int:
-    """Slots of the stacked source buffer: b_0 plus every source that can be pushed.
+    """Source slots of the stream: b_0 plus every source that can be pushed.
 
     block: b_0 and each block that can close (``n_layers // block_size``; a trailing partial
     block stays in ``b_cur``); full: b_0 and one per sub-layer; none: no buffer.
@@ -81,13 +90,13 @@ class ResidualStream:
     """The residual stream between sub-layers, with fixed-size tensors (see module docstring).
 
     Fields:
-        sources_SBTD: [S_max, B, T, D] finished sources (b_0, closed blocks or, in full mode,
-            sub-layer outputs) in slots ``[0, n_sources)``; the other slots are zeros.
+        sources: S_max tensors [B, T, D], the finished sources (b_0, closed blocks or, in full
+            mode, sub-layer outputs) in slots ``[0, n_sources)``; the other slots are zeros.
         n_sources: int64 0-dim tensor, number of filled slots.
         partial_BTD: [B, T, D] b_cur in block mode; the running residual ``x`` in none mode;
             unused in full mode. While ``partial_used`` is False its content is ignored (it
-            then holds the embedding or the last closed block, never a fresh zeros tensor, so
-            that its ``requires_grad`` does not change between layers: Dynamo guards on it).
+            then holds a zeros placeholder of its own, never a slot, with the slots'
+            ``requires_grad``: Dynamo guards on aliasing and on ``requires_grad``).
         partial_used: bool 0-dim tensor, True once a sub-layer of the current block wrote to
             ``partial_BTD`` (always True in none mode, always False in full mode).
         mode: "block" | "full" | "none".
@@ -96,7 +105,7 @@ class ResidualStream:
     All tensors share the dtype of the embedding passed to `start`; mixers compute in fp32.
     """
 
-    sources_SBTD: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
     n_sources: torch.Tensor
     partial_BTD: torch.Tensor
     partial_used: torch.Tensor
@@ -115,14 +124,12 @@ class ResidualStream:
         S = max_sources(mode, n_layers, block_size)
         device = embed_BTD.device
         if mode == "none":
-            sources_SBTD = embed_BTD.new_zeros((0, *embed_BTD.shape))
-            partial_BTD, used, n = embed_BTD, True, 0
+            sources, partial_BTD, used, n = (), embed_BTD, True, 0
         else:
-            zeros_SBTD = embed_BTD.new_zeros((S - 1, *embed_BTD.shape))
-            sources_SBTD = torch.cat([embed_BTD[None], zeros_SBTD], dim=0)
-            partial_BTD, used, n = embed_BTD, False, 1  # a placeholder while unused
+            sources = (embed_BTD, *(_placeholder(embed_BTD) for _ in range(S - 1)))
+            partial_BTD, used, n = _placeholder(embed_BTD), False, 1
         return cls(
-            sources_SBTD=sources_SBTD,
+            sources=sources,
             # torch.full, not torch.tensor: a traced factory call instead of a 0-d constant lifted
             # into exported programs (AOTInductor on CUDA crashed loading such constants).
             n_sources=torch.full((), n, dtype=torch.int64, device=device),
@@ -133,8 +140,9 @@ class ResidualStream:
         )
 
     def tensors(self) -> StreamTensors:
-        """The four tensors, the form in which a `DecoderLayer` takes and returns the stream."""
-        return self.sources_SBTD, self.n_sources, self.partial_BTD, self.partial_used
+        """The slots and the three other tensors, the form in which a `DecoderLayer` takes and
+        returns the stream."""
+        return self.sources, self.n_sources, self.partial_BTD, self.partial_used
 
     def with_tensors(self, tensors: StreamTensors) -> ResidualStream:
         """This stream's mode and block size around `tensors` (as `tensors()` orders them)."""
@@ -142,7 +150,7 @@ class ResidualStream:
 
     def _replace(self, **changes) -> ResidualStream:
         fields = dict(
-            sources_SBTD=self.sources_SBTD,
+            sources=self.sources,
             n_sources=self.n_sources,
             partial_BTD=self.partial_BTD,
             partial_used=self.partial_used,
@@ -152,10 +160,16 @@ class ResidualStream:
         fields.update(changes)
         return ResidualStream(**fields)
 
-    def _push(self, source_BTD: torch.Tensor) -> ResidualStream:
-        # Out-of-place write at a tensor index: one graph for every count.
-        sources_SBTD = self.sources_SBTD.index_copy(0, self.n_sources.reshape(1), source_BTD[None])
-        return self._replace(sources_SBTD=sources_SBTD, n_sources=self.n_sources + 1)
+    def _push(self, source_BTD: torch.Tensor, slot: int | None = None) -> ResidualStream:
+        """``source_BTD`` into slot ``n_sources``. With ``slot`` (that index as a Python int,
+        known outside compiled code) the slot's tensor is replaced and nothing is copied;
+        without it (inside a compiled layer) every slot is rewritten out of place at the
+        tensor index: one graph for every count."""
+        if slot is not None:
+            sources = self.sources[:slot] + (source_BTD,) + self.sources[slot + 1:]
+        else:
+            sources = tuple(torch.where(self.n_sources == s, source_BTD, v) for s, v in enumerate(self.sources))
+        return self._replace(sources=sources, n_sources=self.n_sources + 1)
 
     def add(self, out_BTD: torch.Tensor) -> ResidualStream:
         """Record one sub-layer's output [B, T, D] (cast to the stream dtype).
@@ -175,12 +189,18 @@ class ResidualStream:
         """True when layer ``layer_idx`` (0-based) is the last layer of a block (block mode)."""
         return self.mode == "block" and (layer_idx + 1) % self.block_size == 0
 
-    def close_block(self) -> ResidualStream:
-        """Block mode: push ``b_cur`` as a finished block ``b_n`` and start an empty one."""
+    def close_block(self, slot: int | None = None) -> ResidualStream:
+        """Block mode: push ``b_cur`` as a finished block ``b_n`` and start an empty one.
+
+        ``slot``: ``n_sources`` as a Python int (`end_layer` knows it from the layer index);
+        without it the count is read from the device (a host sync; tests and tools).
+        """
         if self.mode != "block":
             raise ValueError(f"close_block is only defined in block mode, stream mode is {self.mode!r}")
-        # Only the flag resets: the old b_cur stays as the ignored placeholder.
-        return self._push(self.partial_BTD)._replace(partial_used=torch.zeros_like(self.partial_used))
+        slot = int(self.n_sources) if slot is None else slot
+        # b_cur moves into its slot; the empty b_cur is a placeholder of its own (no aliasing).
+        return self._push(self.partial_BTD, slot)._replace(
+            partial_BTD=_placeholder(self.partial_BTD), partial_used=torch.zeros_like(self.partial_used))
 
     def end_layer(self, layer_idx: int) -> ResidualStream:
         """Call after layer ``layer_idx`` (both sub-layers) has added its outputs.
@@ -189,16 +209,26 @@ class ResidualStream:
         returns the stream unchanged. Call it outside a compiled layer: it branches on the
         Python int ``layer_idx``.
         """
-        return self.close_block() if self.closes_block_after(layer_idx) else self
+        if not self.closes_block_after(layer_idx):
+            return self
+        return self.close_block(slot=(layer_idx + 1) // self.block_size)
+
+
+def _placeholder(like_BTD: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like a source, a tensor of its own, requiring grad whenever autograd
+    records (as the blocks that replace it do, even with a frozen embedding)."""
+    return torch.zeros_like(like_BTD).requires_grad_(torch.is_grad_enabled())
 
 
 def _flatten_stream(stream: ResidualStream):
-    tensors = (stream.sources_SBTD, stream.n_sources, stream.partial_BTD, stream.partial_used)
-    return tensors, (stream.mode, stream.block_size)
+    tensors = (*stream.sources, stream.n_sources, stream.partial_BTD, stream.partial_used)
+    return tensors, (len(stream.sources), stream.mode, stream.block_size)
 
 
 def _unflatten_stream(tensors, context) -> ResidualStream:
-    return ResidualStream(*tensors, *context)
+    n_slots, mode, block_size = context
+    tensors = list(tensors)
+    return ResidualStream(tuple(tensors[:n_slots]), *tensors[n_slots:], mode, block_size)
 
 
 # A pytree node, so that code walking a layer's inputs and outputs finds the stream's tensors:
@@ -212,18 +242,18 @@ torch.utils._pytree.register_pytree_node(
 )
 
 
-def _weighted_sum(p_SBT: torch.Tensor, v_SBTD: torch.Tensor) -> torch.Tensor:
+def _weighted_sum(p_SBT: torch.Tensor, v_BTD: Sequence[torch.Tensor]) -> torch.Tensor:
     """``sum_s p[s, ..., None] * v[s]`` -> [B, T, D], one source at a time.
 
-    Shapes: p [S, B, T] (the mixing weights), v [S, B, T, D] (the sources). Not an einsum:
+    Shapes: p [S, B, T] (the mixing weights), v S tensors [B, T, D] (the sources). Not an einsum:
     that lowers to a batched matmul with one [1, S] x [S, D] product per token (batch B*T),
     a shape the GEMM kernels run far below bandwidth, in the backward too. Term by term,
     eager mode holds one [B, T, D] product at a time, and a compiled region fuses the sum
     into one pass over the sources.
     """
-    h_BTD = p_SBT[0, ..., None] * v_SBTD[0]
-    for s in range(1, v_SBTD.shape[0]):
-        h_BTD = h_BTD + p_SBT[s, ..., None] * v_SBTD[s]
+    h_BTD = p_SBT[0, ..., None] * v_BTD[0]
+    for s in range(1, len(v_BTD)):
+        h_BTD = h_BTD + p_SBT[s, ..., None] * v_BTD[s]
     return h_BTD
 
 
@@ -250,13 +280,13 @@ class AttnResMixer(nn.Module):
         # fp32 on purpose, also under autocast (which would run the logit matmul and the
         # weighted sum in bf16, each on its own bf16 copy of the [S, B, T, D] sources, both
         # kept for the backward): the sources are read as they are stored.
-        with torch.autocast(stream.sources_SBTD.device.type, enabled=False):
+        with torch.autocast(stream.partial_BTD.device.type, enabled=False):
             return self._mix(stream)
 
     def _mix(self, stream: ResidualStream) -> torch.Tensor:
         # logit = RMSNorm(v) . q = (v . (w * q)) / rms(v): the same number without a normalised
-        # copy of the sources, which the matmul would keep for the backward ([S, B, T, D] fp32,
-        # where this form keeps only [S, B, T] scalars beside the sources themselves).
+        # copy of the sources, which the matmul would keep for the backward ([B, T, D] fp32 a
+        # source, where this form keeps only [B, T] scalars beside the sources themselves).
         wq_D = self.key_norm.weight.float() * self.query.float()
 
         # Products and sums over D instead of matmuls with a vector: a matmul here becomes a
@@ -266,20 +296,20 @@ class AttnResMixer(nn.Module):
         def logits(v_XD: torch.Tensor) -> torch.Tensor:
             return (v_XD * wq_D).sum(-1) * torch.rsqrt(v_XD.square().mean(-1) + self.eps)
 
-        v_SBTD = stream.sources_SBTD.float()
-        S = v_SBTD.shape[0]
-        logit_SBT = logits(v_SBTD)
-        valid_S = torch.arange(S, device=v_SBTD.device) < stream.n_sources
+        v_BTD = [v.float() for v in stream.sources]
+        S = len(v_BTD)
+        logit_SBT = torch.stack([logits(v) for v in v_BTD])
+        valid_S = torch.arange(S, device=logit_SBT.device) < stream.n_sources
         logit_SBT = logit_SBT.masked_fill(~valid_S[:, None, None], float("-inf"))
         if stream.mode == "full":
             p_SBT = torch.softmax(logit_SBT, dim=0)
-            h_BTD = _weighted_sum(p_SBT, v_SBTD)
+            h_BTD = _weighted_sum(p_SBT, v_BTD)
         else:
             cur_BTD = stream.partial_BTD.float()
             logit_BT = logits(cur_BTD).masked_fill(~stream.partial_used, float("-inf"))
             p_SBT = torch.softmax(torch.cat([logit_SBT, logit_BT[None]], dim=0), dim=0)
-            h_BTD = _weighted_sum(p_SBT[:S], v_SBTD) + p_SBT[S, ..., None] * cur_BTD
-        return h_BTD.to(stream.sources_SBTD.dtype)
+            h_BTD = _weighted_sum(p_SBT[:S], v_BTD) + p_SBT[S, ..., None] * cur_BTD
+        return h_BTD.to(stream.partial_BTD.dtype)
 
     @torch.no_grad()
     def init_weights(self, init_std: float = 0.02) -> None:

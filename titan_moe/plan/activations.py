@@ -30,10 +30,10 @@ slots = `attn_res.max_sources`):
     outputs, unsorted (combine input) `k L a`; u fp32 `L * 4` + rstd; w_latent_up input
     `L a`; shared experts `2 F_s a + F_s a`. Per layer constant: the router weight cast to
     fp32, `n D * 4` (when the weight is not already fp32).
-  AttnRes stream: block mode keeps S distinct source buffers `[S, D] s` (one more each time a
-    block closes) and the partial sum b_cur after each sub-layer `2 D s` per layer (1 per
-    layer under AC: only each layer's input); full mode pushes a new `[S, D]` buffer per
-    sub-layer; none mode keeps the running sum `2 D s` per layer.
+  AttnRes stream: block mode keeps b_0 and S - 1 zero placeholders `S D s`, one `D s` per
+    closed block, and the partial sum b_cur after each sub-layer `2 D s` per layer (1 per
+    layer under AC: only each layer's input); full mode rewrites all S slots at every push,
+    a new `S D s` per sub-layer; none mode keeps the running sum `2 D s` per layer.
   head: a prologue (final mix + norm) and the log-softmax output of the loss `V * 4`.
   transient peaks: head `V * 8`, two more fp32 `[T, V]` tensors (forward: the fp32 logits
     next to the `a` ones; backward: the gradients into and out of log-softmax). One layer in

@@ -288,7 +288,7 @@ def eager_saved_bytes(
 
     def exclude_stream(module, inputs):
         stream = inputs[0]
-        excluded.update(_storage_key(t.untyped_storage()) for t in (stream.sources_SBTD, stream.partial_BTD))
+        excluded.update(_storage_key(t.untyped_storage()) for t in (*stream.sources, stream.partial_BTD))
 
     saved: dict[int, torch.UntypedStorage] = {}
 

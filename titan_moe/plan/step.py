@@ -33,9 +33,7 @@ The step's peak (`total_*` in the JSON) is the largest phase; `activations_*` is
 activations' own high-water mark over the phases, so the table's columns do not add up to the
 total. Not modelled: autocast's weight cache (each layer's bf16 weight copies, cached until the
 forward's autocast region ends: under full AC every layer's copies at the end of the forward,
-0.3 GiB for small_1gpu), the gradient of a closing block's source buffer (index_copy's
-backward allocates a second `[S, D]` buffer between layers), the embedding's gradient while it
-is written, the clip's scalars.
+0.3 GiB for small_1gpu), the embedding's gradient while it is written, the clip's scalars.
 """
 
 from __future__ import annotations
@@ -91,12 +89,14 @@ def layer_policies(ac: str, n_layers: int, sac_option: str = "op") -> list[str]:
 
 def _stream_bytes_per_token(args: ModelArgs, s: int, policies: list[str], upto: int | None = None) -> float:
     """AttnRes stream tensors kept: per layer 2 partial sums (1 when the layer is checkpointed:
-    only its input), plus the source buffers (block: one per closed block; full: one per push).
+    only its input), plus the sources (block: b_0, the S - 1 zero placeholders and one
+    `[T, D]` tensor per closed block, `attn_res.ResidualStream`; full: one `[S, D]` set per
+    push).
 
     `upto`: only what layers 0..upto use, alive while layer `upto` runs backward (the partial
-    sums of layers <= upto; block mode: the buffers of the blocks up to upto's, the initial one
-    included; full mode: the initial buffer and those pushed by layers <= upto); None: all
-    (the end of the forward; block mode: all S buffers, the last one read by the final mixer).
+    sums of layers <= upto; block mode: the blocks closed before upto's; full mode: the
+    initial set and those pushed by layers <= upto); None: all (the end of the forward; block
+    mode: every closed block, the last one read by the final mixer).
     """
     D, L = args.dim, args.n_layers
     last = L - 1 if upto is None else upto
@@ -105,8 +105,8 @@ def _stream_bytes_per_token(args: ModelArgs, s: int, policies: list[str], upto: 
         return per_layer * D * s
     S = max_sources(args.attn_res, L, args.attn_res_block_size)
     if args.attn_res == "block":
-        buffers = S if upto is None else min(upto // args.attn_res_block_size + 1, S)
-        return buffers * S * D * s + per_layer * D * s
+        closed = S - 1 if upto is None else min(upto // args.attn_res_block_size, S - 1)
+        return (S + closed) * D * s + per_layer * D * s
     return (1 + per_layer) * S * D * s  # full mode: every sub-layer pushes a new [S, D] buffer
 
 

@@ -377,7 +377,7 @@ def _leaf_stream(args: ModelArgs, layer_idx: int, T: int, dtype: torch.dtype) ->
     """The AttnRes stream as layer `layer_idx` receives it, with leaf tensors (zeros)."""
     D, L, bs = args.dim, args.n_layers, args.attn_res_block_size
     S = max_sources(args.attn_res, L, bs)
-    sources = torch.zeros(S, 1, T, D, dtype=dtype, requires_grad=args.attn_res != "none")
+    sources = tuple(torch.zeros(1, T, D, dtype=dtype, requires_grad=True) for _ in range(S))
     partial = torch.zeros(1, T, D, dtype=dtype, requires_grad=True)
     if args.attn_res == "block":
         n, used = 1 + layer_idx // bs, layer_idx % bs != 0
@@ -436,7 +436,7 @@ def layer_counter(
                 else:
                     out = run(*stream.tensors())
             if model_stream:
-                floats = [t for t in out if t.is_floating_point() and t.requires_grad]
+                floats = [t for t in torch.utils._pytree.tree_leaves(out) if t.is_floating_point() and t.requires_grad]
                 loss = sum(t.sum() for t in _StreamGradients.apply(counter, *floats))
                 del floats, out
             else:  # layer_memory.py holds `out` through the backward
