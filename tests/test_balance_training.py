@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiny import TINY_CLI, records, run_train
+from tiny import TINY_CLI, records, run_train, start_all, started_runs
 
 STEPS = ["--training.steps", "40", "--training.seq_len", "256", "--training.global_batch_size", "8",
          "--training.local_batch_size", "8", "--metrics.log_freq", "5"]
@@ -21,15 +21,30 @@ def _mean_violation(dump) -> float:
     return sum(recs[s]["moe/max_violation_mean"] for s in steps) / len(steps)
 
 
+RUNS = {"qb": ["--model.balance_rule", "qb", "--model.qb_batch_iters", "2"],
+        "sign": ["--model.balance_rule", "sign"]}
+
+
+def start_runs(root):
+    """Queue both runs (tests/tiny.py), side by side: (root folder, name -> future of its
+    CompletedProcess)."""
+    return root, start_all({name: lambda name=name, args=args: run_train(root / name, *STEPS, *args)
+                            for name, args in RUNS.items()})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return started_runs(start_runs, tmp_path_factory)
+
+
 @pytest.mark.slow
-def test_in_batch_qb_meets_the_cpu_goal_against_the_sign_rule(tmp_path):
+def test_in_batch_qb_meets_the_cpu_goal_against_the_sign_rule(runs):
     assert "--training.seq_len" in TINY_CLI  # STEPS, later on the command line, overrides it
-    runs = {"qb": ["--model.balance_rule", "qb", "--model.qb_batch_iters", "2"],
-            "sign": ["--model.balance_rule", "sign"]}
+    root, futures = runs
     violation = {}
-    for name, args in runs.items():
-        proc = run_train(tmp_path / name, *STEPS, *args)
+    for name in RUNS:
+        proc = futures[name].result()
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        violation[name] = _mean_violation(tmp_path / name)
+        violation[name] = _mean_violation(root / name)
     assert violation["qb"] <= 0.10, violation
     assert violation["qb"] <= 0.6 * violation["sign"], violation

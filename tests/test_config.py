@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tiny import start_all, started_runs
 from titan_moe.config import ConfigError, load_config, model_args_from_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,17 +92,29 @@ def _run_train(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, timeout=300)
 
 
-@pytest.mark.parametrize(
-    "args, needle",
-    [
-        (["--job.config_file", "configs/nope.toml"], "config file not found: configs/nope.toml"),
-        (["--job.config_file", DEBUG_TOML, "--training.stepz", "3"], "training.stepz"),
-        (["--job.config_file", DEBUG_TOML, "--training.steps", "x"], "training.steps"),
-        (["--job.config_file", DEBUG_TOML, "--data.tokenizer", "/nonexistent/tok.json"], "/nonexistent/tok.json"),
-    ],
-)
-def test_cli_errors_exit_nonzero_with_one_line(args, needle):
-    proc = _run_train(*args)
+CLI_ERRORS = [
+    (["--job.config_file", "configs/nope.toml"], "config file not found: configs/nope.toml"),
+    (["--job.config_file", DEBUG_TOML, "--training.stepz", "3"], "training.stepz"),
+    (["--job.config_file", DEBUG_TOML, "--training.steps", "x"], "training.steps"),
+    (["--job.config_file", DEBUG_TOML, "--data.tokenizer", "/nonexistent/tok.json"], "/nonexistent/tok.json"),
+]
+
+
+def start_runs(root):
+    """Queue the trainer processes of the command-line tests below (tests/tiny.py), two at a
+    time: command-line arguments (a tuple) -> future of the CompletedProcess."""
+    return start_all({tuple(args): lambda args=args: _run_train(*args) for args in
+                      [*(args for args, _ in CLI_ERRORS), ["--help"]]})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return started_runs(start_runs, tmp_path_factory)
+
+
+@pytest.mark.parametrize("args, needle", CLI_ERRORS)
+def test_cli_errors_exit_nonzero_with_one_line(args, needle, runs):
+    proc = runs[tuple(args)].result()
     assert proc.returncode == 2, proc.stderr[-2000:]
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("titan_moe.train: error:")]
     assert len(error_lines) == 1 and needle in error_lines[0], proc.stderr[-2000:]
@@ -187,8 +200,8 @@ def test_bad_kernels_value_is_one_config_error_line(tmp_path, toml, needle):
     assert "\n" not in str(err.value) and path in str(err.value)
 
 
-def test_help_lists_the_kernels_section():
-    proc = _run_train("--help")
+def test_help_lists_the_kernels_section(runs):
+    proc = runs[("--help",)].result()
     assert proc.returncode == 0
     section = proc.stdout.split("[kernels]", 1)[1]
     assert "situ = 'auto'" in section and "grouped_mm = 'auto'" in section

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny import CONFIG, TINY_CLI, records
+from tiny import CONFIG, TINY_CLI, records, start_all, started_runs
 from tiny import run_train as _run_train
 
 STEPS = 3
@@ -70,11 +70,42 @@ def _assert_close(got: dict[int, dict], ref: dict[int, dict], steps, label: str)
             assert abs(a - b) <= rtol * abs(b), (label, step, key, a, b)
 
 
+def start_runs(root: Path) -> dict:
+    """Queue every training run of this file (tests/tiny.py): name -> future of {run name:
+    dump folder, "<run name> log": its log}."""
+
+    def one(name: str, *args: str, nproc: int = 1, seed: str | None = None) -> dict:
+        dump = root / name
+        if seed is not None:  # resume from another run's step-2 checkpoint
+            shutil.copytree(root / seed / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+        proc = run_train(dump, *args, nproc=nproc)
+        return {name: dump, f"{name} log": proc.stdout + proc.stderr}
+
+    def then(first, second):
+        return lambda: {**first(), **second()}
+
+    chains = {
+        # also saves step 2, resumed under CP2
+        "one process": then(lambda: one("one_process", *CKPT),
+                            lambda: one("resumed_under_cp2", *cp(2), *CKPT, nproc=2, seed="one_process")),
+        # its step-2 checkpoint, resumed in one process
+        "CP2": then(lambda: one("CP2", *LAYOUTS["CP2"][0], nproc=2),
+                    lambda: one("resumed_in_one_process", *CKPT, seed="CP2")),
+    }
+    for name, (args, nproc) in LAYOUTS.items():
+        if name != "CP2":
+            chains[name] = lambda name=name, args=args, nproc=nproc: one(name, *args, nproc=nproc)
+    return start_all(chains)
+
+
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("cp") / "one_process"
-    run_train(dump, *CKPT)  # also saves step 2 for the resume under CP2
-    return dump
+def runs(tmp_path_factory) -> dict:
+    return started_runs(start_runs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def one_process(runs) -> Path:
+    return runs["one process"].result()["one_process"]
 
 
 def test_the_rows_cross_segments():
@@ -101,13 +132,12 @@ def test_the_rows_cross_segments():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_losses_match_one_process(name, one_process, tmp_path):
-    args, nproc = LAYOUTS[name]
-    proc = run_train(tmp_path / name, *args, nproc=nproc)
-    log = proc.stdout + proc.stderr
+def test_losses_match_one_process(name, runs, one_process):
+    out = runs[name].result()
+    log = out[f"{name} log"]
     assert f"Applied context parallelism over {name[2]} ranks" in log
     assert ("Applied expert parallelism over 2 ranks" in log) == ("EP2" in name)
-    ref, got = records(one_process), records(tmp_path / name)
+    ref, got = records(one_process), records(out[name])
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     _assert_close(got, ref, range(1, STEPS + 1), name)
     # The balance statistics are counts summed over dp x cp: a sum over dp alone would
@@ -116,18 +146,12 @@ def test_losses_match_one_process(name, one_process, tmp_path):
         for key in ("moe/max_violation_max", "moe/max_violation_mean", "moe/dead_experts_total"):
             assert got[step][key] == pytest.approx(ref[step][key], abs=1e-9), (name, step, key)
     if name == "CP2":  # its step-2 checkpoint, resumed in one process
-        resumed = tmp_path / "resumed_in_one_process"
-        shutil.copytree(tmp_path / name / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-        run_train(resumed, *CKPT)
-        _assert_close(records(resumed), ref, [3], "CP2 checkpoint resumed in one process")
+        _assert_close(records(out["resumed_in_one_process"]), ref, [3], "CP2 checkpoint resumed in one process")
 
 
 @pytest.mark.slow
-def test_one_process_checkpoint_resumes_under_cp2(one_process, tmp_path):
-    resumed = tmp_path / "resumed_under_cp2"
-    shutil.copytree(one_process / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-    run_train(resumed, *cp(2), *CKPT, nproc=2)
-    got = records(resumed)
+def test_one_process_checkpoint_resumes_under_cp2(runs, one_process):
+    got = records(runs["one process"].result()["resumed_under_cp2"])
     assert sorted(got) == [3]
     _assert_close(got, records(one_process), [3], "one-process checkpoint resumed under CP2")
 

@@ -23,7 +23,7 @@ from titan_moe.data.packing import IGNORE_INDEX
 from titan_moe.data.synthetic import Filler, SyntheticTasks, mqar_task, passkey_task, task_rng
 from titan_moe.ladder import Ladder, Stage, lr_lambda, resolve_stages, short_length
 
-from tiny import REPO, TINY_CLI, records
+from tiny import REPO, TINY_CLI, records, start_all, started_runs
 
 LADDER_TOML = """
 [job]
@@ -397,10 +397,40 @@ def _train(tmp_path, dump, *extra, env=None):
     return proc
 
 
-@pytest.mark.slow  # three training processes: about a minute on two idle cores
-def test_ladder_runs_stages_and_resumes_bit_identically(tmp_path):
-    full, split = tmp_path / "full", tmp_path / "split"
-    proc = _train(tmp_path, full)
+def start_runs(root):
+    """Queue the ladder runs of the two tests below (tests/tiny.py): (root folder, name ->
+    future of its runs' CompletedProcess, in order). "full" is the uninterrupted reference of
+    both."""
+
+    def chain(*runs):
+        def run():
+            out = []
+            for dump, extra, env in runs:
+                config = root / f"{dump}_config"  # each chain writes its own copy of the config
+                config.mkdir(exist_ok=True)
+                out.append(_train(config, root / dump, *extra, env=env))
+            return out
+        return run
+
+    return root, start_all({
+        # stopped inside stage 2 (step 5, after the checkpoint of step 4), then run again
+        "split": chain(("split", ["--training.exit_at_step", "5"], None), ("split", [], None)),
+        # killed inside the save of step 8, then run again
+        "killed": chain(("killed", [], {"TITAN_MOE_KILL_DURING_SAVE_STEP": "8"}), ("killed", [], None)),
+        "full": chain(("full", [], None)),
+    })
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return started_runs(start_runs, tmp_path_factory)
+
+
+@pytest.mark.slow  # five training processes, two at a time
+def test_ladder_runs_stages_and_resumes_bit_identically(runs):
+    root, futures = runs
+    full, split = root / "full", root / "split"
+    (proc,) = futures["full"].result()
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = proc.stdout + proc.stderr
     assert log.count("ladder: stage ") == 3 and "ladder: evaluations at the end of stage '256'" in log
@@ -413,9 +443,8 @@ def test_ladder_runs_stages_and_resumes_bit_identically(tmp_path):
     assert (full / "passkey_9.png").is_file()
 
     # stopped inside stage 2 (step 5, after the checkpoint of step 4), then run again
-    proc = _train(tmp_path, split, "--training.exit_at_step", "5")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = _train(tmp_path, split)
+    stopped, proc = futures["split"].result()
+    assert stopped.returncode == 0, stopped.stderr[-4000:]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Loading the checkpoint" in proc.stdout + proc.stderr
     reference, resumed = records(full), records(split)
@@ -425,12 +454,12 @@ def test_ladder_runs_stages_and_resumes_bit_identically(tmp_path):
 
 
 @pytest.mark.slow
-def test_ladder_killed_mid_stage_resumes_from_last_checkpoint(tmp_path):
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    assert _train(tmp_path, full).returncode == 0
-    proc = _train(tmp_path, killed, env={"TITAN_MOE_KILL_DURING_SAVE_STEP": "8"})
-    assert proc.returncode != 0
-    proc = _train(tmp_path, killed)
+def test_ladder_killed_mid_stage_resumes_from_last_checkpoint(runs):
+    root, futures = runs
+    full, killed = root / "full", root / "killed"
+    assert futures["full"].result()[0].returncode == 0
+    crashed, proc = futures["killed"].result()
+    assert crashed.returncode != 0
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step-6" in proc.stdout + proc.stderr
     reference, resumed = records(full), records(killed)

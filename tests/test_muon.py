@@ -15,7 +15,7 @@ from torchtitan.distributed import ParallelDims
 
 from gloo_ranks import spawn_gloo
 from test_train_spec import _model
-from tiny import losses, run_train
+from tiny import losses, run_train, start_all, started_runs
 from titan_moe.optim import Muon, block_layout
 from titan_moe.optim.muon import COLS, EXPERTS, ROWS, WHOLE, to_blocks
 from titan_moe.train_spec import build_optimizers_with_expert_balance
@@ -212,18 +212,42 @@ def test_fsdp2_shards_match_single_process(tmp_path):
 
 
 # --------------------------------------------------------------------------- through the trainer
+MUON_RESUME = ["--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "3", "--optimizer.name",
+               "Muon"]
+
+
+def start_runs(root):
+    """Queue the trainer runs of the two tests below (tests/tiny.py): (root folder, name ->
+    future of the list of its runs' CompletedProcess)."""
+
+    def chain(*runs):
+        return lambda: [run_train(root / name, *args, nproc=nproc) for name, args, nproc in runs]
+
+    layouts = {"one": ([], 1), "fsdp": ([], 2), "fsdp_ep": (["--parallelism.expert_parallel_degree", "2"], 2)}
+    chains = {"split": chain(("split", [*MUON_RESUME, "--training.exit_at_step", "3"], 1), ("split", MUON_RESUME, 1))}
+    for name, (args, nproc) in layouts.items():
+        chains[name] = chain((name, ["--training.steps", "3", "--optimizer.name", "Muon", *args], nproc))
+    chains["full"] = chain(("full", MUON_RESUME, 1))
+    return root, start_all(chains)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return started_runs(start_runs, tmp_path_factory)
+
+
 @pytest.mark.slow
-def test_trainer_with_muon_matches_across_fsdp_and_ep_layouts(tmp_path):
+def test_trainer_with_muon_matches_across_fsdp_and_ep_layouts(runs):
     """`--optimizer.name Muon` trains the (narrowed) debug config in one process, on 2 FSDP
     ranks and on 2 FSDP+EP ranks to the same losses. In FSDP the 2-head projections (16 rows a
     head, 32 rows: one head a rank) are orthogonalized on their shard, the column blocks and
     whole matrices gathered; under EP each rank holds whole experts."""
-    runs = {"one": ([], 1), "fsdp": ([], 2), "fsdp_ep": (["--parallelism.expert_parallel_degree", "2"], 2)}
+    root, futures = runs
     got = {}
-    for name, (args, nproc) in runs.items():
-        proc = run_train(tmp_path / name, "--training.steps", "3", "--optimizer.name", "Muon", *args, nproc=nproc)
+    for name in ("one", "fsdp", "fsdp_ep"):
+        (proc,) = futures[name].result()
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        got[name] = losses(tmp_path / name)
+        got[name] = losses(root / name)
     assert got["one"][3] < got["one"][1]  # it trains
     for name in ("fsdp", "fsdp_ep"):
         # the gradients differ by fp32 summation order only; NS in bf16 can round a few
@@ -233,16 +257,14 @@ def test_trainer_with_muon_matches_across_fsdp_and_ep_layouts(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_resumes_muon_bit_identically(tmp_path):
+def test_trainer_resumes_muon_bit_identically(runs):
     """A DCP checkpoint at step 3 holds Muon's momentum buffers and the AdamW moments: the
     resumed run continues with the very losses of an uninterrupted one (the same ops on the
     same values, so exact equality)."""
-    full, split = tmp_path / "full", tmp_path / "split"
-    common = ["--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "3", "--optimizer.name", "Muon"]
-    for dump, extra in ((full, []), (split, ["--training.exit_at_step", "3"]), (split, [])):
-        proc = run_train(dump, *common, *extra)
+    root, futures = runs
+    for proc in futures["full"].result() + futures["split"].result():
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    reference, resumed = losses(full), losses(split)
+    reference, resumed = losses(root / "full"), losses(root / "split")
     assert sorted(resumed) == [1, 2, 3, 4, 5]
     for step in (4, 5):
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gloo_ranks import spawn_gloo
-from tiny import CONFIG, TINY_CLI, records
+from tiny import CONFIG, TINY_CLI, records, start_all, started_runs
 from tiny import run_train as _run_train
 
 TINY = TINY_CLI
@@ -149,23 +149,53 @@ def test_unsupported_layouts_are_refused():
 
 
 # =========================================================================== training runs
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """Run every layout once for STEPS steps: name -> (dump folder, log text)."""
-    root = tmp_path_factory.mktemp("layouts")
-    runs = {
-        "1 process": ([], 1),
-        "2 FSDP": ([], 2),
-        # Also saves step 2 for the resume test (and step 3, the last).
-        "2 FSDP+EP2": ([*EP2, "--checkpoint.enable", "--checkpoint.interval", "2"], 2),
-        "4 FSDP2xEP2": (EP2, 4),
-    }
-    out = {}
-    for name, (args, nproc) in runs.items():
+LAYOUTS = {  # name: (arguments, processes)
+    "1 process": ([], 1),
+    "2 FSDP": ([], 2),
+    # Also saves step 2 for the resume test (and step 3, the last).
+    "2 FSDP+EP2": ([*EP2, "--checkpoint.enable", "--checkpoint.interval", "2"], 2),
+    "4 FSDP2xEP2": (EP2, 4),
+}
+
+
+def start_runs(root: Path) -> dict:
+    """Queue every training run of this file (tests/tiny.py): name -> future of (dump folder,
+    log text)."""
+
+    def one(name: str, *args: str, nproc: int = 1) -> tuple[Path, str]:
         dump = root / name.replace(" ", "_").replace("+", "_")
         proc = run_train(dump, "--training.steps", str(STEPS), *args, nproc=nproc)
-        out[name] = (dump, proc.stdout + proc.stderr)
-    return out
+        return dump, proc.stdout + proc.stderr
+
+    def ep_then_resume():
+        ep = one("2 FSDP+EP2", *LAYOUTS["2 FSDP+EP2"][0], nproc=2)
+        # Written by 2 ranks with the experts sharded over EP: DCP reshards it for 1 process.
+        resumed = root / "resumed"
+        shutil.copytree(ep[0] / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+        return ep, one("resumed", "--checkpoint.enable", "--checkpoint.interval", "2")
+
+    chains = {"2 FSDP+EP2, resumed": ep_then_resume,
+              "4 FSDP2xEP2": lambda: one("4 FSDP2xEP2", *EP2, nproc=4),
+              # Regional compile with EP; the same step count as the reference (the LR schedule
+              # depends on it).
+              "compiled": lambda: one("compiled", *EP2, "--compile.enable", "--compile.backend", "aot_eager",
+                                      nproc=2),
+              "1 process": lambda: one("1 process"),
+              "2 FSDP": lambda: one("2 FSDP", nproc=2)}
+    return start_all(chains)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    return started_runs(start_runs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def layouts(runs) -> dict[str, tuple[Path, str]]:
+    """Every layout, run for STEPS steps: name -> (dump folder, log text)."""
+    out = {name: runs[name].result() for name in ("1 process", "2 FSDP", "4 FSDP2xEP2")}
+    out["2 FSDP+EP2"] = runs["2 FSDP+EP2, resumed"].result()[0]
+    return {name: out[name] for name in LAYOUTS}
 
 
 @pytest.mark.slow
@@ -188,14 +218,10 @@ def test_loss_and_expert_balance_match_across_layouts(layouts):
 
 
 @pytest.mark.slow
-def test_expert_parallel_checkpoint_resumes_in_one_process(layouts, tmp_path):
+def test_expert_parallel_checkpoint_resumes_in_one_process(runs, layouts):
     ep_dump = layouts["2 FSDP+EP2"][0]
-    resumed = tmp_path / "resumed"
     # Written by 2 ranks with the experts sharded over EP: DCP reshards it for 1 process.
-    shutil.copytree(ep_dump / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-    proc = run_train(resumed, "--training.steps", str(STEPS), "--checkpoint.enable",
-                     "--checkpoint.interval", "2")
-    log = proc.stdout + proc.stderr
+    resumed, log = runs["2 FSDP+EP2, resumed"].result()[1]
     assert "Loading the checkpoint from" in log and "step-2" in log
     got = records(resumed)
     assert sorted(got) == [3]
@@ -204,11 +230,8 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(layouts, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_expert_parallel_matches_eager(layouts, tmp_path):
+def test_compiled_expert_parallel_matches_eager(runs, layouts):
     """Regional compile with EP: MoE layers compiled piecewise around the experts' exchange
     (aot_eager: Dynamo + AOTAutograd, fullgraph, without Inductor's CPU compile time)."""
-    dump = tmp_path / "compiled"
-    # The same step count as the reference: the LR schedule depends on it.
-    run_train(dump, "--training.steps", str(STEPS), *EP2, "--compile.enable", "--compile.backend", "aot_eager",
-              nproc=2)
+    dump, _ = runs["compiled"].result()
     _assert_losses_close(records(dump), records(layouts["1 process"][0]), range(1, STEPS + 1), "compiled EP2")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 import io
 import json
 import os
@@ -52,6 +53,33 @@ def run_train(dump: Path, *args: str, nproc: int = 1, env: dict | None = None) -
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(train_command(dump, *args, nproc=nproc), cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=600)
+
+
+# Training runs that tests read later: chains of subprocesses, run by two threads shared by
+# the test files. A one-process training run is mostly one busy core (its imports, a tiny
+# model, torchtitan's 2 s sleep at the end) while the test process waits on it: two at a
+# time take about the time of one on a two-core machine.
+_POOL: ThreadPoolExecutor | None = None
+_STARTED: dict[str, object] = {}
+
+
+def start_all(chains: dict) -> dict[str, Future]:
+    """Queue independent chains of runs (name -> function of no arguments) on the shared
+    threads: name -> the future of the chain's result. A chain that failed raises its error
+    from `result()`, in the test that reads it."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(2, thread_name_prefix="training-runs")
+    return {name: _POOL.submit(fn) for name, fn in chains.items()}
+
+
+def started_runs(start_runs, tmp_path_factory):
+    """What `start_runs(root)` of a test file returned (it queues the file's runs, writing
+    under `root`), called once, when a test first asks."""
+    key = start_runs.__module__
+    if key not in _STARTED:
+        _STARTED[key] = start_runs(tmp_path_factory.mktemp(key.replace("test_", "runs_")))
+    return _STARTED[key]
 
 
 def records(dump: Path) -> dict[int, dict]:
