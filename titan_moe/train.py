@@ -158,6 +158,13 @@ class TitanTrainer(Trainer):
 
         self.optimizers.register_step_post_hook(refresh)
 
+    def train(self):
+        # torchtitan's loop ends with a 2 s sleep on rank 0 "for other ranks to complete";
+        # `main` holds every rank at a barrier after `close` instead, so the sleep would only
+        # delay the end of every run.
+        with _without_final_sleep():
+            return super().train()
+
     def train_step(self, data_iterator):
         if self.ladder_run is not None:  # this step's stage: its rows, batch and data mix
             data_iterator = self.ladder_run.data_iterator(self.step, data_iterator)
@@ -356,6 +363,29 @@ def _check_capture_window(profiling) -> None:
             f"profiling.nvtx_start_step = {start}, nvtx_stop_step = {stop}: need 1 <= start <= stop, "
             "stop = 0 (capture to the end) or both 0 (no capture window)"
         )
+
+
+@contextlib.contextmanager
+def _without_final_sleep():
+    """`torchtitan.train`'s `time` module, with a `sleep` that returns at once (the only
+    sleep there is the one after the last step), for the duration of the block."""
+    import time
+
+    import torchtitan.train as titan_train
+
+    class _TimeWithoutSleep:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def sleep(_seconds: float) -> None:
+            return None
+
+    titan_train.time = _TimeWithoutSleep()
+    try:
+        yield
+    finally:
+        titan_train.time = time
 
 
 def _loss_ends_forward_range(loss_fn):
