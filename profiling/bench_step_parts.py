@@ -195,10 +195,11 @@ def mix_parts(device, dtype, tiny: bool, gen, results: dict) -> tuple[dict, list
     with torch.no_grad():
         mixer.query.normal_(generator=gen)
     srcs = [torch.randn(B, T, D, device=device, generator=gen).to(dtype) for _ in range(S)]
-    stream = ResidualStream.start(srcs[0], "block", n_layers=2 * (S - 1), block_size=2)
-    for s in srcs[1:]:
-        stream = stream.add(s).add(s).close_block()
-    stream = stream.add(srcs[-1])
+    with torch.no_grad():  # the stream's tensors as leaves, no graph behind them
+        stream = ResidualStream.start(srcs[0], "block", n_layers=2 * (S - 1), block_size=2)
+        for s in srcs[1:]:
+            stream = stream.add(s).add(s).close_block()
+        stream = stream.add(srcs[-1])
     for t in (*stream.sources, stream.partial_BTD):
         t.requires_grad_()
     g_BTD = torch.randn(B, T, D, device=device, generator=gen).to(dtype)

@@ -300,11 +300,20 @@ def test_block_stream_term_counts_the_tensors_a_checkpointed_forward_keeps(n_lay
     T = 64
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
+    def storage(o) -> int | None:
+        """The data pointer of a real fp32 tensor's [T, D]-sized storage (others: None; the
+        collector also holds fake and functional tensors of earlier tests)."""
+        if type(o) is not torch.Tensor or o.device.type != "cpu" or o.dtype != torch.float32:
+            return None
+        try:
+            st = o.untyped_storage()
+            return st.data_ptr() if st.nbytes() == T * args.dim * 4 else None
+        except RuntimeError:  # no real storage behind it
+            return None
+
     def stream_sized_alive() -> set[int]:
         gc.collect()
-        return {o.untyped_storage().data_ptr() for o in gc.get_objects()
-                if isinstance(o, torch.Tensor) and o.dtype == torch.float32
-                and o.untyped_storage().nbytes() == T * args.dim * 4 and o.untyped_storage().data_ptr() not in params}
+        return {p for p in map(storage, gc.get_objects()) if p is not None and p not in params}
 
     before = stream_sized_alive()
     stream = ResidualStream.start(model.tok_embeddings(torch.randint(0, args.vocab_size, (1, T))), args.attn_res,
