@@ -155,13 +155,13 @@ def test_lr_schedule_per_stage():
     assert short_length(1 << 20) == "1M" and short_length(262144) == "256K" and short_length(300) == "300"
 
 
-@pytest.mark.parametrize("resumed_at, heatmap_written, evaluated", [
+@pytest.mark.parametrize("resumed_at, recorded, evaluated", [
     (6, False, True),   # stopped at a stage's end before its evaluations finished
     (6, True, False),   # its evaluations finished before the stop
     (5, False, False),  # mid-stage: nothing to evaluate
     (0, False, False),  # a fresh run
 ])
-def test_resume_at_a_stage_end_finishes_its_evaluations(tmp_path, resumed_at, heatmap_written, evaluated):
+def test_resume_at_a_stage_end_finishes_its_evaluations(tmp_path, resumed_at, recorded, evaluated):
     from types import SimpleNamespace
 
     from titan_moe.stages import LadderRun
@@ -174,8 +174,12 @@ def test_resume_at_a_stage_end_finishes_its_evaluations(tmp_path, resumed_at, he
     run = LadderRun(trainer=None, job_config=config)
     calls = []
     run.evaluate = lambda stage, step: calls.append((stage.index, step))
-    if heatmap_written:
-        (tmp_path / f"passkey_{resumed_at}.png").write_bytes(b"")
+    evaluate.record(str(tmp_path), resumed_at - 1, 8, {"eval/passkey/8/d0.00": 1.0})  # an earlier step's
+    if recorded:
+        evaluate.record(str(tmp_path), resumed_at, 8, {"eval/passkey/8/d0.00": 1.0})
+    else:  # a record of this step cut short when the process stopped
+        with open(tmp_path / "metrics.jsonl", "a") as f:
+            f.write(f'{{"step": {resumed_at}, "seq_len": 8, "eval/passk')
     run.after_step(resumed_at)  # the check before the first step of this process
     assert calls == ([(0, resumed_at)] if evaluated else [])
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from concurrent.futures import Future, ThreadPoolExecutor
 import io
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from titan_moe.flavors import FLAVORS
@@ -57,7 +57,7 @@ def run_train(dump: Path, *args: str, nproc: int = 1, env: dict | None = None) -
 
 # Training runs that tests read later: chains of subprocesses, run by two threads shared by
 # the test files. A one-process training run is mostly one busy core (its imports, a tiny
-# model, torchtitan's 2 s sleep at the end) while the test process waits on it: two at a
+# model) while the test process waits on it: two at a
 # time take about the time of one on a two-core machine.
 _POOL: ThreadPoolExecutor | None = None
 _STARTED: dict[str, object] = {}

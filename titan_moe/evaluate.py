@@ -212,6 +212,25 @@ def write_heatmap(path: str, metrics: dict[str, float], cell: int = 24) -> bool:
     return True
 
 
+def recorded(dump_folder: str, step: int) -> bool:
+    """Whether `record` already wrote evaluations of `step` into the folder's metrics.jsonl
+    (a line cut short by a stopped process does not count)."""
+    path = os.path.join(dump_folder, "metrics.jsonl")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        for line in f:
+            if '"eval/' not in line:
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("step") == step and any(key.startswith("eval/") for key in entry):
+                return True
+    return False
+
+
 def record(dump_folder: str, step: int, seq_len: int, metrics: dict[str, float], stage: str | None = None) -> None:
     """Append the metrics to metrics.jsonl and write the heatmap beside it."""
     os.makedirs(dump_folder, exist_ok=True)

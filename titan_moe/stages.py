@@ -100,14 +100,12 @@ class LadderRun:
             self.evaluate(stage, step)
 
     def _finish_interrupted_evaluation(self, step: int) -> None:
-        """A run resumed from a stage's last step whose evaluations never finished (stopped
-        after the stage's checkpoint, before the heatmap that `evaluate.record` writes last)
-        runs them now."""
+        """A run resumed from a stage's last step whose evaluations were never recorded
+        (stopped after the stage's checkpoint, before `evaluate.record`) runs them now."""
         if step <= 0 or not self.config.ladder.eval_at_stage_end:
             return
         stage = stage_of_step(self.stages, step)
-        heatmap = os.path.join(self.config.job.dump_folder, f"passkey_{step}.png")
-        if step == stage.end and not os.path.exists(heatmap):
+        if step == stage.end and not evaluate.recorded(self.config.job.dump_folder, step):
             logger.info(f"ladder: the evaluations of stage '{stage.name}' (step {step}) did not finish; "
                         "running them now")
             self.evaluate(stage, step)

@@ -47,9 +47,9 @@ tensor that autograd may have saved.
 Memory: closing a block (outside the compiled layers, where the slot index is a Python
 int) puts ``b_cur`` into its slot and copies nothing, so a block-mode stream holds ``b_0``,
 the ``S_max - 1`` zero placeholders, one empty-``b_cur`` placeholder per closed block and
-the closed blocks beside the layers' own inputs: ``O(S_max)`` extra ``[B, T, D]`` tensors.
-(A stacked ``[S_max, B, T, D]`` buffer, copied at every close and kept by every
-checkpointed layer that read it, held ``n_blocks * S_max``.) Full mode pushes after every
+the closed blocks beside the layers' own inputs: ``O(S_max)`` extra ``[B, T, D]`` tensors,
+where a stacked ``[S_max, B, T, D]`` buffer copied at each close would be kept once by every
+checkpointed layer that read it (``n_blocks * S_max``). Full mode pushes after every
 sub-layer inside the compiled layer, where the slot index is a tensor: each push rewrites
 every slot (``torch.where``), ``O(L^2)`` tensors in all, fine for the small ablation models
 it is meant for, not for paper scale.
