@@ -174,6 +174,27 @@ def test_local_batch_fits_the_global_batch_over_data_parallel_ranks(tmp_path, mo
         _fit_local_batch_to_global(config)
 
 
+def test_fake_backend_simulates_the_world_size_of_ngpu(tmp_path, monkeypatch):
+    """`--comm.mode fake_backend` is one process playing rank 0 of `NGPU` ranks (torchtitan's
+    variable): the batch fits those ranks; a missing `NGPU` and the "local_tensor" mode stop
+    with one line."""
+    from titan_moe.train import _fit_local_batch_to_global
+
+    path = _write(tmp_path, '[model]\nname = "titan_moe"\nflavor = "debug"\n[training]\nlocal_batch_size = 4\n'
+                            'global_batch_size = 4\n')
+    fake = ["--job.config_file", path, "--comm.mode", "fake_backend"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("NGPU", "4")
+    config = load_config([*fake, "--parallelism.context_parallel_degree", "2"])
+    _fit_local_batch_to_global(config)
+    assert config.training.local_batch_size == 2  # 4 ranks, cp 2: 2 data-parallel ranks
+    monkeypatch.delenv("NGPU")
+    with pytest.raises(ConfigError, match="comm.mode = 'fake_backend' needs NGPU=N"):
+        _fit_local_batch_to_global(load_config(fake))
+    with pytest.raises(ConfigError, match="comm.mode = 'local_tensor' is not supported"):
+        _fit_local_batch_to_global(load_config(["--job.config_file", path, "--comm.mode", "local_tensor"]))
+
+
 # ---------------------------------------------------------------------------------------
 # [kernels]: which implementation each op runs (titan_moe.ops.choices)
 

@@ -20,6 +20,9 @@ and their backward: at most 1.3e-5 relative measured (cp 2 and 4, over every par
 gradient; the largest is A_log's, a sum over every token with cancellation, which falls to
 2e-7 with the decoder in float64); 1e-4 leaves room and still catches a wrong halo, document cut or missing
 gradient term (a zeroed halo gives 1.8).
+
+On torch's fake backend (one process as one rank) the segments' document facts come from
+this rank's ids repeated along the row, with no collective read (last test).
 """
 
 from __future__ import annotations
@@ -110,3 +113,30 @@ def _worker(rank: int, world: int) -> None:
 def test_decoder_under_context_parallelism_matches_one_process(world, tmp_path):
     spawn_gloo(_worker, world, tmp_path)
 
+
+
+def test_fake_backend_takes_every_segment_to_hold_this_ranks_ids(monkeypatch):
+    """On torch's fake backend (`row_segments(..., fake_backend=True)`) the document ids are
+    not all-gathered: the whole row is this segment's ids repeated, and every document fact
+    (KDA layout, MLA starts, halo ids) follows from that row."""
+    import torch.distributed as dist
+
+    from titan_moe.context_parallel import row_segments
+    from titan_moe.ops.attention import doc_starts
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("the fake backend's all-gather was read")
+
+    rank, cp, conv_size = 2, 4, 4
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: cp)
+    monkeypatch.setattr(dist, "all_gather", no_collective)
+    for ids, continues in (([7] * 64, True), ([3] * 20 + [4] * 44, False)):  # one document; a start inside
+        ids_BL = torch.tensor([ids])
+        rows = row_segments(torch.zeros_like(ids_BL), ids_BL, None, conv_size, fake_backend=True)
+        ids_BT = ids_BL.repeat(1, cp)
+        assert torch.equal(rows.starts_BT, doc_starts(ids_BT))
+        ((layout, _),) = rows.kda
+        assert (layout.rank, layout.cp, layout.T, layout.continues) == (rank, cp, 64, continues)
+        assert torch.equal(rows.conv_ids_BX[0, conv_size - 1:], ids_BL[0])
+        assert torch.equal(rows.conv_ids_BX[0, : conv_size - 1], ids_BL[0, -(conv_size - 1):])

@@ -21,17 +21,25 @@ and the cross-rank algebra reorders that sum (A_log's gradient: 1.2e-5 relative 
 the whole decoder in float64, dense FFNs, the layers' own fp32 casts left in: 2e-7; the
 KDA op alone in float64: 1e-10, tests/test_kda_context_parallel.py). configs/debug_cpu.toml
 at seq 512 (batch 8): 4e-5 at CP4. 1e-4 leaves room.
+
+Also one process as rank 0 of CP8 and of CP2 x FSDP2 x EP2 on torch's fake process group
+(`--comm.mode fake_backend`): it trains to the end on its T / cp tokens (no numbers checked:
+the fake group moves no data).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tiny import CONFIG, TINY_CLI, records, start_all, started_runs
+from tiny import CONFIG, REPO, TINY_CLI, records, start_all, started_runs, train_command
 from tiny import run_train as _run_train
 
 STEPS = 3
@@ -179,3 +187,62 @@ def test_a_bad_layout_stops_the_trainer_with_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("titan_moe.train: error:")]
     assert len(lines) == 1 and "training.seq_len = 255" in lines[0] and "context_parallel_degree" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- fake backend
+# One process plays rank 0 of a larger layout (`--comm.mode fake_backend`, NGPU ranks), with
+# a forward pre-hook on every layer's mixer (as tests/test_context_parallel_model.py checks
+# the ranks' token counts) recording what each call received.
+_COUNT_MIXER_TOKENS = """
+import json, sys
+import titan_moe.train as train
+
+seen = []
+build = train.TitanTrainer.__init__
+
+def init(self, job_config):
+    build(self, job_config)
+    for part in self.model_parts:
+        for layer in part.layers.values():
+            layer.attention.register_forward_pre_hook(
+                lambda module, args: seen.append([type(module).__name__, args[0].shape[1]]))
+
+train.TitanTrainer.__init__ = init
+try:
+    train.main(sys.argv[2:])
+finally:
+    with open(sys.argv[1], "w") as f:
+        json.dump(seen, f)
+"""
+
+FAKE_LAYOUTS = {  # name: (arguments, NGPU, cp)
+    "CP8": (cp(8), 8, 8),
+    "CP2xFSDP2xEP2": ([*cp(2), *EP2], 4, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(FAKE_LAYOUTS))
+def test_fake_backend_rank_trains_on_its_segment(name, tmp_path):
+    """Two steps as rank 0 of the layout on torch's fake process group, in one process: it
+    ends normally, says at start-up that its losses are meaningless, and every KDA and MLA
+    call of both steps held T / cp tokens of each row. Under EP the token counts of the
+    exchange are taken from this rank (the fake group's all-to-all is not read)."""
+    args, ngpu, degree = FAKE_LAYOUTS[name]
+    seq, steps = 512, 2
+    counts = tmp_path / "mixer_tokens.json"
+    command = train_command(tmp_path, "--training.seq_len", str(seq), "--training.steps", str(steps),
+                            "--comm.mode", "fake_backend", *args)
+    assert command[1:3] == ["-m", "titan_moe.train"]
+    proc = subprocess.run([sys.executable, "-c", _COUNT_MIXER_TOKENS, str(counts), *command[3:]], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "NGPU": str(ngpu)},
+                          capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert f"comm.mode = 'fake_backend': this process plays rank 0 of {ngpu} ranks" in log
+    assert f"Applied context parallelism over {degree} ranks" in log
+    assert ("Applied expert parallelism over 2 ranks" in log) == ("EP2" in name)
+    assert sorted(records(tmp_path)) == [1, 2]
+    seen = json.loads(counts.read_text())
+    n_layers = 4  # configs/debug_cpu.toml: KDA, KDA, KDA, MLA
+    assert sorted({kind for kind, _ in seen}) == ["ContextParallelKDA", "ContextParallelMLA"]
+    assert len(seen) == steps * n_layers and {tokens for _, tokens in seen} == {seq // degree}, seen

@@ -127,6 +127,18 @@ def test_histogram_invariant_to_double_counting():
     assert torch.equal(histogram_quantiles(counts, bias, 2), histogram_quantiles(2 * counts, bias, 2))
 
 
+def test_histogram_counts_nan_margins_in_range():
+    """NaN scores (a diverged router, or a fake-backend run's meaningless weights) and a NaN
+    bias are counted in bin 0 instead of casting NaN to an index out of the histogram."""
+    m, n, k, bins = 64, 8, 2, 100
+    scores = _skewed_scores(m, n, seed=4)
+    scores[::3, 1] = float("nan")
+    counts = qb_histogram(scores, torch.zeros(n), k, bins)
+    assert counts.shape == (n, bins) and torch.all(counts.sum(-1) == m)
+    counts = qb_histogram(scores, torch.full((n,), float("nan")), k, bins)
+    assert torch.all(counts[:, 0] == m)  # under a NaN bias every margin is NaN
+
+
 def test_sign_rule_and_edge_cases():
     bias = torch.tensor([0.0, 0.1, -0.1])
     new = sign_balance(torch.tensor([10, 5, 0]), bias, gamma=0.01)

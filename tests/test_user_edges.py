@@ -212,6 +212,10 @@ def test_settings_the_trainer_adjusts_are_said():
     assert any("bfloat16" in n and "float32" in n for n in notes)
     assert any("warmup_steps = 10 exceeds training.steps = 3" in n for n in notes)
     assert _reconcile(load_config(["--job.config_file", CONFIG]), "cpu") == []
+    config = load_config(["--job.config_file", CONFIG, "--comm.mode", "fake_backend"])
+    notes = _reconcile(config, "cpu")
+    assert not config.checkpoint.enable  # a fake-backend save would hold rank 0's shards only
+    assert any("checkpoint.enable with comm.mode = 'fake_backend'" in n for n in notes)
 
 
 def test_outputs_line_progress_and_rank0_logging(monkeypatch, tmp_path):

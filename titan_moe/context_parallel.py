@@ -44,6 +44,16 @@ half-segment and its mirror rank's second one (`mla_context_parallel_headtail`),
 work for a document filling the row; KDA's segments stay contiguous. docs/parallelism.md
 measures both.
 
+Fake backend (`--comm.mode fake_backend`, torch's fake process group: one process plays
+one rank of a larger layout and no collective moves data): the document ids are not
+all-gathered; the other segments are taken to hold this segment's ids, repeated along the
+row. The ids decide host-side layouts and index tensors, and the fake group promises
+nothing about its outputs (torch 2.13's all-gather happens to return that repetition; some
+versions leave outputs uninitialised). Resolved once, from the group's backend, in
+:func:`apply_context_parallel`. The layers' other collectives carry values only (states,
+halos, latents, layer inputs and outputs), which the fake group leaves meaningless; shapes
+and memory are the rank's own.
+
 Where the collectives sit: in the layers' eager forward (the CP layers are not compiled
 yet; `parallelize` refuses `compile.enable` with CP): KDA's state and halo all-gathers,
 MLA's latent all-gather and, under "headtail", its two all-to-alls; and in the root
@@ -163,11 +173,13 @@ class RowSegments:
         return segment_of(self.starts_BT, self.rank, self.cp)
 
 
-def row_segments(tokens_BL: Tensor, doc_ids_BL: Tensor | None, group, conv_size: int) -> RowSegments:
+def row_segments(tokens_BL: Tensor, doc_ids_BL: Tensor | None, group, conv_size: int,
+                 fake_backend: bool = False) -> RowSegments:
     """This rank's `RowSegments` from its segment of the document ids (numbered along the
     whole row, as the loader numbers them). All ranks of `group` call it together (an
     all-gather of the ids); it reads the document starts on the host once: call it once
-    per forward, outside compiled code."""
+    per forward, outside compiled code. `fake_backend`: `group` runs no collective (module
+    docstring): every segment is taken to hold this segment's ids."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     B, L = tokens_BL.shape
     if L < conv_size - 1:
@@ -176,9 +188,12 @@ def row_segments(tokens_BL: Tensor, doc_ids_BL: Tensor | None, group, conv_size:
         layout = segment_layout([0, cp * L], rank, cp, L, varlen=False)
         starts_BT = torch.zeros(B, cp * L, dtype=torch.int32, device=tokens_BL.device)
         return RowSegments(group, rank, cp, ((layout, None),), starts_BT, None)
-    parts = [torch.empty_like(doc_ids_BL) for _ in range(cp)]
-    dist.all_gather(parts, doc_ids_BL.contiguous(), group=group)
-    ids_BT = torch.cat(parts, dim=1)
+    if fake_backend:
+        ids_BT = doc_ids_BL.repeat(1, cp)
+    else:
+        parts = [torch.empty_like(doc_ids_BL) for _ in range(cp)]
+        dist.all_gather(parts, doc_ids_BL.contiguous(), group=group)
+        ids_BT = torch.cat(parts, dim=1)
     rows, cols = (t.tolist() for t in doc_start_mask(ids_BT).nonzero(as_tuple=True))  # one host read
     bounds: list[list[int]] = [[] for _ in range(B)]
     for b, t in zip(rows, cols):
@@ -370,11 +385,15 @@ def apply_context_parallel(model: nn.Module, group, balance: str | None = None) 
 
     balance: how MLA's queries are assigned to the ranks: None, each rank its own segment's;
     "headtail", an early and a late half-segment per rank (`mla_context_parallel_headtail`).
-    KDA's segments stay contiguous either way."""
+    KDA's segments stay contiguous either way.
+
+    A `group` of torch's fake backend makes the pre-hook take every segment's document ids
+    to be this rank's (`row_segments`, module docstring)."""
     if balance not in BALANCES:
         raise ValueError(f"context-parallel balance must be one of {BALANCES}, got {balance!r}")
     slot = RowsSlot()
     conv_size = model.args.kda_conv_size
+    fake_backend = dist.get_backend(group) == "fake"
     for layer in model.layers.values():
         attention = layer.attention
         if isinstance(attention, KimiDeltaAttention):
@@ -391,7 +410,7 @@ def apply_context_parallel(model: nn.Module, group, balance: str | None = None) 
         doc_ids = rest.pop(0) if rest else kwargs.pop("doc_ids", None)
         if rest or kwargs.get("caches") is not None:
             raise ValueError("decode caches are not supported under context parallelism")
-        slot.rows = row_segments(tokens, doc_ids, group, conv_size)
+        slot.rows = row_segments(tokens, doc_ids, group, conv_size, fake_backend)
         return (tokens,), kwargs
 
     model.register_forward_pre_hook(set_rows, with_kwargs=True)

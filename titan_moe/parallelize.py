@@ -30,6 +30,7 @@ wired: asking for them stops with an error.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -95,10 +96,18 @@ class LatentExpertParallel(ParallelStyle):
 
     One instance per experts module: the split sizes and the permutation are kept between
     the two hooks of one forward (an activation-checkpoint recompute redoes both).
+
+    On torch's fake backend (`--comm.mode fake_backend`: one process plays one rank, no
+    collective moves data) the counts of step 1 are not exchanged: every rank is taken to
+    route as this one, so rank ``r`` sends local expert ``j`` what this rank sends it. The
+    counts become host-side split sizes, which the fake group's output (unspecified,
+    uninitialised on some torch versions) must not decide; the rows' values are meaningless
+    either way.
     """
 
     def __init__(self):
         super().__init__()
+        self._fake_backend = False
         self._send_splits: list[int] | None = None
         self._recv_splits: list[int] | None = None
         self._order_R: Tensor | None = None
@@ -114,6 +123,7 @@ class LatentExpertParallel(ParallelStyle):
                 f"{device_mesh.size()}"
             )
         module.expert_parallel = True  # LatentMoE then sends packed groups (the exchange regroups them)
+        self._fake_backend = dist.get_backend(device_mesh.get_group()) == "fake"
         return distribute_module(
             module, device_mesh, partition_fn=self._partition, input_fn=self._dispatch, output_fn=self._combine
         )
@@ -130,7 +140,10 @@ class LatentExpertParallel(ParallelStyle):
         with torch.no_grad():
             counts_E = torch.diff(offs_E.to(torch.int64), prepend=offs_E.new_zeros(1, dtype=torch.int64))
             # recv_RE[r, j]: rows that rank r sends to this rank's local expert j.
-            recv_RE = funcol.wait_tensor(funcol.all_to_all_single(counts_E, None, None, group)).view(ranks, n_local)
+            if self._fake_backend:
+                recv_RE = counts_E.view(ranks, n_local)[dist.get_rank(group)].expand(ranks, n_local)
+            else:
+                recv_RE = funcol.wait_tensor(funcol.all_to_all_single(counts_E, None, None, group)).view(ranks, n_local)
             splits = torch.stack([counts_E.view(ranks, n_local).sum(1), recv_RE.sum(1)]).tolist()  # host sync
             self._send_splits, self._recv_splits = splits
             n_recv = sum(self._recv_splits)

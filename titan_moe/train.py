@@ -17,6 +17,13 @@ What we change in torchtitan 0.2.2's Trainer, and why (everything else is theirs
     batch, data mix and LR; a checkpoint and evaluations at each stage's end.
   * context parallelism: each cp rank keeps its contiguous segment of every row
     (`post_dataloading_process`; the layers are made context-parallel by `parallelize`).
+  * `--comm.mode fake_backend` (torchtitan's; `NGPU` = the world size to simulate): one
+    process plays rank 0 of that layout on torch's fake process group, which moves no
+    data. Shapes and memory are rank 0's; losses, gradient norms and balance metrics are
+    meaningless (said in one start-up line); checkpoints are off (a save would hold rank
+    0's shards only). Where collective outputs would decide host-side layouts or index
+    tensors, the layers take every rank to hold this rank's data (`context_parallel`,
+    `parallelize.LatentExpertParallel`).
   * `[profiling] nvtx`: NVTX ranges around the step, forward, backward and optimizer step
     (`ops.nvtx`), and a cudaProfilerStart/Stop window (`nvtx_start_step`/`nvtx_stop_step`)
     for `nsys --capture-range=cudaProfilerApi` (see profiling/nsys_launch.py).
@@ -84,6 +91,30 @@ def _use_plain_sum_for_gloo(model_parts) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
+FAKE_WORLD_ENV = "NGPU"  # torchtitan's: the world size that `--comm.mode fake_backend` simulates
+
+
+def _fake_world_size(config) -> int | None:
+    """The simulated world size under `--comm.mode fake_backend` (torchtitan reads `NGPU`),
+    None otherwise; a `ConfigError` for a missing or bad `NGPU` and for the "local_tensor"
+    mode, which our trainer does not run."""
+    mode = config.comm.mode
+    if mode == "local_tensor":
+        raise ConfigError("comm.mode = 'local_tensor' is not supported (use 'fake_backend' for one rank's "
+                          "shapes and memory)")
+    if mode != "fake_backend":
+        return None
+    value = os.environ.get(FAKE_WORLD_ENV, "")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"comm.mode = 'fake_backend' needs {FAKE_WORLD_ENV}=N in the environment, the number "
+                          f"of ranks to simulate (got {value!r})")
+    return int(value)
+
+
+def _world_size(config) -> int:
+    return _fake_world_size(config) or int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _fit_local_batch_to_global(config) -> None:
     """Let one config give the same global batch on any number of data-parallel ranks.
 
@@ -93,7 +124,7 @@ def _fit_local_batch_to_global(config) -> None:
     """
     p = config.parallelism
     non_dp = max(1, p.tensor_parallel_degree) * max(1, p.context_parallel_degree) * max(1, p.pipeline_parallel_degree)
-    dp = max(1, int(os.environ.get("WORLD_SIZE", "1")) // non_dp)
+    dp = max(1, _world_size(config) // non_dp)
     if dp == 1:
         return
     for key, section, global_batch in (
@@ -449,6 +480,10 @@ def _reconcile(config, device_type: str) -> list[str]:
         training.mixed_precision_param = "float32"
         notes.append("training.mixed_precision_param = 'bfloat16' on the CPU: training in float32 "
                      "(bf16 matmuls are slow on CPUs); set it to 'float32' to silence this")
+    if config.comm.mode == "fake_backend" and config.checkpoint.enable:
+        config.checkpoint.enable = False
+        notes.append("checkpoint.enable with comm.mode = 'fake_backend': checkpoints off (a save would hold "
+                     "rank 0's shards only); pass --checkpoint.no_enable to silence this")
     if warmup > training.steps:
         # torchtitan's schedule caps the warm-up at the run's length; say so, and log the value used
         config.lr_scheduler.warmup_steps = training.steps
@@ -474,6 +509,13 @@ def _outputs_line(config) -> str:
     return "outputs: " + ", ".join(parts)
 
 
+def _fake_backend_line(config) -> str:
+    """One start-up line for `--comm.mode fake_backend`."""
+    return (f"comm.mode = 'fake_backend': this process plays rank 0 of {_fake_world_size(config)} ranks on torch's "
+            "fake process group, which moves no data: losses, gradient norms and balance metrics are meaningless; "
+            "tensor shapes and memory are rank 0's")
+
+
 def _quiet_other_ranks(config) -> None:
     """Under torchrun only rank 0 logs info lines (warnings and errors come from every rank),
     unless `metrics.log_all_ranks`."""
@@ -492,6 +534,7 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(argv)
         if "RANK" not in os.environ:
             _set_single_process_env()
+        _fake_world_size(config)
         _fit_local_batch_to_global(config)
         check_context_parallel(config)
     except ConfigError as e:
@@ -500,6 +543,8 @@ def main(argv: list[str] | None = None) -> None:
     if _DATASETS_PLACEHOLDER:
         logger.info("the `datasets` package is not installed: the built-in and text corpora work, "
                     "Hugging Face datasets do not")
+    if config.comm.mode == "fake_backend":
+        logger.warning(_fake_backend_line(config))
     for note in _reconcile(config, accelerator_type()):
         logger.warning(note)
     logger.info(_outputs_line(config))

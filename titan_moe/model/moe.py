@@ -154,13 +154,17 @@ def qb_bin_range(bias_n: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def qb_histogram(scores_mn: Tensor, bias_n: Tensor, top_k: int, bins: int) -> Tensor:
-    """Counts of ``r_ij`` per expert in ``bins`` equal bins over :func:`qb_bin_range`. [n, bins] int64."""
+    """Counts of ``r_ij`` per expert in ``bins`` equal bins over :func:`qb_bin_range`. [n, bins] int64.
+
+    A NaN margin (NaN scores or bias: a diverged run, or the meaningless weights of a run on
+    torch's fake process group) counts in bin 0: NaN has no integer value, and its cast
+    would index outside the histogram."""
     if bins <= 0:
         raise ValueError(f"qb_histogram: bins must be > 0, got {bins}")
     n = scores_mn.shape[1]
     r_mn = cutoff_margins(scores_mn, bias_n, top_k)
     lo, hi = qb_bin_range(bias_n)
-    bin_mn = ((r_mn - lo) * (bins / (hi - lo))).floor().clamp(0, bins - 1).to(torch.int64)
+    bin_mn = ((r_mn - lo) * (bins / (hi - lo))).floor().nan_to_num(0.0).clamp(0, bins - 1).to(torch.int64)
     flat = (bin_mn + torch.arange(n, device=r_mn.device) * bins).reshape(-1)
     counts = torch.zeros(n * bins, dtype=torch.int64, device=r_mn.device)
     return counts.scatter_add_(0, flat, torch.ones_like(flat)).view(n, bins)
