@@ -248,6 +248,28 @@ def test_memory_check_runs_the_trainer_and_the_planner(tmp_path, capsys):
     assert not bad["ok"] and "activation_checkpoint.mode" in bad["error"]
 
 
+def test_memory_check_plays_one_rank_of_a_cp8_layout(tmp_path, capsys):
+    """`--fake-gpus 8` with context parallelism 8: the trainer runs as rank 0 of 8 on the fake
+    backend and the plan compared is the planner's row for that layout (dp_shard 1, cp 8,
+    ep 1 on 8 GPUs), not its one-GPU plan."""
+    import tiny
+
+    memory_check = _load("memory_check")
+    cut = tiny.TINY_CLI.index("--training.seq_len")
+    extra = [*tiny.TINY_CLI[:cut], *tiny.TINY_CLI[cut + 2:], "--parallelism.context_parallel_degree", "8"]
+    memory_check.main(["--job.config_file", tiny.CONFIG, "--seq-lens", "512", "--ac", "none", "--steps", "2",
+                       "--fake-gpus", "8", "--out", str(tmp_path), "--", *extra])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["fake_backend"] and summary["gpus"] == 8
+    assert summary["layout"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 8, "ep": 1}
+    (row,) = summary["rows"]
+    assert row["ok"] and row["max_allocated_gib"] > 0, row
+    assert row["planned_gib"] == memory_check.planned(tiny.CONFIG, 512, extra, gpus=8)["none"]
+    assert row["planned_gib"] < memory_check.planned(tiny.CONFIG, 512, extra[:-2], gpus=1)["none"]  # T / 8 a rank
+    log = (tmp_path / "512_none" / "metrics.jsonl").read_text()
+    assert '"loss"' in log
+
+
 def test_fp8_host_cost_runs_both_paths_on_the_cpu():
     """profiling/fp8_host_cost.py (a subprocess: it stubs module internals) times the ops path
     and the eager path for two fp8 weight-gradient modes (and fp8_rows with its two

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.tools import utils as titan_utils
 from torchtitan.tools.logging import logger
 
 from titan_moe.model.moe import balance_metrics
@@ -101,9 +102,13 @@ class TitanMetricsProcessor(MetricsProcessor):
             )
 
     def _peak_memory(self) -> dict[str, float]:
-        """Peak device memory since the last log, in GiB (on CPU: the process's peak RSS)."""
-        stats = self.device_memory_monitor.get_peak_stats()
-        return {"max_active_gib": stats.max_active_gib, "max_reserved_gib": stats.max_reserved_gib}
+        """Peak device memory since the last log, in GiB: allocated (`torch.cuda.max_memory_allocated`),
+        active (torchtitan's "memory") and reserved (on CPU all three are the process's peak RSS)."""
+        monitor = self.device_memory_monitor
+        stats = monitor.get_peak_stats()
+        allocated = titan_utils.device_module.memory_stats(monitor.device).get("allocated_bytes.all.peak", -1)
+        return {"max_allocated_gib": allocated / 2**30, "max_active_gib": stats.max_active_gib,
+                "max_reserved_gib": stats.max_reserved_gib}
 
     def log_validation(self, loss, step, extra_metrics=None):
         super().log_validation(loss, step, extra_metrics)

@@ -63,6 +63,7 @@ def _make_cpu_device_module() -> types.ModuleType:
     mod.get_device_name = lambda device=None: f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
     mod.get_device_properties = lambda device=None: _CPUProperties(total_memory=_total_memory_bytes())
     mod.memory_stats = lambda device=None: {
+        "allocated_bytes.all.peak": _peak_rss_bytes(),
         "active_bytes.all.peak": _peak_rss_bytes(),
         "reserved_bytes.all.peak": _peak_rss_bytes(),
         "num_alloc_retries": 0,
