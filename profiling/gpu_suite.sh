@@ -74,6 +74,10 @@
 #              profiling/step_table.py over the two (not in the default list)
 #   keep       small_1gpu eager, 30 steps, with --kernels.kda_keep False (the KDA backward recomputes
 #              the forward's intermediates) beside the default, which keeps them (not in the default list)
+#   one_device_mp  small_1gpu compiled at 8K x 4, 20 steps, with training.one_device_mixed_precision
+#              "autocast" (fp32 stream) and then "fsdp" (FSDP2 on the one GPU: bf16 stream), the same
+#              initial weights (debug.seed), then profiling/step_table.py over the two (not in the
+#              default list)
 # Time limits per command: $SUITE_TIMEOUT seconds (default 540), and with $SUITE_DEADLINE set
 # (seconds from the suite's start) no command runs past that point: each gets what is left, one
 # with less than 20 seconds left is skipped (rc=124, "skipped" in summary.txt). A command over
@@ -157,6 +161,8 @@ WIDE_PAIR=(-m titan_moe.train --job.config_file configs/wide_1gpu.toml --trainin
 SMALL_PAIR=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --compile.enable --training.steps 40
             --metrics.log_freq 4 --validation.freq 1000)
 PAIR=("${WIDE_PAIR[@]}")
+MP_PAIR=(-m titan_moe.train --job.config_file configs/small_1gpu.toml --compile.enable --training.local_batch_size 4
+         --training.steps 20 --metrics.log_freq 2 --validation.no_enable --debug.seed 0)
 fp8_all_pair() {
     local name=$1
     shift
@@ -208,6 +214,13 @@ for section in "${SECTIONS[@]}"; do
             run train_ep torchrun --standalone --nproc_per_node=2 "${SMALL[@]}" --compile.enable \
                 --parallelism.data_parallel_shard_degree 2 --parallelism.expert_parallel_degree 2 \
                 --validation.local_batch_size 2 --job.dump_folder "$DUMP/train_ep" ;;
+        one_device_mp)
+            for mode in autocast fsdp; do
+                run "one_device_mp_$mode" torchrun --standalone --nproc_per_node=1 "${MP_PAIR[@]}" \
+                    --training.one_device_mixed_precision "$mode" --job.dump_folder "$DUMP/one_device_mp_$mode"
+            done
+            run one_device_mp_table python profiling/step_table.py "$DUMP/one_device_mp_autocast" \
+                "$DUMP/one_device_mp_fsdp" --mean-after 6 ;;
         fp8) run fp8 torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --compile.enable "${FP8[@]}" \
                 --job.dump_folder "$DUMP/fp8" ;;
         regions)

@@ -720,3 +720,41 @@ def test_attention_paths_without_a_mask_have_no_T_squared_term():
     i = _first_layer_of_each_kind(args)["mla+moe"]
     profile = measure_eager_layer(args, i, FP32_MASTER, False, fake=False)
     assert profile.per_seq_sq == 0.0 and profile.per_token > 0
+
+
+def test_one_device_fsdp_makes_the_stream_compute_dtype_and_adds_fsdp_buffers(capsys):
+    """`training.one_device_mixed_precision = "fsdp"` on one GPU: the stream (and the embedding
+    output the head reads) is kept in the compute dtype, half the fp32 bytes with bf16; autocast's
+    weight copies and the experts' cached casts are gone; the states stay 16 B per parameter;
+    FSDP's buffers are one gathered layer twice in bf16 plus its gradient path, where the
+    one-rank reduce copies the fp32 input into a second fp32 buffer."""
+    from titan_moe.plan import autocast_weight_copies
+
+    args = _tiny()
+    inv = inventory(_meta_model(args), args)
+    autocast, fsdp = Layout(1, 1, 1, 1), Layout(1, 1, 1, 1, one_device_fsdp=True)
+    assert fsdp.fsdp_enabled and not autocast.fsdp_enabled
+    with pytest.raises(ValueError, match="one GPU"):
+        Layout(1, 2, 1, 1, one_device_fsdp=True)
+    assert enumerate_layouts(1, args.n_routed_experts, 64, one_device_fsdp=True) == [fsdp]
+    assert not any(lay.one_device_fsdp for lay in enumerate_layouts(2, args.n_routed_experts, 64, one_device_fsdp=True))
+
+    cached = replace(FP32_MASTER, cached_expert_casts=True)
+    plans = {lay: plan_layout(args, inv, cached, lay, 1, 64) for lay in (autocast, fsdp)}
+    for ac in AC_MODES:
+        stream = {lay: p.activations[ac].detail["stream_kept"] for lay, p in plans.items()}
+        assert stream[autocast] == 2 * stream[fsdp] > 0, ac
+    assert sum(autocast_weight_copies(inv, fsdp, cached)[0]) == 0 < sum(autocast_weight_copies(inv, autocast, cached)[0])
+    a, f = plans[autocast].params, plans[fsdp].params
+    assert (f.params, f.grads, f.optimizer) == (a.params, a.grads, a.optimizer)
+    assert a.compute_weight_cache > 0 and f.compute_weight_cache == 0
+    assert (a.fsdp_gathered, f.fsdp_gathered) == (0, f.largest_unit * (2 * 2 + 2 * 4))
+
+    base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--activations", "compiled",
+            "--training.mixed_precision_param", "bfloat16")
+    _, before = _run(capsys, *base)
+    lines, after = _run(capsys, *base, "--training.one_device_mixed_precision", "fsdp")
+    assert (before["precision"]["one_device"], after["precision"]["one_device"]) == ("autocast", "fsdp")
+    assert any("one GPU: fsdp" in line and "AttnRes stream in bfloat16" in line for line in lines)
+    for ac in AC_MODES:
+        assert after["layouts"][0]["gib"][f"activations_{ac}"] < before["layouts"][0]["gib"][f"activations_{ac}"]

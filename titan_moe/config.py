@@ -90,11 +90,29 @@ class Training:
     time slot ends would; the LR schedule still follows training.steps. -1: run to the end."""
 
     cache_compute_weights: bool = True
-    """Under autocast (one device or DDP: fp32 parameters, mixed_precision_param compute), cast
-    the routed experts' weights to the compute dtype once per optimizer step instead of in every
-    forward and activation-checkpoint recompute (the same values, so the same results;
-    `RoutedExperts.refresh_compute_weights`). Costs a copy of those weights in the compute
-    dtype. Nothing to do under FSDP (its all-gather casts) or without mixed precision."""
+    """Under autocast (one device with one_device_mixed_precision = "autocast", or DDP: fp32
+    parameters, mixed_precision_param compute), cast the routed experts' weights to the compute
+    dtype once per optimizer step instead of in every forward and activation-checkpoint
+    recompute (the same values, so the same results; `RoutedExperts.refresh_compute_weights`).
+    Costs a copy of those weights in the compute dtype. Nothing to do under FSDP (its
+    all-gather casts) or without mixed precision."""
+
+    one_device_mixed_precision: Literal["autocast", "fsdp"] = "autocast"
+    """How a one-process run (world size 1) computes in mixed_precision_param. "autocast"
+    (torchtitan's way without FSDP): parameters in training.dtype under torch.autocast, so the
+    embedding output, the residual and AttnRes stream and their gradients stay in
+    training.dtype (fp32); only matmuls and the like run in the compute dtype. "fsdp": FSDP2 over
+    a one-rank mesh (`parallelize.apply_one_device_fsdp`), the numerics of a run on several
+    GPUs: parameters cast to mixed_precision_param for compute, so activations and the stream
+    are in that dtype too (half the stream's bytes with bf16), fp32 master weights and
+    optimizer states, gradients reduced in mixed_precision_reduce; no autocast, and nothing for
+    cache_compute_weights to do. Its costs: each FSDP unit's parameters are cast to the compute
+    dtype in the forward and again in the backward (parallelism.fsdp_reshard_after_forward =
+    "never" keeps the forward's casts instead, at their memory), every gradient is copied into
+    an fp32 reduce buffer and accumulated from there, the optimizer and the norm clip see
+    DTensor parameters, and the fp8 weight caches (the linears' and the experts'
+    cache_weights) do not apply. Checkpoints resume across the two. No effect with more than
+    one rank. The default stays "autocast" until an A/B on the GPU (tokens/s, loss) decides."""
 
 
 @dataclass

@@ -16,7 +16,9 @@ materialised. In order (as torchtitan's DeepSeek-V3 does it):
 4. FSDP2 (:func:`apply_fsdp`): per block plus the root, HSDP via the replicate degree; with
    EP the routed experts get their own FSDP unit over the "efsdp" mesh (the data-parallel
    ranks left once EP has taken its share), FSDP's own gradient division is off because
-   the trainer scales by the global token count. DDP when only replicating.
+   the trainer scales by the global token count. DDP when only replicating. On one device,
+   FSDP2 over a one-rank mesh when `training.one_device_mixed_precision = "fsdp"`
+   (:func:`apply_one_device_fsdp`: its mixed precision instead of autocast).
 
 The meshes are torchtitan 0.2.2's (`ParallelDims`): the dense parameters are sharded over
 "fsdp" (every data-parallel rank); EP borrows its ranks from "fsdp", so "ep" x "efsdp" =
@@ -34,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -42,6 +44,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ddp, disable_fsdp_gradient_division
+from torchtitan.tools import utils as titan_utils
 from torchtitan.tools.logging import logger
 
 from titan_moe.context_parallel import apply_context_parallel, check_context_parallel
@@ -289,6 +292,33 @@ def apply_fsdp(
     layers[0].set_modules_to_backward_prefetch([model.tok_embeddings])
 
 
+# =========================================================================== one device
+def fsdp_on_one_device(job_config, world_size: int) -> bool:
+    """Whether this run wraps the model in FSDP2 on its one device for the numerics of a run
+    on several GPUs (`training.one_device_mixed_precision = "fsdp"` and one rank)."""
+    return world_size == 1 and job_config.training.one_device_mixed_precision == "fsdp"
+
+
+def apply_one_device_fsdp(model: nn.Module, job_config) -> None:
+    """:func:`apply_fsdp` over a one-rank "fsdp" mesh: FSDP2's mixed precision without the
+    sharding (parameters cast to `mixed_precision_param` when each unit is gathered, fp32
+    master weights, gradients reduced in `mixed_precision_reduce`). With one rank FSDP2 copies
+    instead of communicating; the trainer turns autocast off (`TitanTrainer`)."""
+    training = job_config.training
+    mesh = init_device_mesh(titan_utils.device_type, (1,), mesh_dim_names=("fsdp",))
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        cpu_offload=training.enable_cpu_offload,
+        reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+    )
+    logger.info(f"Applied FSDP on one device (training.one_device_mixed_precision = 'fsdp'): parameters in "
+                f"{training.mixed_precision_param} for compute, gradients reduced in "
+                f"{training.mixed_precision_reduce}, no autocast")
+
+
 # =========================================================================== entry point
 def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
     _check_supported(parallel_dims, job_config)
@@ -330,4 +360,6 @@ def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_confi
         logger.info("Applied %s to the model", "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP")
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), enable_compile=compile_enabled)
+    elif fsdp_on_one_device(job_config, parallel_dims.world_size):
+        apply_one_device_fsdp(model, job_config)
     return model

@@ -9,6 +9,9 @@ What we change in torchtitan 0.2.2's Trainer, and why (everything else is theirs
   * gloo has no PREMUL_SUM, which FSDP2 uses to pre-divide gradients; on CPU we make FSDP
     reduce with a plain sum (the trainer already scales the loss by the global token count).
   * RNG state joins the checkpointed train state, so a resumed run draws the same numbers.
+  * one process: `training.one_device_mixed_precision = "fsdp"` wraps the model in FSDP2 on
+    its device (`parallelize.apply_one_device_fsdp`) and turns autocast off, for the numerics
+    of a run on several GPUs; "autocast" (default) keeps torchtitan's autocast.
   * a run started without torchrun gets the single-process rendezvous variables.
   * `[kernels]`: resolved for the device and made current before the model is built, logged
     in one line, written to metrics.jsonl and kept in the checkpoint's train state (a resume
@@ -59,6 +62,7 @@ from titan_moe.hf import adapter as hf_adapter  # noqa: E402
 from titan_moe.model.mla import resolve_attention  # noqa: E402
 from titan_moe.model.moe import refresh_compute_weights, set_aux_loss_weight  # noqa: E402
 from titan_moe.ops import choices, launch_env, nvtx  # noqa: E402
+from titan_moe.parallelize import fsdp_on_one_device  # noqa: E402
 from titan_moe.runtime import checkpoint as intact  # noqa: E402
 from titan_moe.stages import LadderRun  # noqa: E402
 
@@ -159,10 +163,15 @@ class TitanTrainer(Trainer):
             self.optimizers.step = nvtx.nvtx_wrap("optimizer")(self.optimizers.step)
         if self.device.type == "cpu":
             _use_plain_sum_for_gloo(self.model_parts)
-        if job_config.training.mixed_precision_param == "float32":
+        if fsdp_on_one_device(job_config, self.parallel_dims.world_size):
+            # FSDP's parameter casts do the mixed precision, as in runs on several GPUs.
+            self._without_autocast()
+            logger.info("training.one_device_mixed_precision = 'fsdp': no autocast, FSDP casts the parameters "
+                        f"to {job_config.training.mixed_precision_param}")
+        elif job_config.training.mixed_precision_param == "float32":
             # torchtitan would wrap an unsharded fp32 run in autocast(float32), which CPU
             # autocast rejects with a warning; there is nothing to cast.
-            self.maybe_enable_amp = contextlib.nullcontext()
+            self._without_autocast()
         if job_config.debug.seed is not None:
             _init_independent_of_layout(self.model_parts, self.model_args, job_config.debug.seed)
         if job_config.training.cache_compute_weights and isinstance(self.maybe_enable_amp, torch.autocast):
@@ -174,6 +183,12 @@ class TitanTrainer(Trainer):
         self.ladder_run = LadderRun(self, job_config) if job_config.ladder.stages else None
         if self.ladder_run is not None:
             self.ladder_run.install()
+
+    def _without_autocast(self) -> None:
+        """No autocast around the forward, in training and in evaluation."""
+        self.maybe_enable_amp = contextlib.nullcontext()
+        if getattr(self, "validator", None) is not None:
+            self.validator.maybe_enable_amp = self.maybe_enable_amp
 
     def _cache_compute_weights(self, dtype: torch.dtype) -> None:
         """After every optimizer step, the routed experts' weights cast to autocast's dtype
@@ -346,10 +361,10 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     """`[kernels]` resolved for this process's device and made current, before the model is
     built, with the MLA attention path the model resolves on this device (`model.mla_attention`),
     the model's other path choices (`balance_rule`, with `aux_loss_coef` for the auxiliary loss,
-    `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch) and, with
-    the fp8 experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in one line
-    and returned as the run's record of its choices. A ValueError naming the key for a value
-    the device or the model cannot run."""
+    `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch), in a
+    one-rank run `training.one_device_mixed_precision` and, with the fp8 experts converter, its
+    recipe (`[quantize.grouped_mm.float8]`); logged in one line and returned as the run's record
+    of its choices. A ValueError naming the key for a value the device or the model cannot run."""
     device_type = accelerator_type()
     args = model_args_from_config(job_config)
     # Other train specs' model args (e.g. profiling's peer) define only some of these choices.
@@ -363,9 +378,11 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     record.update(model_choices)
     if model_choices.get("balance_rule") == "aux_loss":
         record["aux_loss_coef"] = args.aux_loss_coef
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # FSDP or autocast (several ranks: FSDP or DDP)
+        record["one_device_mixed_precision"] = job_config.training.one_device_mixed_precision
     line = choices.summary(resolved) + "".join(
         f" {key}={record[key]}" for key in ("mla_attention", "balance_rule", "aux_loss_coef", "expert_activation",
-                                           "kda_gate") if key in record)
+                                           "kda_gate", "one_device_mixed_precision") if key in record)
     if "titan_float8_experts" in (job_config.model.converters or []):
         recipe = dataclasses.asdict(job_config.quantize.grouped_mm.float8)
         record["float8_experts"] = recipe

@@ -177,8 +177,9 @@ def run_plan(argv: list[str] | None = None) -> dict:
     if optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
         raise ConfigError(f"optimizer.implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}, "
                           f"got {optimizer_impl!r}")
+    one_device = config.training.one_device_mixed_precision
     plans = plan_gpus(args, inv, prec, opts.gpus, local_batch, seq_len, opts.hsdp, sac_option, activations,
-                      optimizer_impl)
+                      optimizer_impl, one_device_fsdp=one_device == "fsdp")
     assert plans, "dp_shard = N, cp = ep = 1 is always a layout"
     checks = {"params_match_inspect": counts.total == inv.total and counts.routed_experts == inv.routed_experts}
     shard_ok = all(all(sharding_checks(inv, p.layout).values()) for p in plans)
@@ -190,7 +191,8 @@ def run_plan(argv: list[str] | None = None) -> dict:
     training = config.training
     print(f"  bytes: params/grads/optimizer in {training.dtype} ({4 * prec.param} B per sharded param "
           f"with AdamW, {optimizer_impl} step), compute {training.mixed_precision_param}, "
-          f"reduce {training.mixed_precision_reduce}")
+          f"reduce {training.mixed_precision_reduce}; one GPU: {one_device} (training.one_device_mixed_precision: "
+          f"AttnRes stream in {training.mixed_precision_param if one_device == 'fsdp' else training.dtype})")
     print(f"  tokens per GPU = local_batch {local_batch} x seq_len {seq_len} / cp;  fit: total <= "
           f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
           f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
@@ -223,7 +225,8 @@ def run_plan(argv: list[str] | None = None) -> dict:
         phase, total = p.peak(ac)
         print(f"  dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} ep={lay.ep}: "
               f"{total / GIB:.1f} GiB (peak: {phase})")
-    fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option, activations, optimizer_impl)
+    fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option, activations, optimizer_impl,
+                      one_device_fsdp=one_device == "fsdp")
     print(f"fewest GPUs (powers of two <= {MAX_SEARCH_GPUS}) with a fitting layout: "
           + ", ".join(f"{mode}={fewest[mode] if fewest[mode] is not None else 'none'}" for mode in AC_MODES))
     return {
@@ -241,7 +244,7 @@ def run_plan(argv: list[str] | None = None) -> dict:
         "seq_len": seq_len,
         "local_batch": local_batch,
         "precision": {"param": config.training.dtype, "compute": config.training.mixed_precision_param,
-                      "reduce": config.training.mixed_precision_reduce},
+                      "reduce": config.training.mixed_precision_reduce, "one_device": one_device},
         "total_params": inv.total,
         "routed_expert_params": inv.routed_experts,
         "other_params": inv.non_expert,

@@ -12,8 +12,9 @@ Bytes. `P` = bytes of `training.dtype` (what parameters, gradients and optimizer
 stored in: torchtitan builds the model under that default dtype; bf16 means no fp32 master
 copy), `a` = bytes of `training.mixed_precision_param` (the compute dtype: FSDP all-gathers
 in it, matmuls produce it), reduce dtype fp32 (4 B). Stream dtype `s` = `a` under FSDP (the
-embedding weight is gathered in `a`), `P` without FSDP (one GPU: autocast leaves the
-embedding, so the AttnRes stream, in the parameter dtype).
+embedding weight is gathered in `a`), `P` without FSDP (one GPU under autocast, which leaves
+the embedding, so the AttnRes stream, in the parameter dtype). One GPU runs FSDP too with
+`training.one_device_mixed_precision = "fsdp"` (`Layout.one_device_fsdp`): `s` = `a` there.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Layout:
     dp_shard: int
     cp: int
     ep: int
+    one_device_fsdp: bool = False  # one GPU wrapped in FSDP2 (training.one_device_mixed_precision = "fsdp")
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "cp", "ep"):
@@ -50,6 +52,8 @@ class Layout:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.fsdp % self.ep:
             raise ValueError(f"ep ({self.ep}) must divide dp_shard * cp ({self.fsdp})")
+        if self.one_device_fsdp and self.n_gpus != 1:
+            raise ValueError(f"one_device_fsdp applies to one GPU, not {self.n_gpus}")
 
     @property
     def n_gpus(self) -> int:
@@ -67,13 +71,16 @@ class Layout:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.fsdp > 1
+        """FSDP2 wraps the model: sharding over `fsdp` > 1 ranks, or on one GPU for its mixed
+        precision (`one_device_fsdp`)."""
+        return self.fsdp > 1 or self.one_device_fsdp
 
 
 def enumerate_layouts(
-    n_gpus: int, n_experts: int, seq_len: int, hsdp: bool = False
+    n_gpus: int, n_experts: int, seq_len: int, hsdp: bool = False, one_device_fsdp: bool = False
 ) -> list[Layout]:
-    """All layouts for `n_gpus` (see the module docstring), in a stable order."""
+    """All layouts for `n_gpus` (see the module docstring), in a stable order; with
+    `one_device_fsdp` the one-GPU layout runs FSDP2 (`Layout.one_device_fsdp`)."""
     if n_gpus < 1:
         raise ValueError(f"the GPU count must be >= 1, got {n_gpus}")
     layouts = []
@@ -89,7 +96,7 @@ def enumerate_layouts(
             dp_shard = n_gpus // (cp * r)
             for ep in range(1, dp_shard * cp + 1):
                 if (dp_shard * cp) % ep == 0 and n_experts % ep == 0:
-                    layouts.append(Layout(r, dp_shard, cp, ep))
+                    layouts.append(Layout(r, dp_shard, cp, ep, one_device_fsdp and n_gpus == 1))
     return layouts
 
 

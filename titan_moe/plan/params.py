@@ -27,6 +27,9 @@
         unsharded gradient in `a` and the fp32 reduce-scatter input;
       head backward:  `Uh * (a + a + 4) + U_last * a` (head gathered since the end of the
         forward plus its gradients, the last layer prefetched).
+    FSDP on one GPU (`Layout.one_device_fsdp`) has the same units; its reduce copies the
+    `red`-dtype input into a second `red` buffer after freeing the unsharded gradients, so
+    the gradient part is `max(a + red, 2 red)` (FSDP2's one-rank path).
     Without FSDP (one GPU): autocast's `a`-copies of the weights (when `a != P`), counted
     with the activations because they live like them: each layer's copies are saved by its
     matmuls from its forward to its backward (all layers without AC; under full AC only the
@@ -199,9 +202,12 @@ def param_memory(inv: ParamInventory, layout: Layout, prec: Precision, optimizer
         layer_grads.append(float(unit_cache[key][1] * P))
     largest = max(units, default=0)
     if layout.fsdp_enabled:
-        layer_peak = largest * (2 * a + a + red)
+        # unsharded gradients + the reduce input; one rank copies that input into a second
+        # reduce-dtype buffer (once the gradients are freed) instead of reduce-scattering it
+        grad_bytes = a + red if layout.fsdp > 1 else max(a + red, 2 * red)
+        layer_peak = largest * (2 * a + grad_bytes)
         head = gathered_numel(inv.head_shapes, layout, inv.n_experts)
-        head_peak = head * (a + a + red) + (units[-1] if units else 0) * a
+        head_peak = head * (a + grad_bytes) + (units[-1] if units else 0) * a
         gathered = float(max(layer_peak, head_peak))
     else:
         gathered = 0.0  # one GPU: autocast's weight copies are counted with the activations

@@ -263,8 +263,9 @@ def plan_layout(
 def plan_gpus(
     args: ModelArgs, inv: ParamInventory, prec: Precision, n_gpus: int, local_batch: int, seq_len: int,
     hsdp: bool = False, sac_option: str = "op", activations: str = "compiled", optimizer_impl: str = "fused",
+    one_device_fsdp: bool = False,
 ) -> list[LayoutPlan]:
-    layouts = enumerate_layouts(n_gpus, args.n_routed_experts, seq_len, hsdp)
+    layouts = enumerate_layouts(n_gpus, args.n_routed_experts, seq_len, hsdp, one_device_fsdp)
     return [plan_layout(args, inv, prec, lay, local_batch, seq_len, sac_option, activations, optimizer_impl)
             for lay in layouts]
 
@@ -272,12 +273,13 @@ def plan_gpus(
 def min_gpus(
     args: ModelArgs, inv: ParamInventory, prec: Precision, local_batch: int, seq_len: int, usable_bytes: float,
     sac_option: str = "op", activations: str = "compiled", optimizer_impl: str = "fused",
+    one_device_fsdp: bool = False,
 ) -> dict[str, int | None]:
     """Fewest GPUs (powers of two up to MAX_SEARCH_GPUS) with a fitting layout, per AC mode."""
     found: dict[str, int | None] = {ac: None for ac in AC_MODES}
     for n in _powers_of_two(MAX_SEARCH_GPUS):
         plans = plan_gpus(args, inv, prec, n, local_batch, seq_len, sac_option=sac_option, activations=activations,
-                          optimizer_impl=optimizer_impl)
+                          optimizer_impl=optimizer_impl, one_device_fsdp=one_device_fsdp)
         for ac in AC_MODES:
             if found[ac] is None and any(p.fits(ac, usable_bytes) for p in plans):
                 found[ac] = n
