@@ -378,7 +378,7 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     record.update(model_choices)
     if model_choices.get("balance_rule") == "aux_loss":
         record["aux_loss_coef"] = args.aux_loss_coef
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # FSDP or autocast (several ranks: FSDP or DDP)
+    if _world_size(job_config) == 1:  # FSDP or autocast (several ranks: FSDP or DDP)
         record["one_device_mixed_precision"] = job_config.training.one_device_mixed_precision
     line = choices.summary(resolved) + "".join(
         f" {key}={record[key]}" for key in ("mla_attention", "balance_rule", "aux_loss_coef", "expert_activation",
