@@ -95,7 +95,7 @@ def _use_plain_sum_for_gloo(model_parts) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
-FAKE_WORLD_ENV = "NGPU"  # torchtitan's: the world size that `--comm.mode fake_backend` simulates
+FAKE_WORLD_SIZE_VAR = "NGPU"  # torchtitan's: the world size that `--comm.mode fake_backend` simulates
 
 
 def _fake_world_size(config) -> int | None:
@@ -108,9 +108,9 @@ def _fake_world_size(config) -> int | None:
                           "shapes and memory)")
     if mode != "fake_backend":
         return None
-    value = os.environ.get(FAKE_WORLD_ENV, "")
+    value = os.environ.get(FAKE_WORLD_SIZE_VAR, "")
     if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"comm.mode = 'fake_backend' needs {FAKE_WORLD_ENV}=N in the environment, the number "
+        raise ConfigError(f"comm.mode = 'fake_backend' needs {FAKE_WORLD_SIZE_VAR}=N in the environment, the number "
                           f"of ranks to simulate (got {value!r})")
     return int(value)
 
