@@ -500,6 +500,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         apply_ladder(config, set_keys)
         if config.compile.moe_regions not in ("auto", "piecewise"):
             raise ValueError(f"compile.moe_regions must be 'auto' or 'piecewise', got {config.compile.moe_regions!r}")
+        _check_moe_token_tile(model_args_from_config(config), config)
     except ValueError as e:
         raise ConfigError(f"{error_source(config, str(e))}: {e}") from None
     return config
@@ -543,6 +544,21 @@ def _check_compile_with_ac(args: ModelArgs, config: Any) -> None:
             "model.qb_bins = 0 (exact QB) cannot be compiled with activation checkpointing; "
             "set model.qb_bins > 0 (SPEC: 1000), activation_checkpoint.mode = 'none' or compile.enable = false"
         )
+
+
+def _check_moe_token_tile(args: ModelArgs, config: Any) -> None:
+    """`model.moe_token_tile` runs each tile's experts inside the MoE's own forward: not with
+    expert parallelism (whose exchange hooks and expert FSDP unit would run once per tile) nor
+    with the piecewise MoE regions that EP compiles (`titan_moe.parallelize.apply_compile`)."""
+    if not args.moe_token_tile:
+        return
+    if config.parallelism.expert_parallel_degree > 1:
+        raise ValueError(f"model.moe_token_tile = {args.moe_token_tile} does not work with expert parallelism "
+                         f"(parallelism.expert_parallel_degree = {config.parallelism.expert_parallel_degree}); "
+                         "set model.moe_token_tile = 0")
+    if config.compile.moe_regions == "piecewise":
+        raise ValueError(f"model.moe_token_tile = {args.moe_token_tile} needs whole-layer compile regions; "
+                         "set compile.moe_regions = 'auto' or model.moe_token_tile = 0")
 
 
 def _check_data_mix(data: Any) -> None:

@@ -366,3 +366,25 @@ def model_activations(
             by_kind[key] = layer
         layers.append(by_kind[key])
     return layers
+
+
+def with_moe_token_tiles(layer: LayerActivations, args: ModelArgs, tokens: float) -> LayerActivations:
+    """`layer` at `tokens` local tokens with `model.moe_token_tile` (`LatentMoE.forward_tiles`):
+    unchanged when off, for `tokens <= moe_token_tile`, without MoE, and for measured (eager)
+    layers, whose profiles are of the untiled layer. Otherwise each tile's MoE runs under its own
+    checkpoint: the `moe.*` tensors are not kept until the backward (the tiles' input is the
+    ffn prologue's normed x, already counted), and the backward recomputes and holds one tile's
+    at a time. Counted as a workspace of `min(tokens, tile)` tokens, spread over `tokens` (exact at
+    this count): the tile's kept `moe.*` bytes, twice its largest (its gradients) and its QB
+    histogram temporaries (`_moe`'s `32 n`, now per tile). Op-level SAC's choice of saved
+    matmul outputs is left as untiled (its caching mode also runs inside the tiles; not measured)."""
+    tile = args.moe_token_tile
+    moe = [e for e in layer.entries if e.name.startswith("moe.")]
+    if not tile or tokens <= tile or not moe or layer.peaks is not None or layer.measured is not None:
+        return layer
+    share = tile / tokens
+    kept = [e.bytes for e in moe if e.kept]
+    qb = _moe(args, 1, 1)[1]  # the layer's QB workspace (independent of the dtype and layout)
+    entries = [replace(e, kept=False) if e.name.startswith("moe.") else e for e in layer.entries]
+    workspace = layer.workspace - qb + (sum(kept) + 2 * max(kept, default=0.0) + qb) * share
+    return replace(layer, entries=entries, workspace=workspace)

@@ -17,7 +17,9 @@ from titan_moe.model.decoder import Decoder
 from titan_moe.model.flops import count_params
 
 from titan_moe.ops.kda import keep_selected
-from titan_moe.plan.activations import LayerActivations, kept_residual_bytes_per_token, model_activations
+from titan_moe.plan.activations import (
+    LayerActivations, kept_residual_bytes_per_token, model_activations, with_moe_token_tiles,
+)
 from titan_moe.plan.eager import eager_profiles
 from titan_moe.plan.layout import AC_MODES, ACTIVATION_MODELS, GIB, MAX_SEARCH_GPUS, Layout, Precision
 from titan_moe.plan.params import OPTIMIZER_IMPLEMENTATIONS, inventory, sharding_checks
@@ -135,6 +137,27 @@ def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout, 
           + f"; AttnRes stream {stream:.0f} (all layers); head {head:.0f}")
 
 
+def _print_tile_note(args: ModelArgs, prec: Precision, plan: LayoutPlan, activations: str) -> None:
+    """With `model.moe_token_tile`: the MoE layers' counts at the first layout's local tokens."""
+    tile, tokens = args.moe_token_tile, plan.activations["none"].tokens
+    if not tile:
+        return
+    if activations == "eager":
+        print(f"  model.moe_token_tile = {tile}: not modelled by the eager profiles (they measure the untiled layer)")
+        return
+    if tokens <= tile:
+        print(f"  model.moe_token_tile = {tile}: no effect at {tokens} local tokens (one tile)")
+        return
+    seen: dict[str, LayerActivations] = {}
+    for layer in model_activations(args, prec, plan.layout, activations):
+        if layer.kind.endswith("+moe"):
+            seen.setdefault(layer.kind, with_moe_token_tiles(layer, args, tokens))
+    parts = [f"{kind} kept {l.kept / 1024:.0f} / transient {l.transient / 1024:.0f} / full-AC backward "
+             f"{l.full_ac_backward_at(tokens, 0.0) / tokens / 1024:.0f}" for kind, l in seen.items()]
+    print(f"  model.moe_token_tile = {tile}: at {tokens} local tokens the MoE keeps only its tiles' inputs and its "
+          f"backward recomputes one tile at a time, KiB per local token: " + "; ".join(parts))
+
+
 def _eager_summary(args: ModelArgs, prec: Precision, plans: list[LayoutPlan]) -> dict[str, dict]:
     """The eager profiles the plans used, per FSDP setting and layer kind (JSON-ready)."""
     out: dict[str, dict] = {}
@@ -206,6 +229,7 @@ def run_plan(argv: list[str] | None = None) -> dict:
     print(f"  sanity: total params == inspect's total: {checks['params_match_inspect']};  "
           f"per-GPU shards x degrees == totals: {checks['shard_sums_match_totals']}")
     _print_activation_summary(args, prec, plans[0].layout, activations)
+    _print_tile_note(args, prec, plans[0], activations)
     if activations == "eager":
         print("  eager activations: measured per layer kind with saved-tensor hooks on CPU (fake tensors for "
               "large layers), SDPA and RMSNorm saving what their CUDA kernels save (see the module docstring); "
