@@ -215,3 +215,102 @@ def test_context_parallel_kda_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_context_parallel_kda_four_ranks(tmp_path):
     spawn_gloo(_worker, 4, tmp_path, list(CASES), True)
+
+
+# ----------------------------------------------------------------------------------------
+# the per-rank kernels on the GPU
+# ----------------------------------------------------------------------------------------
+GPU_T_LOCAL, GPU_H, GPU_D = 1024, 4, 128
+# cp = 4 segments of 1024 tokens: a document crossing rank 0 -> 1, one covering rank 2
+# wholly (its transition M is used) and ending inside rank 3, several short ones in rank 3
+GPU_BOUNDS = [0, 700, 1800, 3300, 3500, 3600, 4096]
+# relative errors against the float64 reference: at most twice the whole-row GPU op's own
+# error on the same inputs, plus 1e-3 (the bf16 rounding of the basis term). The whole-row
+# op's accuracy is test_kda_long_context's subject; a missing or wrong state term here is
+# off by O(0.1) or more (the slow gate below carries states across segments)
+GPU_WHOLE_ROW_FACTOR, GPU_SLACK = 2.0, 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_context_parallel_kda_per_rank_kernels_on_gpu(monkeypatch):
+    """The context-parallel op with its per-rank `chunk_kda` calls on the GPU kernels
+    (varlen pieces from per-document initial states, the identity-state basis with v = 0 and
+    dv = dk, final states) in bf16 at the model's head size (dk = dv = 128), gate in the
+    kernel, g = g_min over whole chunks: the four ranks' outputs and gradients against a
+    float64 whole-row reference, beside the whole-row GPU op's own errors.
+
+    The four ranks run in this process, one after the other, with an in-process all-gather:
+    a first pass records each rank's gathered tensor, a second pass routes with the stack
+    of them. Both passes build on the same leaf tensors, so one backward of the summed
+    losses gives every rank's gradients, and the replicated inputs' gradients summed over
+    the ranks (what the collective's reduce-scatter and the trainer's reduction give)."""
+    import titan_moe.ops.kda.context_parallel as cp_op
+    from titan_moe.ops.kda import chunk_kda
+
+    cp, T_loc, H, D = 4, GPU_T_LOCAL, GPU_H, GPU_D
+    T = cp * T_loc
+    gen = torch.Generator().manual_seed(2026)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    N = len(GPU_BOUNDS) - 1
+    x64 = {"q": rand(1, T, H, D), "k": rand(1, T, H, D), "v": rand(1, T, H, D), "g": rand(1, T, H, D) - 4.0,
+           "beta": torch.sigmoid(rand(1, T, H)), "initial_state": 0.1 * rand(N, H, D, D),
+           "A_log": 0.3 * rand(H), "dt_bias": 0.5 * rand(H * D)}
+    # the gate input: around -4, a slow decay (about -0.1 per token) that carries states
+    # across segments; over four whole chunks +30, where the bounded gate saturates at g_min
+    x64["g"][:, 1024:1280] = 30.0
+    weight64 = rand(1, T, H, D)
+    op_args = dict(use_qk_l2norm=True, gate_in_kernel=True, lower_bound=-5.0)
+    low = {"q", "k", "v", "g", "beta"}  # bf16 on the GPU; states and gate parameters fp32
+
+    def leaves(device, dtype_low, dtype_high):
+        return {n: t.to(device, dtype_low if n in low else dtype_high).clone().requires_grad_()
+                for n, t in x64.items()}
+
+    def whole_row(x, cu, weight):
+        o, _ = chunk_kda(*(x[n] for n in SEGMENTED), cu_seqlens=cu, initial_state=x["initial_state"],
+                         A_log=x["A_log"], dt_bias=x["dt_bias"], **op_args)
+        (o.float() * weight).sum().backward()
+        return o
+
+    ref = leaves("cpu", torch.float64, torch.float64)
+    o_ref = whole_row(ref, torch.tensor(GPU_BOUNDS, dtype=torch.int32), weight64)
+    whole = leaves("cuda", torch.bfloat16, torch.float32)
+    weight = weight64.float().cuda()
+    o_whole = whole_row(whole, torch.tensor(GPU_BOUNDS, dtype=torch.int32, device="cuda"), weight)
+
+    mine = leaves("cuda", torch.bfloat16, torch.float32)
+    segments = [{n: mine[n][:, r * T_loc:(r + 1) * T_loc] for n in SEGMENTED} for r in range(cp)]
+    recorded: dict[int, torch.Tensor] = {}
+    rank_now = [0]
+
+    def gather(x, group, size):
+        assert size == cp
+        recorded.setdefault(rank_now[0], x)
+        if len(recorded) < cp:  # the recording pass: this result is not used
+            return x.new_zeros(cp, *x.shape)
+        return torch.stack([recorded[r] for r in range(cp)])
+
+    monkeypatch.setattr(cp_op, "all_gather_ranks", gather)
+    outputs = {}
+    for _ in range(2):
+        for r in range(cp):
+            rank_now[0] = r
+            layout = cp_op.segment_layout(GPU_BOUNDS, r, cp, T_loc)
+            local_cu = cp_op.local_cu_seqlens(layout.local_bounds, torch.device("cuda"))
+            outputs[r] = cp_op.kda_context_parallel(
+                *(segments[r][n] for n in SEGMENTED), layout, local_cu, initial_state=mine["initial_state"],
+                A_log=mine["A_log"], dt_bias=mine["dt_bias"], **op_args)
+    o_cp = torch.cat([outputs[r] for r in range(cp)], dim=1)
+    (o_cp.float() * weight).sum().backward()
+
+    def errors(o, x):
+        err = {"o": rel_err(o, o_ref)}
+        err.update({"d" + n: rel_err(x[n].grad, ref[n].grad) for n in x})
+        return err
+
+    err_cp, err_whole = errors(o_cp, mine), errors(o_whole, whole)
+    print({n: (f"{err_cp[n]:.2e}", f"{err_whole[n]:.2e}") for n in err_cp})
+    bad = {n: (err_cp[n], err_whole[n]) for n in err_cp
+           if not err_cp[n] <= GPU_WHOLE_ROW_FACTOR * err_whole[n] + GPU_SLACK}
+    assert not bad, f"context-parallel errors (cp, whole-row op) out of bounds: {bad}"
