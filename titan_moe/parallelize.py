@@ -106,7 +106,8 @@ class LatentExpertParallel(ParallelStyle):
     route as this one, so rank ``r`` sends local expert ``j`` what this rank sends it. The
     counts become host-side split sizes, which the fake group's output (unspecified,
     uninitialised on some torch versions) must not decide; the rows' values are meaningless
-    either way.
+    either way. When this rank's experts then receive no rows while it sends some, the fake
+    group refuses the reverse all-to-all of an empty input: combine gives zeros instead.
     """
 
     def __init__(self):
@@ -162,6 +163,9 @@ class LatentExpertParallel(ParallelStyle):
 
     def _combine(self, module: nn.Module, out_RL: Tensor, device_mesh: DeviceMesh) -> Tensor:
         order_R = self._order_R
+        if self._fake_backend and out_RL.shape[0] == 0:
+            self._order_R = None
+            return out_RL.new_zeros(sum(self._send_splits), *out_RL.shape[1:])
         inverse_R = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(order_R.numel(), device=order_R.device))
         out_ML = funcol.all_to_all_single_autograd(
             out_RL[inverse_R], self._send_splits, self._recv_splits, device_mesh.get_group()
