@@ -28,9 +28,10 @@ the planned number compared is then the planner's rank 0 (`--cp-rank 0`), the wo
 plan, the planner's default row, is reported beside it (`planned_worst_rank_gib`). Every
 segment of a fake-backend run holds rank 0's document ids, so its documents are at most a
 segment long unless rank 0's segment is one document; `--max-doc-len N` tells the planner
-(default: one document fills each row, the largest attention score blocks). Context
-parallelism runs eagerly (`compile.enable` is refused with it), so compare with an eager
-config.
+(default: one document fills each row, the largest attention score blocks). Compare with an
+eager config: the planner's eager rows measure the layers as a context-parallel rank runs
+them, while its compiled count under CP (layers compiled piecewise around the attention) has
+not been checked against a run.
 
 On a machine without a GPU the trainer runs on the CPU and "measured" is the process's peak
 resident set (Python and libraries included): the plumbing runs, the numbers do not compare.

@@ -167,7 +167,6 @@ def test_one_process_checkpoint_resumes_under_cp2(runs, one_process):
 @pytest.mark.parametrize("args, needle", [
     ([*cp(2), "--training.seq_len", "255"], "training.seq_len = 255 is not divisible by"),
     ([*cp(4), "--training.seq_len", "128"], "shorter than a KDA chunk"),
-    ([*cp(2), "--compile.enable"], "compile.enable with parallelism.context_parallel_degree"),
     ([*cp(2), "--validation.enable"], "validation.enable with parallelism.context_parallel_degree"),
     ([*cp(2), "--parallelism.context_parallel_load_balancer", "ptrr"], "context_parallel_load_balancer = 'ptrr'"),
     ([*cp(2), "--training.seq_len", "130"], "not divisible by 2 x parallelism.context_parallel_degree"),

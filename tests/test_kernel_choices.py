@@ -85,7 +85,8 @@ def test_launch_env_reads_only_listed_names(monkeypatch):
 
 def test_no_module_reads_titan_moe_variables_but_launch_env():
     """Every TITAN_MOE_* read goes through `launch_env.read`; os.environ appears only there and
-    in the trainer's torchrun rendezvous variables."""
+    in the trainer's launch variables (torchrun's rendezvous, torchtitan's NGPU for the fake
+    backend)."""
     for path in (REPO / "titan_moe").rglob("*.py"):
         if path.name == "launch_env.py":
             continue

@@ -152,7 +152,8 @@ class Compile:
     """How MoE layers are compiled: "auto" = one region per layer, piecewise around the
     experts under expert parallelism (where the all-to-all must stay eager); "piecewise" = always
     piecewise, with the experts eager (torchtitan 0.2.2's way for MoE blocks), to measure what
-    the whole-layer region gains."""
+    the whole-layer region gains. Under context parallelism every layer is compiled piecewise
+    around its attention; "auto" then makes the whole MoE one region (without EP)."""
 
 
 @dataclass
@@ -500,6 +501,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         apply_ladder(config, set_keys)
         if config.compile.moe_regions not in ("auto", "piecewise"):
             raise ValueError(f"compile.moe_regions must be 'auto' or 'piecewise', got {config.compile.moe_regions!r}")
+        _check_moe_token_tile(model_args_from_config(config), config)
     except ValueError as e:
         raise ConfigError(f"{error_source(config, str(e))}: {e}") from None
     return config
@@ -534,15 +536,33 @@ def run_json_cli(prog: str, run: Any, argv: list[str] | None = None) -> None:
 def _check_compile_with_ac(args: ModelArgs, config: Any) -> None:
     """What Dynamo cannot trace inside a compiled, checkpointed layer, as a config error:
     exact QB (`qb_bins = 0`) keeps each microbatch's router scores as a plain module attribute
-    ("HOP: Unsafe side effect"; the histogram mode only adds into buffers, which compiles)."""
+    ("HOP: Unsafe side effect"; the histogram mode only adds into buffers, which compiles).
+    Under context parallelism no layer is compiled whole (`parallelize.apply_compile`): the
+    checkpoint runs eagerly around the regions, and exact QB compiles."""
     compiled = config.compile.enable and "model" in config.compile.components
     checkpointed = config.activation_checkpoint.mode != "none"
     exact_qb = args.balance_rule == "qb" and args.qb_bins == 0 and args.top_k < args.n_routed_experts
-    if compiled and checkpointed and exact_qb:
+    piecewise = config.parallelism.context_parallel_degree > 1
+    if compiled and checkpointed and exact_qb and not piecewise:
         raise ValueError(
             "model.qb_bins = 0 (exact QB) cannot be compiled with activation checkpointing; "
             "set model.qb_bins > 0 (SPEC: 1000), activation_checkpoint.mode = 'none' or compile.enable = false"
         )
+
+
+def _check_moe_token_tile(args: ModelArgs, config: Any) -> None:
+    """`model.moe_token_tile` runs each tile's experts inside the MoE's own forward: not with
+    expert parallelism (whose exchange hooks and expert FSDP unit would run once per tile) nor
+    with the piecewise MoE regions that EP compiles (`titan_moe.parallelize.apply_compile`)."""
+    if not args.moe_token_tile:
+        return
+    if config.parallelism.expert_parallel_degree > 1:
+        raise ValueError(f"model.moe_token_tile = {args.moe_token_tile} does not work with expert parallelism "
+                         f"(parallelism.expert_parallel_degree = {config.parallelism.expert_parallel_degree}); "
+                         "set model.moe_token_tile = 0")
+    if config.compile.moe_regions == "piecewise":
+        raise ValueError(f"model.moe_token_tile = {args.moe_token_tile} needs whole-layer compile regions; "
+                         "set compile.moe_regions = 'auto' or model.moe_token_tile = 0")
 
 
 def _check_data_mix(data: Any) -> None:

@@ -54,11 +54,34 @@ versions leave outputs uninitialised). Resolved once, from the group's backend, 
 halos, latents, layer inputs and outputs), which the fake group leaves meaningless; shapes
 and memory are the rank's own.
 
-Where the collectives sit: in the layers' eager forward (the CP layers are not compiled
-yet; `parallelize` refuses `compile.enable` with CP): KDA's state and halo all-gathers,
-MLA's latent all-gather and, under "headtail", its two all-to-alls; and in the root
-module's forward pre-hook (the document ids). Their backward runs the reverse collectives
-(reduce-scatters, all-to-alls) in the same order on every rank.
+Where the collectives sit: in the context-parallel layers' forward, which runs eagerly also
+under `compile.enable`: KDA's halo all-gather (after its input projections) and state
+all-gather (in `kda_context_parallel`), MLA's latent all-gather (after its projections) and,
+under "headtail", its two all-to-alls (the mirrored layer inputs before the queries, the
+outputs after the gate and output projection); and in the root module's forward pre-hook
+(the document ids). Their backward runs the reverse collectives (reduce-scatters,
+all-to-alls) in the same order on every rank.
+
+Compile (`titan_moe.parallelize.apply_compile`): a fullgraph region holding these layers
+would see the batch's `RowSegments` (KDA's `SegmentLayout` per row: where the documents fall,
+which pieces continue a document) as Python constants, guard on them and recompile at every
+new layout. So under CP each layer is compiled piecewise: the AttnRes mixers, the norms and
+the FFN or MoE are regions, and of the attention only the methods named in its
+`compile_regions`, which see neither a collective nor a layout: KDA's `input_projections`
+(q|k|v, gate and beta projections), `halo_conv` (short convolution over halo and segment,
+masked by the ids as a tensor) and `output_projection`; MLA's `_queries`, `_latents` and
+`_gate_and_project`. The layout reads, the collectives, KDA's cross-rank `chunk_kda` calls and
+state scan and MLA's latent attention (`doc_attention_chunked`) run eagerly between them.
+A layer, in order, [compiled regions] in brackets:
+
+    [attention_mix] [attention_norm]
+    KDA: [input_projections] halo all-gather [halo_conv]
+         per row: chunk_kda (and the basis call), state all-gather, scan   [output_projection]
+    MLA: [_latents] latent all-gather (headtail: all-to-all of the mirrored half's input)
+         per query block: [_queries] latent attention [_gate_and_project]
+         (headtail: all-to-all of the outputs back)
+    [ffn_mix] [ffn_norm] [feed_forward]
+        (under EP: [route_and_sort] all-to-all, routed experts, all-to-all [combine])
 """
 
 from __future__ import annotations
@@ -86,6 +109,7 @@ from titan_moe.ops.kda.context_parallel import (
     local_cu_seqlens,
     segment_layout,
 )
+from titan_moe.ops.nvtx import nvtx_range
 
 
 # ----------------------------------------------------------------------------------------
@@ -118,8 +142,6 @@ def check_context_parallel(job_config) -> None:
             f"training.seq_len = {seq_len} over {key} leaves segments of {seq_len // cp} tokens, shorter than "
             f"a KDA chunk ({KDA_CHUNK}): raise training.seq_len or lower the degree"
         )
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        raise ConfigError(f"compile.enable with {key} is not supported yet (the context-parallel layers run eagerly)")
     if job_config.validation.enable:
         raise ConfigError(f"validation.enable with {key} is not supported yet; pass --validation.no_enable")
     if getattr(job_config.model, "kda_gate", None) == "unbounded":
@@ -329,20 +351,29 @@ def _refuse_local_documents(name: str, cache, *local) -> None:
 
 class ContextParallelKDA(KimiDeltaAttention):
     """`KimiDeltaAttention` over this rank's segment of the rows: the short convolution
-    reads the previous segment's halo, the state runs across the ranks."""
+    reads the previous segment's halo, the state runs across the ranks.
+
+    `compile_regions`: the methods that see neither a collective nor the batch's document
+    layout, which `titan_moe.parallelize.apply_compile` compiles one by one; the rest of
+    `forward` (the halo and state all-gathers, the per-row layouts) runs eagerly."""
 
     cp_slot: RowsSlot
+    compile_regions = ("input_projections", "halo_conv", "output_projection")
 
-    def _short_conv(self, x_BTC: Tensor, doc_ids_BT, conv_state) -> tuple[Tensor, None]:
-        rows = self.cp_slot.current()
+    def halo_conv(self, halo_BWC: Tensor, qkv_BLC: Tensor, conv_ids_BX: Tensor | None) -> tuple[Tensor, ...]:
+        """q, k, v `[B, L, H, d]`: the short convolution and SiLU of the segment's q|k|v
+        channels `qkv_BLC` read after the previous segment's halo `halo_BWC` (`conv_halo`),
+        masked by the extended tokens' document ids (`RowSegments.conv_ids_BX`)."""
         w_CK = torch.cat([self.q_conv_weight, self.k_conv_weight, self.v_conv_weight])
-        x_ext = torch.cat([conv_halo(x_BTC, self.conv_size, rows.group), x_BTC], dim=1)
-        return short_conv_silu(x_ext, w_CK, rows.conv_ids_BX)[:, self.conv_size - 1 :], None
+        x_ext = torch.cat([halo_BWC, qkv_BLC], dim=1)
+        return self.split_heads(short_conv_silu(x_ext, w_CK, conv_ids_BX)[:, self.conv_size - 1 :])
 
     def forward(self, x_BTD: Tensor, doc_ids_BT=None, cu_seqlens=None, cache=None) -> Tensor:
         _refuse_local_documents("KDA", cache, doc_ids_BT, cu_seqlens)
         rows = self.cp_slot.current()
-        q, k, v, z, beta, _ = self.attention_inputs(x_BTD)
+        with nvtx_range("kda.inputs"):
+            qkv_BTC, z, beta = self.input_projections(x_BTD)
+            q, k, v = self.halo_conv(conv_halo(qkv_BTC, self.conv_size, rows.group), qkv_BTC, rows.conv_ids_BX)
         op_args = dict(
             group=rows.group, use_qk_l2norm=True, gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
             lower_bound=self.g_min,
@@ -362,10 +393,14 @@ class ContextParallelKDA(KimiDeltaAttention):
 class ContextParallelMLA(GatedMLA):
     """`GatedMLA` over this rank's segment of the rows, attending in latent space to the
     all-gathered latents of the row: for its own queries (`mla_context_parallel`) or, with
-    `cp_headtail`, for an early and a late half-segment (`mla_context_parallel_headtail`)."""
+    `cp_headtail`, for an early and a late half-segment (`mla_context_parallel_headtail`).
+
+    `compile_regions`: as for `ContextParallelKDA`, the projections before the latent
+    all-gather and the gate and output projection after the attention."""
 
     cp_slot: RowsSlot
     cp_headtail: bool
+    compile_regions = ("_queries", "_latents", "_gate_and_project")
 
     def forward(self, x_BTD: Tensor, doc_ids_BT=None, cache=None, doc_mask=None) -> Tensor:
         _refuse_local_documents("MLA", cache, doc_ids_BT, doc_mask)

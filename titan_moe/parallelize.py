@@ -12,7 +12,8 @@ materialised. In order (as torchtitan's DeepSeek-V3 does it):
    its contiguous segment of every row;
 2. activation checkpointing per block (torchtitan's `apply_ac`, full or selective);
 3. regional compile (:func:`apply_compile`): one `torch.compile(fullgraph=True)` region per
-   block, except around expert-parallel experts (see there);
+   block, except around expert-parallel experts and, under context parallelism, around
+   every block's attention, which runs eagerly (see there);
 4. FSDP2 (:func:`apply_fsdp`): per block plus the root, HSDP via the replicate degree; with
    EP the routed experts get their own FSDP unit over the "efsdp" mesh (the data-parallel
    ranks left once EP has taken its share), FSDP's own gradient division is off because
@@ -201,7 +202,7 @@ def compile_backend(compile_config):
     return compile_passes.make_backend(compile_config.backend, passes)
 
 
-def apply_compile(model: nn.Module, compile_config, ep_enabled: bool) -> None:
+def apply_compile(model: nn.Module, compile_config, ep_enabled: bool, cp_enabled: bool = False) -> None:
     """Regional compile: each layer is one `torch.compile(fullgraph=True)` region.
 
     Under EP, a MoE layer's experts call holds the all-to-all (with its host sync) and the
@@ -212,24 +213,49 @@ def apply_compile(model: nn.Module, compile_config, ep_enabled: bool) -> None:
     `[compile] moe_regions = "piecewise"` compiles MoE layers that way without EP too (for
     measuring the whole-layer region's gain). `[compile] passes` run inside every region
     (:func:`compile_backend`).
+
+    Under CP every layer is compiled piecewise: its context-parallel attention
+    (`titan_moe.context_parallel`) reads the batch's document layout, Python facts that a
+    compiled region would guard on and recompile for at every new batch, and runs the
+    cross-rank collectives. The attention module itself runs eagerly; only its
+    `compile_regions` methods (the projections before the first collective, the
+    convolution after KDA's halo, the output projections) are regions, so every collective
+    and every layout read sits between regions. The other children are regions as above
+    (the whole MoE without EP, its two pieces with EP). The layer stays the module that
+    activation checkpointing wrapped: a recompute runs the same regions and eager code.
     """
     backend = compile_backend(compile_config)
-    piecewise = ep_enabled or getattr(compile_config, "moe_regions", "auto") == "piecewise"
+    moe_pieces = ep_enabled or getattr(compile_config, "moe_regions", "auto") == "piecewise"
+    regions: dict[str, None] = {}  # ordered set of region names, for the start-up line
+
+    def compile_methods(module: nn.Module, label: str, methods) -> None:
+        for method in methods:
+            setattr(module, method, torch.compile(getattr(module, method), backend=backend, fullgraph=True))
+            regions[f"{label}.{method}"] = None
+
     for name, layer in model.layers.named_children():
         block = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
-        if not (piecewise and getattr(block, "is_moe", False)):
+        if not (cp_enabled or (moe_pieces and getattr(block, "is_moe", False))):
             model.layers.register_module(name, torch.compile(layer, backend=backend, fullgraph=True))
             continue
         for child_name, child in block.named_children():
-            if isinstance(child, LatentMoE):
-                for method in ("route_and_sort", "combine"):
-                    compiled = torch.compile(getattr(child, method), backend=backend, fullgraph=True)
-                    setattr(child, method, compiled)
+            if isinstance(child, LatentMoE) and moe_pieces:
+                compile_methods(child, "moe", ("route_and_sort", "combine"))
+            elif hasattr(child, "compile_regions"):  # a context-parallel attention
+                compile_methods(child, block.kind, child.compile_regions)
             else:
                 block.register_module(child_name, torch.compile(child, backend=backend, fullgraph=True))
+                regions[child_name] = None
     passes = f" with passes {list(compile_config.passes)}" if getattr(compile_config, "passes", None) else ""
+    if cp_enabled:
+        logger.info(f"Compiled each layer piecewise under context parallelism{passes}: regions "
+                    f"{', '.join(regions)}; the context-parallel attention runs eagerly between them (KDA's halo "
+                    "and state all-gathers and state scan, MLA's latent all-gather, headtail exchange and latent "
+                    "attention, the batch's document layouts)"
+                    + ("; the routed experts and their exchange run eagerly" if moe_pieces else ""))
+        return
     logger.info("Compiled each layer with torch.compile" + passes
-                + (" (MoE layers piecewise around the experts)" if piecewise else ""))
+                + (" (MoE layers piecewise around the experts)" if moe_pieces else ""))
 
 
 # =========================================================================== FSDP
@@ -343,7 +369,7 @@ def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_confi
             base_folder=job_config.job.dump_folder,
         )
     if compile_enabled:
-        apply_compile(model, job_config.compile, parallel_dims.ep_enabled)
+        apply_compile(model, job_config.compile, parallel_dims.ep_enabled, parallel_dims.cp_enabled)
     if parallel_dims.fsdp_enabled or parallel_dims.ep_enabled:
         replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
         edp_mesh = parallel_dims.get_mesh([*replicate, "efsdp"]) if parallel_dims.ep_enabled else None

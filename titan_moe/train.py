@@ -95,7 +95,7 @@ def _use_plain_sum_for_gloo(model_parts) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
-FAKE_WORLD_ENV = "NGPU"  # torchtitan's: the world size that `--comm.mode fake_backend` simulates
+FAKE_WORLD_SIZE_VAR = "NGPU"  # torchtitan's: the world size that `--comm.mode fake_backend` simulates
 
 
 def _fake_world_size(config) -> int | None:
@@ -108,9 +108,9 @@ def _fake_world_size(config) -> int | None:
                           "shapes and memory)")
     if mode != "fake_backend":
         return None
-    value = os.environ.get(FAKE_WORLD_ENV, "")
+    value = os.environ.get(FAKE_WORLD_SIZE_VAR, "")
     if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"comm.mode = 'fake_backend' needs {FAKE_WORLD_ENV}=N in the environment, the number "
+        raise ConfigError(f"comm.mode = 'fake_backend' needs {FAKE_WORLD_SIZE_VAR}=N in the environment, the number "
                           f"of ranks to simulate (got {value!r})")
     return int(value)
 
@@ -361,15 +361,15 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     """`[kernels]` resolved for this process's device and made current, before the model is
     built, with the MLA attention path the model resolves on this device (`model.mla_attention`),
     the model's other path choices (`balance_rule`, with `aux_loss_coef` for the auxiliary loss,
-    `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch), in a
-    one-rank run `training.one_device_mixed_precision` and, with the fp8 experts converter, its
-    recipe (`[quantize.grouped_mm.float8]`); logged in one line and returned as the run's record
+    `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch,
+    `moe_token_tile`), in a one-rank run `training.one_device_mixed_precision` and, with the fp8
+    experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in one line and returned as the run's record
     of its choices. A ValueError naming the key for a value the device or the model cannot run."""
     device_type = accelerator_type()
     args = model_args_from_config(job_config)
     # Other train specs' model args (e.g. profiling's peer) define only some of these choices.
-    model_choices = {key: getattr(args, key) for key in ("balance_rule", "expert_activation", "kda_gate")
-                     if hasattr(args, key)}
+    model_choices = {key: getattr(args, key) for key in ("balance_rule", "expert_activation", "kda_gate",
+                                                         "moe_token_tile") if hasattr(args, key)}
     resolved = choices.resolve(job_config.kernels, device_type,
                                kda_gate_bounded=model_choices.get("kda_gate", "bounded") == "bounded")
     choices.activate(resolved)
@@ -382,7 +382,8 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
         record["one_device_mixed_precision"] = job_config.training.one_device_mixed_precision
     line = choices.summary(resolved) + "".join(
         f" {key}={record[key]}" for key in ("mla_attention", "balance_rule", "aux_loss_coef", "expert_activation",
-                                           "kda_gate", "one_device_mixed_precision") if key in record)
+                                           "kda_gate", "moe_token_tile", "one_device_mixed_precision")
+        if key in record)
     if "titan_float8_experts" in (job_config.model.converters or []):
         recipe = dataclasses.asdict(job_config.quantize.grouped_mm.float8)
         record["float8_experts"] = recipe

@@ -75,6 +75,18 @@ class ModelArgs:
     # GLU activation of the routed and shared experts: "situ" (SiTU-GLU, SPEC §6) or "swiglu"
     # (silu(z_g) * z_u, plain PyTorch on every device; for ablation). The dense first layer keeps SiTU-GLU.
     expert_activation: ExpertActivation = "situ"
+    # 0: off. N > 0: each MoE layer processes its flattened tokens in tiles of at most N tokens,
+    # each tile (routing, dispatch, routed and shared experts, combine) under its own activation
+    # checkpoint while grad is enabled, so a layer's backward holds one tile's MoE activations
+    # instead of all tokens'. Same outputs, gradients and balance statistics as untiled (routing is
+    # per token given the bias). Cost: the MoE forward is computed once more in the backward, on
+    # top of the layer's own activation-checkpoint recompute (eager; in a compiled layer the two
+    # recomputes merge into one: the expert GEMMs ran once per tile in the backward, as untiled
+    # under full AC); the router runs once more over all tokens for balance_rule = "aux_loss" or
+    # qb_batch_iters > 0 (their whole-batch statistics come before the tiles); a compiled layer
+    # traces the MoE once per tile (compile time grows with the tile count). Not with expert
+    # parallelism or compile.moe_regions = "piecewise".
+    moe_token_tile: int = 0
 
     # --- balancing (SPEC §5) ---
     # "qb" (quantile balancing), "sign" (DeepSeek-V3's bias rule) or "aux_loss" (no bias: the
@@ -127,6 +139,8 @@ class ModelArgs:
             raise ValueError(f"model.kda_gate must be bounded|unbounded, got {self.kda_gate!r}")
         if self.qb_bins < 0:
             raise ValueError(f"model.qb_bins must be >= 0, got {self.qb_bins}")
+        if self.moe_token_tile < 0:
+            raise ValueError(f"model.moe_token_tile must be >= 0 (0: off), got {self.moe_token_tile}")
         if self.qb_batch_iters < 0:
             raise ValueError(f"model.qb_batch_iters must be >= 0, got {self.qb_batch_iters}")
         if not 0.0 <= self.qb_ema < 1.0:

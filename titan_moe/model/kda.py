@@ -169,14 +169,26 @@ class KimiDeltaAttention(nn.Module):
         `z [B,T,H,dk]` (raw gate input: g = kda_gate(z, A_log, dt_bias, g_min)),
         `beta [B,T,H]` fp32, and the new conv state `[B, conv_size-1, 3*H*dk]`.
         """
-        B, T, _ = x_BTD.shape
-        H, d = self.n_heads, self.head_dim
-        qkv_BTC = torch.cat([self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)], dim=-1)
+        qkv_BTC, z, beta = self.input_projections(x_BTD)
         qkv_BTC, new_conv_state = self._short_conv(qkv_BTC, doc_ids_BT, conv_state)
-        q, k, v = (t.view(B, T, H, d) for t in qkv_BTC.split(H * d, dim=-1))
-        z = self.w_f_up(self.w_f_down(x_BTD)).view(B, T, H, d)
-        beta = torch.sigmoid(self.w_beta(x_BTD).float())
+        q, k, v = self.split_heads(qkv_BTC)
         return q, k, v, z, beta, new_conv_state
+
+    def input_projections(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every projection of `x_BTD` before the short convolution: the q|k|v channels
+        `[B, T, 3*H*dk]` (the convolution's input), `z [B,T,H,dk]` and `beta [B,T,H]` fp32."""
+        B, T, _ = x_BTD.shape
+        qkv_BTC = torch.cat([self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)], dim=-1)
+        z = self.w_f_up(self.w_f_down(x_BTD)).view(B, T, self.n_heads, self.head_dim)
+        beta = torch.sigmoid(self.w_beta(x_BTD).float())
+        return qkv_BTC, z, beta
+
+    def split_heads(self, qkv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k `[B,T,H,dk]` and v `[B,T,H,dv]` (views) of the q|k|v channels."""
+        B, T, _ = qkv_BTC.shape
+        H, d = self.n_heads, self.head_dim
+        q, k, v = (t.view(B, T, H, d) for t in qkv_BTC.split(H * d, dim=-1))
+        return q, k, v
 
     def gate_inputs(self, z_BTHK: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The gate operand and keyword arguments of `chunk_kda` / `kda_decode_step`: the raw

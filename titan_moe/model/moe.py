@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.ffn import SiTUGLUFeedForward
@@ -422,6 +423,10 @@ class LatentMoE(nn.Module):
     load ratios and the mean auxiliary loss are invariant to that. ``expert_bias`` is only
     changed by :func:`update_expert_biases`; in eval mode nothing is accumulated.
     ``expert_bias`` must stay fp32: cast parameters, not the whole module, to bf16.
+
+    ``token_tile`` (``ModelArgs.moe_token_tile``, 0: off): a forward of more tokens runs them
+    in tiles, each under its own activation checkpoint (:meth:`forward_tiles`), with the same
+    results and statistics; the backward then holds one tile's MoE activations at a time.
     """
 
     # Non-persistent buffers that only training reads or writes (the balance statistics);
@@ -442,6 +447,7 @@ class LatentMoE(nn.Module):
         self.qb_ema, self.sign_gamma = args.qb_ema, args.sign_gamma
         self.qb_batch_iters = args.qb_batch_iters
         self.aux_loss_coef = args.aux_loss_coef
+        self.token_tile = args.moe_token_tile  # 0: off (forward_tiles)
         # Data-parallel group of the in-batch QB collectives (set by the trainer; None: local tokens).
         self.balance_group = None
 
@@ -498,18 +504,23 @@ class LatentMoE(nn.Module):
         Three phases: :meth:`route_and_sort`, the routed experts, :meth:`combine`. Expert
         parallelism exchanges the sorted token copies around the experts call (all-to-all
         with a host sync for the split sizes), so under it the two other phases are compiled
-        as separate regions (see ``titan_moe.parallelize``).
+        as separate regions (see ``titan_moe.parallelize``). With ``token_tile`` set and more
+        tokens than that, :meth:`forward_tiles` runs the three phases tile by tile.
         """
         x_ND = x_BTD.reshape(-1, self.dim)
+        if self.token_tile and x_ND.shape[0] > self.token_tile:
+            return self.forward_tiles(x_ND).view(x_BTD.shape).to(x_BTD.dtype)
         alignment = 1 if self.experts.expert_parallel else self.experts.group_alignment
         latent_sorted_RL, offs_E, pos_Nk, weights_Nk = self.route_and_sort(x_ND, alignment)
-        with nvtx_range("moe.experts"):
-            if alignment > 1:
-                out_sorted_RL = self.experts(latent_sorted_RL, offs_E, groups_aligned=True)
-            else:
-                out_sorted_RL = self.experts(latent_sorted_RL, offs_E)
+        out_sorted_RL = self._run_experts(latent_sorted_RL, offs_E, alignment)
         y_ND = self.combine(x_ND, out_sorted_RL, pos_Nk, weights_Nk)
         return y_ND.view(x_BTD.shape).to(x_BTD.dtype)
+
+    def _run_experts(self, latent_sorted_RL: Tensor, offs_E: Tensor, alignment: int) -> Tensor:
+        with nvtx_range("moe.experts"):
+            if alignment > 1:
+                return self.experts(latent_sorted_RL, offs_E, groups_aligned=True)
+            return self.experts(latent_sorted_RL, offs_E)
 
     def route_and_sort(self, x_ND: Tensor, alignment: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Route ``x_ND`` [N, dim] and sort its ``M = N*k`` latent token copies by expert.
@@ -538,8 +549,15 @@ class LatentMoE(nn.Module):
                     aux = aux_balance_loss(scores_Nn, counts_E, k)
                     self._accumulate_aux(aux.detach())
                     weights_Nk = AddAuxiliaryLoss.apply(weights_Nk, aux, self.aux_loss_weight * self.aux_loss_coef)
+        latent_sorted_RL, offs_E, pos_Nk = self._sort(x_ND, expert_idx_Nk, counts_E, alignment)
+        return latent_sorted_RL, offs_E, pos_Nk, weights_Nk
 
-        # Dispatch: sort the N*k token copies by expert so that each expert's rows are contiguous.
+    def _sort(self, x_ND: Tensor, expert_idx_Nk: Tensor, counts_E: Tensor,
+              alignment: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Dispatch: the latent copies of ``x_ND`` sorted by expert (the first three results of
+        :meth:`route_and_sort`)."""
+        k = self.top_k
+        # Sort the N*k token copies by expert so that each expert's rows are contiguous.
         with nvtx_range("moe.dispatch"):
             flat_expert = expert_idx_Nk.reshape(-1)
             order_M = torch.argsort(flat_expert, stable=True)  # sorted row -> copy i*k + slot
@@ -551,7 +569,88 @@ class LatentMoE(nn.Module):
                 offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
             latent_NL = self.w_latent_down(x_ND)
             latent_sorted_RL = scatter_copies(latent_NL, pos_Nk, rows)  # row pos[i, j] = latent_NL[i]
-        return latent_sorted_RL, offs_E, pos_Nk, weights_Nk
+        return latent_sorted_RL, offs_E, pos_Nk
+
+    # ------------------------------------------------------------------ token tiles
+    def forward_tiles(self, x_ND: Tensor) -> Tensor:
+        """The MoE of ``x_ND`` [N, dim] in tiles of at most ``token_tile`` tokens -> y_ND [N, dim].
+
+        Each tile runs :meth:`_tile` (route, sort, experts, combine: a pure function of the
+        tile, the bias and the whole-batch aux-loss fractions) under its own non-reentrant
+        ``torch.utils.checkpoint`` while grad is enabled, so between the forward and the
+        backward only the tiles' inputs are kept, and the backward recomputes and holds one
+        tile's activations at a time. Routing is per token given the bias, so the outputs and
+        gradients are those of the untiled forward. The tiles return their balance statistics,
+        which are accumulated here, outside the checkpoints: a tile's recompute does not count
+        its tokens again (the layer's own activation-checkpoint recompute reruns this method
+        and counts the batch twice, as it does untiled). What needs the whole batch is done
+        once before the tiles, from router scores computed without grad in the same tiles:
+        in-batch QB's bias (:meth:`_batch_bias`) and the aux loss's expert fractions ``f``
+        and its logged value. The number of tiles is ``ceil(N / token_tile)``, a Python int:
+        a compiled region specializes on ``N`` (one graph per token count).
+        """
+        if self.experts.expert_parallel:
+            raise ValueError("model.moe_token_tile > 0 does not work with expert parallelism yet; set it to 0")
+        N, tile, k = x_ND.shape[0], self.token_tile, self.top_k
+        starts = range(0, N, tile)
+        bias_n, f_E = self.expert_bias, None
+        if self.training and (self._in_batch or self._aux_loss):
+            with torch.no_grad(), nvtx_range("moe.router"):
+                scores_Nn = torch.cat([self.router.scores(x_ND[s : s + tile]) for s in starts])
+                if self._in_batch:
+                    bias_n = self._batch_bias(scores_Nn)
+                if self._aux_loss:
+                    counts_E = expert_counts(route(scores_Nn, bias_n, k)[0], self.n_experts)
+                    self._accumulate_aux(aux_balance_loss(scores_Nn, counts_E, k))
+                    f_E = counts_E.float() / max(N * k, 1)
+                del scores_Nn
+        checkpointed = torch.is_grad_enabled()
+        ys, stats = [], []
+        for s in starts:
+            x_tD = x_ND[s : s + tile]
+            if checkpointed:
+                y_tD, counts_E, extra = checkpoint(
+                    self._tile, x_tD, bias_n, f_E, N, use_reentrant=False, preserve_rng_state=False
+                )
+            else:
+                y_tD, counts_E, extra = self._tile(x_tD, bias_n, f_E, N)
+            ys.append(y_tD)
+            stats.append((counts_E, extra))
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(torch.stack([c for c, _ in stats]).sum(0))
+                if self._uses_histogram:
+                    self.qb_counts.add_(torch.stack([e for _, e in stats]).sum(0))
+                elif self.balance_rule == "qb" and not self._in_batch:
+                    self.step_scores = torch.cat([e for _, e in stats])
+        return torch.cat(ys)
+
+    def _tile(self, x_tD: Tensor, bias_n: Tensor, f_E: Tensor | None,
+              n_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+        """One tile of :meth:`forward_tiles`, without side effects (it runs again in the
+        backward): ``x_tD`` [t, dim] -> (y_tD [t, dim], counts_E [n] int64, extra), where
+        ``extra`` is the tile's QB histogram [n, qb_bins] (histogram QB), its detached
+        scores [t, n] (exact lagged QB) or ``counts_E`` (otherwise). ``f_E`` [n] (aux loss):
+        the whole batch's expert fractions; the tile's share of the loss, ``E * Σ_e f_e *
+        (Σ_{i in tile} p_ie) / n_tokens``, gives its router the gradient of the untiled loss."""
+        k = self.top_k
+        with nvtx_range("moe.router"):
+            scores_tn, expert_idx_tk, weights_tk = self.router(x_tD, bias_n)
+            counts_E = expert_counts(expert_idx_tk, self.n_experts)
+            extra = counts_E
+            if self.training:
+                if self._uses_histogram:
+                    extra = qb_histogram(scores_tn.detach(), bias_n, k, self.qb_bins)
+                elif self.balance_rule == "qb" and not self._in_batch:
+                    extra = scores_tn.detach()
+                if f_E is not None:
+                    p_sum_n = (scores_tn / scores_tn.sum(-1, keepdim=True)).sum(0)
+                    aux = self.n_experts * (f_E * (p_sum_n / n_tokens)).sum()
+                    weights_tk = AddAuxiliaryLoss.apply(weights_tk, aux, self.aux_loss_weight * self.aux_loss_coef)
+        alignment = self.experts.group_alignment
+        latent_sorted_RL, offs_E, pos_tk = self._sort(x_tD, expert_idx_tk, counts_E, alignment)
+        out_sorted_RL = self._run_experts(latent_sorted_RL, offs_E, alignment)
+        return self.combine(x_tD, out_sorted_RL, pos_tk, weights_tk), counts_E, extra
 
     def combine(self, x_ND: Tensor, out_sorted_RL: Tensor, pos_Nk: Tensor, weights_Nk: Tensor) -> Tensor:
         """Unsort the experts' outputs [R, latent], weight and sum them per token, normalise,

@@ -58,7 +58,9 @@ slots = `attn_res.max_sources`):
     "headtail"'s received inputs `D a` kept and its send/receive buffers `2 D a` in backward,
     the attention's score blocks as `transient_sq`; KDA on a continuing rank: the basis call's
     tensors) to the single-device entries, which CP's latent attention does not match (no
-    per-head keys and values; latent queries): a path the trainer does not run (CP is eager).
+    per-head keys and values; latent queries). Compiled under CP the trainer compiles each layer
+    piecewise and runs the attention's core eagerly between the regions
+    (`titan_moe.context_parallel`, "Compile"): this count is not checked against such a run.
 """
 
 from __future__ import annotations
@@ -287,8 +289,8 @@ def _mla(args: ModelArgs, a: int) -> list[Entry]:
 
 def _context_parallel(args: ModelArgs, a: int, kind: str, cp: int, options: CPOptions) -> tuple[list[Entry], float, float]:
     """The compiled count's context-parallel terms of one layer kind, per local token (the
-    counted buffers of `context_parallel.cp_buffers`; a context-parallel run is eager, so
-    these describe a path the trainer does not take yet): kept entries, the backward's
+    counted buffers of `context_parallel.cp_buffers`, added to the fused single-device entries;
+    not checked against a compiled context-parallel run): kept entries, the backward's
     workspace (MLA: "headtail"'s send and receive buffers of the layer's outputs, `2 D a`) and
     the score blocks' `transient_sq` (about four fp32 blocks of `min(c, rho L)` rows alive at the
     attention's peaks, the previous chunk's two among them: `16 H rho f / n` per `seq_sq`
@@ -412,3 +414,25 @@ def model_activations(
             by_kind[key] = layer
         layers.append(by_kind[key])
     return layers
+
+
+def with_moe_token_tiles(layer: LayerActivations, args: ModelArgs, tokens: float) -> LayerActivations:
+    """`layer` at `tokens` local tokens with `model.moe_token_tile` (`LatentMoE.forward_tiles`):
+    unchanged when off, for `tokens <= moe_token_tile`, without MoE, and for measured (eager)
+    layers, whose profiles are of the untiled layer. Otherwise each tile's MoE runs under its own
+    checkpoint: the `moe.*` tensors are not kept until the backward (the tiles' input is the
+    ffn prologue's normed x, already counted), and the backward recomputes and holds one tile's
+    at a time. Counted as a workspace of `min(tokens, tile)` tokens, spread over `tokens` (exact at
+    this count): the tile's kept `moe.*` bytes, twice its largest (its gradients) and its QB
+    histogram temporaries (`_moe`'s `32 n`, now per tile). Op-level SAC's choice of saved
+    matmul outputs is left as untiled (its caching mode also runs inside the tiles; not measured)."""
+    tile = args.moe_token_tile
+    moe = [e for e in layer.entries if e.name.startswith("moe.")]
+    if not tile or tokens <= tile or not moe or layer.peaks is not None or layer.measured is not None:
+        return layer
+    share = tile / tokens
+    kept = [e.bytes for e in moe if e.kept]
+    qb = _moe(args, 1, 1)[1]  # the layer's QB workspace (independent of the dtype and layout)
+    entries = [replace(e, kept=False) if e.name.startswith("moe.") else e for e in layer.entries]
+    workspace = layer.workspace - qb + (sum(kept) + 2 * max(kept, default=0.0) + qb) * share
+    return replace(layer, entries=entries, workspace=workspace)

@@ -18,7 +18,9 @@ from titan_moe.model.flops import count_params
 
 from titan_moe.ops.kda import keep_selected
 from titan_moe.context_parallel import BALANCES
-from titan_moe.plan.activations import LayerActivations, kept_residual_bytes_per_token, model_activations
+from titan_moe.plan.activations import (
+    LayerActivations, kept_residual_bytes_per_token, model_activations, with_moe_token_tiles,
+)
 from titan_moe.plan.context_parallel import CPOptions, cp_buffers
 from titan_moe.plan.eager import eager_profiles
 from titan_moe.plan.layout import AC_MODES, ACTIVATION_MODELS, GIB, MAX_SEARCH_GPUS, Layout, Precision, enumerate_layouts
@@ -180,6 +182,28 @@ def _print_cp_summary(args: ModelArgs, prec: Precision, cps: list[int], local_ba
     return out
 
 
+def _print_tile_note(args: ModelArgs, prec: Precision, plan: LayoutPlan, activations: str,
+                     cp_options: CPOptions) -> None:
+    """With `model.moe_token_tile`: the MoE layers' counts at the first layout's local tokens."""
+    tile, tokens = args.moe_token_tile, plan.activations["none"].tokens
+    if not tile:
+        return
+    if activations == "eager":
+        print(f"  model.moe_token_tile = {tile}: not modelled by the eager profiles (they measure the untiled layer)")
+        return
+    if tokens <= tile:
+        print(f"  model.moe_token_tile = {tile}: no effect at {tokens} local tokens (one tile)")
+        return
+    seen: dict[str, LayerActivations] = {}
+    for layer in model_activations(args, prec, plan.layout, activations, cp_options):
+        if layer.kind.endswith("+moe"):
+            seen.setdefault(layer.kind, with_moe_token_tiles(layer, args, tokens))
+    parts = [f"{kind} kept {l.kept / 1024:.0f} / transient {l.transient / 1024:.0f} / full-AC backward "
+             f"{l.full_ac_backward_at(tokens, 0.0) / tokens / 1024:.0f}" for kind, l in seen.items()]
+    print(f"  model.moe_token_tile = {tile}: at {tokens} local tokens the MoE keeps only its tiles' inputs and its "
+          f"backward recomputes one tile at a time, KiB per local token: " + "; ".join(parts))
+
+
 def _eager_summary(args: ModelArgs, prec: Precision, plans: list[LayoutPlan],
                    cp_options: CPOptions) -> dict[str, dict]:
     """The eager profiles the plans used, per FSDP setting, context-parallel degree ("fsdp_cp8":
@@ -268,6 +292,7 @@ def run_plan(argv: list[str] | None = None) -> dict:
     print(f"  sanity: total params == inspect's total: {checks['params_match_inspect']};  "
           f"per-GPU shards x degrees == totals: {checks['shard_sums_match_totals']}")
     _print_activation_summary(args, prec, plans[0].layout, activations, cp_options)
+    _print_tile_note(args, prec, plans[0], activations, cp_options)
     cp_buffers_mib = {}
     if cps:
         _print_activation_summary(args, prec, max(plans, key=lambda p: p.layout.cp).layout, activations, cp_options)

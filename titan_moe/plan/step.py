@@ -45,7 +45,7 @@ from itertools import accumulate
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import max_sources
 
-from titan_moe.plan.activations import LayerActivations, _prologue, model_activations
+from titan_moe.plan.activations import LayerActivations, _prologue, model_activations, with_moe_token_tiles
 from titan_moe.plan.context_parallel import CPOptions
 from titan_moe.plan.layout import (
     AC_MODES, GIB, MAX_SEARCH_GPUS, Layout, Phase, Precision, _powers_of_two, caches_expert_casts, enumerate_layouts,
@@ -162,6 +162,7 @@ def activation_memory(
     if layers is None:
         layers = model_activations(args, prec, layout, cp_options=cp_options)
 
+    layers = [with_moe_token_tiles(layer, args, t) for layer in layers]
     copies, head_copy = weight_copies or ([0.0] * len(layers), 0.0)
     held, during, forward = [], [], []  # per layer: forward to backward; extra in backward; forward's peak
     for layer, policy, copy in zip(layers, policies, copies):

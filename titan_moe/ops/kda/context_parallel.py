@@ -48,7 +48,10 @@ like the op's own outputs); states and the correction are fp32.
 
 The host-side facts (where the documents fall) come from `context_parallel_layout`, once per
 batch outside compiled code; `kda_context_parallel` itself, with its functional
-all-gather, traces with `torch.compile(fullgraph=True)` (tested with the aot_eager backend).
+all-gather, traces with `torch.compile(fullgraph=True)` (tested with the aot_eager backend),
+but every layout is a new set of constants for the trace (its branches and slice lengths),
+so a compiled caller recompiles per layout: the trainer runs it eagerly between compiled
+regions (`titan_moe.context_parallel`, "Compile").
 
 `conv_halo` gives each rank the previous rank's last `conv_size - 1` inputs of the short
 convolution (zeros on rank 0), differentiably.
