@@ -881,3 +881,72 @@ def test_cp8_plan_of_small_1gpu_at_128k_lands_near_the_measured_rank():
         ratio = plan["measured"].total(ac) / GIB / measured
         assert 0.85 <= ratio <= 1.15, (ac, ratio)
         assert plan["worst"].total(ac) > plan["measured"].total(ac), ac
+
+
+def test_cp_plan_of_one_rank_counts_local_tokens_and_the_row_s_gathered_latents():
+    """A context-parallel rank's compiled plan at T tokens a row keeps what the single-device
+    plan keeps at its T / cp local tokens (the same entries, stream and head), plus per MLA
+    layer the all-gathered latents of the whole row (T (R + S) a), the blocks' key copies
+    ((T + L / 2)(R + S) a under "headtail") and the received layer inputs (L D a), and per KDA
+    layer the basis call of a rank that continues a document (rank 1, the worst rank's)."""
+    args = _tiny()
+    R, S, D, a = args.mla_kv_lora_rank, args.mla_qk_shared_dim, args.dim, 2
+    T = 16384
+    for cp in (2, 4):
+        L = T // cp
+        single, parallel = Layout(1, cp, 1, 1), Layout(1, 1, cp, 1)  # the same FSDP group
+        for one, rank in zip(model_activations(args, BF16, single), model_activations(args, BF16, parallel)):
+            assert [e for e in rank.entries if not e.name.startswith("cp.")] == one.entries
+        kinds = args.layer_kinds()
+        n_mla, n_kda = kinds.count("mla"), kinds.count("kda")
+        per_row = n_mla * (T * (R + S) * a + (T + L / 2) * (R + S) * a + L * D * a)
+        per_row += n_kda * L * cp_buffers(args, a, cp, L)["kda.basis"] / L
+        for ac in ("none", "full"):
+            at_rank = activation_memory(args, BF16, parallel, ac, 1, T)
+            alone = activation_memory(args, BF16, single, ac, 1, L)
+            assert at_rank.tokens == alone.tokens == L
+            if ac == "none":
+                assert at_rank.kept - alone.kept == pytest.approx(per_row, rel=1e-12)
+            else:  # full AC keeps the layer inputs only: nothing of the row's latents is held
+                assert at_rank.kept == pytest.approx(alone.kept, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind,rank", [("mla+moe", 0), ("kda+moe", 1)])
+def test_cp_eager_fit_predicts_a_direct_measurement_at_another_length(kind, rank):
+    """As for a single-device layer: the per-token bytes a context-parallel rank keeps, fit at
+    64..192 local tokens, predict what it saves at L = 320 (with the row's gathered latents,
+    key copies and a continuing rank's basis, all linear in L at a fixed degree; measured on
+    fake tensors, the fake group's collectives allocating their outputs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, cp = _tiny(kda_head_dim=16), 4
+    i = _first_layer_of_each_kind(args)[kind]
+    setting = RankSetting(rank, cp)
+    with fake_group(rank, cp):
+        profile = measure_eager_layer(args, i, FP32_MASTER, True, rank=setting)
+        with FakeTensorMode():
+            layer = zero_layer(args, i, torch.bfloat16)
+            setting.install(layer)
+            saved = {L: eager_saved_bytes(layer, args, L, torch.bfloat16, None, setting) for L in (64, 320)}
+    assert profile.fake and profile.per_seq_sq == 0.0
+    assert saved[320] - saved[64] == pytest.approx(profile.per_token * (320 - 64), rel=5e-3)
+
+
+def test_cp1_plans_do_not_depend_on_the_context_parallel_options():
+    """Without context parallelism nothing of the CP model enters a plan: no `cp.` entries, no
+    score-block terms, `seq_sq` the plain sum of squared lengths, and the same totals whatever
+    `CPOptions` say."""
+    args = _tiny()
+    layout = Layout(1, 4, 1, 1)
+    other = CPOptions(balance=None, rank=0, max_doc_len=100)
+    default, changed = model_activations(args, BF16, layout), model_activations(args, BF16, layout, cp_options=other)
+    assert default == changed
+    for layer in default:
+        assert not any(e.name.startswith("cp.") for e in layer.entries)
+        assert (layer.chunk_caps, layer.transient_sq) == (None, 0.0)
+        assert layer.seq_sq(2, 1024) == 2 * 1024**2
+    inv = inventory(_meta_model(args), args)
+    for activations in ("compiled", "eager"):
+        plans = [plan_layout(args, inv, FP32_MASTER, layout, 1, 2048, activations=activations, cp_options=options)
+                 for options in (CPOptions(), other)]
+        assert [plans[0].total(ac) for ac in AC_MODES] == [plans[1].total(ac) for ac in AC_MODES]
