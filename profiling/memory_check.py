@@ -23,9 +23,15 @@ config's `[parallelism]` degrees (after `--`); the planner plans N GPUs and its 
 layout is compared. Rank 0 holds what every rank holds (its share of the parameters and
 optimizer states, its FSDP buffers, its `T / cp` tokens), but its losses are meaningless
 and, under context parallelism, it is the one rank whose KDA segment never continues a
-document from an earlier rank (no cross-rank basis call, `titan_moe.ops.kda.context_parallel`).
-Context parallelism runs eagerly (`compile.enable` is refused with it), so compare with an
-eager config.
+document from an earlier rank (no cross-rank basis call, `titan_moe.ops.kda.context_parallel`):
+the planned number compared is then the planner's rank 0 (`--cp-rank 0`), the worst rank's
+plan, the planner's default row, is reported beside it (`planned_worst_rank_gib`). Every
+segment of a fake-backend run holds rank 0's document ids, so its documents are at most a
+segment long unless rank 0's segment is one document; `--max-doc-len N` tells the planner
+(default: one document fills each row, the largest attention score blocks). Compare with an
+eager config: the planner's eager rows measure the layers as a context-parallel rank runs
+them, while its compiled count under CP (layers compiled piecewise around the attention) has
+not been checked against a run.
 
 On a machine without a GPU the trainer runs on the CPU and "measured" is the process's peak
 resident set (Python and libraries included): the plumbing runs, the numbers do not compare.
@@ -92,8 +98,12 @@ def trainer_layout(config: str, extra: list[str], gpus: int) -> dict[str, int]:
     return {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "ep": ep}
 
 
-def planned(config: str, seq_len: int, extra: list[str], gpus: int = 1) -> dict[str, float]:
-    """The planner's per-GPU total for the trainer's layout on `gpus` GPUs, per AC mode (GiB)."""
+def planned(config: str, seq_len: int, extra: list[str], gpus: int = 1, max_doc_len: int | None = None,
+            rank0: bool = False) -> dict[str, float]:
+    """The planner's per-GPU total for the trainer's layout on `gpus` GPUs, per AC mode (GiB).
+    Under context parallelism the planner's row is the worst rank of the group; `rank0`: rank
+    0's plan instead (what a fake-backend run measures), the worst rank's under `worst_<ac>`.
+    `max_doc_len`: the planner's `--max-doc-len` (the longest document of a row)."""
     from titan_moe.plan import run_plan
 
     import contextlib
@@ -101,11 +111,15 @@ def planned(config: str, seq_len: int, extra: list[str], gpus: int = 1) -> dict[
 
     layout = trainer_layout(config, extra, gpus)
     hsdp = ["--hsdp"] if layout["dp_replicate"] > 1 else []
+    docs = ["--max-doc-len", str(max_doc_len)] if max_doc_len else []
     with contextlib.redirect_stdout(io.StringIO()):
         summary = run_plan(["--job.config_file", config, "--gpus", str(gpus), "--gpu-mem-gib", "141",
-                            "--seq-len", str(seq_len), *hsdp, *extra])
+                            "--seq-len", str(seq_len), *hsdp, *docs, *extra])
     (row,) = [r for r in summary["layouts"] if all(r[key] == value for key, value in layout.items())]
-    return {ac: row["gib"][f"total_{ac}"] for ac in ("none", "selective", "full")}
+    worst = {ac: row["gib"][f"total_{ac}"] for ac in ("none", "selective", "full")}
+    if not rank0 or "rank0_gib" not in row:
+        return worst
+    return {ac: row["rank0_gib"][f"total_{ac}"] for ac in worst} | {f"worst_{ac}": v for ac, v in worst.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fake-gpus", type=int, default=None,
                         help="play rank 0 of this many GPUs (--comm.mode fake_backend) in the config's layout")
+    parser.add_argument("--max-doc-len", type=int, default=None,
+                        help="the planner's --max-doc-len: the longest document of a row (default: the row)")
     parser.add_argument("--out", default="outputs/memory_check")
     args = parser.parse_args(argv)
     if args.fake_gpus is not None and args.fake_gpus < 1:
@@ -132,12 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     measured_what = "GPU memory" if torch.cuda.is_available() else "CPU: the process's peak RSS, not comparable"
     rows = []
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
-        plan = planned(args.config, seq_len, extra, gpus)
+        plan = planned(args.config, seq_len, extra, gpus, args.max_doc_len, rank0=bool(args.fake_gpus))
         for ac in args.ac.split(","):
             print(f"memory_check: seq_len {seq_len} ac {ac} ...", flush=True)
             got = measure(args.config, seq_len, ac, args.steps, Path(args.out) / f"{seq_len}_{ac}", extra,
                           args.fake_gpus)
             row = {"seq_len": seq_len, "ac": ac, "planned_gib": plan[ac], **got}
+            if f"worst_{ac}" in plan:
+                row["planned_worst_rank_gib"] = plan[f"worst_{ac}"]
             if got["ok"]:
                 row["planned_over_measured"] = plan[ac] / got["max_allocated_gib"]
             rows.append(row)

@@ -77,6 +77,28 @@ def test_custom_ops_count_their_python_implementation_unless_listed():
     assert counter.sizes == [T * D * 4]  # the fp32 output; not the CPU path's fp32 [T, 2, D] gathers
 
 
+def test_situ_glu_counts_what_its_cuda_path_allocates():
+    """SiTU-GLU on CUDA runs its Triton kernels under the default `[kernels] situ = "auto"`:
+    one pass per direction that allocates its output only, so the counter counts the ops by
+    their outputs (a layer's backward then adds dz alone, where the PyTorch path's fp32 copies
+    once made the planner count 262 KiB per token more at small_1gpu's MoE layers). With
+    `situ = "torch"` CUDA runs the PyTorch path, which is counted op by op."""
+    from titan_moe.ops import choices
+
+    rows, hidden = 32, 24
+    z = torch.zeros(rows, 2 * hidden, dtype=torch.bfloat16)
+    grad = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+    peaks = {}
+    for situ in ("auto", "torch"):
+        with choices.using(situ=situ), LiveBytes() as counter:
+            torch.ops.titan_moe.situ_glu_bwd(z, grad, 4.0, 25.0)
+            torch.ops.titan_moe.situ_glu(z, 4.0, 25.0)
+        peaks[situ] = counter.peak
+        if situ == "auto":
+            assert counter.sizes == [rows * 2 * hidden * 2, rows * hidden * 2]  # dz, then the output
+    assert peaks["torch"] > 4 * peaks["auto"]
+
+
 # ----------------------------------------------------------------------------- KDA launchers
 class _NoLaunch:
     """Stands in for a Triton kernel: `kernel[grid](...)` runs nothing."""

@@ -250,8 +250,8 @@ def test_memory_check_runs_the_trainer_and_the_planner(tmp_path, capsys):
 
 def test_memory_check_plays_one_rank_of_a_cp8_layout(tmp_path, capsys):
     """`--fake-gpus 8` with context parallelism 8: the trainer runs as rank 0 of 8 on the fake
-    backend and the plan compared is the planner's row for that layout (dp_shard 1, cp 8,
-    ep 1 on 8 GPUs), not its one-GPU plan."""
+    backend and the plan compared is the planner's rank 0 of that layout (dp_shard 1, cp 8,
+    ep 1 on 8 GPUs), not its one-GPU plan; the worst rank's plan (the planner's row) beside it."""
     import tiny
 
     memory_check = _load("memory_check")
@@ -264,7 +264,10 @@ def test_memory_check_plays_one_rank_of_a_cp8_layout(tmp_path, capsys):
     assert summary["layout"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 8, "ep": 1}
     (row,) = summary["rows"]
     assert row["ok"] and row["max_allocated_gib"] > 0, row
-    assert row["planned_gib"] == memory_check.planned(tiny.CONFIG, 512, extra, gpus=8)["none"]
+    plan = memory_check.planned(tiny.CONFIG, 512, extra, gpus=8, rank0=True)
+    assert (row["planned_gib"], row["planned_worst_rank_gib"]) == (plan["none"], plan["worst_none"])
+    assert plan["none"] < plan["worst_none"]  # rank 0 never runs KDA's basis call
+    assert plan["worst_none"] == memory_check.planned(tiny.CONFIG, 512, extra, gpus=8)["none"]
     assert row["planned_gib"] < memory_check.planned(tiny.CONFIG, 512, extra[:-2], gpus=1)["none"]  # T / 8 a rank
     log = (tmp_path / "512_none" / "metrics.jsonl").read_text()
     assert '"loss"' in log

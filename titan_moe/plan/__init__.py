@@ -2,7 +2,7 @@
 
     python -m titan_moe.plan --job.config_file configs/k3.toml --gpus 2048 --gpu-mem-gib 141 \
         [--ac none|selective|full] [--seq-len S] [--local-batch B] [--headroom 0.1] [--hsdp] [--top 5] \
-        [--activations eager|compiled]
+        [--activations eager|compiled] [--cp-rank worst|R] [--max-doc-len N]
 
 Any other `--section.key value` overrides the config, as for training (e.g.
 `--training.dtype float32` for fp32 master weights). `--activations` picks the activation
@@ -29,6 +29,15 @@ and training logs; tables in BENCHMARKS.md), each run planned on the model code 
   short convolution's autograd keep only their inputs, the AttnRes mixers keep no normalised
   copy of the sources, a sub-layer's input is cast once): AC none 8K 51.2 GiB planned vs
   52.45 measured, full AC 8K 22.8 vs 22.43, 32K 32.8 vs 31.11.
+* context parallelism, eager, one H100 (2026-12-06): small_1gpu at T = 128K, rank 0 of CP8
+  on the fake backend (FSDP over the 8 ranks), measured 46.92 GiB without AC and 6.78 with
+  full AC. Planned before: 50.71 and 10.66 (+8%, +57%), each layer counted on one device over
+  T / cp tokens with a ring-attention buffer, and SiTU-GLU's backward counted on its PyTorch
+  path (262 KiB per token of fp32 temporaries per MoE layer) where CUDA runs its Triton
+  kernels (`transient`): that alone made the full-AC plan 4.0 GiB high. Now, the layers as
+  a CP rank runs them (`context_parallel`): for rank 0 with documents of at most a segment
+  (what the fake backend's repeated document ids give) 48.60 and 7.30 (+4%, +8%); the default
+  row, the worst rank of a one-document row, 60.00 and 13.44.
 * compiled, selective AC, 8K: one GPU, plan 25.2 GiB vs 26.2 GiB reserved (allocated not
   recorded); FSDP2 x EP2, 21.3 GiB allocated per GPU against a plan of 15.9 (-25%): under EP
   the routed experts run eagerly, and eager SiTU-GLU then kept 84 KiB per token where the
@@ -47,6 +56,10 @@ Modules, in the order the plan is built:
 * :mod:`.activations`: the compiled model's kept bytes per token (`layer_activations`,
   `model_activations`);
 * :mod:`.eager`: eager activations measured on the CPU (`measure_eager_layer`, `eager_profiles`);
+* :mod:`.context_parallel`: layers as one rank of a context-parallel group runs them
+  (`CPOptions`: which rank, the balance, the longest document; `RankSetting` and
+  `fake_group` to measure them on torch's fake process group; `cp_buffers`, the per-row
+  buffers counted from the layer structure);
 * :mod:`.transient`: what eager layers' forward and backward allocate, op by op, without AC
   and under full AC (`measure_layer_peaks`, `layer_peaks`; the KDA launchers' tensors,
   `kda_fwd_allocations`, `kda_bwd_allocations`);
@@ -63,6 +76,7 @@ from titan_moe.plan.activations import (
     model_activations,
 )
 from titan_moe.plan.cli import PlanOptions, main, parse_args, run_plan
+from titan_moe.plan.context_parallel import CPOptions, RankSetting, chunk_seq_sq, cp_buffers, fake_group
 from titan_moe.plan.eager import (
     EagerProfile,
     GpuKernelSaves,
@@ -121,7 +135,8 @@ from titan_moe.plan.step import (
 )
 
 __all__ = [
-    "AC_MODES", "ACTIVATION_MODELS", "CP_DEGREES", "GIB", "KDA_CHUNK", "MAX_SEARCH_GPUS",
+    "AC_MODES", "ACTIVATION_MODELS", "CP_DEGREES", "CPOptions", "GIB", "KDA_CHUNK", "MAX_SEARCH_GPUS", "RankSetting",
+    "chunk_seq_sq", "cp_buffers", "fake_group",
     "OPTIMIZER_IMPLEMENTATIONS", "ActivationMemory", "EagerProfile", "Entry", "GpuKernelSaves",
     "LayerActivations", "LayerPeaks", "Layout", "LayoutPlan", "LiveBytes", "ParamInventory", "ParamMemory",
     "PeakProfile", "Phase", "PlanOptions", "Precision", "_stream_bytes_per_token", "activation_memory",

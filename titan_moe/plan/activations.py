@@ -49,9 +49,18 @@ slots = `attn_res.max_sources`):
     v_new; bf16 dh, dv_new, dq/dk partials; fp32 dA_qk, dA_kk, dG, dbeta partial), classic
     `(4C + 4dk + 3dv + 2 dk dv / C + 1) * 4 * H` (fp32 but the partials, W and U too); QB histogram
     `32 n` (fp32 margins + temporary, three int64 [T, n] index tensors: the recompute's). Both add, by layout: EP all-to-all
-    send + receive buffers `2 k L a` (ep > 1); MLA ring-attention K/V double buffer
-    `2 H (n + r + v) a` (cp > 1). The AttnRes stream gradients `(S+1) D s` are counted by the
-    step walk, not here.
+    send + receive buffers `2 k L a` (ep > 1). The AttnRes stream gradients `(S+1) D s` are
+    counted by the step walk, not here.
+  context parallelism (cp > 1): the layers run as one rank of the group runs them
+    (`context_parallel`, the worst rank by default): eager layers are measured that way; the
+    fused count adds the per-row buffers `context_parallel.cp_buffers` counts (MLA: the row's
+    all-gathered latents `cp (R+S) a` and key copies `(cp + 1/2)(R+S) a` per local token kept,
+    "headtail"'s received inputs `D a` kept and its send/receive buffers `2 D a` in backward,
+    the attention's score blocks as `transient_sq`; KDA on a continuing rank: the basis call's
+    tensors) to the single-device entries, which CP's latent attention does not match (no
+    per-head keys and values; latent queries). Compiled under CP the trainer compiles each layer
+    piecewise and runs the attention's core eagerly between the regions
+    (`titan_moe.context_parallel`, "Compile"): this count is not checked against such a run.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import max_sources
 from titan_moe.ops.kda import keep_selected, residual_bytes_per_token
 
+from titan_moe.plan.context_parallel import CP_ATTENTION_CHUNKS, CPOptions, chunk_seq_sq, cp_buffers
 from titan_moe.plan.eager import eager_profiles
 from titan_moe.plan.layout import ACTIVATION_MODELS, KDA_CHUNK, Layout, Precision
 from titan_moe.plan.transient import LayerPeaks, _peak, kda_bwd_allocations, layer_peaks
@@ -96,8 +106,11 @@ class LayerActivations:
     `transient.measure_layer_peaks`): what the layer's forward and backward allocate above
     their start, measured op by op, without AC and under full AC; they replace the fused
     heuristic (`2 * largest kept entry + workspace`, nothing for the forward).
-    `layout_workspace`: the layout's buffers per token (EP all-to-all, ring attention),
-    added to every transient.
+    `layout_workspace`: the layout's buffers per token (EP all-to-all, the context-parallel
+    MLA's exchange), added to every transient. `chunk_caps` (a context-parallel layer,
+    `CPOptions.chunk_caps`): its `T^2` terms are its attention's score blocks, evaluated at
+    `seq_sq` (below). `transient_sq`: bytes per `seq_sq` unit the fused heuristic adds to
+    the backward (the compiled count's context-parallel score blocks).
     """
 
     kind: str
@@ -108,6 +121,14 @@ class LayerActivations:
     per_seq_sq: float = 0.0
     peaks: LayerPeaks | None = None
     layout_workspace: float = 0.0
+    chunk_caps: tuple[float, float] | None = None
+    transient_sq: float = 0.0
+
+    def seq_sq(self, local_batch: int, seq_local: int) -> float:
+        """The second argument of the `*_at` methods for `local_batch` sequences of `seq_local`
+        local tokens: the sum of their squared lengths, or for a context-parallel layer what
+        its score blocks grow with (`context_parallel.chunk_seq_sq`)."""
+        return chunk_seq_sq(self.chunk_caps, local_batch, seq_local)
 
     @cached_property
     def kept(self) -> float:
@@ -149,7 +170,7 @@ class LayerActivations:
         lengths sum to `seq_sq`."""
         if self.peaks is not None:
             return self.peaks.backward.at(tokens, seq_sq) + self.layout_workspace * tokens
-        return self.transient * tokens
+        return self.transient * tokens + self.transient_sq * seq_sq
 
     def full_ac_backward_at(self, tokens: float, seq_sq: float) -> float:
         """Bytes alive in the backward under full AC above its start, recompute included
@@ -157,7 +178,7 @@ class LayerActivations:
         autocast weight copies (the step walk adds those)."""
         if self.peaks is not None:
             return self.peaks.full_backward.at(tokens, seq_sq) + self.layout_workspace * tokens
-        return (self.kept + self.transient) * tokens + self.per_seq_sq * seq_sq
+        return (self.kept + self.transient) * tokens + (self.per_seq_sq + self.transient_sq) * seq_sq
 
     @cached_property
     def full_ac_backward_sq(self) -> float:
@@ -242,7 +263,7 @@ def kept_residual_bytes_per_token(args: ModelArgs, element_bytes: int = 2, g_cum
     return residual_bytes_per_token(args.kda_n_heads, args.kda_head_dim, args.kda_head_dim, dtype, g_cumsum)
 
 
-def _mla(args: ModelArgs, a: int, cp: int) -> tuple[list[Entry], float]:
+def _mla(args: ModelArgs, a: int) -> list[Entry]:
     H, D = args.mla_n_heads, args.dim
     rq, rkv = args.mla_q_lora_rank, args.mla_kv_lora_rank
     n, r, v = args.mla_qk_nope_head_dim, args.mla_qk_shared_dim, args.mla_v_head_dim
@@ -263,8 +284,28 @@ def _mla(args: ModelArgs, a: int, cp: int) -> tuple[list[Entry], float]:
         Entry("mla.w_o_in", H * v * a),
         Entry("mla.w_o", D * a, kept=False, mm=True),
     ]
-    ring = 2 * H * (n + r + v) * a if cp > 1 else 0.0
-    return e, ring
+    return e
+
+
+def _context_parallel(args: ModelArgs, a: int, kind: str, cp: int, options: CPOptions) -> tuple[list[Entry], float, float]:
+    """The compiled count's context-parallel terms of one layer kind, per local token (the
+    counted buffers of `context_parallel.cp_buffers`, added to the fused single-device entries;
+    not checked against a compiled context-parallel run): kept entries, the backward's
+    workspace (MLA: "headtail"'s send and receive buffers of the layer's outputs, `2 D a`) and
+    the score blocks' `transient_sq` (about four fp32 blocks of `min(c, rho L)` rows alive at the
+    attention's peaks, the previous chunk's two among them: `16 H rho f / n` per `seq_sq`
+    unit, `context_parallel.chunk_seq_sq`)."""
+    L = 1024  # any even length: the buffers below are per local token at any length
+    buffers = {name: b / L for name, b in cp_buffers(args, a, cp, L, options).items()}
+    if kind == "kda":
+        return [Entry("cp.kda_basis", buffers["kda.basis"])], 0.0, 0.0
+    headtail = options.balance == "headtail"
+    rho, f = options.attention_shape(cp)
+    entries = [Entry("cp.mla_latent_gather", buffers["mla.latent_gather"]),
+               Entry("cp.mla_key_copies", buffers["mla.key_copies"])]
+    if headtail:
+        entries.append(Entry("cp.mla_exchange", buffers["mla.exchange"]))
+    return entries, 2 * args.dim * a if headtail else 0.0, 16 * args.mla_n_heads * rho * f / CP_ATTENTION_CHUNKS
 
 
 def _dense_ffn(args: ModelArgs, a: int) -> list[Entry]:
@@ -306,19 +347,24 @@ def _moe(args: ModelArgs, a: int, ep: int) -> tuple[list[Entry], float, float]:
 
 
 def layer_activations(
-    args: ModelArgs, layer_idx: int, prec: Precision, layout: Layout
+    args: ModelArgs, layer_idx: int, prec: Precision, layout: Layout, cp_options: CPOptions = CPOptions()
 ) -> LayerActivations:
-    """The tensors of decoder layer `layer_idx` in forward order (bytes per local token)."""
+    """The tensors of decoder layer `layer_idx` in forward order (bytes per local token); with
+    `layout.cp > 1` the context-parallel terms of `_context_parallel` too."""
     a, s = prec.compute, prec.stream(layout.fsdp_enabled)
     kind = args.layer_kinds()[layer_idx]
     entries = _prologue("attn", args, s, a)
-    layout_workspace = 0.0
+    layout_workspace = transient_sq = 0.0
     if kind == "kda":
         attn, workspace = _kda(args, a)
     else:
-        attn, ring = _mla(args, a, layout.cp)
-        workspace, layout_workspace = 0.0, ring
+        attn, workspace = _mla(args, a), 0.0
     entries += attn
+    if layout.cp > 1:  # the fused count's; an eager layer's measurement holds them
+        cp_entries, cp_workspace, transient_sq = _context_parallel(args, a, kind, layout.cp, cp_options)
+        entries += cp_entries
+        workspace += cp_workspace
+    chunk_caps = cp_options.chunk_caps(kind, layout.cp) if layout.cp > 1 else None
     entries += _prologue("ffn", args, s, a)
     constant = 0.0
     if args.is_moe_layer(layer_idx):
@@ -333,11 +379,13 @@ def layer_activations(
     else:
         entries += _dense_ffn(args, a)
         kind += "+dense"
-    return LayerActivations(kind, entries, workspace, constant, layout_workspace=layout_workspace)
+    return LayerActivations(kind, entries, workspace, constant, layout_workspace=layout_workspace,
+                            chunk_caps=chunk_caps, transient_sq=transient_sq)
 
 
 def model_activations(
-    args: ModelArgs, prec: Precision, layout: Layout, activations: str = "compiled"
+    args: ModelArgs, prec: Precision, layout: Layout, activations: str = "compiled",
+    cp_options: CPOptions = CPOptions(),
 ) -> list[LayerActivations]:
     """Every layer's `LayerActivations`; layers of one kind share one object.
 
@@ -352,14 +400,14 @@ def model_activations(
     if activations not in ACTIVATION_MODELS:
         raise ValueError(f"activations must be one of {ACTIVATION_MODELS}, got {activations!r}")
     eager = activations == "eager"
-    profiles = eager_profiles(args, prec, layout.fsdp_enabled) if eager else {}
-    peaks = layer_peaks(args, prec, layout.fsdp_enabled) if eager else {}
+    profiles = eager_profiles(args, prec, layout.fsdp_enabled, layout.cp, cp_options) if eager else {}
+    peaks = layer_peaks(args, prec, layout.fsdp_enabled, layout.cp, cp_options) if eager else {}
     by_kind: dict[tuple[str, bool], LayerActivations] = {}
     layers = []
     for i, kind in enumerate(args.layer_kinds()):
         key = (kind, args.is_moe_layer(i))
         if key not in by_kind:
-            layer = layer_activations(args, i, prec, layout)
+            layer = layer_activations(args, i, prec, layout, cp_options)
             if key in profiles:
                 layer = replace(layer, measured=profiles[key].per_token, per_seq_sq=profiles[key].per_seq_sq,
                                 peaks=peaks[key])

@@ -17,14 +17,16 @@ from titan_moe.model.decoder import Decoder
 from titan_moe.model.flops import count_params
 
 from titan_moe.ops.kda import keep_selected
+from titan_moe.context_parallel import BALANCES
 from titan_moe.plan.activations import (
     LayerActivations, kept_residual_bytes_per_token, model_activations, with_moe_token_tiles,
 )
+from titan_moe.plan.context_parallel import CPOptions, cp_buffers
 from titan_moe.plan.eager import eager_profiles
-from titan_moe.plan.layout import AC_MODES, ACTIVATION_MODELS, GIB, MAX_SEARCH_GPUS, Layout, Precision
+from titan_moe.plan.layout import AC_MODES, ACTIVATION_MODELS, GIB, MAX_SEARCH_GPUS, Layout, Precision, enumerate_layouts
 from titan_moe.plan.params import OPTIMIZER_IMPLEMENTATIONS, inventory, sharding_checks
 from titan_moe.plan.step import (
-    LayoutPlan, _head_kept_per_token, _stream_bytes_per_token, min_gpus, plan_gpus,
+    LayoutPlan, _head_kept_per_token, _stream_bytes_per_token, min_gpus, plan_gpus, plan_layout,
 )
 from titan_moe.plan.transient import layer_peaks
 
@@ -40,7 +42,15 @@ class PlanOptions:
     hsdp: bool = False
     top: int = 5
     activations: str | None = None  # None: "compiled" when [compile] covers the model, else "eager"
+    cp_rank: int | None = None  # None: the worst rank of a context-parallel group
+    max_doc_len: int | None = None  # None: one document fills each row
 
+
+def _rank_or_worst(value: str) -> int | None:
+    return None if value == "worst" else int(value)
+
+
+_rank_or_worst.__name__ = "an integer or 'worst'"
 
 _OPTIONS = {
     "--gpus": ("gpus", int),
@@ -51,6 +61,8 @@ _OPTIONS = {
     "--headroom": ("headroom", float),
     "--top": ("top", int),
     "--activations": ("activations", str),
+    "--cp-rank": ("cp_rank", _rank_or_worst),
+    "--max-doc-len": ("max_doc_len", int),
 }
 
 
@@ -94,6 +106,8 @@ def parse_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
         (opts.top >= 1, f"--top must be >= 1, got {opts.top}"),
         (opts.activations is None or opts.activations in ACTIVATION_MODELS,
          f"--activations must be one of {'|'.join(ACTIVATION_MODELS)}, got {opts.activations!r}"),
+        (opts.cp_rank is None or opts.cp_rank >= 0, f"--cp-rank must be >= 0, got {opts.cp_rank}"),
+        (opts.max_doc_len is None or opts.max_doc_len >= 1, f"--max-doc-len must be >= 1, got {opts.max_doc_len}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -118,16 +132,20 @@ def _print_table(plans: list[LayoutPlan], usable: float, ac: str) -> None:
               + " ".join(_gib(p.total(mode)) for mode in AC_MODES) + f"  {marks}")
 
 
-def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout, activations: str) -> None:
-    """Bytes per local token of each layer kind (the layout only matters through its flags)."""
+def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout, activations: str,
+                              cp_options: CPOptions) -> None:
+    """Bytes per local token of each layer kind (the layout only matters through its flags and
+    its context-parallel degree); a context-parallel layer's `T^2` terms are its score
+    blocks (`LayerActivations.seq_sq`)."""
     seen: dict[str, LayerActivations] = {}
-    for layer in model_activations(args, prec, layout, activations):
+    for layer in model_activations(args, prec, layout, activations, cp_options):
         seen.setdefault(layer.kind, layer)
+    sq = lambda l: "score blocks" if l.chunk_caps else "T^2"  # noqa: E731
     parts = [
         f"{kind} kept {l.kept / 1024:.0f}" + (f" + {l.per_seq_sq:g} B x T^2" if l.per_seq_sq else "")
         + f" / SAC {l.sac_kept / 1024:.0f} / transient {l.transient / 1024:.0f}"
         + f" / full-AC backward {l.full_ac_backward_at(1.0, 0.0) / 1024:.0f}"
-        + (f" + {l.full_ac_backward_sq:g} B x T^2" if l.full_ac_backward_sq else "")
+        + (f" + {l.full_ac_backward_sq:g} B x {sq(l)}" if l.full_ac_backward_sq else "")
         for kind, l in seen.items()
     ]
     s = prec.stream(layout.fsdp_enabled)
@@ -137,7 +155,35 @@ def _print_activation_summary(args: ModelArgs, prec: Precision, layout: Layout, 
           + f"; AttnRes stream {stream:.0f} (all layers); head {head:.0f}")
 
 
-def _print_tile_note(args: ModelArgs, prec: Precision, plan: LayoutPlan, activations: str) -> None:
+def _cp_rank_text(cp_options: CPOptions) -> str:
+    if cp_options.rank is not None:
+        return f"rank {cp_options.rank}"
+    mla = "rank 0" if cp_options.balance == "headtail" else "rank cp - 1"
+    return f"the worst rank (MLA layers as on {mla}, the longest key span; KDA layers as on rank 1, which continues a document)"
+
+
+def _print_cp_summary(args: ModelArgs, prec: Precision, cps: list[int], local_batch: int, seq_len: int,
+                      cp_options: CPOptions) -> dict[str, dict[str, float]]:
+    """One line per context-parallel degree: the per-row buffers of one rank
+    (`context_parallel.cp_buffers`, MiB); returns them (JSON-ready, per degree)."""
+    docs = "one document fills each row" if cp_options.max_doc_len is None else \
+        f"documents of at most {cp_options.max_doc_len} tokens"
+    print(f"  context parallelism: {_cp_rank_text(cp_options)}; {docs}; balance "
+          f"{cp_options.balance or 'none'} (docs/planner.md, \"Limits\")")
+    out = {}
+    for cp in cps:
+        b = cp_buffers(args, prec.compute, cp, seq_len // cp, cp_options, local_batch)
+        out[str(cp)] = {name: v / 2**20 for name, v in b.items()}
+        mib = {name: f"{v / 2**20:,.0f}" for name, v in b.items()}
+        print(f"    cp {cp}: per MLA layer latents all-gathered {mib['mla.latent_gather']} MiB, key copies "
+              f"{mib['mla.key_copies']}, headtail exchange {mib['mla.exchange']}, one score block "
+              f"{mib['mla.score_blocks']} (about 4 alive at the attention's peaks); per KDA layer basis "
+              f"{mib['kda.basis']} (0 on rank 0), states all-gathered {mib['kda.state_gather']}")
+    return out
+
+
+def _print_tile_note(args: ModelArgs, prec: Precision, plan: LayoutPlan, activations: str,
+                     cp_options: CPOptions) -> None:
     """With `model.moe_token_tile`: the MoE layers' counts at the first layout's local tokens."""
     tile, tokens = args.moe_token_tile, plan.activations["none"].tokens
     if not tile:
@@ -149,7 +195,7 @@ def _print_tile_note(args: ModelArgs, prec: Precision, plan: LayoutPlan, activat
         print(f"  model.moe_token_tile = {tile}: no effect at {tokens} local tokens (one tile)")
         return
     seen: dict[str, LayerActivations] = {}
-    for layer in model_activations(args, prec, plan.layout, activations):
+    for layer in model_activations(args, prec, plan.layout, activations, cp_options):
         if layer.kind.endswith("+moe"):
             seen.setdefault(layer.kind, with_moe_token_tiles(layer, args, tokens))
     parts = [f"{kind} kept {l.kept / 1024:.0f} / transient {l.transient / 1024:.0f} / full-AC backward "
@@ -158,12 +204,15 @@ def _print_tile_note(args: ModelArgs, prec: Precision, plan: LayoutPlan, activat
           f"backward recomputes one tile at a time, KiB per local token: " + "; ".join(parts))
 
 
-def _eager_summary(args: ModelArgs, prec: Precision, plans: list[LayoutPlan]) -> dict[str, dict]:
-    """The eager profiles the plans used, per FSDP setting and layer kind (JSON-ready)."""
+def _eager_summary(args: ModelArgs, prec: Precision, plans: list[LayoutPlan],
+                   cp_options: CPOptions) -> dict[str, dict]:
+    """The eager profiles the plans used, per FSDP setting, context-parallel degree ("fsdp_cp8":
+    at the plan's rank, `cp_options`) and layer kind (JSON-ready)."""
     out: dict[str, dict] = {}
-    for fsdp in sorted({p.layout.fsdp_enabled for p in plans}):
-        profiles, peaks = eager_profiles(args, prec, fsdp), layer_peaks(args, prec, fsdp)
-        out["fsdp" if fsdp else "no_fsdp"] = {
+    for fsdp, cp in sorted({(p.layout.fsdp_enabled, p.layout.cp) for p in plans}):
+        profiles = eager_profiles(args, prec, fsdp, cp, cp_options)
+        peaks = layer_peaks(args, prec, fsdp, cp, cp_options)
+        out[("fsdp" if fsdp else "no_fsdp") + (f"_cp{cp}" if cp > 1 else "")] = {
             p.kind: {"kib_per_token": p.per_token / 1024, "bytes_per_seq_sq": p.per_seq_sq,
                      "measured_on": "fake" if p.fake else "cpu", "experts_built": list(p.experts),
                      # [KiB per token, bytes per sequence per T^2] at each op that can be the peak
@@ -201,9 +250,23 @@ def run_plan(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"optimizer.implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}, "
                           f"got {optimizer_impl!r}")
     one_device = config.training.one_device_mixed_precision
+    balance = config.parallelism.context_parallel_load_balancer
+    if balance not in BALANCES:
+        raise ConfigError(f"parallelism.context_parallel_load_balancer = {balance!r} is not modelled (the trainer "
+                          "runs 'headtail' or none)")
+    cp_options = CPOptions(balance, opts.cp_rank, opts.max_doc_len)
+    cps = sorted({lay.cp for lay in enumerate_layouts(opts.gpus, args.n_routed_experts, seq_len, opts.hsdp)} - {1})
+    if opts.cp_rank is not None and cps and opts.cp_rank >= cps[0]:
+        raise ConfigError(f"command line: --cp-rank {opts.cp_rank} does not exist in the smallest context-parallel "
+                          f"group of these layouts ({cps[0]} ranks)")
     plans = plan_gpus(args, inv, prec, opts.gpus, local_batch, seq_len, opts.hsdp, sac_option, activations,
-                      optimizer_impl, one_device_fsdp=one_device == "fsdp")
+                      optimizer_impl, one_device_fsdp=one_device == "fsdp", cp_options=cp_options)
     assert plans, "dp_shard = N, cp = ep = 1 is always a layout"
+    rank0 = {}  # the worst rank's plans beside rank 0's, which never continues a KDA document
+    if opts.cp_rank is None:
+        first = replace(cp_options, rank=0)
+        rank0 = {p.layout: plan_layout(args, inv, prec, p.layout, local_batch, seq_len, sac_option, activations,
+                                       optimizer_impl, first) for p in plans if p.layout.cp > 1}
     checks = {"params_match_inspect": counts.total == inv.total and counts.routed_experts == inv.routed_experts}
     shard_ok = all(all(sharding_checks(inv, p.layout).values()) for p in plans)
     checks["shard_sums_match_totals"] = shard_ok
@@ -228,8 +291,12 @@ def run_plan(argv: list[str] | None = None) -> dict:
           f"(activation_checkpoint.selective_ac_option = {sac_option!r})")
     print(f"  sanity: total params == inspect's total: {checks['params_match_inspect']};  "
           f"per-GPU shards x degrees == totals: {checks['shard_sums_match_totals']}")
-    _print_activation_summary(args, prec, plans[0].layout, activations)
-    _print_tile_note(args, prec, plans[0], activations)
+    _print_activation_summary(args, prec, plans[0].layout, activations, cp_options)
+    _print_tile_note(args, prec, plans[0], activations, cp_options)
+    cp_buffers_mib = {}
+    if cps:
+        _print_activation_summary(args, prec, max(plans, key=lambda p: p.layout.cp).layout, activations, cp_options)
+        cp_buffers_mib = _print_cp_summary(args, prec, cps, local_batch, seq_len, cp_options)
     if activations == "eager":
         print("  eager activations: measured per layer kind with saved-tensor hooks on CPU (fake tensors for "
               "large layers), SDPA and RMSNorm saving what their CUDA kernels save (see the module docstring); "
@@ -241,6 +308,11 @@ def run_plan(argv: list[str] | None = None) -> dict:
     print(f"\n{opts.gpus} GPUs, {len(plans)} layouts (GiB per GPU; act: the activations' high-water mark; tot: the "
           "step's peak over its phases, not the row's sum; marks: fits with AC none/selective/full):")
     _print_table(plans, usable, ac)
+    if rank0:
+        print("  rank 0 of the context-parallel layouts (no KDA basis call; the rows above are the worst rank), "
+              "tot:none/sel/full: " + "; ".join(
+                  f"cp {lay.cp} ep {lay.ep}: " + " ".join(f"{p.total(mode) / GIB:.1f}" for mode in AC_MODES)
+                  for lay, p in rank0.items()))
 
     fitting = sorted((p for p in plans if p.fits(ac, usable)), key=lambda p: p.total(ac))
     print(f"\nsmallest fitting layouts, ac={ac}:" if fitting else f"\nno layout fits on {opts.gpus} GPUs with ac={ac}")
@@ -250,7 +322,7 @@ def run_plan(argv: list[str] | None = None) -> dict:
         print(f"  dp_replicate={lay.dp_replicate} dp_shard={lay.dp_shard} cp={lay.cp} ep={lay.ep}: "
               f"{total / GIB:.1f} GiB (peak: {phase})")
     fewest = min_gpus(args, inv, prec, local_batch, seq_len, usable, sac_option, activations, optimizer_impl,
-                      one_device_fsdp=one_device == "fsdp")
+                      one_device_fsdp=one_device == "fsdp", cp_options=cp_options)
     print(f"fewest GPUs (powers of two <= {MAX_SEARCH_GPUS}) with a fitting layout: "
           + ", ".join(f"{mode}={fewest[mode] if fewest[mode] is not None else 'none'}" for mode in AC_MODES))
     return {
@@ -264,7 +336,9 @@ def run_plan(argv: list[str] | None = None) -> dict:
         "selective_ac_option": sac_option,
         "activations": activations,
         "optimizer_implementation": optimizer_impl,
-        **({"eager_profiles": _eager_summary(args, prec, plans)} if activations == "eager" else {}),
+        **({"eager_profiles": _eager_summary(args, prec, plans, cp_options)} if activations == "eager" else {}),
+        "context_parallel": {"rank": "worst" if opts.cp_rank is None else opts.cp_rank, "balance": balance,
+                             "max_doc_len": opts.max_doc_len, "buffers_mib": cp_buffers_mib},
         "seq_len": seq_len,
         "local_batch": local_batch,
         "precision": {"param": config.training.dtype, "compute": config.training.mixed_precision_param,
@@ -274,7 +348,9 @@ def run_plan(argv: list[str] | None = None) -> dict:
         "other_params": inv.non_expert,
         "fits": bool(fitting),
         "best": [p.summary(usable) for p in fitting[: opts.top]],
-        "layouts": [p.summary(usable) for p in plans],
+        "layouts": [p.summary(usable) | ({"rank0_gib": {f"total_{mode}": rank0[p.layout].total(mode) / GIB
+                                                        for mode in AC_MODES}} if p.layout in rank0 else {})
+                    for p in plans],
         "min_gpus": fewest,
         "sanity": checks,
     }
@@ -296,6 +372,9 @@ options:
   --hsdp                 also list replicated-shard (HSDP) layouts
   --top K                layouts shown per table (default 5)
   --activations MODEL    compiled|eager activation model (default: compiled when [compile] covers the model)
+  --cp-rank R            plan rank R of each context-parallel group instead of the worst rank (default worst)
+  --max-doc-len N        the longest document of a row, in tokens (default: one document fills each row);
+                         caps the context-parallel attention's key spans
   -h, --help             show this help and exit
 
 Config keys: python -m titan_moe.train --help"""

@@ -25,7 +25,9 @@
     RMSNorm (only when the weight dtype matches the input's, which the fused kernel needs;
     otherwise CUDA runs the same composite) its input and fp32 rstd. So `q` is the bias,
     `a` bytes per T^2 per sequence in each MLA layer, and 0 elsewhere; it is counted as
-    `q * local_batch * (seq_len / cp)^2` (ring attention's masks under CP are not modelled).
+    `q * local_batch * (seq_len / cp)^2`. Under CP (`context_parallel`) a layer is measured as
+    one rank of the group runs it (on torch's fake process group, fake tensors), per local
+    token: nothing of size T^2 is kept there (the chunked latent attention saves no mask).
     Under the `kda_keep` choice (on by default) the kept KDA forward returns zero residuals of
     the shapes its CUDA kernels keep (`kda.kept.cuda_shaped_residuals`), so they are counted
     as saved.
@@ -85,6 +87,7 @@ from titan_moe.model.attn_res import ResidualStream
 from titan_moe.model.decoder import DecoderLayer
 from titan_moe.ops.kda.kept import cuda_shaped_residuals
 
+from titan_moe.plan.context_parallel import CPOptions, RankSetting, fake_group
 from titan_moe.plan.layout import GIB, KDA_CHUNK, Precision
 
 # =========================================================================== eager activations
@@ -273,7 +276,8 @@ def zero_layer(args: ModelArgs, layer_idx: int, param_dtype: torch.dtype) -> Dec
 
 
 def eager_saved_bytes(
-    layer: DecoderLayer, args: ModelArgs, T: int, stream_dtype: torch.dtype, autocast_dtype: torch.dtype | None
+    layer: DecoderLayer, args: ModelArgs, T: int, stream_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+    rank: RankSetting | None = None,
 ) -> int:
     """Bytes of the distinct storages eager autograd saves in one forward of `layer` over one
     packed row of T tokens (one document: `doc_ids` and `cu_seqlens` given, as in training).
@@ -283,8 +287,14 @@ def eager_saved_bytes(
     RMSNorm save what their CUDA kernels save (`GpuKernelSaves`). Not counted: parameters
     and the stream's own tensors (both sub-layers' input streams: `_stream_bytes_per_token`
     counts them). Storages are deduplicated by identity and held until counted.
+    `rank`: the layer is installed as that rank of a context-parallel group (run it inside
+    `context_parallel.fake_group`); T is then its segment of a row of `cp T` tokens, one
+    document, and the batch's document facts are not counted (one set for all layers).
     """
     excluded = {_storage_key(p.untyped_storage()) for p in layer.parameters()}
+    documents: dict = {}
+    if rank is not None:
+        excluded.update(_storage_key(t.untyped_storage()) for t in rank.set_rows(layer, args, T))
 
     def exclude_stream(module, inputs):
         stream = inputs[0]
@@ -299,15 +309,16 @@ def eager_saved_bytes(
 
     embed_BTD = torch.zeros(1, T, args.dim, dtype=stream_dtype, requires_grad=True)
     stream = ResidualStream.start(embed_BTD, args.attn_res, args.n_layers, args.attn_res_block_size)
-    doc_ids_BT = torch.zeros(1, T, dtype=torch.int32)
-    cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
+    if rank is None:  # one packed document; under CP the rows come from the layer's slot
+        documents = dict(doc_ids_BT=torch.zeros(1, T, dtype=torch.int32),
+                         cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
     amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     hooks = [mix.register_forward_pre_hook(exclude_stream) for mix in (layer.attention_mix, layer.ffn_mix)]
     try:
         with warnings.catch_warnings(), GpuKernelSaves(), amp:
             warnings.simplefilter("ignore")  # rms_norm's "cannot dispatch to fused" dtype notes
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = layer(stream.tensors(), doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens)
+                out = layer(stream.tensors(), **documents)
     finally:
         for hook in hooks:
             hook.remove()
@@ -341,7 +352,7 @@ def _fit_tokens(bytes_T: list[int], tokens: tuple[int, ...], quad: float | None 
 
 def measure_eager_layer(
     args: ModelArgs, layer_idx: int, prec: Precision, fsdp_enabled: bool,
-    tokens: tuple[int, int, int] = EAGER_TOKENS, fake: bool | None = None,
+    tokens: tuple[int, int, int] = EAGER_TOKENS, fake: bool | None = None, rank: RankSetting | None = None,
 ) -> EagerProfile:
     """Measure the bytes eager autograd keeps per token of decoder layer `layer_idx`.
 
@@ -354,7 +365,9 @@ def measure_eager_layer(
     extrapolated linearly to `n_routed_experts` (the router's `[T, n]` tensors are the only
     per-token terms in n). `fake=None` measures on the CPU when the layer's weights and their
     autocast copies fit `EAGER_CPU_BUDGET`, else on fake tensors (FakeTensorMode: the same
-    ops, dtypes, autocast and saved tensors, no storage or arithmetic).
+    ops, dtypes, autocast and saved tensors, no storage or arithmetic). `rank`: the layer as
+    that rank of a context-parallel group runs it, per local token (`eager_saved_bytes`;
+    inside `context_parallel.fake_group`).
     """
     if any(T % KDA_CHUNK for T in tokens):
         raise ValueError(f"measuring lengths must be multiples of {KDA_CHUNK}, got {tokens}")
@@ -364,6 +377,8 @@ def measure_eager_layer(
     n, k = args.n_routed_experts, args.top_k
     moe = args.is_moe_layer(layer_idx)
     counts = tuple(k + e for e in EAGER_EXTRA_EXPERTS) if moe and n > k + max(EAGER_EXTRA_EXPERTS) else (n,)
+    if fake is None and rank is not None:
+        fake = True  # context-parallel layers: shapes only (the fake group's collectives move no data)
     if fake is None:
         with torch.device("meta"):
             largest = DecoderLayer(layer_idx, replace(args, n_routed_experts=max(counts)))
@@ -376,8 +391,10 @@ def measure_eager_layer(
     with mode:
         for count in counts:
             layer = zero_layer(replace(args, n_routed_experts=count), layer_idx, param_dtype)
+            if rank is not None:
+                rank.install(layer)
             lengths = tokens if quad is None else tokens[:2]
-            measured = [eager_saved_bytes(layer, args, T, stream_dtype, autocast_dtype) for T in lengths]
+            measured = [eager_saved_bytes(layer, args, T, stream_dtype, autocast_dtype, rank) for T in lengths]
             line, quad = _fit_tokens(measured, tokens, quad)
             per_token.append(line)
             del layer
@@ -388,34 +405,45 @@ def measure_eager_layer(
     return EagerProfile(kind, per_token[0], quad, fake, counts if moe else ())
 
 
-_EAGER_CACHE: dict[tuple, dict[tuple[str, bool], EagerProfile]] = {}
+_EAGER_CACHE: dict[tuple, EagerProfile] = {}
 
 
-def _kda_switches() -> tuple[bool]:
-    """(kept forward,): the KDA choice that changes what a layer keeps, read per call like the
-    op reads it."""
+def _kernel_switches() -> tuple[bool, str]:
+    """(kept KDA forward, SiTU-GLU's CUDA path): the kernel choices that change what a layer
+    keeps or allocates, read per call like the ops read them."""
+    from titan_moe.ops import choices
     from titan_moe.ops.kda import keep_selected
 
-    return (keep_selected(),)
+    return (keep_selected(), choices.pick_backend(choices.current().situ, "cuda"))
 
 
-def per_layer_kind(cache: dict, args: ModelArgs, prec: Precision, fsdp_enabled: bool, measure) -> dict:
+def per_layer_kind(cache: dict, args: ModelArgs, prec: Precision, fsdp_enabled: bool, measure, cp: int = 1,
+                   options: CPOptions = CPOptions()) -> dict:
     """`measure(args, layer_idx, prec, fsdp_enabled)` for the first layer of each (kind,
     is_moe), as {(kind, is_moe): result}, kept in `cache` per model, precision setting and
-    the KDA switches that change what a layer keeps (`_kda_switches`)."""
-    key = (repr(args), prec.param, prec.compute, fsdp_enabled, _kda_switches())
-    if key not in cache:
-        results = {}
-        for i, kind in enumerate(args.layer_kinds()):
-            kind_key = (kind, args.is_moe_layer(i))
-            if kind_key not in results:
-                results[kind_key] = measure(args, i, prec, fsdp_enabled)
-        cache[key] = results
-    return cache[key]
+    the kernel switches that change what a layer keeps (`_kernel_switches`). `cp > 1`: each
+    kind as the rank `options` names (`CPOptions.measured_rank`) of a context-parallel group
+    of `cp` runs it, measured on torch's fake process group (`measure(..., rank=...)`)."""
+    key = (repr(args), prec.param, prec.compute, fsdp_enabled, _kernel_switches())
+    results = {}
+    for i, kind in enumerate(args.layer_kinds()):
+        kind_key = (kind, args.is_moe_layer(i))
+        if kind_key in results:
+            continue
+        rank = RankSetting(options.measured_rank(kind, cp), cp, options.balance) if cp > 1 else None
+        if (key, kind_key, rank) not in cache:  # one measurement per kind and rank
+            if rank is None:
+                cache[key, kind_key, rank] = measure(args, i, prec, fsdp_enabled)
+            else:
+                with fake_group(rank.rank, cp):
+                    cache[key, kind_key, rank] = measure(args, i, prec, fsdp_enabled, rank=rank)
+        results[kind_key] = cache[key, kind_key, rank]
+    return results
 
 
-def eager_profiles(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict[tuple[str, bool], EagerProfile]:
+def eager_profiles(args: ModelArgs, prec: Precision, fsdp_enabled: bool, cp: int = 1,
+                   options: CPOptions = CPOptions()) -> dict[tuple[str, bool], EagerProfile]:
     """`measure_eager_layer` per layer kind, cached (the layouts of one plan share two
-    precision settings: with and without FSDP)."""
-    return per_layer_kind(_EAGER_CACHE, args, prec, fsdp_enabled, measure_eager_layer)
+    precision settings, with and without FSDP, and one set per context-parallel degree)."""
+    return per_layer_kind(_EAGER_CACHE, args, prec, fsdp_enabled, measure_eager_layer, cp, options)
 

@@ -4,9 +4,9 @@ copies of the shards and reduce no memory. EP takes its degree from the FSDP ran
 `ep | dp_shard * cp` and `ep | n_routed_experts`; the routed experts are split over EP on
 dim 0 and then FSDP-sharded over the remaining `efsdp = dp_shard * cp / ep` ranks. Enumerated:
 `cp in {1, 2, 4, 8}` dividing N and seq_len, `dp_replicate = 1` (with `--hsdp`: every power of
-two leaving `dp_shard * cp > 1`), every such `ep`. (`parallelize.py` wires both; the
-activations under CP are still counted per layer over `T / cp` tokens with a ring-attention
-buffer, not as the context-parallel layers run: docs/planner.md, "Limits".)
+two leaving `dp_shard * cp > 1`), every such `ep`. (`parallelize.py` wires both; under CP
+each layer is counted as one rank of the group runs it, the worst rank by default:
+`context_parallel`, docs/planner.md "Limits".)
 
 Bytes. `P` = bytes of `training.dtype` (what parameters, gradients and optimizer states are
 stored in: torchtitan builds the model under that default dtype; bf16 means no fp32 master

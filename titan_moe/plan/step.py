@@ -46,6 +46,7 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import max_sources
 
 from titan_moe.plan.activations import LayerActivations, _prologue, model_activations, with_moe_token_tiles
+from titan_moe.plan.context_parallel import CPOptions
 from titan_moe.plan.layout import (
     AC_MODES, GIB, MAX_SEARCH_GPUS, Layout, Phase, Precision, _powers_of_two, caches_expert_casts, enumerate_layouts,
 )
@@ -138,7 +139,7 @@ def autocast_weight_copies(inv: ParamInventory, layout: Layout, prec: Precision)
 def activation_memory(
     args: ModelArgs, prec: Precision, layout: Layout, ac: str, local_batch: int, seq_len: int,
     layers: list[LayerActivations] | None = None, sac_option: str = "op",
-    weight_copies: tuple[list[float], float] | None = None,
+    weight_copies: tuple[list[float], float] | None = None, cp_options: CPOptions = CPOptions(),
 ) -> ActivationMemory:
     """Activation bytes per GPU at `local_batch * seq_len / cp` local tokens, phase by phase over
     one training step (module docstring, "The step walk"); each phase names the gradients alive
@@ -146,7 +147,9 @@ def activation_memory(
 
     `layers` (from `model_activations`) may be passed to reuse them across AC modes;
     `sac_option` is torchtitan's `selective_ac_option` ("op" or a layer frequency);
-    `weight_copies` (from `autocast_weight_copies`) adds autocast's weight copies per layer.
+    `weight_copies` (from `autocast_weight_copies`) adds autocast's weight copies per layer;
+    `cp_options`: how context-parallel layers are taken (`context_parallel.CPOptions`), for
+    `layers` built here.
     """
     if seq_len % layout.cp:
         raise ValueError(f"seq_len ({seq_len}) must be divisible by cp ({layout.cp})")
@@ -154,16 +157,17 @@ def activation_memory(
         raise ValueError(f"local_batch and seq_len must be >= 0, got {local_batch}, {seq_len}")
     policies = layer_policies(ac, args.n_layers, sac_option)
     t = local_batch * seq_len // layout.cp
-    seq_sq = local_batch * (seq_len // layout.cp) ** 2  # sum over local sequences of T_local^2
     a, s = prec.compute, prec.stream(layout.fsdp_enabled)
     D = args.dim
     if layers is None:
-        layers = model_activations(args, prec, layout)
+        layers = model_activations(args, prec, layout, cp_options=cp_options)
 
     layers = [with_moe_token_tiles(layer, args, t) for layer in layers]
     copies, head_copy = weight_copies or ([0.0] * len(layers), 0.0)
     held, during, forward = [], [], []  # per layer: forward to backward; extra in backward; forward's peak
     for layer, policy, copy in zip(layers, policies, copies):
+        # sum over local sequences of T_local^2 (context-parallel layers: `LayerActivations.seq_sq`)
+        seq_sq = layer.seq_sq(local_batch, seq_len // layout.cp)
         whole = layer.kept * t + layer.per_seq_sq * seq_sq + layer.constant + copy
         transient = layer.transient_at(t, seq_sq)
         if policy == "none":
@@ -251,8 +255,11 @@ class LayoutPlan:
 def plan_layout(
     args: ModelArgs, inv: ParamInventory, prec: Precision, layout: Layout, local_batch: int, seq_len: int,
     sac_option: str = "op", activations: str = "compiled", optimizer_impl: str = "fused",
+    cp_options: CPOptions = CPOptions(),
 ) -> LayoutPlan:
-    layers = model_activations(args, prec, layout, activations)
+    """Per-GPU memory of one layout; with `layout.cp > 1` at the rank `cp_options` names (the
+    worst one by default: `context_parallel`)."""
+    layers = model_activations(args, prec, layout, activations, cp_options)
     copies = autocast_weight_copies(inv, layout, prec)
     acts = {
         ac: activation_memory(args, prec, layout, ac, local_batch, seq_len, layers, sac_option, copies)
@@ -264,23 +271,23 @@ def plan_layout(
 def plan_gpus(
     args: ModelArgs, inv: ParamInventory, prec: Precision, n_gpus: int, local_batch: int, seq_len: int,
     hsdp: bool = False, sac_option: str = "op", activations: str = "compiled", optimizer_impl: str = "fused",
-    one_device_fsdp: bool = False,
+    one_device_fsdp: bool = False, cp_options: CPOptions = CPOptions(),
 ) -> list[LayoutPlan]:
     layouts = enumerate_layouts(n_gpus, args.n_routed_experts, seq_len, hsdp, one_device_fsdp)
-    return [plan_layout(args, inv, prec, lay, local_batch, seq_len, sac_option, activations, optimizer_impl)
-            for lay in layouts]
+    return [plan_layout(args, inv, prec, lay, local_batch, seq_len, sac_option, activations, optimizer_impl,
+                        cp_options) for lay in layouts]
 
 
 def min_gpus(
     args: ModelArgs, inv: ParamInventory, prec: Precision, local_batch: int, seq_len: int, usable_bytes: float,
     sac_option: str = "op", activations: str = "compiled", optimizer_impl: str = "fused",
-    one_device_fsdp: bool = False,
+    one_device_fsdp: bool = False, cp_options: CPOptions = CPOptions(),
 ) -> dict[str, int | None]:
     """Fewest GPUs (powers of two up to MAX_SEARCH_GPUS) with a fitting layout, per AC mode."""
     found: dict[str, int | None] = {ac: None for ac in AC_MODES}
     for n in _powers_of_two(MAX_SEARCH_GPUS):
         plans = plan_gpus(args, inv, prec, n, local_batch, seq_len, sac_option=sac_option, activations=activations,
-                          optimizer_impl=optimizer_impl, one_device_fsdp=one_device_fsdp)
+                          optimizer_impl=optimizer_impl, one_device_fsdp=one_device_fsdp, cp_options=cp_options)
         for ac in AC_MODES:
             if found[ac] is None and any(p.fits(ac, usable_bytes) for p in plans):
                 found[ac] = n

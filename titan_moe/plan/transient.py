@@ -44,11 +44,18 @@ GPU kernels, whose CPU counterparts allocate differently:
     32 KiB per token.
   * Grouped GEMM and token dispatch ops: their outputs are what the CUDA paths allocate
     (`torch._grouped_mm` and the Triton kernels need no workspace beyond cuBLAS's constant).
+    SiTU-GLU (`titan_moe::situ_glu`, `situ_glu_bwd`): its outputs too when CUDA runs its Triton
+    kernels (`[kernels] situ = "auto"`, the default, or "triton": one elementwise pass per
+    direction); under "torch" its PyTorch path, op by op. Until 2026-12-06 the planner counted
+    the PyTorch path's fp32 temporaries under "auto" as well, a path CUDA has not run since
+    the Triton kernels became its default (2026-11-30, after the checks below): 262 KiB per
+    token more in every small_1gpu MoE layer's backward (transient 270 instead of 8, full-AC
+    backward 449 instead of 191 at the FSDP precision).
     Any other custom op (`titan_moe::*`) is counted through the Python function it was defined
-    with, run op by op: what its CUDA path runs unless it registers a CUDA kernel (SiTU-GLU's
-    `titan_moe::situ_glu` with its default `auto` backend; with a Triton kernel selected,
-    which allocates its outputs only, that counts the reference's fp32 temporaries too: an
-    upper bound).
+    with, run op by op: what its CUDA path runs unless it registers a CUDA kernel (the
+    context-parallel MLA's chunked attention, `titan_moe::doc_attention_fwd/bwd`, is PyTorch
+    on CUDA too; a measured context-parallel layer splits each call into
+    `context_parallel.CP_ATTENTION_CHUNKS` query chunks: `LiveBytes.attention_chunks`).
   * Autocast: CPU autocast stands in for CUDA's. Both cast matmul inputs to bf16; CUDA's
     also runs rms_norm, exp, sum, softmax, ... in fp32. The layers do their norms, gates and
     mixers in fp32 explicitly; what differs is MLA's two latent RMSNorms (bf16 inputs,
@@ -73,10 +80,13 @@ backward kda+dense 199.0 / 195.8 vs 195.0 / 195.8, kda+moe 266.7 / 272.1 vs 266.
 mla+moe 266.7 / 272.1 vs 266.7 / 272.1; full-AC backward kda+dense 293.8 / 291.4 vs 293.8 /
 291.4, kda+moe 424.3 / 414.2 vs 424.3 / 414.2, mla+moe 415.2 / 453.3 vs 415.1 / 453.3. Per
 token, the planner's numbers (model stream, constants out): transient 192, 270, 270; full-AC
-backward 287, 407, 382 + 2 B x T^2. The fused heuristic says transient 90, 108, 50.
+backward 287, 407, 382 + 2 B x T^2. The fused heuristic says transient 90, 108, 50. SiTU-GLU
+ran its PyTorch path on CUDA at that commit; with its Triton kernels, CUDA's default since,
+the planner says (2026-12-06 model code, no FSDP): transient 22, 8, 8; full-AC backward 116,
+147, 122 (not yet checked on a GPU).
 
 Not modelled: head dims the KDA kernels do not cover (the op then runs its PyTorch backward, far larger),
-EP's all-to-all and CP's ring-attention buffers (added by `activations.layer_activations`),
+EP's all-to-all buffers (added by `activations.layer_activations`),
 the SDPA kernel's dK/dV accumulators (16 MiB, constant), allocator rounding (512 B blocks).
 """
 
@@ -98,6 +108,7 @@ from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import ResidualStream, max_sources
 from titan_moe.model.decoder import DecoderLayer
 
+from titan_moe.plan.context_parallel import CP_ATTENTION_CHUNKS, CPOptions, RankSetting
 from titan_moe.plan.eager import GpuKernelSaves, _fit_tokens, per_layer_kind, planned_attention, zero_layer
 from titan_moe.plan.layout import KDA_CHUNK, Precision
 
@@ -122,14 +133,16 @@ class LiveBytes(TorchDispatchMode):
     current ones), ("op", 0) after every op, ("mark", name).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, attention_chunks: int | None = None) -> None:
         super().__init__()
+        self.attention_chunks = attention_chunks
         self.live: dict[int, int] = {}  # storage key -> allocation number
         self.sizes: list[int] = []
         self.spikes: list[int] = []
         self.events: list[tuple[str, int | str]] = []
         self.current = self.peak = self.start = 0
         self._finalizers: list[weakref.finalize] = []
+        self.opaque = _opaque_ops()  # the custom ops counted by their outputs
 
     def mark(self, name: str) -> int:
         self.events.append(("mark", name))
@@ -148,9 +161,11 @@ class LiveBytes(TorchDispatchMode):
             self.events.append(("spike", len(self.spikes)))
             self.spikes.append(spike)
             self.peak = max(self.peak, self.current + spike)
-        elif func.namespace == "titan_moe" and func._name not in _OPAQUE_OPS:
+        elif func.namespace == "titan_moe" and func._name not in self.opaque:
             implementation = _python_implementation(func)
             if implementation is not None:  # what CUDA runs too: count its ops (with this mode on again)
+                if func._name in _ATTENTION_CHUNK_ARG and self.attention_chunks:
+                    args = _split_queries(args, *_ATTENTION_CHUNK_ARG[func._name], self.attention_chunks)
                 with self:
                     return implementation(*args, **kwargs)
         out = func(*args, **kwargs)
@@ -192,6 +207,29 @@ _OPAQUE_OPS = frozenset(f"titan_moe::{name}" for name in (
     "moe_permute", "moe_unpermute_combine", "moe_unpermute_combine_backward",  # Triton: outputs
     "kda_prepare", "kda_prepare_bwd",  # Triton: outputs (and the backward's few per-block partial sums)
 ))
+# The chunked attention ops (`ops.attention.chunked`): (position of q, of the chunk size) in
+# their arguments. A context-parallel layer is measured with every call in
+# `LiveBytes.attention_chunks` query chunks (module `context_parallel`, "How the measurement maps").
+_ATTENTION_CHUNK_ARG = {"titan_moe::doc_attention_fwd": (0, 5), "titan_moe::doc_attention_bwd": (1, 8)}
+
+
+def _split_queries(args: tuple, q_at: int, chunk_at: int, chunks: int) -> tuple:
+    """`args` of a chunked attention op with its chunk size set to make `chunks` query chunks."""
+    rows = args[q_at].shape[2]
+    return (*args[:chunk_at], -(-rows // chunks), *args[chunk_at + 1:])
+
+
+# SiTU-GLU: its Triton kernels (one elementwise pass per direction) allocate their outputs;
+# its PyTorch path runs about 17 ops over fp32 copies. Opaque when CUDA takes the kernels.
+_SITU_OPS = frozenset(("titan_moe::situ_glu", "titan_moe::situ_glu_bwd"))
+
+
+def _opaque_ops() -> frozenset[str]:
+    """`_OPAQUE_OPS`, and SiTU-GLU's ops when the `[kernels] situ` choice runs its Triton
+    kernels on CUDA (`auto`, the default, does)."""
+    from titan_moe.ops import choices
+
+    return _OPAQUE_OPS | _SITU_OPS if choices.pick_backend(choices.current().situ, "cuda") == "triton" else _OPAQUE_OPS
 
 
 @functools.cache
@@ -390,7 +428,8 @@ def _leaf_stream(args: ModelArgs, layer_idx: int, T: int, dtype: torch.dtype) ->
 
 def layer_counter(
     layer, args: ModelArgs, layer_idx: int, T: int, stream_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-    full_ac: bool, model_stream: bool = True,
+    full_ac: bool, model_stream: bool = True, rank: RankSetting | None = None,
+    attention_chunks: int | None = CP_ATTENTION_CHUNKS,
 ) -> LiveBytes:
     """One forward and backward of `layer` (a `zero_layer`) over one packed row of T tokens
     (one document) under a `LiveBytes`, marked "forward" where its forward starts and
@@ -404,26 +443,35 @@ def layer_counter(
     `[1, T, D]` embedding, only the output partial sum given a gradient (by
     `(out * probe).sum()`), the start at `backward()`: the incoming gradient, the stream's
     input gradients and the embedding's are then part of the transient.
+
+    `rank`: `layer` is installed as that rank of a context-parallel group
+    (`context_parallel.RankSetting`; run inside `context_parallel.fake_group`) and T is its
+    segment of a row of `cp T` tokens, one document; its attention calls are then split into
+    `attention_chunks` query chunks each (None: the layer's own chunk size).
     """
     hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in layer.parameters()]
-    doc_ids_BT = torch.zeros(1, T, dtype=torch.int32)
-    if args.layer_kinds()[layer_idx] == "mla" and planned_attention(args.mla_attention) == "chunked":
-        # One document: the mask-free paths (varlen on CUDA) attend causally over the whole row,
-        # which plain causal SDPA does with the same O(T) allocations at every T (the chunked
-        # stand-in's query loop allocates per chunk, not as an affine function of T).
-        doc_ids_BT = None
-    cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
+    if rank is not None:  # the batch's document facts, made before the counter: not the layer's
+        rank.set_rows(layer, args, T)
+        documents = {}
+    else:
+        doc_ids_BT = torch.zeros(1, T, dtype=torch.int32)
+        if args.layer_kinds()[layer_idx] == "mla" and planned_attention(args.mla_attention) == "chunked":
+            # One document: the mask-free paths (varlen on CUDA) attend causally over the whole row,
+            # which plain causal SDPA does with the same O(T) allocations at every T (the chunked
+            # stand-in's query loop allocates per chunk, not as an affine function of T).
+            doc_ids_BT = None
+        documents = dict(doc_ids_BT=doc_ids_BT, cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
     if model_stream:
         stream = _leaf_stream(args, layer_idx, T, stream_dtype)
     else:
         embed_BTD = torch.zeros(1, T, args.dim, dtype=stream_dtype, requires_grad=True)
         stream = ResidualStream.start(embed_BTD, args.attn_res, args.n_layers, args.attn_res_block_size)
         probe_BTD = torch.zeros(1, T, args.dim, dtype=stream_dtype)
-    counter = LiveBytes()
+    counter = LiveBytes(attention_chunks=attention_chunks if rank is not None else None)
     amp = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
 
     def run(*tensors):
-        return layer(tensors, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens)
+        return layer(tensors, **documents)
 
     try:
         with warnings.catch_warnings(), GpuKernelSaves(values=False), counter:
@@ -528,27 +576,34 @@ class LayerPeaks:
 def measure_layer_peaks(
     args: ModelArgs, layer_idx: int, prec: Precision, fsdp_enabled: bool,
     tokens: tuple[int, int, int] = TRANSIENT_TOKENS, model_stream: bool = True, fake: bool | None = None,
+    rank: RankSetting | None = None,
 ) -> LayerPeaks:
     """`layer_counter` runs of decoder layer `layer_idx` without AC and under full AC at three
     lengths, turned into `PeakProfile`s (module docstring, "Fit"). Precision as
     `eager.measure_eager_layer`; with all `n_routed_experts` experts. `fake=None`: real CPU
     tensors when the layer's weights and their autocast copies fit `REAL_TENSOR_BUDGET`, else
-    fake ones (the same bytes: a test checks it).
+    fake ones (the same bytes: a test checks it). `rank`: the layer as that rank of a
+    context-parallel group runs it, `tokens` its local lengths (`layer_counter`; the `Q` terms
+    are then its attention's score blocks: `context_parallel`, "How the measurement maps").
     """
     if any(T % KDA_CHUNK for T in tokens) or tokens[2] - tokens[1] != tokens[1] - tokens[0]:
         raise ValueError(f"measuring lengths must be equally spaced multiples of {KDA_CHUNK}, got {tokens}")
     P, a = _DTYPES[prec.param], _DTYPES[prec.compute]
     param_dtype = stream_dtype = a if fsdp_enabled else P
     autocast_dtype = None if fsdp_enabled or prec.compute == 4 else a
+    if fake is None and rank is not None:
+        fake = True  # context-parallel layers: shapes only (the fake group's collectives move no data)
     if fake is None:
         with torch.device("meta"):
             numel = sum(p.numel() for p in DecoderLayer(layer_idx, args).parameters())
         fake = numel * (param_dtype.itemsize + (prec.compute if autocast_dtype is not None else 0)) > REAL_TENSOR_BUDGET
     with FakeTensorMode(allow_non_fake_inputs=False) if fake else _one_thread():
         layer = zero_layer(args, layer_idx, param_dtype)
+        if rank is not None:
+            rank.install(layer)
         none, full = (
-            peak_profiles([layer_counter(layer, args, layer_idx, T, stream_dtype, autocast_dtype, full_ac, model_stream)
-                           for T in tokens], tokens)
+            peak_profiles([layer_counter(layer, args, layer_idx, T, stream_dtype, autocast_dtype, full_ac, model_stream,
+                                         rank) for T in tokens], tokens)
             for full_ac in (False, True)
         )
     kind = args.layer_kinds()[layer_idx] + ("+moe" if args.is_moe_layer(layer_idx) else "+dense")
@@ -567,9 +622,11 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-_PEAKS_CACHE: dict[tuple, dict[tuple[str, bool], LayerPeaks]] = {}
+_PEAKS_CACHE: dict[tuple, LayerPeaks] = {}
 
 
-def layer_peaks(args: ModelArgs, prec: Precision, fsdp_enabled: bool) -> dict[tuple[str, bool], LayerPeaks]:
-    """`measure_layer_peaks` per layer kind, cached per model and precision setting."""
-    return per_layer_kind(_PEAKS_CACHE, args, prec, fsdp_enabled, measure_layer_peaks)
+def layer_peaks(args: ModelArgs, prec: Precision, fsdp_enabled: bool, cp: int = 1,
+                options: CPOptions = CPOptions()) -> dict[tuple[str, bool], LayerPeaks]:
+    """`measure_layer_peaks` per layer kind, cached per model, precision setting and
+    context-parallel degree (`eager.per_layer_kind`)."""
+    return per_layer_kind(_PEAKS_CACHE, args, prec, fsdp_enabled, measure_layer_peaks, cp, options)
