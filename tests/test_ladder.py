@@ -408,6 +408,9 @@ def _train(tmp_path, dump, *extra, env=None):
 
 
 def _ladder_chain(root, *runs):
+    """A function running `runs` (dump folder name, extra arguments, environment) one after
+    the other under `root`: the list of their CompletedProcess."""
+
     def run():
         out = []
         for dump, extra, env in runs:
@@ -420,9 +423,8 @@ def _ladder_chain(root, *runs):
 
 def start_runs(root):
     """Queue the uninterrupted ladder run, which CI checks and both resumes compare with, and
-    the run stopped by an unknown key (tests/tiny.py), when the first test asks: (root folder,
-    {"full": future of its runs' CompletedProcess, "unknown key": future of (its config,
-    its CompletedProcess)})."""
+    the run stopped by an unknown key (tests/tiny.py): (root folder, {"full": future of its
+    runs' CompletedProcess, "unknown key": future of (its config, its CompletedProcess)})."""
     return root, start_all({"unknown key": lambda: _unknown_key_run(root / "unknown_key"),
                             "full": _ladder_chain(root, ("full", [], None))})
 
