@@ -35,7 +35,6 @@ from titan_moe.model.moe import (
 )
 from titan_moe.ops import choices
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 MOE = dict(dim=24, n_routed_experts=8, top_k=2, n_shared_experts=1, moe_latent_dim=12, moe_expert_hidden=20,
            moe_shared_hidden=10)

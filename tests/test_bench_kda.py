@@ -1,4 +1,7 @@
-"""profiling/bench_kda.py runs end to end (CPU, tiny shapes: a plumbing check, no speed claim)."""
+"""profiling/bench_kda.py runs end to end (CPU, tiny shapes: a plumbing check, no speed claim).
+
+The CPU runs are processes started together when the first test asks (tests/tiny.py: two at
+a time, each mostly one busy core)."""
 
 from __future__ import annotations
 
@@ -10,12 +13,39 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny import environment, start_all, started_runs
+
 REPO = Path(__file__).resolve().parents[1]
+GRAD_ERRORS = ["profiling/kda_grad_errors.py", "--device", "cpu", "--T", "70", "--H", "1", "--dk", "32",
+               "--variants", "recompute:kernels.kda_keep=false,bad:kernels.kda=cutlass"]
 
 
-def test_bench_kda_tiny_cpu_reports_every_row():
-    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--reps", "2",
-                           "--scan-configs", "16x4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+def _script(*argv: str, timeout: int = 300):
+    """A run of `python *argv`, on the shared threads."""
+    return lambda: subprocess.run([sys.executable, *argv], cwd=REPO, env=environment(), capture_output=True,
+                                  text=True, timeout=timeout)
+
+
+def start_runs(root):
+    """Queue this file's CPU runs: name -> future of its CompletedProcess."""
+    bench = ["profiling/bench_kda.py", "--device", "cpu", "--tiny"]
+    return start_all({
+        "grad errors": _script(*GRAD_ERRORS),
+        "grad errors gate-min": _script(*GRAD_ERRORS, "--gate-min"),
+        "tiny": _script(*bench, "--reps", "2", "--scan-configs", "16x4"),
+        "profile once": _script(*bench, "--profile-once"),
+        "host profile": _script(*bench, "--shapes", "128", "--host-profile", "2"),
+        "cuda graphs": _script(*bench, "--cuda-graphs", timeout=120),
+    })
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return started_runs(start_runs, tmp_path_factory)
+
+
+def test_bench_kda_tiny_cpu_reports_every_row(runs):
+    proc = runs["tiny"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = report["rows"]
@@ -26,9 +56,8 @@ def test_bench_kda_tiny_cpu_reports_every_row():
         assert r["ms"] > 0 and r["tokens_per_s"] == r["B"] * r["T"] / (r["ms"] / 1e3)
 
 
-def test_bench_kda_profile_once_runs_each_row_without_timing():
-    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--profile-once"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_bench_kda_profile_once_runs_each_row_without_timing(runs):
+    proc = runs["profile once"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     profiled = [line for line in proc.stdout.splitlines() if line.startswith("profiled one call:")]
     assert profiled == [f"profiled one call: ours {d} B={b} T={t}"
@@ -36,11 +65,10 @@ def test_bench_kda_profile_once_runs_each_row_without_timing():
     assert json.loads(proc.stdout.strip().splitlines()[-1])["rows"] == []
 
 
-def test_bench_kda_host_profile_reports_host_time_and_callers():
+def test_bench_kda_host_profile_reports_host_time_and_callers(runs):
     """`--host-profile N`: per row a host/wall line and the cProfile tables (own, then
     cumulative time) naming our functions; nothing timed."""
-    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--shapes", "128",
-                           "--host-profile", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = runs["host profile"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("host profile, ")]
     assert [line.split(":")[0] for line in lines] == [f"host profile, ours {d} B=1 T=128" for d in ("fwd", "fwd+bwd")]
@@ -52,9 +80,8 @@ def test_bench_kda_host_profile_reports_host_time_and_callers():
     assert json.loads(proc.stdout.strip().splitlines()[-1])["rows"] == []
 
 
-def test_bench_kda_cuda_graphs_needs_cuda():
-    proc = subprocess.run([sys.executable, "profiling/bench_kda.py", "--device", "cpu", "--tiny", "--cuda-graphs"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_bench_kda_cuda_graphs_needs_cuda(runs):
+    proc = runs["cuda graphs"].result()
     assert proc.returncode == 2 and "--cuda-graphs needs --device cuda" in proc.stderr
 
 
@@ -74,16 +101,13 @@ def test_bench_kda_cuda_graphs_capture_our_op():
     assert all(r["ms"] > 0 for r in rows)
 
 
-def test_kda_grad_errors_cpu_reports_each_setting():
+def test_kda_grad_errors_cpu_reports_each_setting(runs):
     """profiling/kda_grad_errors.py on the CPU (the PyTorch path in bf16 against itself in
     fp32): a row per setting with every quantity near bf16's rounding of the outputs and
     gradients (~3e-3 seen), the gate-min inputs too; a setting that raises prints its error
     and a row of dashes instead of stopping the others."""
-    for extra in ([], ["--gate-min"]):
-        proc = subprocess.run(
-            [sys.executable, "profiling/kda_grad_errors.py", "--device", "cpu", "--T", "70", "--H", "1",
-             "--dk", "32", "--variants", "recompute:kernels.kda_keep=false,bad:kernels.kda=cutlass",
-             *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+    for run in ("grad errors", "grad errors gate-min"):
+        proc = runs[run].result()
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = proc.stdout.splitlines()
         assert any(line.startswith("bad: ValueError") for line in lines), lines

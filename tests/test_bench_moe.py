@@ -1,5 +1,8 @@
 """profiling/bench_moe.py: runs end to end on CPU with tiny shapes (a plumbing check, no speed
-claim), and its group sizes and FLOP counts are right."""
+claim), and its group sizes and FLOP counts are right.
+
+The CPU runs of the scripts are processes started together when the first test asks
+(tests/tiny.py: two at a time, each mostly one busy core)."""
 
 from __future__ import annotations
 
@@ -14,8 +17,31 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny import environment, start_all, started_runs
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "profiling" / "bench_moe.py"
+
+
+def _script(script: Path, *argv: str):
+    """A run of `script` on the CPU at tiny shapes, on the shared threads."""
+    return lambda: subprocess.run([sys.executable, str(script), "--device", "cpu", "--tiny", *argv], cwd=REPO,
+                                  env=environment(), capture_output=True, text=True, timeout=300)
+
+
+def start_runs(root):
+    """Queue this file's script runs: name -> future of its CompletedProcess."""
+    return start_all({
+        "tiny": _script(SCRIPT),
+        "step parts": _script(REPO / "profiling" / "bench_step_parts.py"),
+        "dispatch": _script(SCRIPT, "--skip-gemm", "--skip-layer", "--dispatch"),
+        "tile sweep": _script(SCRIPT, "--skip-layer", "--sweep-tiles", "--gemm-providers", "triton"),
+    })
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return started_runs(start_runs, tmp_path_factory)
 
 
 def _load_bench():
@@ -25,9 +51,8 @@ def _load_bench():
     return module
 
 
-def test_tiny_cpu_run_reports_every_row_without_times():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+def test_tiny_cpu_run_reports_every_row_without_times(runs):
+    proc = runs["tiny"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"date", "command", "device", "device_name", "torch", "triton", "dtype", "timed", "gemm",
@@ -67,11 +92,10 @@ def test_tiny_cpu_run_reports_every_row_without_times():
         assert all(1e-3 < e < 0.1 for e in errors[name].values()), errors
 
 
-def test_tiny_cpu_dispatch_run():
+def test_tiny_cpu_dispatch_run(runs):
     """--dispatch alone: every provider that runs on CPU fills its rows (no times), and ours agree
     with the plain gathers to fp32 rounding (sums of <= 8 products; dw: dot products over L <= 40)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--skip-gemm", "--skip-layer",
-                           "--dispatch"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = runs["dispatch"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["gemm"] == [] and report["moe_layer"] is None
@@ -130,12 +154,11 @@ def test_flop_counts_match_parameter_shapes():
     assert bench.torchtitan_moe_flops(tokens, dim, n, k, hidden, shared) == 2 * tokens * touched(theirs)
 
 
-def test_tile_sweep_runs_every_product_and_checks_each_configuration(monkeypatch):
+def test_tile_sweep_runs_every_product_and_checks_each_configuration(monkeypatch, runs):
     """`--sweep-tiles` on the CPU (untimed): forward, dx and dw over the tiny candidates, each
     result against the op's native path; the CPU has no TMA rows. `--gemm-providers` keeps
     the named providers (and torch._grouped_mm, the errors' reference) only."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--skip-layer", "--sweep-tiles",
-                           "--gemm-providers", "triton"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = runs["tile sweep"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     bench = _load_bench()
     tiles = {"x".join(map(str, t)) for t in bench.TINY_SWEEP}
@@ -205,13 +228,11 @@ def test_speedups_against_native_and_auto(capsys):
     assert "fp8 1.500x/1.250x" in capsys.readouterr().out
 
 
-def test_step_parts_tiny_cpu_run_compares_each_part_with_its_earlier_form():
+def test_step_parts_tiny_cpu_run_compares_each_part_with_its_earlier_form(runs):
     """profiling/bench_step_parts.py on CPU, tiny shapes (plumbing, no times): every provider
     runs compiled, and each new form equals its earlier one (the SiTU forms and the cached fp8
     linears bit for bit, the AttnRes mix to fp32 rounding of a different summation order)."""
-    script = REPO / "profiling" / "bench_step_parts.py"
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tiny"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = runs["step parts"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # (the weight refresh and dw rows join where the Triton kernels run: under the interpreter here)

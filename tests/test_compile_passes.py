@@ -53,8 +53,6 @@ TOL = 1e-6
 INDUCTOR_TOL = 1e-5
 SHAPES = [(37, 64, 4), (5, 896, 16), (9, 7, 7), (1, 100, 1), (300, 8, 2)]  # (N, n, k), k == n included
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
@@ -585,13 +583,38 @@ def test_inductor_with_installed_pass():
 
 
 # ---------------------------------------------------------------------------- the benchmark script
-def test_bench_passes_tiny_cpu_run():
+def start_runs(root):
+    """Queue this file's processes, started together when a test first asks (tests/tiny.py:
+    two at a time, each mostly one busy core): (root folder, name -> future of its
+    CompletedProcess). Three steps of the tiny model compiled (aot_eager) with and without the
+    pass; profiling/bench_passes.py at a tiny shape."""
+    from tiny import environment, run_train, start_all
+
+    common = ("--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager")
+    bench = [sys.executable, str(REPO / "profiling" / "bench_passes.py"), "--tiny", "--device", "cpu", "--threads", "1"]
+
+    def run_bench():
+        env = {k: v for k, v in environment().items() if k != "TRITON_INTERPRET"}
+        return subprocess.run(bench, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    return root, start_all({
+        "bench": run_bench,
+        "with": lambda: run_train(root / "with", *common, "--compile.passes", "router_fusion"),
+        "without": lambda: run_train(root / "without", *common),
+    })
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tiny import started_runs
+
+    return started_runs(start_runs, tmp_path_factory)
+
+
+def test_bench_passes_tiny_cpu_run(runs):
     """profiling/bench_passes.py end to end at a tiny shape: the fused variant has fewer generated
     kernels, calls the op instead of aten.topk, saves less for the backward and agrees with eager."""
-    script = REPO / "profiling" / "bench_passes.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--threads", "1"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = runs[1]["bench"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["device"] == "cpu" and len(report["cases"]) == 1
@@ -609,15 +632,14 @@ def test_bench_passes_tiny_cpu_run():
 
 # ---------------------------------------------------------------------------------------
 # the trainer: `[compile] passes`
-def test_trainer_runs_the_pass_in_every_compiled_moe_layer(tmp_path):
+def test_trainer_runs_the_pass_in_every_compiled_moe_layer(runs):
     """`--compile.passes router_fusion` with regional compile (aot_eager): the log reports one
     rewrite per compiled MoE layer kind and the losses of three steps equal the compiled run
     without the pass (same graphs up to the router; fp32 sums reassociated: 1e-5)."""
-    from tiny import losses, run_train
+    from tiny import losses
 
-    common = ("--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager")
-    with_pass = run_train(tmp_path / "with", *common, "--compile.passes", "router_fusion")
-    without = run_train(tmp_path / "without", *common)
+    root, futures = runs
+    with_pass, without = futures["with"].result(), futures["without"].result()
     for proc in (with_pass, without):
         assert proc.returncode == 0, proc.stderr[-3000:]
     log = with_pass.stdout + with_pass.stderr
@@ -625,7 +647,7 @@ def test_trainer_runs_the_pass_in_every_compiled_moe_layer(tmp_path):
     rewrites = [int(line.split("router_fusion: ")[1].split()[0]) for line in log.splitlines()
                 if "compile pass router_fusion:" in line]
     assert rewrites and max(rewrites) == 1 and min(rewrites) == 0  # MoE layers 1, dense layers 0
-    got, want = losses(tmp_path / "with"), losses(tmp_path / "without")
+    got, want = losses(root / "with"), losses(root / "without")
     assert sorted(got) == sorted(want) == [1, 2, 3]
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])

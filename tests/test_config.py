@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny import start_all, started_runs
+from tiny import environment, start_all, started_runs
 from titan_moe.config import ConfigError, load_config, model_args_from_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_invalid_toml_syntax(tmp_path):
 
 def _run_train(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "titan_moe.train", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+                          cwd=REPO, env=environment(), timeout=300)
 
 
 CLI_ERRORS = [

@@ -34,7 +34,6 @@ import copy
 import dataclasses
 import json
 import logging
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -44,7 +43,7 @@ import torch
 
 from gloo_ranks import spawn_gloo
 from numerics import rel_err
-from tiny import CONFIG, REPO, TINY_ARGS, TINY_CLI, records, start_all, started_runs, train_command
+from tiny import CONFIG, REPO, TINY_ARGS, TINY_CLI, environment, records, start_all, started_runs, train_command
 
 # ------------------------------------------------------------------------------------------ the decoder
 T = 128
@@ -194,7 +193,7 @@ def _run(dump: Path, *args: str, nproc: int = 1, record_graphs: bool = False) ->
         script.write_text(_RECORD_GRAPHS)
         at = command.index("titan_moe.train") - 1
         command = [*command[:at], str(script), str(dump), *command[at + 2 :]]
-    proc = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+    proc = subprocess.run(command, cwd=REPO, env={**environment(), "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]

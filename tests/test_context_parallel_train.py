@@ -5,7 +5,8 @@ steps 1-3, on gloo CPU ranks.
 Layouts: CP2, CP4, CP2 x FSDP2, CP2 x HSDP2 (replicated), CP2 x EP2 and CP2 x FSDP2 x
 EP2, MLA's queries balanced ("headtail", the default) except under CP2 x EP2 (each rank
 its own queries: `context_parallel_load_balancer = none`); a CP2 checkpoint resumed in one
-process and a one-process checkpoint resumed under CP2. The rows of those steps hold
+process and a one-process checkpoint resumed under CP2 (CI runs CP2 and CP2 x FSDP2 x EP2,
+the other layouts and the resumes are slow tests). The rows of those steps hold
 documents crossing segment boundaries, documents longer than a segment and documents
 starting inside a segment (checked below on the loader's own rows, so that the parity
 runs cannot pass on rows without them).
@@ -30,7 +31,6 @@ the fake group moves no data).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny import CONFIG, REPO, TINY_CLI, records, start_all, started_runs, train_command
+from tiny import CONFIG, REPO, TINY_CLI, environment, records, start_all, started_runs, train_command
 from tiny import run_train as _run_train
 
 STEPS = 3
@@ -78,37 +78,56 @@ def _assert_close(got: dict[int, dict], ref: dict[int, dict], steps, label: str)
             assert abs(a - b) <= rtol * abs(b), (label, step, key, a, b)
 
 
+CI_LAYOUTS = ("CP2", "CP2xFSDP2xEP2")  # the rest are slow tests
+
+
+def _one(root: Path, name: str, *args: str, nproc: int = 1, seed: str | None = None) -> dict:
+    """{run name: dump folder, "<run name> log": its log}."""
+    dump = root / name
+    if seed is not None:  # resume from another run's step-2 checkpoint
+        shutil.copytree(seed / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    proc = run_train(dump, *args, nproc=nproc)
+    return {name: dump, f"{name} log": proc.stdout + proc.stderr}
+
+
 def start_runs(root: Path) -> dict:
-    """Queue every training run of this file (tests/tiny.py): name -> future of {run name:
-    dump folder, "<run name> log": its log}."""
+    """Queue the runs of the CI tests (tests/tiny.py): name -> future of {run name: dump
+    folder, "<run name> log": its log}; the fake-backend runs below ("fake <layout>") and the
+    refused layout ("bad layout") too. The one-process run and CP2 also save step 2, which the
+    slow resume tests resume."""
+    chains = {"one process": lambda: _one(root, "one_process", *CKPT)}
+    for name in CI_LAYOUTS:
+        args, nproc = LAYOUTS[name]
+        chains[name] = lambda name=name, args=args, nproc=nproc: _one(root, name, *args, nproc=nproc)
+    for name in FAKE_LAYOUTS:
+        chains[f"fake {name}"] = lambda name=name: _fake_backend_run(root / f"fake_{name}", name)
+    chains["bad layout"] = lambda: _run_train(root / "bad_layout", *cp(2), "--training.seq_len", "255")
+    return start_all(chains)
 
-    def one(name: str, *args: str, nproc: int = 1, seed: str | None = None) -> dict:
-        dump = root / name
-        if seed is not None:  # resume from another run's step-2 checkpoint
-            shutil.copytree(root / seed / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
-        proc = run_train(dump, *args, nproc=nproc)
-        return {name: dump, f"{name} log": proc.stdout + proc.stderr}
 
-    def then(first, second):
-        return lambda: {**first(), **second()}
-
+def start_slow_runs(root: Path, ci_runs: dict) -> dict:
+    """Queue the runs that only the slow tests read, as `start_runs`; the resumes wait on the
+    CI runs whose checkpoints they read (queued before them)."""
     chains = {
-        # also saves step 2, resumed under CP2
-        "one process": then(lambda: one("one_process", *CKPT),
-                            lambda: one("resumed_under_cp2", *cp(2), *CKPT, nproc=2, seed="one_process")),
-        # its step-2 checkpoint, resumed in one process
-        "CP2": then(lambda: one("CP2", *LAYOUTS["CP2"][0], nproc=2),
-                    lambda: one("resumed_in_one_process", *CKPT, seed="CP2")),
+        "resumed under CP2": lambda: _one(root, "resumed_under_cp2", *cp(2), *CKPT, nproc=2,
+                                          seed=ci_runs["one process"].result()["one_process"]),
+        "resumed in one process": lambda: _one(root, "resumed_in_one_process", *CKPT,
+                                               seed=ci_runs["CP2"].result()["CP2"]),
     }
     for name, (args, nproc) in LAYOUTS.items():
-        if name != "CP2":
-            chains[name] = lambda name=name, args=args, nproc=nproc: one(name, *args, nproc=nproc)
+        if name not in CI_LAYOUTS:
+            chains[name] = lambda name=name, args=args, nproc=nproc: _one(root, name, *args, nproc=nproc)
     return start_all(chains)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     return started_runs(start_runs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(runs, tmp_path_factory) -> dict:
+    return started_runs(start_slow_runs, tmp_path_factory, runs)
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +157,10 @@ def test_the_rows_cross_segments():
         assert crossing and inside and (lengths > L).any(), f"cp {n}: the rows lack a case"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_losses_match_one_process(name, runs, one_process):
-    out = runs[name].result()
+@pytest.mark.parametrize("name", [name if name in CI_LAYOUTS else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in LAYOUTS])
+def test_losses_match_one_process(name, runs, one_process, request):
+    out = (runs if name in CI_LAYOUTS else request.getfixturevalue("slow_runs"))[name].result()
     log = out[f"{name} log"]
     assert f"Applied context parallelism over {name[2]} ranks" in log
     assert ("Applied expert parallelism over 2 ranks" in log) == ("EP2" in name)
@@ -153,13 +172,18 @@ def test_losses_match_one_process(name, runs, one_process):
     for step in ref:
         for key in ("moe/max_violation_max", "moe/max_violation_mean", "moe/dead_experts_total"):
             assert got[step][key] == pytest.approx(ref[step][key], abs=1e-9), (name, step, key)
-    if name == "CP2":  # its step-2 checkpoint, resumed in one process
-        _assert_close(records(out["resumed_in_one_process"]), ref, [3], "CP2 checkpoint resumed in one process")
 
 
 @pytest.mark.slow
-def test_one_process_checkpoint_resumes_under_cp2(runs, one_process):
-    got = records(runs["one process"].result()["resumed_under_cp2"])
+def test_cp2_checkpoint_resumes_in_one_process(slow_runs, one_process):
+    got = records(slow_runs["resumed in one process"].result()["resumed_in_one_process"])
+    assert sorted(got) == [3]
+    _assert_close(got, records(one_process), [3], "CP2 checkpoint resumed in one process")
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_under_cp2(slow_runs, one_process):
+    got = records(slow_runs["resumed under CP2"].result()["resumed_under_cp2"])
     assert sorted(got) == [3]
     _assert_close(got, records(one_process), [3], "one-process checkpoint resumed under CP2")
 
@@ -180,8 +204,8 @@ def test_bad_layouts_are_refused(args, needle):
         check_context_parallel(config)
 
 
-def test_a_bad_layout_stops_the_trainer_with_one_line(tmp_path):
-    proc = _run_train(tmp_path, *cp(2), "--training.seq_len", "255")
+def test_a_bad_layout_stops_the_trainer_with_one_line(runs):
+    proc = runs["bad layout"].result()
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("titan_moe.train: error:")]
     assert len(lines) == 1 and "training.seq_len = 255" in lines[0] and "context_parallel_degree" in lines[0]
@@ -220,28 +244,38 @@ FAKE_LAYOUTS = {  # name: (arguments, NGPU, cp)
 }
 
 
+FAKE_SEQ, FAKE_STEPS = 512, 2
+
+
+def _fake_backend_run(dump: Path, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """FAKE_STEPS steps as rank 0 of the layout on the fake backend: (the process, its dump
+    folder), the mixer calls' token counts in the folder's mixer_tokens.json."""
+    args, ngpu, _ = FAKE_LAYOUTS[name]
+    dump.mkdir(parents=True)
+    command = train_command(dump, "--training.seq_len", str(FAKE_SEQ), "--training.steps", str(FAKE_STEPS),
+                            "--comm.mode", "fake_backend", *args)
+    assert command[1:3] == ["-m", "titan_moe.train"]
+    proc = subprocess.run([sys.executable, "-c", _COUNT_MIXER_TOKENS, str(dump / "mixer_tokens.json"), *command[3:]],
+                          cwd=REPO, env={**environment(), "OMP_NUM_THREADS": "1", "NGPU": str(ngpu)},
+                          capture_output=True, text=True, timeout=300)
+    return proc, dump
+
+
 @pytest.mark.parametrize("name", list(FAKE_LAYOUTS))
-def test_fake_backend_rank_trains_on_its_segment(name, tmp_path):
+def test_fake_backend_rank_trains_on_its_segment(name, runs):
     """Two steps as rank 0 of the layout on torch's fake process group, in one process: it
     ends normally, says at start-up that its losses are meaningless, and every KDA and MLA
     call of both steps held T / cp tokens of each row. Under EP the token counts of the
     exchange are taken from this rank (the fake group's all-to-all is not read)."""
-    args, ngpu, degree = FAKE_LAYOUTS[name]
-    seq, steps = 512, 2
-    counts = tmp_path / "mixer_tokens.json"
-    command = train_command(tmp_path, "--training.seq_len", str(seq), "--training.steps", str(steps),
-                            "--comm.mode", "fake_backend", *args)
-    assert command[1:3] == ["-m", "titan_moe.train"]
-    proc = subprocess.run([sys.executable, "-c", _COUNT_MIXER_TOKENS, str(counts), *command[3:]], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "NGPU": str(ngpu)},
-                          capture_output=True, text=True, timeout=300)
+    _, ngpu, degree = FAKE_LAYOUTS[name]
+    proc, dump = runs[f"fake {name}"].result()
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     assert f"comm.mode = 'fake_backend': this process plays rank 0 of {ngpu} ranks" in log
     assert f"Applied context parallelism over {degree} ranks" in log
     assert ("Applied expert parallelism over 2 ranks" in log) == ("EP2" in name)
-    assert sorted(records(tmp_path)) == [1, 2]
-    seen = json.loads(counts.read_text())
+    assert sorted(records(dump)) == [1, 2]
+    seen = json.loads((dump / "mixer_tokens.json").read_text())
     n_layers = 4  # configs/debug_cpu.toml: KDA, KDA, KDA, MLA
     assert sorted({kind for kind, _ in seen}) == ["ContextParallelKDA", "ContextParallelMLA"]
-    assert len(seen) == steps * n_layers and {tokens for _, tokens in seen} == {seq // degree}, seen
+    assert len(seen) == FAKE_STEPS * n_layers and {tokens for _, tokens in seen} == {FAKE_SEQ // degree}, seen

@@ -152,7 +152,8 @@ def test_dw_tma_variant_matches_loop_reference(m, k, n, e, frac, dtype, tma):
 
 @needs_kernels
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 40, 24, 5, 0.8), (200, 48, 32, 9, 0.7)])
+@pytest.mark.parametrize("m,k,n,e,frac", [(100, 32, 16, 4, 1.0), (77, 40, 24, 5, 0.8),
+                                          pytest.param(200, 48, 32, 9, 0.7, marks=pytest.mark.slow)])
 def test_dw_flat_loop_matches_nested_loops(m, k, n, e, frac, tma):
     """``TileConfig.flat``: every tile's reduction steps in one loop (`_ragged_k_flat_kernel`)
     give the nested kernel's sums exactly (same steps, same order), with empty groups (one
@@ -210,6 +211,31 @@ def tail_offsets(device):
     return torch.tensor(sizes).cumsum(0).to(device=device, dtype=torch.int32), sum(sizes) + 7
 
 
+def tail_case(dtype):
+    """(offs, products) of the tail-tile tests over :func:`tail_offsets`: the forward (x
+    [m, 40] by E weights [40, 24]) and dx (grad [m, 24] by the transposed weights)."""
+    offs, m = tail_offsets(DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(m, 40, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, dtype)
+    grad = torch.randn(m, 24, generator=gen).to(DEVICE, dtype)
+    return offs, [(x, w), (grad, w.transpose(1, 2))]
+
+
+_TAIL_RUNS: dict = {}
+
+
+def tail_run(dtype, product: int, config, tma):
+    """`grouped_mm_triton` of `tail_case(dtype)`'s product (0 forward, 1 dx) under `config`;
+    cached, since the tail tests compare several configurations with the same ones (the
+    interpreter is slow)."""
+    key = (dtype, product, config, tma)
+    if key not in _TAIL_RUNS:
+        offs, products = tail_case(dtype)
+        _TAIL_RUNS[key] = tk.grouped_mm_triton(*products[product], offs, config=config, tma=tma)
+    return _TAIL_RUNS[key]
+
+
 @needs_kernels
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -217,18 +243,14 @@ def test_tail_tiles_match_loop_reference(tma, dtype):
     """``TileConfig.tail_m``: the rows past a group's full tiles in 16-row tiles computed
     transposed, forward and dx (transposed weights), pointer and TMA loads; K and N not
     multiples of the tile; the same result as without tail tiles."""
-    offs, m = tail_offsets(DEVICE)
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(m, 40, generator=gen).to(DEVICE, dtype)
-    w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, dtype)
-    grad = torch.randn(m, 24, generator=gen).to(DEVICE, dtype)
+    offs, products = tail_case(dtype)
     tail = tail_config()
     plain = dataclasses.replace(tail, tail_m=0)
-    for a, b in ((x, w), (grad, w.transpose(1, 2))):
-        out = tk.grouped_mm_triton(a, b, offs, config=tail, tma=tma)
+    for product, (a, b) in enumerate(products):
+        out = tail_run(dtype, product, tail, tma)
         assert rel_err(out, grouped_mm_reference(a, b, offs)) < TOL[dtype]
         assert torch.all(out[int(offs[-1]):] == 0)
-        assert rel_err(out, tk.grouped_mm_triton(a, b, offs, config=plain, tma=tma)) < TOL[dtype]
+        assert rel_err(out, tail_run(dtype, product, plain, tma)) < TOL[dtype]
 
 
 @needs_kernels
@@ -239,18 +261,14 @@ def test_upright_tail_tiles_match_loop_reference(tma, dtype):
     transposed), forward and dx, every remainder case of :func:`tail_offsets`, with TMA stores
     of the full tiles (tail tiles through pointer stores); the same result as the transposed
     tail tiles and as no tail tiles."""
-    offs, m = tail_offsets(DEVICE)
-    gen = torch.Generator().manual_seed(12)
-    x = torch.randn(m, 40, generator=gen).to(DEVICE, dtype)
-    w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, dtype)
-    grad = torch.randn(m, 24, generator=gen).to(DEVICE, dtype)
+    offs, products = tail_case(dtype)
     upright = dataclasses.replace(tail_config(), tail_upright=True, store_tma=True)
-    for a, b in ((x, w), (grad, w.transpose(1, 2))):
+    for product, (a, b) in enumerate(products):
         out = tk.grouped_mm_triton(a, b, offs, config=upright, tma=tma)
         assert rel_err(out, grouped_mm_reference(a, b, offs)) < TOL[dtype]
         assert torch.all(out[int(offs[-1]):] == 0)
         for other in (tail_config(), dataclasses.replace(tail_config(), tail_m=0)):
-            assert rel_err(out, tk.grouped_mm_triton(a, b, offs, config=other, tma=tma)) < TOL[dtype]
+            assert rel_err(out, tail_run(dtype, product, other, tma)) < TOL[dtype]
 
 
 @needs_kernels
@@ -314,17 +332,15 @@ def test_forward_tma_stores_match_pointer_stores(tail):
     partial tile (and tail tiles) through masked pointer stores, so that no box overwrites
     the next group's rows: the same output as pointer stores everywhere, rows past offs[-1]
     zero."""
-    offs, m = tail_offsets(DEVICE)
-    gen = torch.Generator().manual_seed(13)
-    x = torch.randn(m, 40, generator=gen).to(DEVICE, torch.float16)
-    w = torch.randn(offs.numel(), 40, 24, generator=gen).to(DEVICE, torch.float16)
+    offs, products = tail_case(torch.float16)
     cfg = tail_config() if tail else dataclasses.replace(tail_config(), tail_m=0)
     stored = dataclasses.replace(cfg, store_tma=True)
-    assert tk.row_major_descriptor(x.new_empty(m, 24), [cfg.block_m, cfg.block_n]) is not None
-    for a, b in ((x, w), (torch.randn(m, 24, generator=gen).to(DEVICE, torch.float16), w.transpose(1, 2))):
+    x = products[0][0]
+    assert tk.row_major_descriptor(x.new_empty(x.shape[0], 24), [cfg.block_m, cfg.block_n]) is not None
+    for product, (a, b) in enumerate(products):
         for tma in (False, True):
             out = tk.grouped_mm_triton(a, b, offs, config=stored, tma=tma)
-            assert torch.equal(out, tk.grouped_mm_triton(a, b, offs, config=cfg, tma=tma))
+            assert torch.equal(out, tail_run(torch.float16, product, cfg, tma))
             assert torch.all(out[int(offs[-1]):] == 0)
 
 

@@ -28,11 +28,6 @@ TOL = 2e-5
 ARGS = ModelArgs(dim=48, kda_n_heads=2, kda_head_dim=16, kda_conv_size=4, kda_g_min=-5.0)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-
-
 def make_layer(args: ModelArgs = ARGS, seed: int = 0) -> KimiDeltaAttention:
     """Weights ~ N(0, 1/fan_in) so activations are O(1); gate parameters and the norm weight
     random too, so that a missing A_log, dt_bias or norm weight would show."""

@@ -39,11 +39,6 @@ FLA_RATIOS = dict(o=5e-3, ht=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dh0=8e-3, dg=2e-2,
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-
-
 def make_inputs(
     B: int, T: int, H: int, dk: int, dv: int, n_seq: int, gate: str, seed: int
 ) -> dict[str, torch.Tensor]:

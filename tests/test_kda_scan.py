@@ -251,11 +251,15 @@ def get_case(name: str) -> Case:
 
 
 @needs_kernels
-@pytest.mark.parametrize("case, L", [("varlen_slow", 1), ("varlen_slow", 2), ("varlen_slow", 3),
-                                     ("varlen_slow", None), ("batch_min", 1), ("wide_k", 1)])
+@pytest.mark.parametrize("case, L", [("varlen_slow", 1), ("varlen_slow", 2), ("batch_min", 1), ("wide_k", 1),
+                                     pytest.param("varlen_slow", 3, marks=pytest.mark.slow),
+                                     pytest.param("varlen_slow", None, marks=pytest.mark.slow)])
 def test_segment_scan_matches_sequential(case, L):
     """h, V~ and final states of the segment scan equal the sequential scan's (fp32
-    rounding), outputs from them match the float64 recurrence; every entry is written."""
+    rounding), outputs from them match the float64 recurrence; every entry is written.
+    L = 1: every chunk its own segment (middle segments of one chunk); L = 2 on the 5-chunk
+    sequence: a middle segment of two chunks and a short last one (CI); L = 3 and L = None
+    (the wave model's choice; CI: `test_scan_argument`) are slow tests."""
     c = get_case(case)
     st_seg, L_used = c.segments(L)
     h, v_new, ht = st_seg.h, st_seg.v_new, st_seg.final_state
@@ -274,13 +278,19 @@ def test_segment_scan_matches_sequential(case, L):
 
 
 @needs_kernels
-def test_scan_argument():
+def test_scan_argument(monkeypatch):
     """`scan=` picks the path (default sequential: the op's), with and without initial /
-    final states (3 chunks in 3 segments); other values raise."""
+    final states (3 chunks in 3 segments); other values raise. Without `segment_chunks` the
+    wave model picks L (spied on, to pick 2: segments of 2 and 1 chunks)."""
     inp, h0 = make_inputs(130, 2, 16, 16, "slow", seed=5, n_seqs=1)
     seq = kda_fwd_states(**inp, scale=0.25, initial_state=h0, output_final_state=True)
     seg, L = forward_by_segments(inp, 0.25, h0, None, 1)
     assert L == 1
+    assert rel_err(seg.h, seq.h) < SCAN_TOL and rel_err(seg.final_state, seq.final_state) < SCAN_TOL
+    asked = []
+    monkeypatch.setattr(triton_scan, "default_segment_chunks", lambda *args: asked.append(args) or 2)
+    seg, L = forward_by_segments(inp, 0.25, h0, None, None)
+    assert L == 2 and asked == [([3], 2, 16, 16)]
     assert rel_err(seg.h, seq.h) < SCAN_TOL and rel_err(seg.final_state, seq.final_state) < SCAN_TOL
     seg0, _ = forward_by_segments(inp, 0.25, None, None, 1)
     seq0 = kda_fwd_states(**inp, scale=0.25, scan="sequential")

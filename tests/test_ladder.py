@@ -23,7 +23,7 @@ from titan_moe.data.packing import IGNORE_INDEX
 from titan_moe.data.synthetic import Filler, SyntheticTasks, mqar_task, passkey_task, task_rng
 from titan_moe.ladder import Ladder, Stage, lr_lambda, resolve_stages, short_length
 
-from tiny import REPO, TINY_CLI, records, start_all, started_runs
+from tiny import REPO, TINY_CLI, environment, records, start_all, started_runs
 
 LADDER_TOML = """
 [job]
@@ -121,10 +121,16 @@ def test_bad_stage_keys_are_one_line_errors(tmp_path, args, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_unknown_key_in_a_stage_table_exits_2(tmp_path):
-    path = _write_config(tmp_path, LADDER_TOML.replace("steps = 3\nlocal_batch_size = 2", "steps = 3\nbatch = 2"))
-    proc = subprocess.run([sys.executable, "-m", "titan_moe.train", "--job.config_file", path],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+def _unknown_key_run(folder):
+    """The trainer on a ladder config with an unknown key in stage 2: (config path, process)."""
+    folder.mkdir()
+    path = _write_config(folder, LADDER_TOML.replace("steps = 3\nlocal_batch_size = 2", "steps = 3\nbatch = 2"))
+    return path, subprocess.run([sys.executable, "-m", "titan_moe.train", "--job.config_file", path],
+                                cwd=REPO, env=environment(), capture_output=True, text=True, timeout=120)
+
+
+def test_unknown_key_in_a_stage_table_exits_2(runs):
+    path, proc = runs[1]["unknown key"].result()
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == f"titan_moe.train: error: {path}: unknown key 'ladder.stages.2.batch'"
@@ -397,31 +403,40 @@ def _ladder_cli(tmp_path, *extra):
 def _train(tmp_path, dump, *extra, env=None):
     cmd = _ladder_cli(tmp_path, "--job.dump_folder", str(dump), *extra)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env={**environment(), "OMP_NUM_THREADS": "1", **(env or {})})
     return proc
 
 
+def _ladder_chain(root, *runs):
+    """A function running `runs` (dump folder name, extra arguments, environment) one after
+    the other under `root`: the list of their CompletedProcess."""
+
+    def run():
+        out = []
+        for dump, extra, env in runs:
+            config = root / f"{dump}_config"  # each chain writes its own copy of the config
+            config.mkdir(exist_ok=True)
+            out.append(_train(config, root / dump, *extra, env=env))
+        return out
+    return run
+
+
 def start_runs(root):
-    """Queue the ladder runs of the two tests below (tests/tiny.py): (root folder, name ->
-    future of its runs' CompletedProcess, in order). "full" is the uninterrupted reference of
-    both."""
+    """Queue the uninterrupted ladder run, which CI checks and both resumes compare with, and
+    the run stopped by an unknown key (tests/tiny.py): (root folder, {"full": future of its
+    runs' CompletedProcess, "unknown key": future of (its config, its CompletedProcess)})."""
+    return root, start_all({"unknown key": lambda: _unknown_key_run(root / "unknown_key"),
+                            "full": _ladder_chain(root, ("full", [], None))})
 
-    def chain(*runs):
-        def run():
-            out = []
-            for dump, extra, env in runs:
-                config = root / f"{dump}_config"  # each chain writes its own copy of the config
-                config.mkdir(exist_ok=True)
-                out.append(_train(config, root / dump, *extra, env=env))
-            return out
-        return run
 
+def start_slow_runs(root, ci_runs):
+    """Queue the interrupted runs of the slow tests below, as `start_runs` (`ci_runs`, what
+    `start_runs` returned, is not read here: conftest.py passes it to every file's)."""
     return root, start_all({
         # stopped inside stage 2 (step 5, after the checkpoint of step 4), then run again
-        "split": chain(("split", ["--training.exit_at_step", "5"], None), ("split", [], None)),
+        "split": _ladder_chain(root, ("split", ["--training.exit_at_step", "5"], None), ("split", [], None)),
         # killed inside the save of step 8, then run again
-        "killed": chain(("killed", [], {"TITAN_MOE_KILL_DURING_SAVE_STEP": "8"}), ("killed", [], None)),
-        "full": chain(("full", [], None)),
+        "killed": _ladder_chain(root, ("killed", [], {"TITAN_MOE_KILL_DURING_SAVE_STEP": "8"}), ("killed", [], None)),
     })
 
 
@@ -430,10 +445,16 @@ def runs(tmp_path_factory):
     return started_runs(start_runs, tmp_path_factory)
 
 
-@pytest.mark.slow  # five training processes, two at a time
-def test_ladder_runs_stages_and_resumes_bit_identically(runs):
+@pytest.fixture(scope="module")
+def slow_runs(runs, tmp_path_factory):  # after `runs`: the slow chains queue behind the CI ones
+    return started_runs(start_slow_runs, tmp_path_factory, runs)
+
+
+def test_ladder_runs_its_stages_with_evaluations_and_checkpoints(runs):
+    """Three stages of three steps: each step at its stage's length, the evaluations at each
+    stage's end, a checkpoint at each stage's end (besides the interval's)."""
     root, futures = runs
-    full, split = root / "full", root / "split"
+    full = root / "full"
     (proc,) = futures["full"].result()
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = proc.stdout + proc.stderr
@@ -446,26 +467,31 @@ def test_ladder_runs_stages_and_resumes_bit_identically(runs):
     assert all((full / "checkpoint" / f"step-{s}" / ".metadata").is_file() for s in (3, 6, 9))
     assert (full / "passkey_9.png").is_file()
 
-    # stopped inside stage 2 (step 5, after the checkpoint of step 4), then run again
+
+@pytest.mark.slow  # four training processes, two at a time
+def test_ladder_stopped_mid_stage_resumes_bit_identically(runs, slow_runs):
+    """Stopped inside stage 2 (step 5, after the checkpoint of step 4), then run again: every
+    step's loss equals the uninterrupted run's."""
+    root, futures = slow_runs
+    assert runs[1]["full"].result()[0].returncode == 0
     stopped, proc = futures["split"].result()
     assert stopped.returncode == 0, stopped.stderr[-4000:]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Loading the checkpoint" in proc.stdout + proc.stderr
-    reference, resumed = records(full), records(split)
+    reference, resumed = records(runs[0] / "full"), records(root / "split")
     assert sorted(resumed) == list(range(1, 10))
     for step in range(1, 10):
         assert resumed[step]["loss"] == reference[step]["loss"], step
 
 
 @pytest.mark.slow
-def test_ladder_killed_mid_stage_resumes_from_last_checkpoint(runs):
-    root, futures = runs
-    full, killed = root / "full", root / "killed"
-    assert futures["full"].result()[0].returncode == 0
+def test_ladder_killed_mid_stage_resumes_from_last_checkpoint(runs, slow_runs):
+    root, futures = slow_runs
+    assert runs[1]["full"].result()[0].returncode == 0
     crashed, proc = futures["killed"].result()
     assert crashed.returncode != 0
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step-6" in proc.stdout + proc.stderr
-    reference, resumed = records(full), records(killed)
+    reference, resumed = records(runs[0] / "full"), records(root / "killed")
     for step in (7, 8, 9):
         assert resumed[step]["loss"] == reference[step]["loss"], step

@@ -216,18 +216,36 @@ MUON_RESUME = ["--training.steps", "5", "--checkpoint.enable", "--checkpoint.int
                "Muon"]
 
 
+def _chain(root, *runs):
+    return lambda: [run_train(root / name, *args, nproc=nproc) for name, args, nproc in runs]
+
+
+MUON_LAYOUTS = {"fsdp": ([], 2), "fsdp_ep": (["--parallelism.expert_parallel_degree", "2"], 2)}
+
+
+MUON_ONE = ["--training.steps", "3", "--optimizer.name", "Muon"]
+
+
+def _layout_run(root, name):
+    args, nproc = MUON_LAYOUTS[name]
+    return _chain(root, (name, [*MUON_ONE, *args], nproc))
+
+
 def start_runs(root):
-    """Queue the trainer runs of the two tests below (tests/tiny.py): (root folder, name ->
-    future of the list of its runs' CompletedProcess)."""
+    """Queue the one-process trainer run with Muon, the one CI runs (tests/tiny.py): (root
+    folder, name -> future of the list of its runs' CompletedProcess). It saves its last step
+    (saving does not change what it computes)."""
+    return root, start_all({"one": _chain(root, ("one", [*MUON_ONE, "--checkpoint.enable", "--checkpoint.interval",
+                                                          "3"], 1))})
 
-    def chain(*runs):
-        return lambda: [run_train(root / name, *args, nproc=nproc) for name, args, nproc in runs]
 
-    layouts = {"one": ([], 1), "fsdp": ([], 2), "fsdp_ep": (["--parallelism.expert_parallel_degree", "2"], 2)}
-    chains = {"split": chain(("split", [*MUON_RESUME, "--training.exit_at_step", "3"], 1), ("split", MUON_RESUME, 1))}
-    for name, (args, nproc) in layouts.items():
-        chains[name] = chain((name, ["--training.steps", "3", "--optimizer.name", "Muon", *args], nproc))
-    chains["full"] = chain(("full", MUON_RESUME, 1))
+def start_slow_runs(root, ci_runs):
+    """Queue the runs that only the slow tests below read, as `start_runs` (`ci_runs`, what
+    `start_runs` returned, is not read here: conftest.py passes it to every file's)."""
+    chains = {name: _layout_run(root, name) for name in ("fsdp", "fsdp_ep")}
+    chains["split"] = _chain(root, ("split", [*MUON_RESUME, "--training.exit_at_step", "3"], 1),
+                             ("split", MUON_RESUME, 1))
+    chains["full"] = _chain(root, ("full", MUON_RESUME, 1))
     return root, start_all(chains)
 
 
@@ -236,19 +254,41 @@ def runs(tmp_path_factory):
     return started_runs(start_runs, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def slow_runs(runs, tmp_path_factory):  # after `runs`: the slow chains queue behind the CI ones
+    return started_runs(start_slow_runs, tmp_path_factory, runs)
+
+
+def test_trainer_trains_with_muon(runs):
+    """`--optimizer.name Muon` through the trainer, one process: the loss falls over three
+    steps, and the checkpoint of step 3 holds Muon's momentum for the per-head matrices and
+    AdamW's moments, not momentum, for the embedding."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, futures = runs
+    (proc,) = futures["one"].result()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got = losses(root / "one")
+    assert sorted(got) == [1, 2, 3] and got[3] < got[1]
+    keys = set(FileSystemReader(str(root / "one" / "checkpoint" / "step-3")).read_metadata().state_dict_metadata)
+    state = "optimizer.state.{}.{}"
+    assert state.format("layers.0.attention.wq.weight", "momentum_buffer") in keys
+    assert state.format("layers.0.attention.wq.weight", "exp_avg_sq") not in keys
+    assert state.format("tok_embeddings.weight", "exp_avg_sq") in keys
+    assert state.format("tok_embeddings.weight", "momentum_buffer") not in keys
+
+
 @pytest.mark.slow
-def test_trainer_with_muon_matches_across_fsdp_and_ep_layouts(runs):
+def test_trainer_with_muon_matches_across_fsdp_and_ep_layouts(runs, slow_runs):
     """`--optimizer.name Muon` trains the (narrowed) debug config in one process, on 2 FSDP
     ranks and on 2 FSDP+EP ranks to the same losses. In FSDP the 2-head projections (16 rows a
     head, 32 rows: one head a rank) are orthogonalized on their shard, the column blocks and
     whole matrices gathered; under EP each rank holds whole experts."""
-    root, futures = runs
     got = {}
-    for name in ("one", "fsdp", "fsdp_ep"):
+    for name, (root, futures) in (("one", runs), ("fsdp", slow_runs), ("fsdp_ep", slow_runs)):
         (proc,) = futures[name].result()
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         got[name] = losses(root / name)
-    assert got["one"][3] < got["one"][1]  # it trains
     for name in ("fsdp", "fsdp_ep"):
         # the gradients differ by fp32 summation order only; NS in bf16 can round a few
         # elements differently (one bf16 ulp, 0.4%), far below a wrong block or shard (O(1))
@@ -257,11 +297,11 @@ def test_trainer_with_muon_matches_across_fsdp_and_ep_layouts(runs):
 
 
 @pytest.mark.slow
-def test_trainer_resumes_muon_bit_identically(runs):
+def test_trainer_resumes_muon_bit_identically(slow_runs):
     """A DCP checkpoint at step 3 holds Muon's momentum buffers and the AdamW moments: the
     resumed run continues with the very losses of an uninterrupted one (the same ops on the
     same values, so exact equality)."""
-    root, futures = runs
+    root, futures = slow_runs
     for proc in futures["full"].result() + futures["split"].result():
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     reference, resumed = losses(root / "full"), losses(root / "split")

@@ -23,7 +23,6 @@ from titan_moe.ops import nvtx
 
 from tiny import CONFIG, REPO, TINY_ARGS, TINY_CLI
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ops that eager layers call and compiled ones replace by the composite Inductor fuses (the
 # SiTU-GLU backward stays our op in both: `titan_moe.model.situ._SiTUGLUCompiled`)

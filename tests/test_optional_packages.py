@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import REPO, losses, run_train
+from tiny import REPO, environment, losses, run_train, start_all, started_runs
 
 from titan_moe.runtime.optional_packages import is_placeholder, provide_datasets_placeholder
 
@@ -22,7 +22,7 @@ def _hide_datasets(tmp_path: Path) -> dict:
     shadow = tmp_path / "shadow" / "datasets"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('datasets hidden for this test')\n")
-    path = os.pathsep.join(p for p in (str(shadow.parent), str(REPO), os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(shadow.parent), str(REPO), environment().get("PYTHONPATH")) if p)
     return {"PYTHONPATH": path}
 
 
@@ -34,10 +34,8 @@ def test_installed_datasets_is_left_alone():
     assert sys.modules["datasets"] is datasets and not is_placeholder(datasets)
 
 
-def test_placeholder_imports_and_refuses_use(tmp_path):
-    """Without `datasets`: torchtitan's trainer and our train spec import; the placeholder
-    raises on use; an hf_disk corpus says the package is missing."""
-    (tmp_path / "saved").mkdir()
+def _placeholder_run(tmp_path: Path) -> subprocess.CompletedProcess:
+    (tmp_path / "saved").mkdir(parents=True)
     script = f"""
 import sys
 import titan_moe.train_spec, titan_moe.validate  # these install the placeholder
@@ -62,15 +60,37 @@ else:
     raise AssertionError("hf_disk_source did not refuse")
 print("placeholder ok")
 """
-    env = {**os.environ, **_hide_datasets(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+    env = {**environment(), **_hide_datasets(tmp_path)}
+    return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def start_runs(root: Path):
+    """Queue this file's two processes, started together when a test first asks (tests/tiny.py):
+    (root folder, name -> future of its CompletedProcess)."""
+    return root, start_all({
+        "placeholder": lambda: _placeholder_run(root / "placeholder"),
+        "train": lambda: run_train(root / "train" / "run", "--training.steps", "2",
+                                   env=_hide_datasets(root / "train")),
+    })
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return started_runs(start_runs, tmp_path_factory)
+
+
+def test_placeholder_imports_and_refuses_use(runs):
+    """Without `datasets`: torchtitan's trainer and our train spec import; the placeholder
+    raises on use; an hf_disk corpus says the package is missing."""
+    proc = runs[1]["placeholder"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "placeholder ok" in proc.stdout
 
 
-def test_trains_the_builtin_corpus_without_datasets(tmp_path):
-    proc = run_train(tmp_path / "run", "--training.steps", "2", env=_hide_datasets(tmp_path))
+def test_trains_the_builtin_corpus_without_datasets(runs):
+    root, futures = runs
+    proc = futures["train"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the `datasets` package is not installed" in proc.stderr + proc.stdout
-    assert sorted(losses(tmp_path / "run")) == [1, 2]
+    assert sorted(losses(root / "train" / "run")) == [1, 2]

@@ -3,7 +3,9 @@ whole training runs in several layouts (CPU, gloo).
 
 Layouts, all at the same global batch (4 rows) and the same initial weights (`debug.seed`):
 1 process; 2 processes FSDP; 2 processes FSDP + EP2 (experts sharded over both ranks, their
-FSDP over the remaining "efsdp" size 1); 4 processes FSDP x EP2 ("efsdp" 2 x "ep" 2).
+FSDP over the remaining "efsdp" size 1); 4 processes FSDP x EP2 ("efsdp" 2 x "ep" 2). CI runs
+the FSDP+EP2 layout against one process; the other layouts, the cross-layout resume and the
+compiled run are slow tests.
 """
 
 from __future__ import annotations
@@ -118,9 +120,9 @@ def _failing_worker(rank: int, world: int) -> None:
     raise AssertionError(f"rank {rank} fails its check")
 
 
-@pytest.mark.slow
 def test_a_failing_rank_fails_the_spawning_test(tmp_path):
-    """The harness above leaves early after its checks; a failed check must still surface."""
+    """The harness above leaves early after its checks; a failed check must still surface (CI
+    keeps this: its own tests spawn gloo ranks with the same harness)."""
     import torch.multiprocessing as mp
 
     with pytest.raises(mp.ProcessRaisedException, match="fails its check"):
@@ -158,30 +160,37 @@ LAYOUTS = {  # name: (arguments, processes)
 }
 
 
+def _one(root: Path, name: str, *args: str, nproc: int = 1) -> tuple[Path, str]:
+    """A run of STEPS steps: (dump folder, log text)."""
+    dump = root / name.replace(" ", "_").replace("+", "_")
+    proc = run_train(dump, "--training.steps", str(STEPS), *args, nproc=nproc)
+    return dump, proc.stdout + proc.stderr
+
+
 def start_runs(root: Path) -> dict:
-    """Queue every training run of this file (tests/tiny.py): name -> future of (dump folder,
+    """Queue the runs of the layout CI checks (tests/tiny.py): name -> future of (dump folder,
     log text)."""
+    return start_all({name: lambda name=name: _one(root, name, *LAYOUTS[name][0], nproc=LAYOUTS[name][1])
+                      for name in ("1 process", "2 FSDP+EP2")})
 
-    def one(name: str, *args: str, nproc: int = 1) -> tuple[Path, str]:
-        dump = root / name.replace(" ", "_").replace("+", "_")
-        proc = run_train(dump, "--training.steps", str(STEPS), *args, nproc=nproc)
-        return dump, proc.stdout + proc.stderr
 
-    def ep_then_resume():
-        ep = one("2 FSDP+EP2", *LAYOUTS["2 FSDP+EP2"][0], nproc=2)
+def start_slow_runs(root: Path, ci_runs: dict) -> dict:
+    """Queue the runs that only the slow tests read, as `start_runs`; `ci_runs`: the futures
+    of `start_runs` (queued before these, so a chain here may wait on one of them)."""
+
+    def resume():
         # Written by 2 ranks with the experts sharded over EP: DCP reshards it for 1 process.
         resumed = root / "resumed"
-        shutil.copytree(ep[0] / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-        return ep, one("resumed", "--checkpoint.enable", "--checkpoint.interval", "2")
+        shutil.copytree(ci_runs["2 FSDP+EP2"].result()[0] / "checkpoint" / "step-2",
+                        resumed / "checkpoint" / "step-2")
+        return _one(root, "resumed", "--checkpoint.enable", "--checkpoint.interval", "2")
 
-    chains = {"2 FSDP+EP2, resumed": ep_then_resume,
-              "4 FSDP2xEP2": lambda: one("4 FSDP2xEP2", *EP2, nproc=4),
-              # Regional compile with EP; the same step count as the reference (the LR schedule
-              # depends on it).
-              "compiled": lambda: one("compiled", *EP2, "--compile.enable", "--compile.backend", "aot_eager",
-                                      nproc=2),
-              "1 process": lambda: one("1 process"),
-              "2 FSDP": lambda: one("2 FSDP", nproc=2)}
+    chains = {name: lambda name=name: _one(root, name, *LAYOUTS[name][0], nproc=LAYOUTS[name][1])
+              for name in ("2 FSDP", "4 FSDP2xEP2")}
+    chains["resumed"] = resume
+    # Regional compile with EP; the same step count as the reference (the LR schedule depends on it).
+    chains["compiled"] = lambda: _one(root, "compiled", *EP2, "--compile.enable", "--compile.backend", "aot_eager",
+                                      nproc=2)
     return start_all(chains)
 
 
@@ -191,47 +200,48 @@ def runs(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def layouts(runs) -> dict[str, tuple[Path, str]]:
-    """Every layout, run for STEPS steps: name -> (dump folder, log text)."""
-    out = {name: runs[name].result() for name in ("1 process", "2 FSDP", "4 FSDP2xEP2")}
-    out["2 FSDP+EP2"] = runs["2 FSDP+EP2, resumed"].result()[0]
-    return {name: out[name] for name in LAYOUTS}
+def slow_runs(runs, tmp_path_factory) -> dict:
+    return started_runs(start_slow_runs, tmp_path_factory, runs)
 
 
-@pytest.mark.slow
-def test_loss_and_expert_balance_match_across_layouts(layouts):
-    for name in ("2 FSDP+EP2", "4 FSDP2xEP2"):
-        assert "Applied expert parallelism over 2 ranks" in layouts[name][1], name
-    assert "'efsdp'" in layouts["4 FSDP2xEP2"][1]  # the experts' FSDP dim has 2 ranks there
-    ref = records(layouts["1 process"][0])
+@pytest.mark.parametrize("name", [
+    "2 FSDP+EP2",  # CI's check: FSDP and EP together
+    pytest.param("2 FSDP", marks=pytest.mark.slow),
+    pytest.param("4 FSDP2xEP2", marks=pytest.mark.slow),
+])
+def test_loss_and_expert_balance_match_one_process(name, runs, request):
+    ref_dump, _ = runs["1 process"].result()
+    dump, log = (runs if name == "2 FSDP+EP2" else request.getfixturevalue("slow_runs"))[name].result()
+    assert ("Applied expert parallelism over 2 ranks" in log) == ("EP2" in name)
+    if name == "4 FSDP2xEP2":
+        assert "'efsdp'" in log  # the experts' FSDP dim has 2 ranks there
+    ref, got = records(ref_dump), records(dump)
     assert sorted(ref) == list(range(1, STEPS + 1))
-    for name, (dump, _) in layouts.items():
-        got = records(dump)
-        assert sorted(got) == sorted(ref), name
-        _assert_losses_close(got, ref, range(1, STEPS + 1), name)
-        # The balance statistics are integer counts summed over the "batch" mesh (every rank
-        # holding its own tokens); a group missing ranks (e.g. only "ep" in the 4-process
-        # layout) would see other loads and set other biases from step 2 on.
-        for step in ref:
-            for key in ("moe/max_violation_max", "moe/max_violation_mean", "moe/dead_experts_total"):
-                assert got[step][key] == pytest.approx(ref[step][key], abs=1e-9), (name, step, key)
+    assert sorted(got) == sorted(ref), name
+    _assert_losses_close(got, ref, range(1, STEPS + 1), name)
+    # The balance statistics are integer counts summed over the "batch" mesh (every rank
+    # holding its own tokens); a group missing ranks (e.g. only "ep" in the 4-process
+    # layout) would see other loads and set other biases from step 2 on.
+    for step in ref:
+        for key in ("moe/max_violation_max", "moe/max_violation_mean", "moe/dead_experts_total"):
+            assert got[step][key] == pytest.approx(ref[step][key], abs=1e-9), (name, step, key)
 
 
 @pytest.mark.slow
-def test_expert_parallel_checkpoint_resumes_in_one_process(runs, layouts):
-    ep_dump = layouts["2 FSDP+EP2"][0]
+def test_expert_parallel_checkpoint_resumes_in_one_process(runs, slow_runs):
+    ep_dump = runs["2 FSDP+EP2"].result()[0]
     # Written by 2 ranks with the experts sharded over EP: DCP reshards it for 1 process.
-    resumed, log = runs["2 FSDP+EP2, resumed"].result()[1]
+    resumed, log = slow_runs["resumed"].result()
     assert "Loading the checkpoint from" in log and "step-2" in log
     got = records(resumed)
     assert sorted(got) == [3]
-    _assert_losses_close(got, records(layouts["1 process"][0]), [3], "resumed vs 1 process")
+    _assert_losses_close(got, records(runs["1 process"].result()[0]), [3], "resumed vs 1 process")
     _assert_losses_close(got, records(ep_dump), [3], "resumed vs 2 FSDP+EP2")
 
 
 @pytest.mark.slow
-def test_compiled_expert_parallel_matches_eager(runs, layouts):
+def test_compiled_expert_parallel_matches_eager(runs, slow_runs):
     """Regional compile with EP: MoE layers compiled piecewise around the experts' exchange
     (aot_eager: Dynamo + AOTAutograd, fullgraph, without Inductor's CPU compile time)."""
-    dump, _ = runs["compiled"].result()
-    _assert_losses_close(records(dump), records(layouts["1 process"][0]), range(1, STEPS + 1), "compiled EP2")
+    dump, _ = slow_runs["compiled"].result()
+    _assert_losses_close(records(dump), records(runs["1 process"].result()[0]), range(1, STEPS + 1), "compiled EP2")

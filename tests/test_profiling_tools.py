@@ -19,6 +19,7 @@ import torch
 from titan_moe.flavors import FLAVORS
 from titan_moe.model.decoder import Decoder
 from titan_moe.ops import nvtx
+from tiny import side_by_side
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -236,18 +237,39 @@ def test_memory_check_runs_the_trainer_and_the_planner(tmp_path, capsys):
     memory_check = _load("memory_check")
     cut = tiny.TINY_CLI.index("--training.seq_len")  # the script sets the length itself
     extra = tiny.TINY_CLI[:cut] + tiny.TINY_CLI[cut + 2:]
-    memory_check.main(["--job.config_file", tiny.CONFIG, "--seq-lens", "64", "--ac", "none,full",
-                       "--steps", "2", "--out", str(tmp_path), "--", *extra])
+    # the failing run beside the script's two (each process mostly one busy core)
+    _, bad = side_by_side(
+        lambda: memory_check.main(["--job.config_file", tiny.CONFIG, "--seq-lens", "64", "--ac", "none,full",
+                                   "--steps", "2", "--out", str(tmp_path), "--", *extra]),
+        lambda: memory_check.measure(tiny.CONFIG, 64, "nonsense", 1, tmp_path / "bad", extra))
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = summary["rows"]
     assert [(r["seq_len"], r["ac"], r["ok"]) for r in rows] == [(64, "none", True), (64, "full", True)]
     for r in rows:
         assert r["max_active_gib"] > 0 and r["planned_gib"] > 0 and r["tokens_per_s"] > 0
     assert rows[0]["planned_gib"] > rows[1]["planned_gib"]  # AC lowers the plan
-    bad = memory_check.measure(tiny.CONFIG, 64, "nonsense", 1, tmp_path / "bad", extra)
     assert not bad["ok"] and "activation_checkpoint.mode" in bad["error"]
 
 
+def test_memory_check_plans_the_layout_of_the_rank_it_plays():
+    """`--fake-gpus 8` with context parallelism 8, without running the trainer (the slow test
+    below runs it; tests/test_context_parallel_train.py runs the trainer as rank 0 of CP8 on
+    the fake backend): the trainer's command plays rank 0 on the fake backend, and the plan
+    compared is the planner's row for that layout (dp_shard 1, cp 8, ep 1 on 8 GPUs), below
+    its one-GPU plan (T / 8 a rank)."""
+    import tiny
+
+    memory_check = _load("memory_check")
+    cut = tiny.TINY_CLI.index("--training.seq_len")
+    extra = [*tiny.TINY_CLI[:cut], *tiny.TINY_CLI[cut + 2:], "--parallelism.context_parallel_degree", "8"]
+    assert memory_check.trainer_layout(tiny.CONFIG, extra, 8) == {"dp_replicate": 1, "dp_shard": 1, "cp": 8, "ep": 1}
+    command = memory_check._trainer_cmd(tiny.CONFIG, 512, "none", 2, Path("out"), extra, fake_gpus=8)
+    assert command[command.index("--comm.mode") + 1] == "fake_backend"
+    assert memory_check.planned(tiny.CONFIG, 512, extra, gpus=8)["none"] < \
+        memory_check.planned(tiny.CONFIG, 512, extra[:-2], gpus=1)["none"]
+
+
+@pytest.mark.slow  # CI: the test above and the fake-backend CP8 run of test_context_parallel_train.py
 def test_memory_check_plays_one_rank_of_a_cp8_layout(tmp_path, capsys):
     """`--fake-gpus 8` with context parallelism 8: the trainer runs as rank 0 of 8 on the fake
     backend and the plan compared is the planner's rank 0 of that layout (dp_shard 1, cp 8,
@@ -492,10 +514,13 @@ def test_aoti_isolate_runs_a_model_case_on_cpu():
     assert row["case"] == "mla_dense" and row["ok"] and row["rel_err"] < 1e-5
 
 
-def _kernel_resources(tmp_path, *argv: str, interpret: bool = False) -> subprocess.CompletedProcess:
+def _kernel_resources(tmp_path, *argv: str, interpret: bool = False, **env_extra: str) -> subprocess.CompletedProcess:
+    """profiling/kernel_resources.py run in `tmp_path`, compiling for real unless `interpret`;
+    `env_extra`: variables set for it alone (runs side by side cannot share os.environ)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    env.update(env_extra)
     return subprocess.run([sys.executable, str(REPO / "profiling" / "kernel_resources.py"), *argv],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
 
@@ -529,20 +554,21 @@ def test_every_kda_launch_compiles_for_the_h200(tmp_path):
     assert "_bwd_chunk_keys_kernel" in proc.stdout
 
 
-def test_bwd_intra_key_split_compiles_for_the_h200(tmp_path, monkeypatch):
+def test_bwd_intra_key_split_compiles_for_the_h200(tmp_path):
     """The backward intra kernel at 32 key columns per program (`TITAN_MOE_KDA_BWD_INTRA_BK`,
     the tuning sweep's main case) builds for sm_90 with fewer registers than at 128; the
     default (64 columns, capped at 96 registers, `bwd_intra_register_cap`) fits five
     4-warp blocks per SM."""
     pytest.importorskip("triton")
+    widths = ("128", "32", "64")
+    procs = side_by_side(*(
+        lambda bk=bk: _kernel_resources(tmp_path, "--cases", "kda_bwd", "--kernels", "_bwd_intra_kernel",
+                                        "--json", str(tmp_path / f"rows{bk}.json"), TITAN_MOE_KDA_BWD_INTRA_BK=bk)
+        for bk in widths))
     rows = {}
-    for bk in ("128", "32", "64"):
-        monkeypatch.setenv("TITAN_MOE_KDA_BWD_INTRA_BK", bk)
-        out = tmp_path / f"rows{bk}.json"
-        proc = _kernel_resources(tmp_path, "--cases", "kda_bwd", "--kernels", "_bwd_intra_kernel",
-                                 "--json", str(out))
+    for bk, proc in zip(widths, procs):
         assert proc.returncode == 0, proc.stderr[-2000:]
-        (rows[bk],) = json.loads(out.read_text())
+        (rows[bk],) = json.loads((tmp_path / f"rows{bk}.json").read_text())
     assert rows["32"]["registers"] < rows["128"]["registers"] and rows["32"]["stack_bytes"] == 0, rows
     assert rows["64"]["registers"] <= 96 and rows["64"]["blocks_per_sm"] == 5, rows["64"]
 
@@ -553,13 +579,14 @@ def test_kernel_resources_sass_shows_whether_the_code_changed(tmp_path):
     a different one."""
     pytest.importorskip("triton")
     argv = ("--cases", "kda_bwd", "--kernels", "_bwd_intra_kernel")
+    runs = (("first", "64"), ("again", "64"), ("bk32", "32"))
+    procs = side_by_side(*(
+        lambda name=name, bk=bk: _kernel_resources(tmp_path, *argv, "--sass", str(tmp_path / name),
+                                                   TITAN_MOE_KDA_BWD_INTRA_BK=bk)
+        for name, bk in runs))
     texts = {}
-    for name, bk in (("first", "64"), ("again", "64"), ("bk32", "32")):
-        env_proc = subprocess.run(
-            [sys.executable, str(REPO / "profiling" / "kernel_resources.py"), *argv, "--sass", str(tmp_path / name)],
-            capture_output=True, text=True, cwd=tmp_path, timeout=600,
-            env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TITAN_MOE_KDA_BWD_INTRA_BK": bk})
-        assert env_proc.returncode == 0, env_proc.stderr[-2000:]
+    for (name, _), proc in zip(runs, procs):
+        assert proc.returncode == 0, proc.stderr[-2000:]
         texts[name] = (tmp_path / name / "kda_bwd._bwd_intra_kernel.sass").read_text()
     assert texts["first"] == texts["again"] and texts["first"] != texts["bk32"]
     lines = texts["first"].splitlines()

@@ -8,61 +8,77 @@ from the run's `metrics.jsonl`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 
-from tiny import CONFIG, REPO, TINY_CLI, losses, run_train, start_all, started_runs
+from tiny import CONFIG, REPO, TINY_CLI, environment, losses, run_train, start_all, started_runs
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+def _chain(root, *steps):
+    """A function running `steps` (name, dump folder, arguments, environment) one after the
+    other: {run name: CompletedProcess, with `.after`: the run's folder right after it}."""
+
+    def run():
+        out = {}
+        for name, dump, args, env in steps:  # args None: generate from the run's checkpoint
+            out[name] = _generate(root / dump) if args is None else run_train(root / dump, *args, env=env)
+            out[name].after = _state(root / dump)  # before the next run of the chain changes it
+        return out
+    return run
+
+
+RESUME = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
+CRASH = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
 def start_runs(root):
-    """Queue every training run of this file (tests/tiny.py): (root folder, chain name -> future
-    of {run name: CompletedProcess, with `.after`: the run's folder right after it})."""
-
-    def chain(*steps):
-        def run():
-            out = {}
-            for name, dump, args, env in steps:  # args None: generate from the run's checkpoint
-                out[name] = _generate(root / dump) if args is None else run_train(root / dump, *args, env=env)
-                out[name].after = _state(root / dump)  # before the next run of the chain changes it
-            return out
-        return run
-
-    resume = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
-    crash = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    """Queue the runs of the resume test, the one CI runs (tests/tiny.py): (root folder, chain
+    name -> future of {run name: CompletedProcess, with `.after`})."""
     return root, start_all({
-        "split": chain(("stopped", "split", [*resume, "--training.exit_at_step", "3"], None),
-                       ("resumed", "split", resume, None),  # resumes from step 3
-                       ("other kernels", "split",
-                        ["--training.steps", "7", *resume[2:], "--kernels.grouped_mm", "loop"], None)),
-        # SIGKILLed inside the save of step 4, then run again
-        "crashed": chain(("killed", "crashed", crash, {"TITAN_MOE_KILL_DURING_SAVE_STEP": "4"}),
-                         ("resumed", "crashed", crash, None)),
+        "split": _chain(root, ("stopped", "split", [*RESUME, "--training.exit_at_step", "3"], None),
+                        ("resumed", "split", RESUME, None),  # resumes from step 3
+                        ("other kernels", "split",
+                         ["--training.steps", "7", *RESUME[2:], "--kernels.grouped_mm", "loop"], None)),
         # the uninterrupted reference of both resumes: the same 6 steps (the LR schedule depends on
         # the step count; where it saves does not change what it computes)
-        "full": chain(("full", "full", crash, None)),
-        "two steps": chain(("train", "run", ["--training.steps", "2", *crash[2:]], None),
-                           ("generate", "run", None, None)),
-        "text": chain(("train", "text_run", [
+        "full": _chain(root, ("full", "full", CRASH, None)),
+    })
+
+
+def start_slow_runs(root, ci_runs):
+    """Queue the runs that only the slow tests read, as `start_runs` (`ci_runs`, what `start_runs`
+    returned, is not read here: conftest.py passes it to every file's)."""
+    return root, start_all({
+        # SIGKILLed inside the save of step 4, then run again
+        "crashed": _chain(root, ("killed", "crashed", CRASH, {"TITAN_MOE_KILL_DURING_SAVE_STEP": "4"}),
+                          ("resumed", "crashed", CRASH, None)),
+        "two steps": _chain(root, ("train", "run", ["--training.steps", "2", *CRASH[2:]], None),
+                            ("generate", "run", None, None)),
+        "text": _chain(root, ("train", "text_run", [
             "--training.steps", "2", "--training.dataset", "text", "--training.dataset_path", str(_corpus(root)),
             "--metrics.enable_tensorboard", "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
             "--validation.local_batch_size", "1", "--validation.seq_len", "64", "--data.val_fraction", "0.2"], None)),
-        "profiler": chain(("train", "profiled", ["--training.steps", "3", "--profiling.enable_profiling",
-                                                 "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
-                                                 "--profiling.profiler_active", "1"], None)),
+        "profiler": _chain(root, ("train", "profiled", ["--training.steps", "3", "--profiling.enable_profiling",
+                                                        "--profiling.profile_freq", "2", "--profiling.profiler_warmup",
+                                                        "0", "--profiling.profiler_active", "1"], None)),
     })
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return started_runs(start_runs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(runs, tmp_path_factory):  # after `runs`: the slow chains queue behind the CI ones
+    return started_runs(start_slow_runs, tmp_path_factory, runs)
 
 
 def _state(dump):
@@ -87,7 +103,7 @@ def _generate(dump) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "titan_moe.generate", "--job.config_file", CONFIG, *TINY_CLI,
          "--checkpoint", str(dump / "checkpoint" / "step-2"), "--prompt", "import os", "--max_new_tokens", "8"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**environment(), "OMP_NUM_THREADS": "1"})
 
 
 def _get(runs, chain: str):
@@ -95,7 +111,6 @@ def _get(runs, chain: str):
     return root, futures[chain].result()
 
 
-@pytest.mark.slow
 def test_resume_is_bit_identical(runs):
     _, procs = _get(runs, "split")
     _, full = _get(runs, "full")
@@ -122,8 +137,8 @@ def test_resume_is_bit_identical(runs):
 
 
 @pytest.mark.slow
-def test_killed_during_save_resumes_from_previous_checkpoint(runs):
-    _, procs = _get(runs, "crashed")
+def test_killed_during_save_resumes_from_previous_checkpoint(runs, slow_runs):
+    _, procs = _get(slow_runs, "crashed")
     _, full = _get(runs, "full")
     _ok(full["full"])
     proc = procs["killed"]
@@ -140,8 +155,8 @@ def test_killed_during_save_resumes_from_previous_checkpoint(runs):
 
 
 @pytest.mark.slow
-def test_trains_on_user_text_files_with_tensorboard(runs):
-    root, procs = _get(runs, "text")
+def test_trains_on_user_text_files_with_tensorboard(slow_runs):
+    root, procs = _get(slow_runs, "text")
     _ok(procs["train"])
     dump = root / "text_run"
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -151,13 +166,13 @@ def test_trains_on_user_text_files_with_tensorboard(runs):
 
 
 @pytest.mark.slow
-def test_generate_cli_samples_from_a_training_checkpoint(runs):
+def test_generate_cli_samples_from_a_training_checkpoint(slow_runs):
     import torch
 
     from titan_moe.config import load_config
     from titan_moe.generate import load_model
 
-    root, procs = _get(runs, "two steps")
+    root, procs = _get(slow_runs, "two steps")
     _ok(procs["train"])
     ckpt = root / "run" / "checkpoint" / "step-2"
     config = load_config(["--job.config_file", CONFIG, *TINY_CLI])
@@ -175,8 +190,8 @@ def test_generate_cli_samples_from_a_training_checkpoint(runs):
 
 
 @pytest.mark.slow
-def test_torch_profiler_traces_on_cpu(runs):
-    root, procs = _get(runs, "profiler")
+def test_torch_profiler_traces_on_cpu(slow_runs):
+    root, procs = _get(slow_runs, "profiler")
     _ok(procs["train"])
     traces = list((root / "profiled").rglob("rank0_trace.json"))
     assert traces, "torchtitan's profiler wrote no trace"

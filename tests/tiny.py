@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,35 +51,82 @@ def train_command(dump: Path, *args: str, nproc: int = 1) -> list[str]:
 
 
 def run_train(dump: Path, *args: str, nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**environment(), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(train_command(dump, *args, nproc=nproc), cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=600)
 
 
-# Training runs that tests read later: chains of subprocesses, run by two threads shared by
-# the test files. A one-process training run is mostly one busy core (its imports, a tiny
-# model) while the test process waits on it: two at a
-# time take about the time of one on a two-core machine.
+# Processes that tests read later (training runs, scripts): chains of subprocesses, run by two
+# threads shared by the test files. Such a process is mostly one busy core (its imports, a
+# tiny model) while the test process waits on it or runs other tests: two at a time use a
+# two-core machine. When the session starts (conftest.py), each selected file's `start_runs`
+# (read through its `runs` fixture) is queued, then its `start_slow_runs` where a selected
+# test reads `slow_runs`, in the order of the files, so that the processes run beside the
+# in-process tests of the files before them.
 _POOL: ThreadPoolExecutor | None = None
 _STARTED: dict[str, object] = {}
+_QUEUED_ENV = threading.local()
+
+
+def environment() -> dict[str, str]:
+    """A copy of the environment for a process started now. On the shared threads: the
+    environment of when its chain was queued, so that a variable that a test sets meanwhile
+    (monkeypatch: RANK, WORLD_SIZE, kernel knobs) does not reach it."""
+    return dict(getattr(_QUEUED_ENV, "env", None) or os.environ)
 
 
 def start_all(chains: dict) -> dict[str, Future]:
-    """Queue independent chains of runs (name -> function of no arguments) on the shared
-    threads: name -> the future of the chain's result. A chain that failed raises its error
-    from `result()`, in the test that reads it."""
+    """Queue chains of runs (name -> function of no arguments) on the shared threads: name ->
+    the future of the chain's result. A chain that failed raises its error from `result()`, in
+    the test that reads it. A chain may wait on the result of a chain queued before it (the
+    threads take chains in order, so that one is running or done), never on a later one.
+    Processes that a chain starts take `environment()`: the environment of now."""
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(2, thread_name_prefix="training-runs")
-    return {name: _POOL.submit(fn) for name, fn in chains.items()}
+    queued_env = dict(os.environ)
+
+    def in_queued_env(fn):
+        def run():
+            _QUEUED_ENV.env = queued_env
+            try:
+                return fn()
+            finally:
+                _QUEUED_ENV.env = None
+        return run
+
+    return {name: _POOL.submit(in_queued_env(fn)) for name, fn in chains.items()}
 
 
-def started_runs(start_runs, tmp_path_factory):
-    """What `start_runs(root)` of a test file returned (it queues the file's runs, writing
-    under `root`), called once, when a test first asks."""
-    key = start_runs.__module__
+def cancel_queued() -> None:
+    """Drop the chains that have not started (the session is ending: a test failed early, or
+    the run was interrupted); those running finish."""
+    if _POOL is not None:
+        _POOL.shutdown(wait=False, cancel_futures=True)
+
+
+def side_by_side(*calls):
+    """The results of `calls` (functions of no arguments, e.g. processes to run), called two
+    at a time on threads of their own: the test waits on them now, so they do not queue
+    behind the shared threads' chains. Processes they start take the environment of now
+    (the test's, monkeypatched variables included)."""
+    with ThreadPoolExecutor(2, thread_name_prefix="side-by-side") as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
+def started_runs(start_runs, tmp_path_factory, *args):
+    """What `start_runs(root, *args)` of a test file returned (it queues the file's runs,
+    writing under `root`), called once: when the session starts (conftest.py) or when a test
+    first asks. A file may have a second such function, `start_slow_runs(root, ci_runs)`
+    (`ci_runs`: what its `start_runs` returned), for the runs that only its slow tests read
+    (through its `slow_runs` fixture), so that `-m "not slow"` starts none of them."""
+    key = f"{start_runs.__module__}.{start_runs.__name__}"
     if key not in _STARTED:
-        _STARTED[key] = start_runs(tmp_path_factory.mktemp(key.replace("test_", "runs_")))
+        name = start_runs.__module__.replace("test_", "runs_")
+        if start_runs.__name__ != "start_runs":
+            name += "_" + start_runs.__name__.replace("start_", "")
+        _STARTED[key] = start_runs(tmp_path_factory.mktemp(name), *args)
     return _STARTED[key]
 
 
