@@ -238,9 +238,11 @@ finally:
         json.dump(seen, f)
 """
 
-FAKE_LAYOUTS = {  # name: (arguments, NGPU, cp)
-    "CP8": (cp(8), 8, 8),
-    "CP2xFSDP2xEP2": ([*cp(2), *EP2], 4, 2),
+FAKE_LAYOUTS = {  # name: (arguments, NGPU, cp, ep)
+    "CP8": (cp(8), 8, 8, 1),
+    # EP8: at these seeds some MoE layer's local expert receives no rows while this rank
+    # sends some (an empty input to the combine all-to-all, which the fake group refuses)
+    "CP2xFSDP4xEP8": ([*cp(2), "--parallelism.expert_parallel_degree", "8"], 8, 2, 8),
 }
 
 
@@ -250,7 +252,7 @@ FAKE_SEQ, FAKE_STEPS = 512, 2
 def _fake_backend_run(dump: Path, name: str) -> tuple[subprocess.CompletedProcess, Path]:
     """FAKE_STEPS steps as rank 0 of the layout on the fake backend: (the process, its dump
     folder), the mixer calls' token counts in the folder's mixer_tokens.json."""
-    args, ngpu, _ = FAKE_LAYOUTS[name]
+    args, ngpu, _, _ = FAKE_LAYOUTS[name]
     dump.mkdir(parents=True)
     command = train_command(dump, "--training.seq_len", str(FAKE_SEQ), "--training.steps", str(FAKE_STEPS),
                             "--comm.mode", "fake_backend", *args)
@@ -267,13 +269,14 @@ def test_fake_backend_rank_trains_on_its_segment(name, runs):
     ends normally, says at start-up that its losses are meaningless, and every KDA and MLA
     call of both steps held T / cp tokens of each row. Under EP the token counts of the
     exchange are taken from this rank (the fake group's all-to-all is not read)."""
-    _, ngpu, degree = FAKE_LAYOUTS[name]
+    _, ngpu, degree, ep = FAKE_LAYOUTS[name]
     proc, dump = runs[f"fake {name}"].result()
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     assert f"comm.mode = 'fake_backend': this process plays rank 0 of {ngpu} ranks" in log
     assert f"Applied context parallelism over {degree} ranks" in log
-    assert ("Applied expert parallelism over 2 ranks" in log) == ("EP2" in name)
+    assert ("Applied expert parallelism over" in log) == (ep > 1)
+    assert ep == 1 or f"Applied expert parallelism over {ep} ranks" in log
     assert sorted(records(dump)) == [1, 2]
     seen = json.loads((dump / "mixer_tokens.json").read_text())
     n_layers = 4  # configs/debug_cpu.toml: KDA, KDA, KDA, MLA
