@@ -212,7 +212,9 @@ def test_tiles_keep_only_their_inputs_and_recompute_one_tile_at_a_time():
     # gradient split per tile and the output's concatenation: under 8 fp32 rows of width D
     assert per_token["tiled"] <= 8 * D * 4
     assert per_token["untiled"] >= 4 * per_token["tiled"]
-    assert peaks["tiled", T] <= peaks["untiled", T] / 2
+    # at 8 tiles the per-token terms outweigh what does not grow with T (the weights' gradients:
+    # about 1 MiB here, since SiTU-GLU is counted as CUDA runs it, by its outputs)
+    assert peaks["tiled", 2 * T] <= peaks["untiled", 2 * T] / 2
 
 
 # =========================================================================== configuration
