@@ -29,8 +29,14 @@ def processes_started_early(request, tmp_path_factory):
     (tests/tiny.py), in the order of the files: its `start_runs` where a selected test reads
     its `runs` fixture, then its `start_slow_runs` where a selected slow test reads it (only
     those read `slow_runs`, which reads `runs`; some through `request.getfixturevalue`). They
-    run on the shared threads beside the in-process tests before them."""
+    run on the shared threads beside the in-process tests before them.
+
+    Under pytest-xdist (`-n 2 --dist loadfile`) a worker does not know at the start which
+    files it will run: there each file's processes start when its first test reads `runs`."""
     import tiny
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
 
     slow_readers: dict = {}  # module whose tests read `runs` -> whether a slow one does (file order)
     for item in request.session.items:

@@ -251,6 +251,7 @@ def test_memory_check_runs_the_trainer_and_the_planner(tmp_path, capsys):
     assert not bad["ok"] and "activation_checkpoint.mode" in bad["error"]
 
 
+@pytest.mark.slow  # the planner's CP8 row: tests/test_plan.py plans that layout in CI
 def test_memory_check_plans_the_layout_of_the_rank_it_plays():
     """`--fake-gpus 8` with context parallelism 8, without running the trainer (the slow test
     below runs it; tests/test_context_parallel_train.py runs the trainer as rank 0 of CP8 on
