@@ -31,13 +31,9 @@ and training logs; tables in BENCHMARKS.md), each run planned on the model code 
   52.45 measured, full AC 8K 22.8 vs 22.43, 32K 32.8 vs 31.11.
 * context parallelism, eager, one H100 (2026-12-06): small_1gpu at T = 128K, rank 0 of CP8
   on the fake backend (FSDP over the 8 ranks), measured 46.92 GiB without AC and 6.78 with
-  full AC. Planned before: 50.71 and 10.66 (+8%, +57%), each layer counted on one device over
-  T / cp tokens with a ring-attention buffer, and SiTU-GLU's backward counted on its PyTorch
-  path (262 KiB per token of fp32 temporaries per MoE layer) where CUDA runs its Triton
-  kernels (`transient`): that alone made the full-AC plan 4.0 GiB high. Now, the layers as
-  a CP rank runs them (`context_parallel`): for rank 0 with documents of at most a segment
-  (what the fake backend's repeated document ids give) 48.60 and 7.30 (+4%, +8%); the default
-  row, the worst rank of a one-document row, 60.00 and 13.44.
+  full AC. Planned, the layers as a CP rank runs them (`context_parallel`), for rank 0 with
+  documents of at most a segment (what the fake backend's repeated document ids give): 48.60
+  and 7.30 (+4%, +8%); the default row, the worst rank of a one-document row, 60.00 and 13.44.
 * compiled, selective AC, 8K: one GPU, plan 25.2 GiB vs 26.2 GiB reserved (allocated not
   recorded); FSDP2 x EP2, 21.3 GiB allocated per GPU against a plan of 15.9 (-25%): under EP
   the routed experts run eagerly, and eager SiTU-GLU then kept 84 KiB per token where the

@@ -46,11 +46,8 @@ GPU kernels, whose CPU counterparts allocate differently:
     (`torch._grouped_mm` and the Triton kernels need no workspace beyond cuBLAS's constant).
     SiTU-GLU (`titan_moe::situ_glu`, `situ_glu_bwd`): its outputs too when CUDA runs its Triton
     kernels (`[kernels] situ = "auto"`, the default, or "triton": one elementwise pass per
-    direction); under "torch" its PyTorch path, op by op. Until 2026-12-06 the planner counted
-    the PyTorch path's fp32 temporaries under "auto" as well, a path CUDA has not run since
-    the Triton kernels became its default (2026-11-30, after the checks below): 262 KiB per
-    token more in every small_1gpu MoE layer's backward (transient 270 instead of 8, full-AC
-    backward 449 instead of 191 at the FSDP precision).
+    direction); under "torch" its PyTorch path, op by op (about 17 ops over fp32 copies: 262
+    KiB per token more in a small_1gpu MoE layer's backward).
     Any other custom op (`titan_moe::*`) is counted through the Python function it was defined
     with, run op by op: what its CUDA path runs unless it registers a CUDA kernel (the
     context-parallel MLA's chunked attention, `titan_moe::doc_attention_fwd/bwd`, is PyTorch
