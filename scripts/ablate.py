@@ -6,11 +6,12 @@
 
 Each arm is one `python -m titan_moe.train` run (its own dump folder OUT/ARM_sSEED) with the
 arm's overrides added to the shared ones, `debug.seed` and `data.seed` set to the seed, and
-validation once at the last step (held-out loss, routed with the frozen expert bias). An arm
-whose folder already holds a record of the last step is not run again, so a sweep can be
-spread over several sessions. Then OUT/ablation.md (a markdown table: final and last-10%
-mean training loss, held-out loss, per-layer-mean max violation over the second half of
-training, tokens/s; mean over seeds) and OUT/loss.png (training loss per arm and seed).
+validation once at the last step (held-out loss and load balance, routed with the frozen
+expert bias). An arm whose folder already holds a record of the last step is not run again,
+so a sweep can be spread over several sessions. Then OUT/ablation.md (a markdown table:
+final and last-10% mean training loss, held-out loss, per-layer-mean max violation over the
+second half of training and on the held-out batches, tokens/s; mean over seeds) and
+OUT/loss.png (training loss per arm and seed).
 
 Arms: qb (the bias fitted to one step routes the next), qb_batch (each batch routed with the
 bias fitted to itself), sign (DeepSeek-V3's sign rule), aux_loss (no bias: the Switch/GShard
@@ -46,15 +47,16 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-def read_records(folder: Path) -> tuple[dict[int, dict], dict[int, float]]:
-    """(training records by step, held-out losses by step) of a run's metrics.jsonl."""
+def read_records(folder: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(training records by step, held-out records by step) of a run's metrics.jsonl; a
+    held-out record merges ``eval_loss`` and the held-out balance (``eval/moe/*``)."""
     steps, evals = {}, {}
     path = folder / "metrics.jsonl"
     if path.is_file():
         for line in path.read_text().splitlines():
             record = json.loads(line) if line.strip() else {}
-            if "eval_loss" in record:
-                evals[record["step"]] = record["eval_loss"]
+            if "eval_loss" in record or any(key.startswith("eval/") for key in record):
+                evals.setdefault(record["step"], {}).update(record)
             elif "loss" in record:
                 steps[record["step"]] = record
     return steps, evals
@@ -74,6 +76,7 @@ def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int) -> Pa
 
 def summarize(dump: Path, steps: int) -> dict[str, float]:
     records, evals = read_records(dump)
+    nan = float("nan")
     logged = sorted(records)
     tail = [s for s in logged if s > 0.9 * steps] or logged[-1:]
     second_half = [s for s in logged if s > steps / 2 and "moe/max_violation_mean" in records[s]]
@@ -82,16 +85,17 @@ def summarize(dump: Path, steps: int) -> dict[str, float]:
     return {
         "loss": records[logged[-1]]["loss"],
         "loss_tail": mean([records[s]["loss"] for s in tail]),
-        "eval_loss": evals.get(max(evals)) if evals else float("nan"),
+        "eval_loss": evals[max(evals)].get("eval_loss", nan) if evals else nan,
+        "eval_violation": evals[max(evals)].get("eval/moe/max_violation_mean", nan) if evals else nan,
         "violation": mean([records[s]["moe/max_violation_mean"] for s in second_half]),
         "tokens_per_s": mean(rates),
     }
 
 
 def write_table(out: Path, results: dict[str, list[dict]], header: str) -> str:
-    cols = ["loss", "loss_tail", "eval_loss", "violation", "tokens_per_s"]
-    lines = [header, "", "| arm | seeds | final loss | loss, last 10% | held-out loss | violation, 2nd half | tokens/s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    cols = ["loss", "loss_tail", "eval_loss", "violation", "eval_violation", "tokens_per_s"]
+    lines = [header, "", "| arm | seeds | final loss | loss, last 10% | held-out loss | violation, 2nd half "
+             "| held-out violation | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, runs in results.items():
         means = [sum(r[c] for r in runs) / len(runs) for c in cols]
         lines.append(f"| {arm} | {len(runs)} | " + " | ".join(

@@ -44,6 +44,7 @@ def test_two_arms_give_a_table_and_a_loss_plot(tmp_path):
     rows = [line for line in (tmp_path / "ablation.md").read_text().splitlines() if line.startswith("| qb")
             or line.startswith("| sign")]
     assert len(rows) == 2 and "nan" not in rows[0].split("|")[5]  # held-out loss of the last step
+    assert "nan" not in rows[0].split("|")[7]  # held-out balance, frozen bias
     assert (tmp_path / "loss.png").stat().st_size > 1000
     # an arm already run is not run again
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -19,6 +19,7 @@ from titan_moe.model.moe import (
     qb_bin_range,
     qb_histogram,
     quantile_balance,
+    recording_eval_load,
     sign_balance,
     update_expert_biases,
 )
@@ -252,3 +253,37 @@ def test_in_batch_qb_routes_each_batch_balanced_and_keeps_an_ema_for_inference()
     # the inference bias moves halfway (qb_ema 0.5) from 0 to the batch's bias
     assert torch.allclose(moe.expert_bias, 0.5 * batch_bias, atol=1e-6)
     assert moe.qb_batch_count == 0 and moe.qb_batch_bias_sum.abs().sum() == 0
+
+
+@pytest.mark.parametrize("token_tile", [0, 64])
+def test_eval_load_is_the_frozen_bias_routing_and_leaves_training_stats(token_tile):
+    args = ModelArgs(**{**_DIST_ARGS, "qb_bins": 16, "moe_token_tile": token_tile})
+    torch.manual_seed(4)
+    moe = LatentMoE(args)
+    moe.init_weights(0.3)
+    with torch.no_grad():
+        moe.expert_bias.normal_(0.0, 0.1)
+    x_BTD = torch.randn(4, 64, 16)
+    moe(x_BTD)  # training statistics of a microbatch, kept aside during the eval
+    training_tokens, training_hist = moe.tokens_per_expert.clone(), moe.qb_counts.clone()
+    assert training_tokens.sum() == 256 * 2
+
+    held_out_BTD = torch.randn(2, 64, 16) + 0.3
+    moe.eval()
+    with torch.no_grad(), recording_eval_load(moe) as balance:
+        moe(held_out_BTD)
+        moe(held_out_BTD)
+    moe.train()
+    load = 2 * _load(moe.router.scores(held_out_BTD.reshape(-1, 16)).detach(), moe.expert_bias, 2).double()
+    expected = (load.max() / load.mean() - 1).item()
+    assert balance["eval/moe/max_violation_max"] == pytest.approx(expected)
+    assert balance["eval/moe/max_violation_mean"] == pytest.approx(expected)  # one layer
+    assert balance["eval/moe/dead_experts_total"] == (load == 0).sum().item()
+    assert torch.equal(moe.tokens_per_expert, training_tokens) and torch.equal(moe.qb_counts, training_hist)
+    assert not moe.record_eval_load
+    moe.eval()
+    moe(held_out_BTD)  # outside the context: nothing counted
+    assert torch.equal(moe.tokens_per_expert, training_tokens)
+    with recording_eval_load(torch.nn.Linear(2, 2)) as none:  # no MoE layer: no metrics
+        pass
+    assert none == {}

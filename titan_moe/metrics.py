@@ -114,6 +114,17 @@ class TitanMetricsProcessor(MetricsProcessor):
         super().log_validation(loss, step, extra_metrics)
         self._append({"step": step, "eval_loss": float(loss)})
 
+    def log_eval_balance(self, step: int, balance: dict[str, float]) -> None:
+        """The held-out expert load (``eval/moe/*``, see ``recording_eval_load``): one
+        metrics.jsonl record, the loggers' metrics and one console line."""
+        self.logger.log(balance, step)
+        self._append({"step": step, **balance})
+        logger.info(
+            f"validate step: {step:2}  held-out experts: max_violation {balance['eval/moe/max_violation_max']:.3f} "
+            f"(mean over layers {balance['eval/moe/max_violation_mean']:.3f})  "
+            f"dead {int(balance['eval/moe/dead_experts_total'])}"
+        )
+
 
 def build_titan_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
     return TitanMetricsProcessor(job_config, parallel_dims, tag)

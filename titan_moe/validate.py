@@ -9,6 +9,7 @@ provide_datasets_placeholder()  # torchtitan imports `datasets` at module level
 from torchtitan.components.validate import Validator  # noqa: E402
 
 from titan_moe.data.from_config import dataloader_from_config  # noqa: E402
+from titan_moe.model.moe import recording_eval_load  # noqa: E402
 
 
 class TitanValidator(Validator):
@@ -41,6 +42,16 @@ class TitanValidator(Validator):
         inputs = input_dict["input"]
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
         return inputs, labels, extra_inputs, {}
+
+    def validate(self, model_parts, step):
+        """torchtitan's loop, plus the held-out load balance of the MoE layers (routed with
+        the frozen expert bias, summed over the data-parallel group the bias statistics use)
+        logged as ``eval/moe/*`` beside ``eval_loss``."""
+        group = self.parallel_dims.get_mesh("loss").get_group() if self.parallel_dims.dp_cp_enabled else None
+        with recording_eval_load(model_parts, group) as balance:
+            super().validate(model_parts, step)
+        if balance:
+            self.metrics_processor.log_eval_balance(step, balance)
 
     @property
     def validation_dataloader(self):

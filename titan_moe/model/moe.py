@@ -40,6 +40,7 @@ computes and logs) unchanged and gives the router the term's gradient.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import NamedTuple
 
@@ -421,7 +422,8 @@ class LatentMoE(nn.Module):
 
     An activation-checkpointing recompute adds each microbatch twice; the QB quantile, the
     load ratios and the mean auxiliary loss are invariant to that. ``expert_bias`` is only
-    changed by :func:`update_expert_biases`; in eval mode nothing is accumulated.
+    changed by :func:`update_expert_biases`; in eval mode nothing is accumulated, except the
+    routed-token counts inside :func:`recording_eval_load` (held-out balance, frozen bias).
     ``expert_bias`` must stay fp32: cast parameters, not the whole module, to bf16.
 
     ``token_tile`` (``ModelArgs.moe_token_tile``, 0: off): a forward of more tokens runs them
@@ -450,6 +452,9 @@ class LatentMoE(nn.Module):
         self.token_tile = args.moe_token_tile  # 0: off (forward_tiles)
         # Data-parallel group of the in-batch QB collectives (set by the trainer; None: local tokens).
         self.balance_group = None
+        # Eval mode: count each forward's routed tokens in `tokens_per_expert` (set only by
+        # `recording_eval_load`, which restores the training statistics afterwards).
+        self.record_eval_load = False
 
         self.router = TopKRouter(args.dim, args.n_routed_experts, args.top_k, args.routed_scale)
         self.w_latent_down = nn.Linear(args.dim, args.moe_latent_dim, bias=False)
@@ -549,6 +554,8 @@ class LatentMoE(nn.Module):
                     aux = aux_balance_loss(scores_Nn, counts_E, k)
                     self._accumulate_aux(aux.detach())
                     weights_Nk = AddAuxiliaryLoss.apply(weights_Nk, aux, self.aux_loss_weight * self.aux_loss_coef)
+            elif self.record_eval_load:
+                self.tokens_per_expert.add_(counts_E)
         latent_sorted_RL, offs_E, pos_Nk = self._sort(x_ND, expert_idx_Nk, counts_E, alignment)
         return latent_sorted_RL, offs_E, pos_Nk, weights_Nk
 
@@ -616,6 +623,8 @@ class LatentMoE(nn.Module):
                 y_tD, counts_E, extra = self._tile(x_tD, bias_n, f_E, N)
             ys.append(y_tD)
             stats.append((counts_E, extra))
+        if self.record_eval_load and not self.training:
+            self.tokens_per_expert.add_(torch.stack([c for c, _ in stats]).sum(0))
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert.add_(torch.stack([c for c, _ in stats]).sum(0))
@@ -846,6 +855,40 @@ def set_aux_loss_weight(model: nn.Module | list[nn.Module], weight: float) -> No
         for module in part.modules():
             if isinstance(module, LatentMoE) and module._aux_loss:
                 module.aux_loss_weight.fill_(weight)
+
+
+@contextlib.contextmanager
+def recording_eval_load(model: nn.Module | list[nn.Module], group=None):
+    """Count the routed tokens of the eval-mode forwards run inside; yields a dict that, on
+    exit, holds ``eval/moe/max_violation_max``, ``eval/moe/max_violation_mean`` and
+    ``eval/moe/dead_experts_total``: the load balance of those tokens, routed with the
+    frozen bias (the inference setting), summed over ``group`` (the data-parallel group of
+    the training statistics; None: this process). Empty without MoE layers or if no token
+    was routed. The training statistics of each layer are kept aside and restored, so a
+    step's bias update is unchanged by an eval run between its microbatches."""
+    moes = [m for part in (model if isinstance(model, (list, tuple)) else [model])
+            for m in part.modules() if isinstance(m, LatentMoE)]
+    saved = [m.tokens_per_expert.clone() for m in moes]
+    result: dict[str, float] = {}
+    try:
+        for m in moes:
+            m.tokens_per_expert.zero_()
+            m.record_eval_load = True
+        yield result
+        if moes:
+            load_Ln = torch.stack([m.tokens_per_expert for m in moes])
+            if group is not None:
+                dist.all_reduce(load_Ln, group=group)
+            if load_Ln.sum() > 0:
+                stats = [load_metrics(load_n) for load_n in load_Ln]
+                violations = [float(v) for v, _ in stats]
+                result["eval/moe/max_violation_max"] = max(violations)
+                result["eval/moe/max_violation_mean"] = sum(violations) / len(violations)
+                result["eval/moe/dead_experts_total"] = float(sum(int(d) for _, d in stats))
+    finally:
+        for m, tokens in zip(moes, saved):
+            m.record_eval_load = False
+            m.tokens_per_expert.copy_(tokens)
 
 
 def update_expert_biases(model: nn.Module, group=None) -> dict[str, float]:
