@@ -62,9 +62,10 @@ def build(args, seed: int = 0) -> Decoder:
 
 
 def linear_names(model: nn.Module) -> tuple[set[str], set[str]]:
-    """(names of Float8Linear modules, names of plain nn.Linear modules)."""
+    """(names of Float8Linear modules, names of the other nn.Linear modules: plain ones and the
+    output head, an nn.Linear subclass)."""
     fp8 = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
-    plain = {n for n, m in model.named_modules() if type(m) is nn.Linear}
+    plain = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)}
     return fp8, plain
 
 

@@ -950,3 +950,23 @@ def test_cp1_plans_do_not_depend_on_the_context_parallel_options():
         plans = [plan_layout(args, inv, FP32_MASTER, layout, 1, 2048, activations=activations, cp_options=options)
                  for options in (CPOptions(), other)]
         assert [plans[0].total(ac) for ac in AC_MODES] == [plans[1].total(ac) for ac in AC_MODES]
+
+
+def test_chunked_head_drops_the_kept_log_softmax_and_bounds_the_transient_by_one_chunk():
+    """`model.head_chunk_tokens`: the head phase holds one chunk's `V * 12` instead of the
+    whole row's `V * 8` transient plus the kept fp32 log-softmax `V * 4` (titan_moe.model.head)."""
+    V, T, chunk = 4096, 8192, 512
+    layout = Layout(1, 1, 1, 1)
+
+    def head_phase(args: ModelArgs) -> tuple[float, float]:
+        mem = activation_memory(args, BF16, layout, "full", 1, T, model_activations(args, BF16, layout))
+        phase = next(ph for ph in mem.phases if ph.name == "loss and head backward")
+        return phase.activations, mem.detail["head_kept"]
+
+    whole, kept_whole = head_phase(_tiny(vocab_size=V))
+    chunked, kept_chunked = head_phase(_tiny(vocab_size=V, head_chunk_tokens=chunk))
+    assert kept_whole - kept_chunked == V * 4 * T
+    assert whole - chunked == pytest.approx(V * 12 * T - V * 12 * chunk)
+    # a chunk longer than the row costs what one whole chunk would
+    longer, _ = head_phase(_tiny(vocab_size=V, head_chunk_tokens=4 * T))
+    assert longer == pytest.approx(whole)

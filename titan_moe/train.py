@@ -59,6 +59,7 @@ from titan_moe.config import ConfigError, error_source, load_config, model_args_
 from titan_moe.context_parallel import check_context_parallel, shard_batch  # noqa: E402
 from titan_moe.data.corpus import CorpusError  # noqa: E402
 from titan_moe.hf import adapter as hf_adapter  # noqa: E402
+from titan_moe.model.head import with_head_labels  # noqa: E402
 from titan_moe.model.mla import resolve_attention  # noqa: E402
 from titan_moe.model.moe import refresh_compute_weights, set_aux_loss_weight  # noqa: E402
 from titan_moe.ops import choices, launch_env, nvtx  # noqa: E402
@@ -238,15 +239,17 @@ class TitanTrainer(Trainer):
         """torchtitan's, except under context parallelism: each cp rank keeps its contiguous
         segment of every row (`titan_moe.context_parallel`). The global token count that
         normalises the loss was taken on the whole rows before this; the tokens counted for
-        the throughput metrics become this rank's own (summed over dp x cp when logged)."""
+        the throughput metrics become this rank's own (summed over dp x cp when logged).
+        With `model.head_chunk_tokens` the labels go to the model too (`with_head_labels`)."""
         if not self.parallel_dims.cp_enabled:
-            return super().post_dataloading_process(input_dict, labels)
+            inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+            return inputs, labels, with_head_labels(self.model_args, extra_inputs, labels), extra_kwargs
         n_row_tokens = labels.numel()
         input_dict, labels = shard_batch(input_dict, labels, self.parallel_dims.get_mesh("cp").get_group())
         self.ntokens_seen -= n_row_tokens - labels.numel()
         self.metrics_processor.ntokens_since_last_log -= n_row_tokens - labels.numel()
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        return input_dict["input"], labels, extra_inputs, {}
+        return input_dict["input"], labels, with_head_labels(self.model_args, extra_inputs, labels), {}
 
     def forward_backward_step(self, **kwargs):
         if not nvtx.is_enabled():
@@ -362,14 +365,14 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     built, with the MLA attention path the model resolves on this device (`model.mla_attention`),
     the model's other path choices (`balance_rule`, with `aux_loss_coef` for the auxiliary loss,
     `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch,
-    `moe_token_tile`), in a one-rank run `training.one_device_mixed_precision` and, with the fp8
+    `moe_token_tile`, `head_chunk_tokens`), in a one-rank run `training.one_device_mixed_precision` and, with the fp8
     experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in one line and returned as the run's record
     of its choices. A ValueError naming the key for a value the device or the model cannot run."""
     device_type = accelerator_type()
     args = model_args_from_config(job_config)
     # Other train specs' model args (e.g. profiling's peer) define only some of these choices.
     model_choices = {key: getattr(args, key) for key in ("balance_rule", "expert_activation", "kda_gate",
-                                                         "moe_token_tile") if hasattr(args, key)}
+                                                         "moe_token_tile", "head_chunk_tokens") if hasattr(args, key)}
     resolved = choices.resolve(job_config.kernels, device_type,
                                kda_gate_bounded=model_choices.get("kda_gate", "bounded") == "bounded")
     choices.activate(resolved)
@@ -382,7 +385,8 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
         record["one_device_mixed_precision"] = job_config.training.one_device_mixed_precision
     line = choices.summary(resolved) + "".join(
         f" {key}={record[key]}" for key in ("mla_attention", "balance_rule", "aux_loss_coef", "expert_activation",
-                                           "kda_gate", "moe_token_tile", "one_device_mixed_precision")
+                                           "kda_gate", "moe_token_tile", "head_chunk_tokens",
+                                           "one_device_mixed_precision")
         if key in record)
     if "titan_float8_experts" in (job_config.model.converters or []):
         recipe = dataclasses.asdict(job_config.quantize.grouped_mm.float8)

@@ -22,6 +22,7 @@ from titan_moe.flavors import FLAVORS  # noqa: E402
 from titan_moe.hf.adapter import TitanStateDictAdapter  # noqa: E402
 from titan_moe.metrics import build_titan_metrics_processor  # noqa: E402
 from titan_moe.model.decoder import Decoder  # noqa: E402
+from titan_moe.model.head import loss_from_prediction  # noqa: E402
 from titan_moe.model.moe import LatentMoE, apply_expert_balance  # noqa: E402
 from titan_moe.optim import Muon, muon_param_groups, no_weight_decay  # noqa: E402
 from titan_moe.parallelize import parallelize_decoder  # noqa: E402
@@ -110,6 +111,12 @@ def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel
     return optimizers
 
 
+def build_loss(job_config, **kwargs):
+    """torchtitan's cross-entropy (compiled when `compile.components` has "loss"), taking the
+    model's own summed loss as it is when the model computed it (`model.head_chunk_tokens`)."""
+    return loss_from_prediction(build_cross_entropy_loss(job_config, **kwargs))
+
+
 def get_titan_train_spec() -> TrainSpec:
     return TrainSpec(
         model_cls=Decoder,
@@ -121,7 +128,7 @@ def get_titan_train_spec() -> TrainSpec:
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_train_dataloader,
         build_tokenizer_fn=tokenizer_from_config,
-        build_loss_fn=build_cross_entropy_loss,
+        build_loss_fn=build_loss,
         build_validator_fn=build_titan_validator,
         build_metrics_processor_fn=build_titan_metrics_processor,
         state_dict_adapter=TitanStateDictAdapter,  # checkpoint.last_save_in_hf / initial_load_in_hf

@@ -9,6 +9,8 @@ provide_datasets_placeholder()  # torchtitan imports `datasets` at module level
 from torchtitan.components.validate import Validator  # noqa: E402
 
 from titan_moe.data.from_config import dataloader_from_config  # noqa: E402
+from titan_moe.config import model_args_from_config  # noqa: E402
+from titan_moe.model.head import with_head_labels  # noqa: E402
 from titan_moe.model.moe import recording_eval_load  # noqa: E402
 
 
@@ -31,6 +33,7 @@ class TitanValidator(Validator):
         self.pp_schedule = pp_kwargs.get("pp_schedule")
         self.pp_has_first_stage = pp_kwargs.get("pp_has_first_stage")
         self.pp_has_last_stage = pp_kwargs.get("pp_has_last_stage")
+        self._model_args = model_args_from_config(job_config)
         self._dp_world_size = dp_world_size
         self._dp_rank = dp_rank
         # Built once, here: a held-out split that is missing or too small stops the start-up.
@@ -41,7 +44,7 @@ class TitanValidator(Validator):
         # Document boundaries travel as `doc_ids` in input_dict; no attention-mask objects.
         inputs = input_dict["input"]
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        return inputs, labels, extra_inputs, {}
+        return inputs, labels, with_head_labels(self._model_args, extra_inputs, labels), {}
 
     def validate(self, model_parts, step):
         """torchtitan's loop, plus the held-out load balance of the MoE layers (routed with

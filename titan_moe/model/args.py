@@ -87,6 +87,12 @@ class ModelArgs:
     # traces the MoE once per tile (compile time grows with the tile count). Not with expert
     # parallelism or compile.moe_regions = "piecewise".
     moe_token_tile: int = 0
+    # Tokens per chunk of the output head and its loss in training (0: the whole logits at once).
+    # The trainer then hands the labels to the model, which returns the summed cross-entropy
+    # without ever holding [T, vocab] logits: fp32 logits, log-softmax and gradient cost about
+    # 12 * vocab bytes a token whole (48 GiB at 1M tokens, vocab 4096), one chunk's when set.
+    # Cost: the head's matmul once more in the backward.
+    head_chunk_tokens: int = 0
 
     # --- balancing (SPEC §5) ---
     # "qb" (quantile balancing), "sign" (DeepSeek-V3's bias rule) or "aux_loss" (no bias: the
@@ -141,6 +147,8 @@ class ModelArgs:
             raise ValueError(f"model.qb_bins must be >= 0, got {self.qb_bins}")
         if self.moe_token_tile < 0:
             raise ValueError(f"model.moe_token_tile must be >= 0 (0: off), got {self.moe_token_tile}")
+        if self.head_chunk_tokens < 0:
+            raise ValueError(f"model.head_chunk_tokens must be >= 0 (0: off), got {self.head_chunk_tokens}")
         if self.qb_batch_iters < 0:
             raise ValueError(f"model.qb_batch_iters must be >= 0, got {self.qb_batch_iters}")
         if not 0.0 <= self.qb_ema < 1.0:

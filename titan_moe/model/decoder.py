@@ -16,6 +16,7 @@ from torch import nn
 from titan_moe.model.args import ModelArgs
 from titan_moe.model.attn_res import AttnResMixer, ResidualStream, StreamTensors
 from titan_moe.model.ffn import SiTUGLUFeedForward
+from titan_moe.model.head import OutputHead
 from titan_moe.model.kda import KDACache, KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA, MLACache, document_mask, resolve_attention
 from titan_moe.model.moe import LatentMoE
@@ -102,7 +103,9 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """The whole model. `forward(tokens [B,T], doc_ids [B,T] | None) -> logits [B,T,V]` (fp32)."""
+    """The whole model. `forward(tokens [B,T], doc_ids [B,T] | None) -> logits [B,T,V]` (fp32);
+    given `labels [B,T]` it returns the 0-d fp32 sum of the cross-entropy instead, the head run
+    in chunks of `head_chunk_tokens` (`titan_moe.model.head`), never the whole logits."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -111,7 +114,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(i, args) for i in range(args.n_layers)})
         self.final_mix = AttnResMixer(args.dim, args.norm_eps)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputHead(args.dim, args.vocab_size)
         # NVTX range names (titan_moe.ops.nvtx), built once rather than in every forward.
         self.layer_ranges = tuple(f"layer{i}.{kind}" for i, kind in enumerate(args.layer_kinds()))
 
@@ -120,6 +123,7 @@ class Decoder(nn.Module):
         tokens: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         caches: list[LayerCache] | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
@@ -150,7 +154,7 @@ class Decoder(nn.Module):
                 ).end_layer(i)
         with nvtx_range("head"):
             h_BTD = self.norm(self.final_mix(stream))
-            return self.output(h_BTD).float()
+            return self.output(h_BTD, labels, self.args.head_chunk_tokens)
 
     def new_caches(self, batch_size: int, max_len: int) -> list[LayerCache]:
         """Empty decode caches, one per layer (constant size for KDA, `max_len` tokens for MLA)."""

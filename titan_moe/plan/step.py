@@ -15,7 +15,8 @@ forward and backward, not split by phase) in all phases but the optimizer step. 
     mask, whose construction holds a bool `[T, T]` and its negation beside the bf16 bias.
   loss and head backward: every layer's held bytes, the whole stream, the head's kept tensors
     and autocast copies and the head transient (`V * 8`: the forward's fp32 logits and the
-    backward's log-softmax gradients take the same budget, one phase for both); no gradient.
+    backward's log-softmax gradients take the same budget, one phase for both; with
+    `head_chunk_tokens` one chunk's `V * 12` and no kept log-softmax); no gradient.
   backward layer i, i = n-1 .. 0: the gradients of the head and of layers > i; the held bytes
     of layers <= i; the stream tensors of layers <= i (their partial sums; block mode: the
     initial buffer and those of closed blocks up to i's; full mode: the initial buffer and
@@ -112,7 +113,19 @@ def _stream_bytes_per_token(args: ModelArgs, s: int, policies: list[str], upto: 
 
 
 def _head_kept_per_token(args: ModelArgs, s: int, a: int) -> float:
-    return sum(e.bytes for e in _prologue("head", args, s, a)) + args.vocab_size * 4
+    """The head's prologue and, unless the loss runs in chunks (`head_chunk_tokens`), the fp32
+    log-softmax the cross-entropy keeps for its backward."""
+    logsoftmax = 0 if args.head_chunk_tokens else args.vocab_size * 4
+    return sum(e.bytes for e in _prologue("head", args, s, a)) + logsoftmax
+
+
+def _head_transient(args: ModelArgs, t: int) -> float:
+    """Bytes of the head's transient at `t` local tokens: whole, `V * 8` a token (the forward's
+    fp32 logits, then the backward's log-softmax gradient); in chunks (`titan_moe.model.head`),
+    one chunk's recomputed logits, log-softmax and gradient, `V * 12` a token of the chunk."""
+    if args.head_chunk_tokens:
+        return args.vocab_size * 12 * min(args.head_chunk_tokens, t)
+    return args.vocab_size * 8 * t
 
 
 def autocast_weight_copies(inv: ParamInventory, layout: Layout, prec: Precision) -> tuple[list[float], float]:
@@ -186,7 +199,7 @@ def activation_memory(
     stream_grads = ((S + 1) if args.attn_res != "none" else 2) * D * s * t
     stream = _stream_bytes_per_token(args, s, policies) * t
     head_kept = _head_kept_per_token(args, s, a) * t
-    head_transient = args.vocab_size * 8 * t
+    head_transient = _head_transient(args, t)
     layers_kept = sum(held)
     kept = layers_kept + stream + head_kept + head_copy
     held_upto = list(accumulate(held))  # held bytes of layers 0..i
