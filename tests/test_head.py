@@ -143,7 +143,7 @@ def _fsdp_head_worker(rank: int, world: int, reshard: str) -> None:
                                        msg=name)
 
 
-@pytest.mark.parametrize("reshard", ["default", "always"])
+@pytest.mark.parametrize("reshard", ["default", pytest.param("always", marks=pytest.mark.slow)])
 def test_chunked_loss_under_fsdp_on_two_ranks(tmp_path, reshard):
     from gloo_ranks import spawn_gloo
 
