@@ -7,9 +7,8 @@ forward+backward.
 Rows per length: document mixes {T} (one document), {T-1, 1}, {T/2, T/2} and the first
 row of the built-in corpus packed at T. Paths: "varlen" (the model's CUDA default: torch's
 varlen_attn, FlashAttention-2, v padded to the qk dim), "dense" (SDPA with the [B, 1, T, T]
-mask; skipped above --dense-max), "cudnn_ragged" (a candidate: cuDNN's ragged layout, one
-call over all documents, `cudnn_ragged_causal`) and the bound "causal_sdpa" (SDPA is_causal
-over one document; cuDNN where torch picks it). Each document-masked path's o and dq are compared with
+mask; skipped above --dense-max) and the bound "causal_sdpa" (SDPA is_causal over one
+document; cuDNN where torch picks it). Each document-masked path's o and dq are compared with
 the exact chunked op's (err_o, err_dq). With --fresh-rows N: fwd+bwd per batch over N
 successive corpus batches, twice (`fresh_rows`). TFLOP/s count the work the mask leaves: per row sum over documents of l^2/2 query-key pairs, times
 2 * (qk + v) FLOPs forward and 2.5x that backward. Peak memory is the allocator's peak
@@ -27,17 +26,6 @@ import torch.nn.functional as F
 from titan_moe.model.packing import cu_seqlens_from_doc_ids
 from titan_moe.ops.attention import doc_attention_chunked, doc_starts
 from titan_moe.ops.attention.varlen import varlen_causal
-
-
-def cudnn_ragged_causal(q_NHK, k_NHK, v_NHV, cu_seqlens, max_len: int, scale: float):
-    """A candidate: cuDNN's ragged (THD) attention, one call over all documents with their
-    cumulative lengths (`aten._cudnn_attention_forward`, differentiable through torch's
-    registered backward), v at its own head dim, `max_len` fixed at T so that the execution
-    plan does not change with the documents."""
-    q_NHK, k_NHK, v_NHV = (x.contiguous() for x in (q_NHK, k_NHK, v_NHV))
-    out = torch.ops.aten._cudnn_attention_forward(q_NHK, k_NHK, v_NHV, None, cu_seqlens, cu_seqlens, max_len,
-                                                  max_len, True, 0.0, True, False, scale=scale)
-    return out[0]
 
 
 def corpus_doc_ids(T: int) -> torch.Tensor:
@@ -107,14 +95,6 @@ def bench_row(name: str, ids_1T: torch.Tensor, H: int, K: int, V: int, dense_max
 
             def run(q, k, v):
                 o = varlen_causal(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max_len, scale)
-                return o.transpose(0, 1)[None]
-
-            return run, fwd_flops, fb_flops
-        if path == "cudnn_ragged":
-            cu = cu_seqlens_from_doc_ids(ids)
-
-            def run(q, k, v):
-                o = cudnn_ragged_causal(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, T, scale)
                 return o.transpose(0, 1)[None]
 
             return run, fwd_flops, fb_flops
@@ -212,15 +192,6 @@ def fresh_rows(T: int, B: int, n: int, H: int, K: int, V: int, paths: list[str])
                         return x.transpose(1, 2).reshape(B * T, H, x.shape[-1])
 
                     o_thd = varlen_causal(thd(qg), thd(kg), thd(vg), cu, max_len, scale)
-                    o = o_thd.reshape(B, T, H, V).transpose(1, 2)
-                elif path == "cudnn_ragged":
-                    cu = cu_seqlens_from_doc_ids(ids)
-                    docs += cu.numel() - 1
-
-                    def thd(x):
-                        return x.transpose(1, 2).reshape(B * T, H, x.shape[-1])
-
-                    o_thd = cudnn_ragged_causal(thd(qg), thd(kg), thd(vg), cu, T, scale)
                     o = o_thd.reshape(B, T, H, V).transpose(1, 2)
                 else:
                     raise ValueError(path)
