@@ -112,7 +112,9 @@ class Training:
     an fp32 reduce buffer and accumulated from there, the optimizer and the norm clip see
     DTensor parameters, and the fp8 weight caches (the linears' and the experts'
     cache_weights) do not apply. Checkpoints resume across the two. No effect with more than
-    one rank. The default stays "autocast" until an A/B on the GPU (tokens/s, loss) decides."""
+    one rank. The default is "autocast": at 8K x 4 compiled the two run at the same speed
+    (BENCHMARKS.md), "fsdp" peaks lower (its bf16 stream), and "autocast" keeps the fp8 weight
+    caches and the numerics the long loss checks were run with; choose "fsdp" for memory."""
 
 
 @dataclass
