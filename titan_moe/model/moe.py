@@ -879,12 +879,13 @@ def recording_eval_load(model: nn.Module | list[nn.Module], group=None):
             load_Ln = torch.stack([m.tokens_per_expert for m in moes])
             if group is not None:
                 dist.all_reduce(load_Ln, group=group)
-            if load_Ln.sum() > 0:
-                stats = [load_metrics(load_n) for load_n in load_Ln]
-                violations = [float(v) for v, _ in stats]
+            stats_L2 = torch.stack([torch.stack([v, d.double()]) for v, d in map(load_metrics, load_Ln)])
+            seen, rows = bool(load_Ln.sum() > 0), stats_L2.cpu().tolist()  # one host transfer
+            if seen:
+                violations = [v for v, _ in rows]
                 result["eval/moe/max_violation_max"] = max(violations)
                 result["eval/moe/max_violation_mean"] = sum(violations) / len(violations)
-                result["eval/moe/dead_experts_total"] = float(sum(int(d) for _, d in stats))
+                result["eval/moe/dead_experts_total"] = sum(d for _, d in rows)
     finally:
         for m, tokens in zip(moes, saved):
             m.record_eval_load = False
