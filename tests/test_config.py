@@ -32,6 +32,14 @@ def test_toml_then_cli_precedence():
     assert args.n_layers == 4  # the debug flavor's preset
 
 
+@pytest.mark.parametrize("mode", ["none", "full", "block"])
+def test_cli_literal_named_none_is_that_option(mode):
+    # model keys are optional (None keeps the flavor's value), but "none" is also one of
+    # attn_res's modes: the mode wins, from the command line as from the TOML
+    cfg = load_config(["--job.config_file", DEBUG_TOML, "--model.attn_res", mode])
+    assert model_args_from_config(cfg).attn_res == mode
+
+
 def test_unknown_toml_key_names_key_and_file(tmp_path):
     path = _write(tmp_path, "[training]\nstepz = 3\n")
     with pytest.raises(ConfigError) as e:

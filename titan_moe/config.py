@@ -217,7 +217,11 @@ def _coerce(value: Any, tp: Any, *, from_cli: bool) -> Any:
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or (from_cli and str(value).lower() == "none")):
+        # "none" on the command line is None, unless a literal option is spelled "none"
+        # (`--model.attn_res none` is that mode, not "keep the flavor's value")
+        literal_none = any(typing.get_origin(a) is Literal and "none" in typing.get_args(a) for a in args)
+        if type(None) in args and (value is None or (from_cli and str(value).lower() == "none"
+                                                     and not literal_none)):
             return None
         errors = []
         for arg in (a for a in args if a is not type(None)):
