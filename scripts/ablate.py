@@ -18,7 +18,8 @@ bias fitted to itself), sign (DeepSeek-V3's sign rule), aux_loss (no bias: the S
 auxiliary loss, `model.aux_loss_coef`), attn_res_full / attn_res_none (AttnRes variants),
 adamw / muon (optimizers), swiglu (SwiGLU instead of SiTU-GLU in the experts) and
 unbounded_gate (KDA's softplus gate with no lower bound; it runs the PyTorch KDA path, so
-compare its loss, not its speed).
+compare its loss, not its speed). `ARM@LR` runs an arm at another `optimizer.lr` (a learning-rate
+sweep: `--arms adamw@1e-3,adamw@3e-3,muon@1e-3,muon@3e-3`; folder OUT/ARM@LR_sSEED).
 """
 
 from __future__ import annotations
@@ -62,11 +63,27 @@ def read_records(folder: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     return steps, evals
 
 
+def arm_overrides(arm: str) -> list[str]:
+    """The overrides of `arm` ("name" or "name@lr"); ValueError for an unknown name or a bad lr."""
+    name, _, lr = arm.partition("@")
+    if name not in ARMS:
+        raise ValueError(f"unknown arm {name!r}; known: {', '.join(ARMS)}")
+    if not lr:
+        return ARMS[name]
+    try:
+        positive = float(lr) > 0
+    except ValueError:
+        positive = False
+    if not positive:
+        raise ValueError(f"arm {arm!r}: the learning rate after '@' must be a number > 0")
+    return [*ARMS[name], "--optimizer.lr", lr]
+
+
 def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int) -> Path:
     dump = out / f"{arm}_s{seed}"
     if steps in read_records(dump)[0]:
         return dump
-    cmd = [sys.executable, "-m", "titan_moe.train", *shared, *ARMS[arm],
+    cmd = [sys.executable, "-m", "titan_moe.train", *shared, *arm_overrides(arm),
            "--debug.seed", str(seed), "--data.seed", str(seed), "--job.dump_folder", str(dump),
            "--validation.enable", "--validation.freq", str(steps), "--checkpoint.no_enable"]
     print(" ".join(cmd), flush=True)
@@ -128,13 +145,15 @@ def plot(out: Path, dumps: dict[str, list[Path]]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--arms", default="qb,qb_batch,sign,adamw,muon", help=f"from {', '.join(ARMS)}")
+    parser.add_argument("--arms", default="qb,qb_batch,sign,adamw,muon", help=f"from {', '.join(ARMS)}; ARM@LR at optimizer.lr LR")
     parser.add_argument("--seeds", default="0")
     args, shared = parser.parse_known_args(argv)
     arms = args.arms.split(",")
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        parser.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+    for arm in arms:
+        try:
+            arm_overrides(arm)
+        except ValueError as e:
+            parser.error(str(e))
     if "--training.steps" in shared:
         steps = int(shared[shared.index("--training.steps") + 1])
     else:

@@ -23,7 +23,8 @@ def _ablate_module():
 
 @pytest.mark.parametrize("arm,field,value", [
     ("aux_loss", "balance_rule", "aux_loss"), ("swiglu", "expert_activation", "swiglu"),
-    ("unbounded_gate", "kda_gate", "unbounded"),
+    ("unbounded_gate", "kda_gate", "unbounded"), ("attn_res_none", "attn_res", "none"),
+    ("attn_res_full", "attn_res", "full"),
 ])
 def test_arm_overrides_parse_through_the_trainer_config(arm, field, value):
     arms = _ablate_module().ARMS
@@ -32,6 +33,18 @@ def test_arm_overrides_parse_through_the_trainer_config(arm, field, value):
     # every arm parses (a renamed key would stop the sweep only when its turn came)
     for overrides in arms.values():
         load_config(["--job.config_file", CONFIG, *overrides])
+
+
+def test_arm_at_lr_adds_the_learning_rate_and_bad_arms_are_refused():
+    module = _ablate_module()
+    overrides = module.arm_overrides("muon@1e-3")
+    assert overrides[:len(module.ARMS["muon"])] == module.ARMS["muon"]
+    cfg = load_config(["--job.config_file", CONFIG, *overrides])
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.name == "Muon"
+    assert module.arm_overrides("muon@") == module.ARMS["muon"]
+    for bad in ("muonn", "muon@fast", "muon@-1"):
+        with pytest.raises(ValueError, match="arm"):
+            module.arm_overrides(bad)
 
 
 @pytest.mark.slow
