@@ -123,3 +123,31 @@ def test_cuda_cached_casts_under_inductor_equal_per_call():
     assert experts.refresh_compute_weights(torch.bfloat16)
     for got in (_fwd_bwd(experts, x, offs), _fwd_bwd(compiled, x, offs)):
         assert all(torch.equal(a, b) for a, b in zip(got, per_call))
+
+
+@pytest.mark.parametrize("primed", [True, False])
+def test_cache_made_before_the_first_step_compiles_once(primed):
+    """The trainer makes the cache before the first training forward
+    (`_prime_compute_weight_cache`): a compiled layer then compiles once, not again at step 2
+    when the post-step hook's cache first appears (a whole recompile of every layer kind)."""
+    import types
+
+    from titan_moe.train import TitanTrainer
+
+    torch._dynamo.reset()
+    experts = _experts(seed=5)
+    opt = torch.optim.AdamW(experts.parameters(), lr=1e-2)
+    trainer = types.SimpleNamespace(model_parts=[torch.nn.Sequential(experts)], optimizers=opt)
+    TitanTrainer._cache_compute_weights(trainer, torch.bfloat16)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(experts, backend=counter, fullgraph=True)
+    for step in range(3):
+        if primed:
+            TitanTrainer._prime_compute_weight_cache(trainer)  # what train_step does first
+        compiled(X_MK, OFFS_E).float().square().sum().backward()
+        before = experts.w_down.detach().clone()
+        opt.step()
+        opt.zero_grad()
+        assert not torch.equal(before, experts.w_down)  # a real step, then a fresh cache
+        assert torch.equal(experts._valid_weight_cache()[1], experts.w_down.detach().bfloat16())
+    assert counter.frame_count == (1 if primed else 2)

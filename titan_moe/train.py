@@ -193,7 +193,9 @@ class TitanTrainer(Trainer):
 
     def _cache_compute_weights(self, dtype: torch.dtype) -> None:
         """After every optimizer step, the routed experts' weights cast to autocast's dtype
-        (`[training] cache_compute_weights`); the first step casts per call."""
+        (`[training] cache_compute_weights`), and once more before the first step
+        (`_prime_compute_weight_cache`): compiled layers then see the cache from their first
+        call, instead of compiling again when it appears after step 1."""
         reported = []
 
         def refresh(*_args, **_kwargs):
@@ -204,6 +206,15 @@ class TitanTrainer(Trainer):
                 reported.append(True)
 
         self.optimizers.register_step_post_hook(refresh)
+        self._unprimed_compute_weight_cache = refresh
+
+    def _prime_compute_weight_cache(self) -> None:
+        """Make the compute-weight cache before the first training forward: after any
+        checkpoint load (the weights it copies), before the compiled layers first run."""
+        refresh = getattr(self, "_unprimed_compute_weight_cache", None)
+        if refresh is not None:
+            self._unprimed_compute_weight_cache = None
+            refresh()
 
     def train(self):
         # torchtitan's loop ends with a 2 s sleep on rank 0 "for other ranks to complete";
@@ -216,6 +227,7 @@ class TitanTrainer(Trainer):
         if self.ladder_run is not None:  # this step's stage: its rows, batch and data mix
             data_iterator = self.ladder_run.data_iterator(self.step, data_iterator)
         self.metrics_processor.start_progress(self.step - 1)
+        self._prime_compute_weight_cache()
         self._cuda_profiler_window(before_step=True)
         self._set_aux_loss_weight()
         with nvtx.nvtx_range("train_step"):

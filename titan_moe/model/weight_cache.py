@@ -14,7 +14,8 @@ valid until those Parameters change:
 * `to()` / `cuda()` (new Parameter tensors) and `load_state_dict` drop the cache.
 
 The cache lives in a plain attribute (not a buffer): it is not state, checkpoints never hold
-it, and torch.compile reads it as a graph input (one recompile when it first appears).
+it, and torch.compile reads it as a graph input (one recompile when it first appears, which
+the trainer avoids by making the cache before the first step).
 """
 
 from __future__ import annotations
