@@ -155,3 +155,38 @@ def test_moe_regions_config_is_checked(tmp_path):
     assert load_config(["--job.config_file", str(path), "--compile.moe_regions", "piecewise"]).compile.moe_regions == "piecewise"
     with pytest.raises(ConfigError, match="moe_regions"):
         load_config(["--job.config_file", str(path), "--compile.moe_regions", "whole"])
+
+
+@pytest.mark.parametrize("limit", [None, pytest.param(8, marks=pytest.mark.slow)])
+def test_regions_take_training_evaluation_and_new_lengths(monkeypatch, limit):
+    """The layer regions share one code object, so layer kinds x training / evaluation x new
+    sequence lengths (a ladder's stages and its evaluations) all count against one Dynamo
+    recompile limit; `apply_compile` raises it (at torch's default of 8, the run stops)."""
+    import types
+
+    from titan_moe import parallelize
+
+    if limit is not None:
+        monkeypatch.setattr(parallelize, "REGION_RECOMPILE_LIMIT", limit)
+    _, model = _seeded_pair(ARGS)
+
+    def run_all_lengths():
+        gen = torch.Generator().manual_seed(3)
+        for T in (32, 64, 96):
+            tokens = torch.randint(0, ARGS.vocab_size, (1, T), generator=gen)
+            doc_ids = torch.zeros(1, T, dtype=torch.int32)
+            model.train()
+            model(tokens, doc_ids).logsumexp(-1).mean().backward()
+            model.eval()
+            with torch.no_grad():
+                model(tokens, doc_ids)
+
+    with torch._dynamo.config.patch(recompile_limit=8):  # torch's default; restored after
+        parallelize.apply_compile(model, types.SimpleNamespace(backend="aot_eager", passes=[], moe_regions="auto"),
+                                  ep_enabled=False)
+        if limit is None:
+            run_all_lengths()
+            assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        else:
+            with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+                run_all_lengths()

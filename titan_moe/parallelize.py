@@ -206,6 +206,9 @@ def compile_backend(compile_config):
     return compile_passes.make_backend(compile_config.backend, passes)
 
 
+REGION_RECOMPILE_LIMIT = 64
+
+
 def apply_compile(model: nn.Module, compile_config, ep_enabled: bool, cp_enabled: bool = False) -> None:
     """Regional compile: each layer is one `torch.compile(fullgraph=True)` region.
 
@@ -229,6 +232,12 @@ def apply_compile(model: nn.Module, compile_config, ep_enabled: bool, cp_enabled
     activation checkpointing wrapped: a recompute runs the same regions and eager code.
     """
     backend = compile_backend(compile_config)
+    # Every layer region runs one code object (DecoderLayer.forward, or each child's forward),
+    # so Dynamo's recompile limit per code object (8) is shared by all variants: layer kinds
+    # (KDA / MLA / dense mixers, MoE / dense FFN) x training and evaluation (no grad) x each
+    # new sequence length until it turns dynamic (ladder stages, evaluation lengths). Under
+    # fullgraph=True reaching it stops the run.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
     moe_pieces = ep_enabled or getattr(compile_config, "moe_regions", "auto") == "piecewise"
     regions: dict[str, None] = {}  # ordered set of region names, for the start-up line
 
