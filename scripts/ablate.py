@@ -18,8 +18,13 @@ bias fitted to itself), sign (DeepSeek-V3's sign rule), aux_loss (no bias: the S
 auxiliary loss, `model.aux_loss_coef`), attn_res_full / attn_res_none (AttnRes variants),
 adamw / muon (optimizers), swiglu (SwiGLU instead of SiTU-GLU in the experts) and
 unbounded_gate (KDA's softplus gate with no lower bound; it runs the PyTorch KDA path, so
-compare its loss, not its speed). `ARM@LR` runs an arm at another `optimizer.lr` (a learning-rate
-sweep: `--arms adamw@1e-3,adamw@3e-3,muon@1e-3,muon@3e-3`; folder OUT/ARM@LR_sSEED).
+compare its loss, not its speed). `ARM@LR` runs an arm at another `optimizer.lr` (a
+learning-rate sweep: `--arms adamw@1e-3,adamw@3e-3,muon@1e-3,muon@3e-3`; folder
+OUT/ARM@LR_sSEED).
+
+`--eval-every N` validates every N steps, and the table gives the first validated step at
+which each arm's held-out loss reaches the first arm's final one: how many steps an arm needs
+for the baseline's result (an arm already run keeps the validations it had).
 """
 
 from __future__ import annotations
@@ -79,13 +84,13 @@ def arm_overrides(arm: str) -> list[str]:
     return [*ARMS[name], "--optimizer.lr", lr]
 
 
-def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int) -> Path:
+def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int, eval_every: int = 0) -> Path:
     dump = out / f"{arm}_s{seed}"
     if steps in read_records(dump)[0]:
         return dump
     cmd = [sys.executable, "-m", "titan_moe.train", *shared, *arm_overrides(arm),
            "--debug.seed", str(seed), "--data.seed", str(seed), "--job.dump_folder", str(dump),
-           "--validation.enable", "--validation.freq", str(steps), "--checkpoint.no_enable"]
+           "--validation.enable", "--validation.freq", str(eval_every or steps), "--checkpoint.no_enable"]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ})
     return dump
@@ -109,14 +114,25 @@ def summarize(dump: Path, steps: int) -> dict[str, float]:
     }
 
 
+def steps_to_reach(dump: Path, target: float) -> float:
+    """The first validated step whose held-out loss is at most `target` (nan: none is)."""
+    evals = read_records(dump)[1]
+    return next((float(s) for s in sorted(evals) if evals[s].get("eval_loss", float("inf")) <= target), float("nan"))
+
+
 def write_table(out: Path, results: dict[str, list[dict]], header: str) -> str:
-    cols = ["loss", "loss_tail", "eval_loss", "violation", "eval_violation", "tokens_per_s"]
+    """The markdown table of `results` (arm -> one `summarize` dict per seed, each with
+    ``reach``: `steps_to_reach` of the first arm's final held-out loss, same seed)."""
+    cols = ["loss", "loss_tail", "eval_loss", "violation", "eval_violation", "tokens_per_s", "reach"]
+    first = next(iter(results), "")
     lines = [header, "", "| arm | seeds | final loss | loss, last 10% | held-out loss | violation, 2nd half "
-             "| held-out violation | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"| held-out violation | tokens/s | steps to {first}'s held-out loss |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, runs in results.items():
         means = [sum(r[c] for r in runs) / len(runs) for c in cols]
         lines.append(f"| {arm} | {len(runs)} | " + " | ".join(
-            f"{v:.0f}" if c == "tokens_per_s" else f"{v:.3f}" for c, v in zip(cols, means)) + " |")
+            ("never" if v != v else f"{v:.0f}") if c == "reach" else f"{v:.0f}" if c == "tokens_per_s" else f"{v:.3f}"
+            for c, v in zip(cols, means)) + " |")
     text = "\n".join(lines) + "\n"
     (out / "ablation.md").write_text(text)
     return text
@@ -147,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arms", default="qb,qb_batch,sign,adamw,muon", help=f"from {', '.join(ARMS)}; ARM@LR at optimizer.lr LR")
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="validate every N steps (N divides the step count; 0: at the last step only)")
     args, shared = parser.parse_known_args(argv)
     arms = args.arms.split(",")
     for arm in arms:
@@ -159,10 +177,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         steps = 60
         shared += ["--training.steps", str(steps)]
+    if args.eval_every < 0 or (args.eval_every and steps % args.eval_every):
+        parser.error(f"--eval-every {args.eval_every} must be >= 0 and divide the step count {steps}")
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    dumps = {arm: [run_arm(args.out, arm, seed, shared, steps) for seed in seeds] for arm in arms}
+    dumps = {arm: [run_arm(args.out, arm, seed, shared, steps, args.eval_every) for seed in seeds] for arm in arms}
     results = {arm: [summarize(d, steps) for d in folders] for arm, folders in dumps.items()}
+    targets = [r["eval_loss"] for r in results[arms[0]]]  # the first arm's, seed by seed
+    for arm, folders in dumps.items():
+        for result, folder, target in zip(results[arm], folders, targets):
+            result["reach"] = steps_to_reach(folder, target)
     header = f"{steps} steps, seeds {args.seeds}, shared overrides: `{' '.join(shared)}`"
     print(write_table(args.out, results, header))
     plot(args.out, dumps)

@@ -47,6 +47,41 @@ def test_arm_at_lr_adds_the_learning_rate_and_bad_arms_are_refused():
             module.arm_overrides(bad)
 
 
+def _fake_run(folder, eval_losses: dict[int, float]) -> None:
+    """A metrics.jsonl as the trainer writes it: training records, then held-out ones."""
+    import json
+
+    folder.mkdir(parents=True)
+    lines = [{"step": s, "loss": 5.0 - 0.1 * s, "tokens_per_s": 1000.0, "moe/max_violation_mean": 0.2}
+             for s in range(1, 11)]
+    lines += [{"step": s, "eval_loss": v} for s, v in eval_losses.items()]
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+
+
+def test_steps_to_reach_the_first_arms_held_out_loss(tmp_path):
+    module = _ablate_module()
+    _fake_run(tmp_path / "base", {5: 4.0, 10: 3.5})
+    _fake_run(tmp_path / "fast", {5: 3.4, 10: 3.0})
+    _fake_run(tmp_path / "slow", {5: 3.9, 10: 3.6})
+    assert module.steps_to_reach(tmp_path / "fast", 3.5) == 5.0
+    assert module.steps_to_reach(tmp_path / "base", 3.5) == 10.0
+    assert module.steps_to_reach(tmp_path / "slow", 3.5) != module.steps_to_reach(tmp_path / "slow", 3.5)  # nan
+    results = {}
+    for arm in ("base", "fast", "slow"):
+        result = module.summarize(tmp_path / arm, 10)
+        result["reach"] = module.steps_to_reach(tmp_path / arm, 3.5)
+        results[arm] = [result]
+    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip()
+            for line in module.write_table(tmp_path, results, "h").splitlines() if line.startswith("| ")}
+    assert rows["base"] == "10" and rows["fast"] == "5" and rows["slow"] == "never"
+    assert "steps to base's held-out loss" in rows["arm"]
+
+
+def test_eval_every_must_divide_the_steps(tmp_path):
+    with pytest.raises(SystemExit):
+        _ablate_module().main(["--out", str(tmp_path), "--eval-every", "7", "--training.steps", "20"])
+
+
 @pytest.mark.slow
 def test_two_arms_give_a_table_and_a_loss_plot(tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / "ablate.py"), "--out", str(tmp_path), "--arms", "qb,sign",
