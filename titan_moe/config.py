@@ -114,7 +114,7 @@ class Training:
     cache_weights) do not apply. Checkpoints resume across the two. No effect with more than
     one rank. The default is "autocast": at 8K x 4 compiled the two run at the same speed
     (BENCHMARKS.md), "fsdp" peaks lower (its bf16 stream), and "autocast" keeps the fp8 weight
-    caches and the numerics the long loss checks were run with; choose "fsdp" for memory."""
+    caches and the fp32 residual stream; choose "fsdp" for memory."""
 
 
 @dataclass

@@ -379,7 +379,8 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch,
     `moe_token_tile`, `head_chunk_tokens`), in a one-rank run `training.one_device_mixed_precision`
     and, with the fp8 experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in
-    one line and returned as the run's record of its choices. A ValueError naming the key for a value the device or the model cannot run."""
+    one line and returned as the run's record of its choices. A ValueError naming the key for a
+    value the device or the model cannot run."""
     device_type = accelerator_type()
     args = model_args_from_config(job_config)
     # Other train specs' model args (e.g. profiling's peer) define only some of these choices.
