@@ -22,6 +22,10 @@ compare its loss, not its speed). `ARM@LR` runs an arm at another `optimizer.lr`
 learning-rate sweep: `--arms adamw@1e-3,adamw@3e-3,muon@1e-3,muon@3e-3`; folder
 OUT/ARM@LR_sSEED).
 
+`--jobs N` runs N arms at once (on one GPU when they fit its memory: their compiles overlap;
+their tokens/s are then not speeds), each run's output in OUT/ARM_sSEED/train.log. A run that
+fails is named and left out of the table; the others still count.
+
 `--eval-every N` validates every N steps, and the table gives the first validated step at
 which each arm's held-out loss reaches the first arm's final one: how many steps an arm needs
 for the baseline's result (an arm already run keeps the validations it had).
@@ -30,6 +34,7 @@ for the baseline's result (an arm already run keeps the validations it had).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -84,7 +89,11 @@ def arm_overrides(arm: str) -> list[str]:
     return [*ARMS[name], "--optimizer.lr", lr]
 
 
-def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int, eval_every: int = 0) -> Path:
+def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int, eval_every: int = 0,
+            log_to_file: bool = False) -> Path:
+    """Train one arm and seed into OUT/ARM_sSEED (skipped when it already holds the last
+    step); with `log_to_file` its output goes to train.log there instead of this stdout.
+    CalledProcessError when the run fails."""
     dump = out / f"{arm}_s{seed}"
     if steps in read_records(dump)[0]:
         return dump
@@ -92,8 +101,31 @@ def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int, eval_
            "--debug.seed", str(seed), "--data.seed", str(seed), "--job.dump_folder", str(dump),
            "--validation.enable", "--validation.freq", str(eval_every or steps), "--checkpoint.no_enable"]
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ})
+    if not log_to_file:
+        subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ})
+        return dump
+    dump.mkdir(parents=True, exist_ok=True)
+    with open(dump / "train.log", "w") as log:
+        subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ}, stdout=log, stderr=subprocess.STDOUT)
     return dump
+
+
+def run_all(out: Path, runs: list[tuple[str, int]], shared: list[str], steps: int, eval_every: int,
+            jobs: int) -> dict[tuple[str, int], Path]:
+    """Every (arm, seed) run, `jobs` at a time; the ones that finished (a failure is printed
+    with its return code and left out)."""
+    done: dict[tuple[str, int], Path] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_arm, out, arm, seed, shared, steps, eval_every, jobs > 1): (arm, seed)
+                   for arm, seed in runs}
+        for future in concurrent.futures.as_completed(futures):
+            arm, seed = futures[future]
+            try:
+                done[(arm, seed)] = future.result()
+            except subprocess.CalledProcessError as e:
+                print(f"ablate: arm {arm} seed {seed} failed (exit code {e.returncode}); left out of the table",
+                      file=sys.stderr, flush=True)
+    return done
 
 
 def summarize(dump: Path, steps: int) -> dict[str, float]:
@@ -163,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arms", default="qb,qb_batch,sign,adamw,muon", help=f"from {', '.join(ARMS)}; ARM@LR at optimizer.lr LR")
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--jobs", type=int, default=1, help="arms run at once (default 1)")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="validate every N steps (N divides the step count; 0: at the last step only)")
     args, shared = parser.parse_known_args(argv)
@@ -179,14 +212,23 @@ def main(argv: list[str] | None = None) -> None:
         shared += ["--training.steps", str(steps)]
     if args.eval_every < 0 or (args.eval_every and steps % args.eval_every):
         parser.error(f"--eval-every {args.eval_every} must be >= 0 and divide the step count {steps}")
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs} must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    dumps = {arm: [run_arm(args.out, arm, seed, shared, steps, args.eval_every) for seed in seeds] for arm in arms}
+    done = run_all(args.out, [(arm, seed) for arm in arms for seed in seeds], shared, steps, args.eval_every,
+                   args.jobs)
+    seeds_done = {arm: [s for s in seeds if (arm, s) in done] for arm in arms}
+    arms = [arm for arm in arms if seeds_done[arm]]
+    if not arms:
+        raise SystemExit("ablate: every run failed")
+    dumps = {arm: [done[(arm, s)] for s in seeds_done[arm]] for arm in arms}
     results = {arm: [summarize(d, steps) for d in folders] for arm, folders in dumps.items()}
-    targets = [r["eval_loss"] for r in results[arms[0]]]  # the first arm's, seed by seed
+    # the first arm's final held-out loss, seed by seed
+    targets = {s: r["eval_loss"] for s, r in zip(seeds_done[arms[0]], results[arms[0]])}
     for arm, folders in dumps.items():
-        for result, folder, target in zip(results[arm], folders, targets):
-            result["reach"] = steps_to_reach(folder, target)
+        for seed, result, folder in zip(seeds_done[arm], results[arm], folders):
+            result["reach"] = steps_to_reach(folder, targets.get(seed, float("nan")))
     header = f"{steps} steps, seeds {args.seeds}, shared overrides: `{' '.join(shared)}`"
     print(write_table(args.out, results, header))
     plot(args.out, dumps)

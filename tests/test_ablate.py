@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -82,10 +83,28 @@ def test_eval_every_must_divide_the_steps(tmp_path):
         _ablate_module().main(["--out", str(tmp_path), "--eval-every", "7", "--training.steps", "20"])
 
 
+def test_run_all_runs_arms_at_once_and_leaves_a_failed_one_out(tmp_path, monkeypatch):
+    ablate = _ablate_module()
+    together = threading.Barrier(2, timeout=30)  # broken unless two runs wait at the same time
+
+    def fake_run_arm(out, arm, seed, shared, steps, eval_every, log_to_file):
+        assert log_to_file
+        together.wait()
+        if arm == "sign":
+            raise subprocess.CalledProcessError(3, ["train"])
+        return out / f"{arm}_s{seed}"
+
+    monkeypatch.setattr(ablate, "run_arm", fake_run_arm)
+    done = ablate.run_all(tmp_path, [("qb", 0), ("sign", 0)], [], 2, 0, jobs=2)
+    assert done == {("qb", 0): tmp_path / "qb_s0"}
+    with pytest.raises(SystemExit):
+        ablate.main(["--out", str(tmp_path), "--jobs", "0"])
+
+
 @pytest.mark.slow
 def test_two_arms_give_a_table_and_a_loss_plot(tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / "ablate.py"), "--out", str(tmp_path), "--arms", "qb,sign",
-           "--job.config_file", CONFIG, *TINY_CLI, "--training.steps", "2"]
+           "--jobs", "2", "--job.config_file", CONFIG, *TINY_CLI, "--training.steps", "2"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -94,6 +113,7 @@ def test_two_arms_give_a_table_and_a_loss_plot(tmp_path):
     assert len(rows) == 2 and "nan" not in rows[0].split("|")[5]  # held-out loss of the last step
     assert "nan" not in rows[0].split("|")[7]  # held-out balance, frozen bias
     assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert "step" in (tmp_path / "qb_s0" / "train.log").read_text()  # --jobs 2: each run's own log
     # an arm already run is not run again
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "titan_moe.train" not in again.stdout
