@@ -18,7 +18,7 @@ import torch
 from titan_moe import evaluate
 from titan_moe.config import ConfigError, load_config
 from titan_moe.data import build_dataloader, load_tokenizer, text_source
-from titan_moe.data.long_documents import import_order, package_documents
+from titan_moe.data.long_documents import import_order, package_documents, unseen_package_documents
 from titan_moe.data.packing import IGNORE_INDEX
 from titan_moe.data.synthetic import Filler, SyntheticTasks, mqar_task, passkey_task, task_rng
 from titan_moe.ladder import Ladder, Stage, lr_lambda, resolve_stages, short_length
@@ -113,6 +113,9 @@ def test_stages_load_override_and_fill_training(tmp_path):
     (["--ladder.stages.2.decay_type", "step"], "decay_type must be one of"),
     (["--ladder.stages.2.long_fraction", "0.95"], "must stay below 1"),
     (["--data.synthetic_tasks", "passkey,needle"], "unknown task 'needle'"),
+    (["--ladder.eval_packages_path", "/no/such/folder"], "ladder.eval_packages_path '/no/such/folder' is not a directory"),
+    (["--ladder.eval_packages_path", str(REPO), "--data.long_documents", "text", "--data.long_documents_path",
+      str(REPO / "titan_moe")], "overlaps data.long_documents_path"),
 ])
 def test_bad_stage_keys_are_one_line_errors(tmp_path, args, message):
     path = _write_config(tmp_path)
@@ -301,6 +304,32 @@ def test_import_order_and_package_split(tmp_path):
     train_files = {f for _, rels in train.packages for f in rels}
     val_files = {f for _, rels in val.packages for f in rels}
     assert train_files and val_files and not train_files & val_files
+
+
+def test_unseen_packages_join_the_loss_documents(tmp_path, tok):
+    # two packages of code never trained on: each one document, whole and in import order
+    for pkg, n in (("small", 2), ("big", 6)):
+        for i in range(n):
+            path = tmp_path / pkg / ("__init__.py" if i == 0 else f"m{i}.py")
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(f"def f{i}(x):\n    return x + {i}\n" * 30)
+    docs = unseen_package_documents(str(tmp_path))
+    assert [name for name, _ in docs.packages] == ["big", "small"] and len(docs.packages[0][1]) == 6
+    unseen = [tok.encode(docs[i], add_bos=True, add_eos=True) for i in range(2)]
+    val = ["a short held-out file\n" * 3]
+    args = ["--job.config_file", _write_config(tmp_path), "--ladder.eval_loss_docs", "8"]
+    without = evaluate.loss_documents(load_config(args), val, tok, seq_len=64)
+    held_out = evaluate.loss_documents(load_config([*args, "--ladder.eval_packages_path", str(tmp_path)]), val, tok,
+                                       seq_len=64)
+    # compared on what the loss by position reads, the first seq_len + 1 tokens (a long
+    # document is tokenized from a prefix of its text only)
+    heads = lambda docs: [d[:65] for d in docs]  # noqa: E731
+    assert not any(u in heads(without) for u in heads(unseen)) and all(u in heads(held_out) for u in heads(unseen))
+    assert all(len(d) >= 65 for d in held_out[:2])
+    # pooled with the val splits (the corpus's file, the standard library's val packages), longest first
+    assert len(held_out) == len(without) + 2 and [len(d) for d in held_out] == sorted(map(len, held_out), reverse=True)
+    with pytest.raises(ValueError, match="no such directory"):
+        unseen_package_documents(str(tmp_path / "missing"))
 
 
 # ------------------------------------------------------------ mixed data stream

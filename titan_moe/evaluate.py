@@ -8,7 +8,8 @@
   mqar         `ladder.eval_mqar_pairs` key-value pairs spread over the context, every key
                asked for at the end; accuracy over all questions, by length.
   loss_by_pos  held-out documents of at least `seq_len + 1` tokens (the corpus's and the long
-               documents' val split, longest first, `ladder.eval_loss_docs` of them), each
+               documents' val split and the packages at `ladder.eval_packages_path`, longest
+               first, `ladder.eval_loss_docs` of them), each
                evaluated from its start: mean loss per position bucket [0, 64), [64, 128),
                [128, 256), ... (doubling). Fewer such documents: the longest ones, shorter.
 
@@ -105,9 +106,10 @@ def loss_by_position(logits_fn: LogitsFn, documents: Sequence[Sequence[int]], se
         for i in range(0, len(same), batch):
             rows_BR = torch.tensor(same[i : i + batch], dtype=torch.int64)
             x_BT, y_BT = rows_BR[:, :-1], rows_BR[:, 1:]
-            with torch.no_grad():
-                logits = logits_fn(x_BT, torch.zeros_like(x_BT, dtype=torch.int32)).cpu()
-            loss_BT = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y_BT, reduction="none")
+            with torch.no_grad():  # the loss where the logits are: [B, T, vocab] is GiBs at long T
+                logits = logits_fn(x_BT, torch.zeros_like(x_BT, dtype=torch.int32))
+                loss_BT = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y_BT.to(logits.device),
+                                                            reduction="none").cpu()
             for j, (lo, hi) in enumerate(buckets):
                 part = loss_BT[:, lo:hi]
                 sums[j] += float(part.sum())
@@ -115,21 +117,49 @@ def loss_by_position(logits_fn: LogitsFn, documents: Sequence[Sequence[int]], se
     return {b: (sums[j] / counts[j] if counts[j] else math.nan, counts[j]) for j, b in enumerate(buckets)}
 
 
+# Characters read per wanted token when only a document's start is needed: a token of the
+# byte-level BPE covers at least one byte, and code averages about three characters a token.
+PREFIX_CHARS_PER_TOKEN = 16
+
+
 def held_out_documents(documents, tokenizer, min_tokens: int, n: int, scan: int = 400) -> list[list[int]]:
     """Up to n held-out documents, tokenized with [bos]: those of at least `min_tokens`
     tokens, longest first; when fewer reach it, the longest ones (among the first `scan`
-    by character length, to bound the tokenizing)."""
+    by character length, to bound the tokenizing). Only what the loss by position reads is
+    tokenized: a document much longer than `min_tokens` is cut to its first
+    `PREFIX_CHARS_PER_TOKEN * min_tokens` characters (whole when that prefix falls short)."""
     if n <= 0:
         return []
     by_chars = sorted(range(len(documents)), key=lambda i: -len(documents[i]))[:scan]
     encoded = []
     for i in by_chars:
-        tokens = tokenizer.encode(documents[i], add_bos=True, add_eos=True)
+        text = documents[i]
+        tokens = tokenizer.encode(text[: PREFIX_CHARS_PER_TOKEN * min_tokens], add_bos=True, add_eos=True)
+        if len(tokens) < min_tokens and len(text) > PREFIX_CHARS_PER_TOKEN * min_tokens:
+            tokens = tokenizer.encode(text, add_bos=True, add_eos=True)
         encoded.append(tokens)
         if sum(len(t) >= min_tokens for t in encoded) >= n:
             break
     encoded.sort(key=len, reverse=True)
     return encoded[:n]
+
+
+def loss_documents(config, val_documents, tokenizer, seq_len: int) -> list[list[int]]:
+    """The held-out documents of the loss by position, tokenized: `held_out_documents` of the
+    corpus's val split, of the long documents' val split (data.long_documents) and of the
+    unseen packages (ladder.eval_packages_path), pooled, longest first,
+    `ladder.eval_loss_docs` of them."""
+    from titan_moe.data.long_documents import long_source, unseen_package_documents
+
+    n = config.ladder.eval_loss_docs
+    sources = [val_documents]
+    if config.data.long_documents:
+        sources.append(long_source(config.data.long_documents, config.data.long_documents_path, "val",
+                                   config.data.val_fraction))
+    if config.ladder.eval_packages_path:
+        sources.append(unseen_package_documents(os.path.expanduser(config.ladder.eval_packages_path)))
+    pooled = [doc for source in sources for doc in held_out_documents(source, tokenizer, seq_len + 1, n)]
+    return sorted(pooled, key=len, reverse=True)[:n]
 
 
 def run_evals(logits_fn: LogitsFn, tokenizer, filler: Filler, held_out: list[list[int]], *, lengths: Sequence[int],
@@ -260,8 +290,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     from titan_moe.config import ConfigError, load_config
     from titan_moe.data.from_config import corpus_documents, tokenizer_from_config
-    from titan_moe.data.long_documents import long_source
     from titan_moe.generate import load_model
+    from titan_moe.ladder import check_eval_packages_path
     from titan_moe.runtime import checkpoint as intact
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -283,19 +313,14 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = tokenizer_from_config(config)
         val = corpus_documents(config, "val")
         filler = Filler(val, tokenizer)
-        long_val = long_source(config.data.long_documents, config.data.long_documents_path, "val",
-                               config.data.val_fraction) if config.data.long_documents else None
+        check_eval_packages_path(config)
+        held_out = loss_documents(config, val, tokenizer, seq_len)
     except (ConfigError, ValueError) as e:
         print(f"titan_moe.evaluate: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(config, checkpoint, device)
     model.eval()
-    held_out = held_out_documents(val, tokenizer, seq_len + 1, config.ladder.eval_loss_docs)
-    if long_val is not None:
-        held_out = sorted(held_out + held_out_documents(long_val, tokenizer, seq_len + 1,
-                                                        config.ladder.eval_loss_docs), key=len, reverse=True)
-        held_out = held_out[: config.ladder.eval_loss_docs]
     metrics = run_evals(model_logits_fn(model, device), tokenizer, filler, held_out, lengths=lengths, seq_len=seq_len,
                         depths=config.ladder.eval_depths, samples=ours.samples or config.ladder.eval_samples,
                         mqar_pairs=config.ladder.eval_mqar_pairs)

@@ -36,6 +36,7 @@ resumed run follows the same schedule.
 # No `from __future__ import annotations`: the config machinery reads field types as objects.
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,12 @@ class Ladder:
 
     eval_loss_docs: int = 4
     """Held-out documents (of at least the stage's seq_len + 1 tokens) for the loss by position."""
+
+    eval_packages_path: str = ""
+    """A folder of Python packages the run never trains on (an installed library's source,
+    e.g. .../site-packages/torch): each package under it, whole and in import order, is one
+    more held-out document for the loss by position. The val splits hold few documents much
+    longer than 32K tokens; these reach hundreds of thousands. Empty: the val splits only."""
 
     eval_at_stage_end: bool = True
     """Evaluate at each stage's end (passkey at every stage's seq_len so far, MQAR, loss by
@@ -208,6 +215,22 @@ def lr_lambda(stages: list[ResolvedStage], base_lr: float):
     return factor
 
 
+def check_eval_packages_path(config: Any) -> None:
+    """ValueError unless ladder.eval_packages_path is empty or a folder that the run does not
+    also train on (data.long_documents_path inside it, or it inside that)."""
+    path = config.ladder.eval_packages_path
+    if not path:
+        return
+    if not os.path.isdir(os.path.expanduser(path)):
+        raise ValueError(f"ladder.eval_packages_path {path!r} is not a directory")
+    trained = config.data.long_documents_path
+    if trained and "text" in config.data.long_documents:
+        a, b = (os.path.realpath(os.path.expanduser(x)) for x in (path, trained))
+        if os.path.commonpath([a, b]) in (a, b):
+            raise ValueError(f"ladder.eval_packages_path {path!r} overlaps data.long_documents_path {trained!r}, "
+                             "which the run trains on; held-out documents must be unseen")
+
+
 def apply_to_config(config: Any, set_keys: set[str]) -> None:
     """With stages, make `[training]` describe the ladder: steps = the total, seq_len and the
     batch sizes = the last (longest) stage's. ValueError when the config also sets
@@ -222,6 +245,7 @@ def apply_to_config(config: Any, set_keys: set[str]) -> None:
         raise ValueError("ladder.eval_samples and ladder.eval_mqar_pairs must be >= 1, ladder.eval_loss_docs >= 0")
     if any(not 0.0 <= d <= 1.0 for d in ladder.eval_depths) or not ladder.eval_depths:
         raise ValueError(f"ladder.eval_depths must be values in [0, 1], got {ladder.eval_depths}")
+    check_eval_packages_path(config)
     stages = resolve_stages(ladder, config.training, config.optimizer, config.lr_scheduler)
     last = stages[-1]
     config.training.steps = last.end

@@ -20,7 +20,6 @@ from torchtitan.tools.logging import logger
 
 from titan_moe import evaluate
 from titan_moe.data.from_config import corpus_documents
-from titan_moe.data.long_documents import long_source
 from titan_moe.data.synthetic import Filler
 from titan_moe.ladder import enter_stage, lr_lambda, resolve_stages, stage_of_step
 
@@ -116,14 +115,7 @@ class LadderRun:
         tokenizer = trainer.tokenizer
         if self._filler is None:
             self._filler = Filler(corpus_documents(self.config, "val"), tokenizer)
-        held_out = evaluate.held_out_documents(self._filler.documents, tokenizer, stage.seq_len + 1,
-                                               ladder.eval_loss_docs)
-        if self.config.data.long_documents:
-            long_val = long_source(self.config.data.long_documents, self.config.data.long_documents_path, "val",
-                                   self.config.data.val_fraction)
-            held_out = sorted(held_out + evaluate.held_out_documents(long_val, tokenizer, stage.seq_len + 1,
-                                                                     ladder.eval_loss_docs),
-                              key=len, reverse=True)[: ladder.eval_loss_docs]
+        held_out = evaluate.loss_documents(self.config, self._filler.documents, tokenizer, stage.seq_len)
         lengths = sorted({s.seq_len for s in self.stages[: stage.index + 1]})
         (model,) = trainer.model_parts
         model.eval()

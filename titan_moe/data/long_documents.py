@@ -21,6 +21,7 @@ Documents are built lazily when read (`src[i]`).
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import sysconfig
 from collections import defaultdict
@@ -94,36 +95,60 @@ class PackageDocuments(DocumentSource):
         self.root = root
         self.packages = packages  # (package name, relative paths)
         self.description = description
+        self._built: dict[int, str] = {}  # documents already read (each is parsed for its imports)
 
     def __len__(self) -> int:
         return len(self.packages)
 
     def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        if i in self._built:
+            return self._built[i]
         _, rels = self.packages[i]
         files = {}
         for rel in rels:
             with open(os.path.join(self.root, *rel.split("/")), "rb") as f:
                 files[rel] = f.read().decode("utf-8", errors="replace")
-        return "".join(f"# file: {rel}\n{files[rel]}\n" for rel in import_order(files))
+        self._built[i] = "".join(f"# file: {rel}\n{files[rel]}\n" for rel in import_order(files))
+        return self._built[i]
+
+
+def _packages_at(root: str, keep, description: str) -> PackageDocuments:
+    """The packages (top-level folders with an ``__init__.py``) under `root`, each of its
+    `.py` files for which ``keep(relative path)`` holds; packages left with one file are
+    dropped. ValueError when none is left."""
+    keys = _walk_files(root, keep_dir=lambda d: d not in _SKIPPED_STDLIB_DIRS,
+                       keep_file=lambda p: p.endswith(".py") and os.path.getsize(p) > 0)
+    top_packages = {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/__init__.py")}
+    grouped: dict[str, list[str]] = defaultdict(list)
+    for k in keys:
+        top = k.split("/")[0]
+        if "/" in k and top in top_packages and keep(k):
+            grouped[top].append(k)
+    packages = [(name, rels) for name, rels in sorted(grouped.items()) if len(rels) >= 2]
+    if not packages:
+        raise ValueError(f"{description}: no package with two or more files")
+    return PackageDocuments(root, packages, description)
 
 
 def package_documents(split: str = "train", val_fraction: float = 0.02, root: str | None = None) -> PackageDocuments:
     """The standard library's packages as long documents (see the module docstring)."""
     root = root or sysconfig.get_paths()["stdlib"]
-    keys = _walk_files(root, keep_dir=lambda d: d not in _SKIPPED_STDLIB_DIRS,
-                       keep_file=lambda p: p.endswith(".py") and os.path.getsize(p) > 0)
-    top_packages = {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/__init__.py")}
-    grouped: dict[str, list[str]] = defaultdict(list)
     want_val = split == "val"
-    for k in keys:
-        top = k.split("/")[0]
-        if "/" in k and top in top_packages and path_in_val(k, val_fraction) == want_val:
-            grouped[top].append(k)
-    packages = [(name, rels) for name, rels in sorted(grouped.items()) if len(rels) >= 2]
-    description = f"standard-library packages at {root!r} [{split}]"
-    if not packages:
-        raise ValueError(f"{description}: no package with two or more files in the {split!r} split")
-    return PackageDocuments(root, packages, description)
+    return _packages_at(root, lambda k: path_in_val(k, val_fraction) == want_val,
+                        f"standard-library packages at {root!r} [{split}]")
+
+
+@functools.lru_cache(maxsize=4)
+def unseen_package_documents(root: str) -> PackageDocuments:
+    """Every package under `root` whole (all its files, in import order), for held-out
+    evaluation on code a run never trained on: an installed library's source folder, say
+    (``.../site-packages/torch``: its sub-packages `_inductor`, `distributed`, ... each one
+    document). The standard library's own held-out files are few, so its val documents
+    stay short; these reach hundreds of thousands of tokens. Cached by root, so each ladder
+    stage's evaluation reads and orders the files once."""
+    if not os.path.isdir(root):
+        raise ValueError(f"held-out packages at {root!r}: no such directory")
+    return _packages_at(root, lambda k: True, f"held-out packages at {root!r}")
 
 
 class ConcatSource(DocumentSource):
