@@ -326,6 +326,8 @@ def test_unseen_packages_join_the_loss_documents(tmp_path, tok):
     heads = lambda docs: [d[:65] for d in docs]  # noqa: E731
     assert not any(u in heads(without) for u in heads(unseen)) and all(u in heads(held_out) for u in heads(unseen))
     assert all(len(d) >= 65 for d in held_out[:2])
+    cut = evaluate.held_out_documents(docs, tok, 65, 1)[0]  # a prefix: no [eos] where the text goes on
+    assert len(docs[0]) > evaluate.PREFIX_CHARS_PER_TOKEN * 65 and cut[-1] != tok.eos_id and len(cut) >= 65
     # pooled with the val splits (the corpus's file, the standard library's val packages), longest first
     assert len(held_out) == len(without) + 2 and [len(d) for d in held_out] == sorted(map(len, held_out), reverse=True)
     with pytest.raises(ValueError, match="no such directory"):

@@ -134,8 +134,9 @@ def held_out_documents(documents, tokenizer, min_tokens: int, n: int, scan: int 
     encoded = []
     for i in by_chars:
         text = documents[i]
-        tokens = tokenizer.encode(text[: PREFIX_CHARS_PER_TOKEN * min_tokens], add_bos=True, add_eos=True)
-        if len(tokens) < min_tokens and len(text) > PREFIX_CHARS_PER_TOKEN * min_tokens:
+        cut = len(text) > PREFIX_CHARS_PER_TOKEN * min_tokens  # no [eos] where the text goes on
+        tokens = tokenizer.encode(text[: PREFIX_CHARS_PER_TOKEN * min_tokens], add_bos=True, add_eos=not cut)
+        if cut and len(tokens) < min_tokens:
             tokens = tokenizer.encode(text, add_bos=True, add_eos=True)
         encoded.append(tokens)
         if sum(len(t) >= min_tokens for t in encoded) >= n:
