@@ -970,3 +970,12 @@ def test_chunked_head_drops_the_kept_log_softmax_and_bounds_the_transient_by_one
     # a chunk longer than the row costs what one whole chunk would
     longer, _ = head_phase(_tiny(vocab_size=V, head_chunk_tokens=4 * T))
     assert longer == pytest.approx(whole)
+
+
+def test_cli_notes_that_compiled_counts_at_long_rows_are_lower_bounds(capsys):
+    base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141", "--activations", "compiled")
+    short, _ = _run(capsys, *base)
+    long, _ = _run(capsys, *base, "--seq-len", "65536")
+    eager, _ = _run(capsys, *base[:-2], "--seq-len", "65536")
+    note = "compiled counts past 32,768 tokens a GPU are lower bounds"
+    assert not any(note in line for line in short + eager) and any(note in line for line in long)
