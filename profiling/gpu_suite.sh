@@ -78,6 +78,13 @@
 #              "autocast" (fp32 stream) and then "fsdp" (FSDP2 on the one GPU: bf16 stream), the same
 #              initial weights (debug.seed), then profiling/step_table.py over the two (not in the
 #              default list)
+#   ladder     configs/ladder_1gpu.toml, the one-GPU context ladder 8K -> 32K -> 128K, held-out
+#              loss by position on torch's source (ladder.eval_packages_path); $SUITE_LADDER_ARGS adds
+#              overrides (e.g. --ladder.stages.1.steps 200 to fit a call) (not in the default list)
+#   ablate_balance  scripts/ablate.py, arms qb, sign and qb_batch on small_1gpu compiled at 8K x 4,
+#              200 steps, two at once on a GPU over 100 GB (not in the default list)
+#   long_step  profiling/peer_step.py at 128K x 1 on one-document rows, ours and MLA in every layer,
+#              full AC in FSDP mode with 64K MoE token tiles (not in the default list)
 # Time limits per command: $SUITE_TIMEOUT seconds (default 540), and with $SUITE_DEADLINE set
 # (seconds from the suite's start) no command runs past that point: each gets what is left, one
 # with less than 20 seconds left is skipped (rc=124, "skipped" in summary.txt). A command over
@@ -278,6 +285,24 @@ for section in "${SECTIONS[@]}"; do
             run keep_on torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --job.dump_folder "$DUMP/keep_on"
             run keep_off torchrun --standalone --nproc_per_node=1 "${SMALL[@]}" --kernels.kda_keep False \
                 --job.dump_folder "$DUMP/keep_off" ;;
+        ladder)
+            # the held-out long documents: torch's own source, which no run trains on
+            TORCH_SOURCE=$(python -c "import os, torch; print(os.path.dirname(torch.__file__))")
+            run ladder python -m titan_moe.train --job.config_file configs/ladder_1gpu.toml \
+                --job.dump_folder "$DUMP/ladder" --ladder.eval_packages_path "$TORCH_SOURCE" \
+                ${SUITE_LADDER_ARGS:-} ;;
+        ablate_balance)
+            # two arms at once on a GPU of more than 100 GB (two small_1gpu 8K x 4 runs fit)
+            ABLATE_JOBS=$(python -c "import torch; print(2 if torch.cuda.is_available() and \
+torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")
+            run ablate_balance python scripts/ablate.py --out "$DUMP/ablate_balance" --arms qb,sign,qb_batch \
+                --seeds 0 --jobs "$ABLATE_JOBS" --job.config_file configs/small_1gpu.toml --compile.enable \
+                --training.local_batch_size 4 --training.steps 200 --metrics.log_freq 1 --validation.steps 4 ;;
+        long_step)
+            run long_step python profiling/peer_step.py --seq-len 131072 --batch 1 --rows long \
+                --runs ours,ours_all_mla --steps 8 --warmup 4 --out "$DUMP/long_step" --budget-s "$LIMIT" \
+                -- --activation_checkpoint.mode full --training.one_device_mixed_precision fsdp \
+                --model.moe_token_tile 65536 ;;
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done

@@ -334,6 +334,23 @@ def test_gpu_suite_plans_every_section_for_two_gpus(tmp_path):
             assert (REPO / path).is_file(), path
 
 
+def test_gpu_suite_plans_the_ladder_balance_and_long_step_sections(tmp_path):
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # `python` with torch
+    proc = _gpu_suite(tmp_path, "ladder", "ablate_balance", "long_step", gpus="1", PATH=path,
+                      SUITE_LADDER_ARGS="--ladder.stages.1.steps 9")
+    assert proc.returncode == 0, proc.stderr
+    commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
+    assert list(commands) == ["ladder", "ablate_balance", "long_step"]
+    torch_source = os.path.dirname(torch.__file__)
+    assert f"--ladder.eval_packages_path {torch_source}" in commands["ladder"]
+    assert commands["ladder"].endswith("--ladder.stages.1.steps 9")
+    assert "--arms qb,sign,qb_batch" in commands["ablate_balance"] and "--jobs 1" in commands["ablate_balance"]
+    assert "--seq-len 131072" in commands["long_step"] and "--model.moe_token_tile 65536" in commands["long_step"]
+    for command in commands.values():
+        for path in (word for word in command.split() if word.endswith((".toml", ".py"))):
+            assert (REPO / path).is_file(), path
+
+
 def test_gpu_suite_deadline_skips_commands_that_would_overrun_it(tmp_path):
     """With SUITE_DEADLINE reached, every command of a section is skipped (rc 124, nothing
     started, no output file) instead of starting a run the outer time limit would cut."""
