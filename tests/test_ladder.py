@@ -332,6 +332,10 @@ def test_unseen_packages_join_the_loss_documents(tmp_path, tok):
     assert len(held_out) == len(without) + 2 and [len(d) for d in held_out] == sorted(map(len, held_out), reverse=True)
     with pytest.raises(ValueError, match="no such directory"):
         unseen_package_documents(str(tmp_path / "missing"))
+    # checked at load also without stages (the evaluate command reads the key)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        load_config(["--job.config_file", str(REPO / "configs" / "debug_cpu.toml"),
+                     "--ladder.eval_packages_path", str(tmp_path / "missing")])
 
 
 # ------------------------------------------------------------ mixed data stream

@@ -292,7 +292,6 @@ def main(argv: list[str] | None = None) -> None:
     from titan_moe.config import ConfigError, load_config
     from titan_moe.data.from_config import corpus_documents, tokenizer_from_config
     from titan_moe.generate import load_model
-    from titan_moe.ladder import check_eval_packages_path
     from titan_moe.runtime import checkpoint as intact
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -314,7 +313,6 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = tokenizer_from_config(config)
         val = corpus_documents(config, "val")
         filler = Filler(val, tokenizer)
-        check_eval_packages_path(config)
         held_out = loss_documents(config, val, tokenizer, seq_len)
     except (ConfigError, ValueError) as e:
         print(f"titan_moe.evaluate: error: {e}", file=sys.stderr)

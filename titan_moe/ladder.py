@@ -236,6 +236,7 @@ def apply_to_config(config: Any, set_keys: set[str]) -> None:
     batch sizes = the last (longest) stage's. ValueError when the config also sets
     training.steps or training.seq_len (the stages own them)."""
     ladder = config.ladder
+    check_eval_packages_path(config)  # also without stages: `titan_moe.evaluate` reads it
     if not ladder.stages:
         return
     for key in ("training.steps", "training.seq_len"):
@@ -245,7 +246,6 @@ def apply_to_config(config: Any, set_keys: set[str]) -> None:
         raise ValueError("ladder.eval_samples and ladder.eval_mqar_pairs must be >= 1, ladder.eval_loss_docs >= 0")
     if any(not 0.0 <= d <= 1.0 for d in ladder.eval_depths) or not ladder.eval_depths:
         raise ValueError(f"ladder.eval_depths must be values in [0, 1], got {ladder.eval_depths}")
-    check_eval_packages_path(config)
     stages = resolve_stages(ladder, config.training, config.optimizer, config.lr_scheduler)
     last = stages[-1]
     config.training.steps = last.end

@@ -119,8 +119,8 @@ def _gib(x: float) -> str:
     return f"{x / GIB:8.1f}"
 
 
-# Compiled plans held against a measurement at 8K tokens a GPU and were at least 25-35% low at
-# 128K (docs/planner.md); past this many tokens a GPU the plan says its rows are lower bounds.
+# Past this many tokens a GPU a compiled plan is below what was measured (docs/planner.md),
+# so the plan says its rows are lower bounds there.
 COMPILED_CHECKED_TOKENS = 32768
 
 
@@ -311,8 +311,8 @@ def run_plan(argv: list[str] | None = None) -> dict:
         print("  note: [compile] is off but --activations compiled: the counts assume fused layers, and eager "
               "PyTorch keeps about twice as much per layer (--activations eager measures it)")
     if activations == "compiled" and max(p.activations["none"].tokens for p in plans) > COMPILED_CHECKED_TOKENS:
-        print(f"  note: compiled counts past {COMPILED_CHECKED_TOKENS:,} tokens a GPU are lower bounds: small_1gpu at "
-              "128K x 1 with full AC ran out of memory at least 25-35% above its plan (docs/planner.md)")
+        print(f"  note: compiled counts past {COMPILED_CHECKED_TOKENS:,} tokens a GPU are lower bounds: a measured "
+              "long-row step needed more than its plan (docs/planner.md)")
     print(f"\n{opts.gpus} GPUs, {len(plans)} layouts (GiB per GPU; act: the activations' high-water mark; tot: the "
           "step's peak over its phases, not the row's sum; marks: fits with AC none/selective/full):")
     _print_table(plans, usable, ac)
