@@ -84,7 +84,8 @@
 #   ablate_balance  scripts/ablate.py, arms qb, sign and qb_batch on small_1gpu compiled at 8K x 4,
 #              200 steps, two at once on a GPU over 100 GB (not in the default list)
 #   long_step  profiling/peer_step.py at 128K x 1 on one-document rows, ours and MLA in every layer,
-#              full AC in FSDP mode with 64K MoE token tiles (not in the default list)
+#              full AC in FSDP mode with 64K MoE token tiles, 16K-token head chunks and expandable
+#              allocator segments (what fits one 80 GB H100) (not in the default list)
 # Time limits per command: $SUITE_TIMEOUT seconds (default 540), and with $SUITE_DEADLINE set
 # (seconds from the suite's start) no command runs past that point: each gets what is left, one
 # with less than 20 seconds left is skipped (rc=124, "skipped" in summary.txt). A command over
@@ -299,10 +300,11 @@ torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")
                 --seeds 0 --jobs "$ABLATE_JOBS" --job.config_file configs/small_1gpu.toml --compile.enable \
                 --training.local_batch_size 4 --training.steps 200 --metrics.log_freq 1 --validation.steps 4 ;;
         long_step)
-            run long_step python profiling/peer_step.py --seq-len 131072 --batch 1 --rows long \
-                --runs ours,ours_all_mla --steps 8 --warmup 4 --out "$DUMP/long_step" --budget-s "$LIMIT" \
-                -- --activation_checkpoint.mode full --training.one_device_mixed_precision fsdp \
-                --model.moe_token_tile 65536 ;;
+            PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run long_step python profiling/peer_step.py \
+                --seq-len 131072 --batch 1 --rows long --runs ours,ours_all_mla --steps 7 --warmup 3 \
+                --out "$DUMP/long_step" --budget-s "$LIMIT" -- --activation_checkpoint.mode full \
+                --training.one_device_mixed_precision fsdp --model.moe_token_tile 65536 \
+                --model.head_chunk_tokens 16384 ;;
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done

@@ -306,6 +306,22 @@ def test_import_order_and_package_split(tmp_path):
     assert train_files and val_files and not train_files & val_files
 
 
+def test_empty_val_packages_are_skipped_but_no_held_out_text_is_an_error(tmp_path, tok):
+    # a standard library whose packages have no two held-out files: its val split is empty
+    # (evaluation reads the other sources), its train split still may not be
+    for rel in ("pkg/__init__.py", "pkg/a.py"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    assert len(package_documents("val", 0.0, root=str(tmp_path))) == 0
+    with pytest.raises(ValueError, match="no package with two or more files"):
+        package_documents("train", 1.0, root=str(tmp_path))
+    config = load_config(["--job.config_file", _write_config(tmp_path)])
+    assert evaluate.loss_documents(config, ["a held-out file\n" * 40], tok, seq_len=16)
+    bare = load_config(["--job.config_file", _write_config(tmp_path), "--data.long_documents", ""])
+    with pytest.raises(ValueError, match="no held-out documents"):
+        evaluate.loss_sources(bare, [])
+
+
 def test_unseen_packages_join_the_loss_documents(tmp_path, tok):
     # two packages of code never trained on: each one document, whole and in import order
     for pkg, n in (("small", 2), ("big", 6)):

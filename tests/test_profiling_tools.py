@@ -225,6 +225,41 @@ def test_summary_cli_reports_a_missing_file(tmp_path):
     assert proc.returncode == 2 and "summarize_trace: error:" in proc.stderr
 
 
+# ---------------------------------------------------------------------------------------------- memory snapshot
+
+
+def _frames(*where):
+    return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+
+def test_memory_snapshot_groups_blocks_by_the_code_that_allocated_them(tmp_path, capsys):
+    snapshot_tool = _load("memory_snapshot")
+    gib = 1 << 30
+    moe = _frames(("/x/torch/nn/modules/module.py", 1, "_call_impl"), ("/r/titan_moe/model/moe.py", 600, "forward"),
+                  ("/r/titan_moe/model/decoder.py", 90, "forward"))
+    inductor = _frames(("/tmp/torchinductor_u/ab/cabc.py", 77, "call"), ("/x/torch/_dynamo/eval_frame.py", 5, "f"))
+    snapshot = {"segments": [
+        {"total_size": 5 * gib, "blocks": [{"size": 2 * gib, "state": "active_allocated", "frames": moe},
+                                           {"size": gib, "state": "active_allocated", "frames": moe},
+                                           {"size": gib, "state": "inactive", "frames": moe},
+                                           {"size": gib, "state": "active_allocated", "frames": inductor}]},
+        {"total_size": gib, "blocks": [{"size": gib // 2, "state": "active_pending_free", "frames": []},
+                                       {"size": gib // 2, "state": "inactive", "frames": []}]}]}
+    path = tmp_path / "rank0_memory_snapshot.pickle"
+    path.write_bytes(__import__("pickle").dumps(snapshot))
+    summary = snapshot_tool.main([str(path)])
+    assert summary["reserved_gib"] == 6 and summary["allocated_gib"] == 4.5
+    assert summary["free_in_segments_gib"] == 1.5 and summary["segments"] == 2
+    sites = {row["site"]: (row["gib"], row["blocks"]) for row in summary["sites"]}
+    assert sites == {"model/moe.py:600 forward < model/decoder.py:90 forward": (3.0, 2),
+                     "ab/cabc.py:77 call": (1.0, 1), "(no frames)": (0.5, 1)}
+    assert list(sites)[0].startswith("model/moe.py") and summary["largest_blocks"][0]["gib"] == 2.0
+    out = capsys.readouterr().out
+    assert "reserved 6.00 GiB in 2 segments; in use 4.50; reserved but free 1.50" in out
+    with pytest.raises(SystemExit, match="no file"):
+        snapshot_tool.main([str(tmp_path / "missing.pickle")])
+
+
 # ---------------------------------------------------------------------------------------------- memory check
 
 
@@ -346,6 +381,7 @@ def test_gpu_suite_plans_the_ladder_balance_and_long_step_sections(tmp_path):
     assert commands["ladder"].endswith("--ladder.stages.1.steps 9")
     assert "--arms qb,sign,qb_batch" in commands["ablate_balance"] and "--jobs 1" in commands["ablate_balance"]
     assert "--seq-len 131072" in commands["long_step"] and "--model.moe_token_tile 65536" in commands["long_step"]
+    assert "--model.head_chunk_tokens 16384" in commands["long_step"]
     for command in commands.values():
         for path in (word for word in command.split() if word.endswith((".toml", ".py"))):
             assert (REPO / path).is_file(), path

@@ -145,20 +145,30 @@ def held_out_documents(documents, tokenizer, min_tokens: int, n: int, scan: int 
     return encoded[:n]
 
 
-def loss_documents(config, val_documents, tokenizer, seq_len: int) -> list[list[int]]:
-    """The held-out documents of the loss by position, tokenized: `held_out_documents` of the
-    corpus's val split, of the long documents' val split (data.long_documents) and of the
-    unseen packages (ladder.eval_packages_path), pooled, longest first,
-    `ladder.eval_loss_docs` of them."""
+def loss_sources(config, val_documents) -> list:
+    """The document sources the loss by position reads: the corpus's val split, the long
+    documents' val split (data.long_documents) and the unseen packages
+    (ladder.eval_packages_path). Cheap (documents are read when indexed): the ladder builds
+    them when it starts, so a bad path fails before the first step, not at a stage's end."""
     from titan_moe.data.long_documents import long_source, unseen_package_documents
 
-    n = config.ladder.eval_loss_docs
     sources = [val_documents]
     if config.data.long_documents:
         sources.append(long_source(config.data.long_documents, config.data.long_documents_path, "val",
                                    config.data.val_fraction))
     if config.ladder.eval_packages_path:
         sources.append(unseen_package_documents(os.path.expanduser(config.ladder.eval_packages_path)))
+    if not any(len(source) for source in sources):
+        raise ValueError("held-out evaluation: no held-out documents (the val splits are empty and "
+                         "ladder.eval_packages_path is unset)")
+    return sources
+
+
+def loss_documents(config, val_documents, tokenizer, seq_len: int) -> list[list[int]]:
+    """The held-out documents of the loss by position, tokenized: `held_out_documents` of
+    each of `loss_sources`, pooled, longest first, `ladder.eval_loss_docs` of them."""
+    n = config.ladder.eval_loss_docs
+    sources = loss_sources(config, val_documents)
     pooled = [doc for source in sources for doc in held_out_documents(source, tokenizer, seq_len + 1, n)]
     return sorted(pooled, key=len, reverse=True)[:n]
 

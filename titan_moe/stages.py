@@ -46,6 +46,9 @@ class LadderRun:
         if not self.config.checkpoint.enable:
             logger.warning("ladder: checkpoint.enable = false: no checkpoint at the stages' ends, "
                            "a stopped run cannot resume")
+        if self.config.ladder.eval_at_stage_end:  # the held-out sources, checked before the first step
+            self._filler = Filler(corpus_documents(self.config, "val"), self.trainer.tokenizer)
+            evaluate.loss_sources(self.config, self._filler.documents)
         names = ", ".join(f"{s.name} ({s.steps} steps x {s.global_batch_size if s.global_batch_size > 0 else s.local_batch_size} rows)"
                           for s in self.stages)
         logger.info(f"ladder: {len(self.stages)} stages, {self.stages[-1].end} steps: {names}")

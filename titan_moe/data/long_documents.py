@@ -112,10 +112,10 @@ class PackageDocuments(DocumentSource):
         return self._built[i]
 
 
-def _packages_at(root: str, keep, description: str) -> PackageDocuments:
+def _packages_at(root: str, keep, description: str, allow_empty: bool = False) -> PackageDocuments:
     """The packages (top-level folders with an ``__init__.py``) under `root`, each of its
     `.py` files for which ``keep(relative path)`` holds; packages left with one file are
-    dropped. ValueError when none is left."""
+    dropped. ValueError when none is left, unless `allow_empty`."""
     keys = _walk_files(root, keep_dir=lambda d: d not in _SKIPPED_STDLIB_DIRS,
                        keep_file=lambda p: p.endswith(".py") and os.path.getsize(p) > 0)
     top_packages = {k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/__init__.py")}
@@ -125,17 +125,19 @@ def _packages_at(root: str, keep, description: str) -> PackageDocuments:
         if "/" in k and top in top_packages and keep(k):
             grouped[top].append(k)
     packages = [(name, rels) for name, rels in sorted(grouped.items()) if len(rels) >= 2]
-    if not packages:
+    if not packages and not allow_empty:
         raise ValueError(f"{description}: no package with two or more files")
     return PackageDocuments(root, packages, description)
 
 
 def package_documents(split: str = "train", val_fraction: float = 0.02, root: str | None = None) -> PackageDocuments:
-    """The standard library's packages as long documents (see the module docstring)."""
+    """The standard library's packages as long documents (see the module docstring). The val
+    split may be empty: a small standard library can have no package with two held-out
+    files (held-out evaluation then reads the other sources); the train split may not."""
     root = root or sysconfig.get_paths()["stdlib"]
     want_val = split == "val"
     return _packages_at(root, lambda k: path_in_val(k, val_fraction) == want_val,
-                        f"standard-library packages at {root!r} [{split}]")
+                        f"standard-library packages at {root!r} [{split}]", allow_empty=want_val)
 
 
 @functools.lru_cache(maxsize=4)

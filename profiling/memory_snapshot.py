@@ -1,0 +1,113 @@
+"""What held the GPU's memory when a training run's memory snapshot was taken (e.g. at an OOM).
+
+    python profiling/memory_snapshot.py DUMP/memory_snapshot/iteration_1_exit/rank0_memory_snapshot.pickle [--top 25]
+
+The trainer writes the snapshot with `--profiling.enable_memory_snapshot` (torchtitan's
+profiler: every `profiling.profile_freq` steps, and once more when a step runs out of
+memory, as `iteration_<step>_exit`). This reads it and prints:
+
+* the segments' totals: reserved, allocated (blocks in use) and reserved but free (what
+  fragmentation costs; `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` reclaims most);
+* the blocks in use grouped by the code that allocated them: the innermost Python frames
+  outside torch's own modules (a project file, or Inductor's generated code for a compiled
+  region), with bytes and count per site, largest first;
+* the largest single blocks.
+
+A snapshot recorded without stacks (`_record_memory_history(stacks=None)`) groups every
+block under "(no frames)". The last line is one JSON object with the totals and the sites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+GIB = float(1 << 30)
+# Frames from these parts of torch say how, not where: skipped when naming a site.
+_TORCH_INTERNAL = ("/torch/nn/modules/", "/torch/autograd/", "/torch/utils/checkpoint",
+                   "/torch/_ops.py", "/torch/_dynamo/", "/torch/_functorch/", "/torch/_tensor.py",
+                   "/torch/_compile.py", "/torch/distributed/", "/torch/_library/", "/torch/amp/",
+                   "/torch/_inductor/runtime/", "/torch/_inductor/utils.py", "/torch/_prims_common/")
+_IN_USE = ("active_allocated", "active_pending_free")
+
+
+def _is_python_frame(frame: dict) -> bool:
+    name = frame.get("filename", "")
+    return name.endswith(".py")
+
+
+def site_of(frames: list[dict], depth: int = 2) -> str:
+    """The `depth` innermost Python frames that are not torch internals, innermost first:
+    "file.py:line function < caller.py:line function". Inductor's generated modules count as
+    sites (their path names the compiled graph)."""
+    picked = []
+    for frame in frames:
+        name = frame.get("filename", "")
+        if not _is_python_frame(frame) or any(part in name for part in _TORCH_INTERNAL):
+            continue
+        short = "/".join(Path(name).parts[-2:])
+        picked.append(f"{short}:{frame.get('line', '?')} {frame.get('name', '?')}")
+        if len(picked) == depth:
+            break
+    return " < ".join(picked) if picked else "(no frames)"
+
+
+def summarize(snapshot: dict, top: int = 25, depth: int = 2) -> dict:
+    """Totals (GiB) and the in-use blocks grouped by site, largest first."""
+    reserved = allocated = 0
+    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    largest: list[tuple[int, str]] = []
+    for segment in snapshot.get("segments", []):
+        reserved += segment["total_size"]
+        for block in segment.get("blocks", []):
+            if block.get("state") not in _IN_USE:
+                continue
+            allocated += block["size"]
+            site = site_of(block.get("frames", []), depth)
+            by_site[site][0] += block["size"]
+            by_site[site][1] += 1
+            largest.append((block["size"], site))
+    largest.sort(reverse=True)
+    sites = sorted(by_site.items(), key=lambda item: -item[1][0])
+    return {
+        "reserved_gib": reserved / GIB,
+        "allocated_gib": allocated / GIB,
+        "free_in_segments_gib": (reserved - allocated) / GIB,
+        "segments": len(snapshot.get("segments", [])),
+        "sites": [{"site": site, "gib": size / GIB, "blocks": count} for site, (size, count) in sites[:top]],
+        "largest_blocks": [{"gib": size / GIB, "site": site} for size, site in largest[:top]],
+    }
+
+
+def render(summary: dict) -> str:
+    lines = [f"reserved {summary['reserved_gib']:.2f} GiB in {summary['segments']} segments; "
+             f"in use {summary['allocated_gib']:.2f}; reserved but free {summary['free_in_segments_gib']:.2f}",
+             "", "in use by site (GiB, blocks):"]
+    lines += [f"  {row['gib']:8.3f} {row['blocks']:6d}  {row['site']}" for row in summary["sites"]]
+    lines += ["", "largest blocks (GiB):"]
+    lines += [f"  {row['gib']:8.3f}  {row['site']}" for row in summary["largest_blocks"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("snapshot", type=Path, help="a *_memory_snapshot.pickle")
+    p.add_argument("--top", type=int, default=25, help="sites and blocks listed (default 25)")
+    p.add_argument("--depth", type=int, default=2, help="frames naming a site (default 2)")
+    args = p.parse_args(argv)
+    if not args.snapshot.is_file():
+        sys.exit(f"memory_snapshot: no file {args.snapshot}")
+    with open(args.snapshot, "rb") as f:
+        snapshot = pickle.load(f)
+    summary = summarize(snapshot, args.top, args.depth)
+    print(render(summary))
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
