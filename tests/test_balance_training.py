@@ -48,3 +48,23 @@ def test_in_batch_qb_meets_the_cpu_goal_against_the_sign_rule(runs):
         violation[name] = _mean_violation(root / name)
     assert violation["qb"] <= 0.10, violation
     assert violation["qb"] <= 0.6 * violation["sign"], violation
+
+
+@pytest.mark.slow
+def test_in_batch_qb_compiled_on_two_data_parallel_ranks_matches_eager(tmp_path):
+    # in-batch QB as the GPU flavors run it (histogram form) all-reduces its counts inside the
+    # MoE's forward: traced into the compiled layer (aot_eager), the routes, losses and balance
+    # equal the eager run's
+    dp2 = ["--training.steps", "3", "--training.seq_len", "256", "--metrics.log_freq", "1",
+           "--parallelism.data_parallel_shard_degree", "2", "--model.qb_batch_iters", "2", "--model.qb_bins", "64"]
+    runs = {"eager": [], "compiled": ["--compile.enable", "--compile.backend", "aot_eager"]}
+    got = {}
+    for name, extra in runs.items():
+        proc = run_train(tmp_path / name, *dp2, *extra, nproc=2)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        got[name] = {s: (r["loss"], r["moe/max_violation_mean"]) for s, r in records(tmp_path / name).items()}
+    assert sorted(got["eager"]) == [1, 2, 3]
+    for step, (loss, violation) in got["eager"].items():
+        c_loss, c_violation = got["compiled"][step]
+        assert abs(c_loss - loss) <= 1e-5 * abs(loss) and abs(c_violation - violation) <= 1e-6, (step, got)
+    assert max(v for _, v in got["eager"].values()) < 0.2  # balanced batches (in-batch fit)

@@ -27,7 +27,7 @@ FLAVORS: dict[str, ModelArgs] = {
         attn_res="block", attn_res_block_size=4,
         n_routed_experts=64, top_k=8, n_shared_experts=1,
         moe_latent_dim=512, moe_expert_hidden=768, moe_shared_hidden=1536, dense_hidden=4096,
-        qb_ema=0.5, qb_bins=1000,
+        qb_ema=0.5, qb_bins=1000, qb_batch_iters=2,
     ),
     # About 150M parameters (16 experts, top-2): the one-GPU context ladder 8K -> 32K -> 128K
     # (configs/ladder_1gpu.toml).
@@ -39,7 +39,7 @@ FLAVORS: dict[str, ModelArgs] = {
         attn_res="block", attn_res_block_size=4,
         n_routed_experts=16, top_k=2, n_shared_experts=1,
         moe_latent_dim=320, moe_expert_hidden=512, moe_shared_hidden=1280, dense_hidden=2560,
-        qb_ema=0.5, qb_bins=1000,
+        qb_ema=0.5, qb_bins=1000, qb_batch_iters=2,
     ),
     # Width 4096 on one H200: a model whose step is mostly expert and linear GEMMs, for
     # measuring float8 training speed (configs/wide_1gpu.toml).
@@ -51,7 +51,7 @@ FLAVORS: dict[str, ModelArgs] = {
         attn_res="block", attn_res_block_size=4,
         n_routed_experts=16, top_k=4, n_shared_experts=1,
         moe_latent_dim=2048, moe_expert_hidden=4096, moe_shared_hidden=4096, dense_hidden=11264,
-        qb_ema=0.5, qb_bins=1000,
+        qb_ema=0.5, qb_bins=1000, qb_batch_iters=2,
     ),
     # Kimi K3 at paper scale (SPEC §7). Build it on the meta device only.
     "k3": ModelArgs(
@@ -62,6 +62,6 @@ FLAVORS: dict[str, ModelArgs] = {
         attn_res="block", attn_res_block_size=12,
         n_routed_experts=896, top_k=16, n_shared_experts=2,
         moe_latent_dim=3584, moe_expert_hidden=3072, moe_shared_hidden=3072, dense_hidden=33792,
-        qb_bins=1000,
+        qb_bins=1000, qb_batch_iters=2,
     ),
 }

@@ -100,8 +100,11 @@ class ModelArgs:
     balance_rule: BalanceRule = "qb"
     qb_bins: int = 0  # 0: exact per-expert quantile; >0: histogram with this many bins
     qb_ema: float = 0.0  # 0: no EMA; else b <- ema*b_old + (1-ema)*b_new
-    # 0: the bias fitted to one step routes the next; >0: in training, each batch is routed with
-    # the bias fitted to itself by this many QB passes (expert_bias: their EMA, frozen at inference)
+    # 0: the bias fitted to one step routes the next (the lag form); >0: in training, each batch
+    # is routed with the bias fitted to itself by this many QB passes (expert_bias: their EMA,
+    # frozen at inference). The GPU flavors use 2: the lag form does not hold balance in
+    # training at 32K tokens a step (SPEC §5, BENCHMARKS.md "Ablations"); the debug flavor and
+    # bare ModelArgs keep 0.
     qb_batch_iters: int = 0
     sign_gamma: float = 1e-3  # DeepSeek-V3 sign rule step size
     # balance_rule = "aux_loss": weight of each MoE layer's auxiliary loss E * Σ_e f_e P_e in the
