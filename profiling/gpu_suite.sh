@@ -86,6 +86,9 @@
 #   long_step  profiling/peer_step.py at 128K x 1 on one-document rows, ours and MLA in every layer,
 #              full AC in FSDP mode with 64K MoE token tiles, 16K-token head chunks and expandable
 #              allocator segments (what fits one 80 GB H100) (not in the default list)
+#   long_memory small_1gpu compiled at 64K x 1 with full AC, 2 steps under a memory snapshot:
+#              profiling/memory_snapshot.py's summary (the trace's peak and what was live then,
+#              by allocating code) beside the planner's row (not in the default list)
 # Time limits per command: $SUITE_TIMEOUT seconds (default 540), and with $SUITE_DEADLINE set
 # (seconds from the suite's start) no command runs past that point: each gets what is left, one
 # with less than 20 seconds left is skipped (rc=124, "skipped" in summary.txt). A command over
@@ -305,6 +308,15 @@ torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")
                 --out "$DUMP/long_step" --budget-s "$LIMIT" -- --activation_checkpoint.mode full \
                 --training.one_device_mixed_precision fsdp --model.moe_token_tile 65536 \
                 --model.head_chunk_tokens 16384 ;;
+        long_memory)
+            LONG_MEMORY=(--job.config_file configs/small_1gpu.toml --compile.enable --training.seq_len 65536
+                         --activation_checkpoint.mode full)
+            run long_memory torchrun --standalone --nproc_per_node=1 -m titan_moe.train "${LONG_MEMORY[@]}" \
+                --training.steps 2 --metrics.log_freq 1 --validation.no_enable --checkpoint.no_enable \
+                --profiling.enable_memory_snapshot --profiling.profile_freq 2 --job.dump_folder "$DUMP/long_memory"
+            run long_memory_summary python profiling/memory_snapshot.py --top 40 \
+                "$DUMP/long_memory/memory_snapshot/iteration_2/rank0_memory_snapshot.pickle"
+            run long_memory_plan python -m titan_moe.plan "${LONG_MEMORY[@]}" --gpus 1 --gpu-mem-gib 80 --ac full ;;
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done

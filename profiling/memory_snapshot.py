@@ -11,7 +11,13 @@ memory, as `iteration_<step>_exit`). This reads it and prints:
 * the blocks in use grouped by the code that allocated them: the innermost Python frames
   outside torch's own modules (a project file, or Inductor's generated code for a compiled
   region), with bytes and count per site, largest first;
-* the largest single blocks.
+* the largest single blocks;
+* the peak inside the recorded trace (`device_traces`: every alloc and free since recording
+  began, up to torch's entry limit): walked back from the snapshot's blocks, the moment the
+  most bytes were allocated, and the blocks live then grouped the same way (a block freed in
+  the window is named by its alloc event when that is in the window too, else "(allocated
+  before the trace)"). That is what a step's peak holds, which the end-of-step blocks do not
+  show.
 
 A snapshot recorded without stacks (`_record_memory_history(stacks=None)`) groups every
 block under "(no frames)". The last line is one JSON object with the totals and the sites.
@@ -32,7 +38,7 @@ _TORCH_INTERNAL = ("/torch/nn/modules/", "/torch/autograd/", "/torch/utils/check
                    "/torch/_ops.py", "/torch/_dynamo/", "/torch/_functorch/", "/torch/_tensor.py",
                    "/torch/_compile.py", "/torch/distributed/", "/torch/_library/", "/torch/amp/",
                    "/torch/_inductor/runtime/", "/torch/_inductor/utils.py", "/torch/_prims_common/")
-_IN_USE = ("active_allocated", "active_pending_free")
+_IN_USE = ("active_allocated", "active_pending_free", "active_awaiting_free")
 
 
 def _is_python_frame(frame: dict) -> bool:
@@ -83,6 +89,52 @@ def summarize(snapshot: dict, top: int = 25, depth: int = 2) -> dict:
     }
 
 
+def trace_peak(snapshot: dict, top: int = 25, depth: int = 2) -> dict | None:
+    """The largest allocated total inside device 0's trace and what was live then, or None
+    without a trace. Reconstructed backwards from the blocks in use at the snapshot: undoing
+    an "alloc" removes its block, undoing a "free_completed" puts it back."""
+    traces = snapshot.get("device_traces") or []
+    events = traces[0] if traces else []
+    if not events:
+        return None
+    live = {block["address"]: (block["size"], block.get("frames", []))
+            for segment in snapshot.get("segments", []) for block in segment.get("blocks", [])
+            if block.get("state") in _IN_USE and "address" in block}
+    # the allocating frames of each block freed in the window: its last alloc event before the free
+    alloc_frames: dict[int, list] = {}
+    freed_frames: list[list | None] = [None] * len(events)
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            alloc_frames[event["addr"]] = event.get("frames", [])
+        elif event["action"] == "free_completed":
+            freed_frames[i] = alloc_frames.get(event["addr"])
+    total = sum(size for size, _ in live.values())
+    peak_total, peak_index = total, len(events)  # "before event i" for i in [0, len]
+    for i in range(len(events) - 1, -1, -1):
+        event = events[i]
+        if event["action"] == "alloc":
+            total -= event["size"]
+        elif event["action"] == "free_completed":
+            total += event["size"]
+        if total > peak_total:
+            peak_total, peak_index = total, i
+    for i in range(len(events) - 1, peak_index - 1, -1):  # the live set before event peak_index
+        event = events[i]
+        if event["action"] == "alloc":
+            live.pop(event["addr"], None)
+        elif event["action"] == "free_completed":
+            frames = freed_frames[i]
+            live[event["addr"]] = (event["size"], frames if frames is not None else None)
+    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, frames in live.values():
+        site = "(allocated before the trace)" if frames is None else site_of(frames, depth)
+        by_site[site][0] += size
+        by_site[site][1] += 1
+    sites = sorted(by_site.items(), key=lambda item: -item[1][0])
+    return {"peak_allocated_gib": peak_total / GIB, "event_index": peak_index, "events": len(events),
+            "sites": [{"site": site, "gib": size / GIB, "blocks": count} for site, (size, count) in sites[:top]]}
+
+
 def render(summary: dict) -> str:
     lines = [f"reserved {summary['reserved_gib']:.2f} GiB in {summary['segments']} segments; "
              f"in use {summary['allocated_gib']:.2f}; reserved but free {summary['free_in_segments_gib']:.2f}",
@@ -90,6 +142,11 @@ def render(summary: dict) -> str:
     lines += [f"  {row['gib']:8.3f} {row['blocks']:6d}  {row['site']}" for row in summary["sites"]]
     lines += ["", "largest blocks (GiB):"]
     lines += [f"  {row['gib']:8.3f}  {row['site']}" for row in summary["largest_blocks"]]
+    peak = summary.get("trace_peak")
+    if peak:
+        lines += ["", f"trace peak: {peak['peak_allocated_gib']:.2f} GiB allocated before event "
+                      f"{peak['event_index']} of {peak['events']}; live then by site (GiB, blocks):"]
+        lines += [f"  {row['gib']:8.3f} {row['blocks']:6d}  {row['site']}" for row in peak["sites"]]
     return "\n".join(lines)
 
 
@@ -104,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     with open(args.snapshot, "rb") as f:
         snapshot = pickle.load(f)
     summary = summarize(snapshot, args.top, args.depth)
+    summary["trace_peak"] = trace_peak(snapshot, args.top, args.depth)
     print(render(summary))
     print(json.dumps(summary))
     return summary

@@ -260,6 +260,35 @@ def test_memory_snapshot_groups_blocks_by_the_code_that_allocated_them(tmp_path,
         snapshot_tool.main([str(tmp_path / "missing.pickle")])
 
 
+def test_memory_snapshot_finds_the_trace_peak_and_what_was_live_then():
+    snapshot_tool = _load("memory_snapshot")
+    gib = 1 << 30
+    stream = _frames(("/r/titan_moe/model/decoder.py", 150, "forward"))
+    moe = _frames(("/r/titan_moe/model/moe.py", 600, "forward"))
+    head = _frames(("/r/titan_moe/model/head.py", 40, "loss"))
+    # at the snapshot: the stream (allocated before the trace) and the head's logits
+    snapshot = {"segments": [{"total_size": 8 * gib, "blocks": [
+        {"address": 0, "size": gib, "state": "active_allocated", "frames": stream},
+        {"address": 5 * gib, "size": gib, "state": "active_allocated", "frames": head}]}],
+        "device_traces": [[
+            {"action": "alloc", "addr": gib, "size": 2 * gib, "frames": moe},      # the MoE's workspace
+            {"action": "alloc", "addr": 3 * gib, "size": 2 * gib, "frames": moe},
+            {"action": "free_requested", "addr": gib, "size": 2 * gib, "frames": []},
+            {"action": "free_completed", "addr": gib, "size": 2 * gib, "frames": []},
+            {"action": "free_completed", "addr": 3 * gib, "size": 2 * gib, "frames": []},
+            {"action": "alloc", "addr": 5 * gib, "size": gib, "frames": head},
+            {"action": "free_completed", "addr": 7 * gib, "size": gib // 2, "frames": []},  # allocated before
+        ]]}
+    peak = snapshot_tool.trace_peak(snapshot)
+    # before event 3 (the first free completed): the stream, both MoE blocks and the half GiB
+    # allocated before the trace
+    assert peak["peak_allocated_gib"] == 5.5 and peak["event_index"] == 3 and peak["events"] == 7
+    assert {row["site"]: (row["gib"], row["blocks"]) for row in peak["sites"]} == {
+        "model/moe.py:600 forward": (4.0, 2), "model/decoder.py:150 forward": (1.0, 1),
+        "(allocated before the trace)": (0.5, 1)}
+    assert snapshot_tool.trace_peak({"segments": []}) is None
+
+
 # ---------------------------------------------------------------------------------------------- memory check
 
 
@@ -371,17 +400,20 @@ def test_gpu_suite_plans_every_section_for_two_gpus(tmp_path):
 
 def test_gpu_suite_plans_the_ladder_balance_and_long_step_sections(tmp_path):
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # `python` with torch
-    proc = _gpu_suite(tmp_path, "ladder", "ablate_balance", "long_step", gpus="1", PATH=path,
+    proc = _gpu_suite(tmp_path, "ladder", "ablate_balance", "long_step", "long_memory", gpus="1", PATH=path,
                       SUITE_LADDER_ARGS="--ladder.stages.1.steps 9")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
-    assert list(commands) == ["ladder", "ablate_balance", "long_step"]
+    assert list(commands) == ["ladder", "ablate_balance", "long_step", "long_memory", "long_memory_summary",
+                              "long_memory_plan"]
     torch_source = os.path.dirname(torch.__file__)
     assert f"--ladder.eval_packages_path {torch_source}" in commands["ladder"]
     assert commands["ladder"].endswith("--ladder.stages.1.steps 9")
     assert "--arms qb,sign,qb_batch" in commands["ablate_balance"] and "--jobs 1" in commands["ablate_balance"]
     assert "--seq-len 131072" in commands["long_step"] and "--model.moe_token_tile 65536" in commands["long_step"]
     assert "--model.head_chunk_tokens 16384" in commands["long_step"]
+    assert "--profiling.enable_memory_snapshot" in commands["long_memory"]
+    assert "iteration_2/rank0_memory_snapshot.pickle" in commands["long_memory_summary"]
     for command in commands.values():
         for path in (word for word in command.split() if word.endswith((".toml", ".py"))):
             assert (REPO / path).is_file(), path
