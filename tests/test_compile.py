@@ -83,16 +83,20 @@ def test_layers_compile_fullgraph_without_breaks_or_recompiles():
     _assert_same_grads(compiled, eager)
 
 
-def test_checkpointed_layers_compile_with_histogram_qb():
+@pytest.mark.parametrize("batch_iters,stats", [(0, ("tokens_per_expert", "qb_counts")),
+                                               (2, ("tokens_per_expert", "qb_batch_bias_sum", "qb_batch_count"))])
+def test_checkpointed_layers_compile_with_histogram_qb(batch_iters, stats):
     """Compile over activation checkpointing (torchtitan wraps each layer, then compiles the
     wrapper): the MoE's balance statistics are buffer updates inside the checkpointed region,
-    counted once per forward, as in eager without checkpointing. On torch 2.11 this also
-    guards the layer's tensor-tuple boundary (`DecoderLayer.forward`): a `ResidualStream`
-    returned from the checkpointed region made Dynamo emit a broken graph."""
+    counted once per forward, as in eager without checkpointing; for in-batch QB (the GPU
+    flavors' form) also the batch bias it routes with. On torch 2.11 this also guards the
+    layer's tensor-tuple boundary (`DecoderLayer.forward`): a `ResidualStream` returned from
+    the checkpointed region made Dynamo emit a broken graph."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     eager, compiled = _eager_and_compiled(
-        dataclasses.replace(ARGS, qb_bins=16), lambda layer: checkpoint_wrapper(layer, preserve_rng_state=False)
+        dataclasses.replace(ARGS, qb_bins=16, qb_batch_iters=batch_iters),
+        lambda layer: checkpoint_wrapper(layer, preserve_rng_state=False),
     )
     tokens, doc_ids = _batch(0, torch.Generator().manual_seed(1))
     _step_matches_eager(compiled, eager, tokens, doc_ids)
@@ -100,7 +104,7 @@ def test_checkpointed_layers_compile_with_histogram_qb():
     stats_c = {unwrapped.sub("", n): b for n, b in compiled.named_buffers()}
     stats_e = dict(eager.named_buffers())
     assert stats_c.keys() == stats_e.keys()
-    for key in ("tokens_per_expert", "qb_counts"):
+    for key in stats:
         names = [n for n in stats_e if n.endswith(key)]
         assert names, key
         for n in names:

@@ -328,10 +328,11 @@ def test_pass_rewrites_the_router_and_keeps_outputs_and_gradients():
         assert rel_err(a, b) < TOL
 
 
-def test_pass_inside_activation_checkpoint_of_the_moe_layer():
-    """The MoE layer in training (QB histogram on), checkpoint-wrapped as the trainer does:
-    the router inside the checkpoint body is rewritten, outputs, gradients and balancing
-    statistics equal the un-passed compiled layer."""
+@pytest.mark.parametrize("batch_iters,stat", [(0, "qb_counts"), (2, "qb_batch_bias_sum")])
+def test_pass_inside_activation_checkpoint_of_the_moe_layer(batch_iters, stat):
+    """The MoE layer in training (QB histogram on; lag and in-batch forms), checkpoint-wrapped
+    as the trainer does: the router inside the checkpoint body is rewritten, outputs, gradients
+    and balancing statistics equal the un-passed compiled layer."""
     import copy
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -340,7 +341,8 @@ def test_pass_inside_activation_checkpoint_of_the_moe_layer():
     from titan_moe.model.moe import LatentMoE
 
     args = ModelArgs(dim=24, n_routed_experts=8, top_k=2, n_shared_experts=1, moe_latent_dim=12,
-                     moe_expert_hidden=20, moe_shared_hidden=10, routed_scale=1.0, qb_bins=16)
+                     moe_expert_hidden=20, moe_shared_hidden=10, routed_scale=1.0, qb_bins=16,
+                     qb_batch_iters=batch_iters)
     torch.manual_seed(0)
     base = LatentMoE(args)
     base.init_weights(init_std=0.3)
@@ -355,7 +357,7 @@ def test_pass_inside_activation_checkpoint_of_the_moe_layer():
         xg = x.clone().requires_grad_()
         y = compiled(xg)
         grads = torch.autograd.grad(y.square().sum(), (xg, *moe.parameters()))
-        outs[passes] = (y, grads, moe.tokens_per_expert.clone(), moe.qb_counts.clone(), records)
+        outs[passes] = (y, grads, moe.tokens_per_expert.clone(), getattr(moe, stat).clone(), records)
     assert outs[True][4][0][2] == 1 and "wrap_body" in outs[True][4][0][0]  # rewritten inside the HOP body
     assert rel_err(outs[True][0], outs[False][0]) < TOL
     for a, b in zip(outs[True][1], outs[False][1]):
