@@ -86,6 +86,10 @@
 #   long_step  profiling/peer_step.py at 128K x 1 on one-document rows, ours and MLA in every layer,
 #              full AC in FSDP mode with 64K MoE token tiles, 16K-token head chunks and expandable
 #              allocator segments (what fits one 80 GB H100) (not in the default list)
+#   ladder_compare  scripts/ladder_compare.py on configs/ladder_1gpu.toml: the ladder, its
+#              no-synthetic baseline and the all-MLA variant, $SUITE_LADDER_JOBS (default 2) at a
+#              time, the held-out packages as in `ladder`; rerun to resume ($SUITE_LADDER_ARGS: e.g.
+#              --exit-at-step 400) (not in the default list)
 #   long_memory small_1gpu compiled at 64K x 1 with full AC, 2 steps under a memory snapshot:
 #              profiling/memory_snapshot.py's summary (the trace's peak and what was live then,
 #              by allocating code) beside the planner's row (not in the default list)
@@ -295,6 +299,11 @@ for section in "${SECTIONS[@]}"; do
             run ladder python -m titan_moe.train --job.config_file configs/ladder_1gpu.toml \
                 --job.dump_folder "$DUMP/ladder" --ladder.eval_packages_path "$TORCH_SOURCE" \
                 ${SUITE_LADDER_ARGS:-} ;;
+        ladder_compare)
+            TORCH_SOURCE=$(python -c "import os, torch; print(os.path.dirname(torch.__file__))")
+            run ladder_compare python scripts/ladder_compare.py --out "$DUMP/ladder_compare" \
+                --jobs "${SUITE_LADDER_JOBS:-2}" --job.config_file configs/ladder_1gpu.toml \
+                --ladder.eval_packages_path "$TORCH_SOURCE" ${SUITE_LADDER_ARGS:-} ;;
         ablate_balance)
             # two arms at once on a GPU of more than 100 GB (two small_1gpu 8K x 4 runs fit)
             ABLATE_JOBS=$(python -c "import torch; print(2 if torch.cuda.is_available() and \
