@@ -93,7 +93,9 @@
 #              --exit-at-step 400) (not in the default list)
 #   long_memory small_1gpu compiled at 64K x 1 with full AC, 2 steps under a memory snapshot:
 #              profiling/memory_snapshot.py's summary (the trace's peak and what was live then,
-#              by allocating code) beside the planner's row (not in the default list)
+#              by allocating code) beside the planner's row; then the same 2 steps with
+#              kernels.kda_keep = false and both peaks side by side (profiling/step_table.py)
+#              (not in the default list)
 # Time limits per command: $SUITE_TIMEOUT seconds (default 540), and with $SUITE_DEADLINE set
 # (seconds from the suite's start) no command runs past that point: each gets what is left, one
 # with less than 20 seconds left is skipped (rc=124, "skipped" in summary.txt). A command over
@@ -326,7 +328,11 @@ torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")
                 --profiling.enable_memory_snapshot --profiling.profile_freq 2 --job.dump_folder "$DUMP/long_memory"
             run long_memory_summary python profiling/memory_snapshot.py --top 40 \
                 "$DUMP/long_memory/memory_snapshot/iteration_2/rank0_memory_snapshot.pickle"
-            run long_memory_plan python -m titan_moe.plan "${LONG_MEMORY[@]}" --gpus 1 --gpu-mem-gib 80 --ac full ;;
+            run long_memory_plan python -m titan_moe.plan "${LONG_MEMORY[@]}" --gpus 1 --gpu-mem-gib 80 --ac full
+            run long_memory_nokeep torchrun --standalone --nproc_per_node=1 -m titan_moe.train "${LONG_MEMORY[@]}" \
+                --training.steps 2 --metrics.log_freq 1 --validation.no_enable --checkpoint.no_enable \
+                --kernels.kda_keep False --job.dump_folder "$DUMP/long_memory_nokeep"
+            run long_memory_table python profiling/step_table.py "$DUMP/long_memory" "$DUMP/long_memory_nokeep" ;;
         *) echo "gpu_suite: unknown section $section" >&2; exit 2 ;;
     esac
 done

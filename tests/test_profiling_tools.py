@@ -405,7 +405,7 @@ def test_gpu_suite_plans_the_ladder_balance_and_long_step_sections(tmp_path):
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
     assert list(commands) == ["ladder", "ablate_balance", "long_step", "long_memory", "long_memory_summary",
-                              "long_memory_plan", "ladder_compare"]
+                              "long_memory_plan", "long_memory_nokeep", "long_memory_table", "ladder_compare"]
     assert "--jobs 2" in commands["ladder_compare"] and commands["ladder_compare"].endswith("--ladder.stages.1.steps 9")
     torch_source = os.path.dirname(torch.__file__)
     assert f"--ladder.eval_packages_path {torch_source}" in commands["ladder"]
@@ -415,6 +415,7 @@ def test_gpu_suite_plans_the_ladder_balance_and_long_step_sections(tmp_path):
     assert "--model.head_chunk_tokens 16384" in commands["long_step"]
     assert "--profiling.enable_memory_snapshot" in commands["long_memory"]
     assert "iteration_2/rank0_memory_snapshot.pickle" in commands["long_memory_summary"]
+    assert "--kernels.kda_keep False" in commands["long_memory_nokeep"]
     for command in commands.values():
         for path in (word for word in command.split() if word.endswith((".toml", ".py"))):
             assert (REPO / path).is_file(), path
