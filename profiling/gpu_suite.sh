@@ -91,6 +91,9 @@
 #              no-synthetic baseline and the all-MLA variant, $SUITE_LADDER_JOBS (default 2) at a
 #              time, the held-out packages as in `ladder`; rerun to resume ($SUITE_LADDER_ARGS: e.g.
 #              --exit-at-step 400) (not in the default list)
+#   ablate_recipe  scripts/ablate.py on small_1gpu 8K x 1 compiled, 200 steps, held-out loss every
+#              50: the recipe, Muon, no AttnRes, SwiGLU experts, the unbounded KDA gate
+#              ($SUITE_ABLATE_ARMS: other arms, e.g. adamw@3e-3,muon@3e-3) (not in the default list)
 #   long_memory small_1gpu compiled at 64K x 1 with full AC, 2 steps under a memory snapshot:
 #              profiling/memory_snapshot.py's summary (the trace's peak and what was live then,
 #              by allocating code) beside the planner's row; then the same 2 steps with
@@ -307,6 +310,14 @@ for section in "${SECTIONS[@]}"; do
             run ladder_compare python scripts/ladder_compare.py --out "$DUMP/ladder_compare" \
                 --jobs "${SUITE_LADDER_JOBS:-2}" --job.config_file configs/ladder_1gpu.toml \
                 --ladder.eval_packages_path "$TORCH_SOURCE" ${SUITE_LADDER_ARGS:-} ;;
+        ablate_recipe)
+            # the rest of the recipe's ablation at 8K x 1 (8K tokens a step), 200 steps, the recipe first
+            ABLATE_JOBS=$(python -c "import torch; print(2 if torch.cuda.is_available() and \
+torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")
+            run ablate_recipe python scripts/ablate.py --out "$DUMP/ablate_recipe" \
+                --arms "${SUITE_ABLATE_ARMS:-recipe,muon,attn_res_none,swiglu,unbounded_gate}" --seeds 0 \
+                --jobs "$ABLATE_JOBS" --eval-every 50 --job.config_file configs/small_1gpu.toml --compile.enable \
+                --training.steps 200 --metrics.log_freq 1 --validation.steps 4 ;;
         ablate_balance)
             # two arms at once on a GPU of more than 100 GB (two small_1gpu 8K x 4 runs fit)
             ABLATE_JOBS=$(python -c "import torch; print(2 if torch.cuda.is_available() and \

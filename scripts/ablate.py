@@ -13,8 +13,9 @@ final and last-10% mean training loss, held-out loss, per-layer-mean max violati
 second half of training and on the held-out batches, tokens/s; mean over seeds) and
 OUT/loss.png (training loss per arm and seed).
 
-Arms: qb (the bias fitted to one step routes the next), qb_batch (each batch routed with the
-bias fitted to itself), sign (DeepSeek-V3's sign rule), aux_loss (no bias: the Switch/GShard
+Arms: recipe (the config as it is: the baseline to put first), qb (the bias fitted to one
+step routes the next), qb_batch (each batch routed with the bias fitted to itself; the GPU
+flavors' form), sign (DeepSeek-V3's sign rule), aux_loss (no bias: the Switch/GShard
 auxiliary loss, `model.aux_loss_coef`), attn_res_full / attn_res_none (AttnRes variants),
 adamw / muon (optimizers), swiglu (SwiGLU instead of SiTU-GLU in the experts) and
 unbounded_gate (KDA's softplus gate with no lower bound; it runs the PyTorch KDA path, so
@@ -45,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # arm name -> overrides of the shared config
 ARMS: dict[str, list[str]] = {
+    "recipe": [],  # the config as it is
     "qb": ["--model.balance_rule", "qb", "--model.qb_batch_iters", "0"],
     "qb_batch": ["--model.balance_rule", "qb", "--model.qb_batch_iters", "2"],
     "sign": ["--model.balance_rule", "sign"],
