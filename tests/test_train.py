@@ -129,7 +129,8 @@ def test_resume_is_bit_identical(runs):
     assert log.count("kernels: situ=torch dispatch=torch router_topk=torch grouped_mm=native") == 1
     kernels = [json.loads(line)["kernels"] for line in proc.after.metrics.splitlines() if "kernels" in line]
     assert len(kernels) == 2 and kernels[0]["grouped_mm"] == "native" and kernels[0]["mla_attention"] == "chunked"
-    assert log.count("kda_keep=True mla_attention=chunked") == 1
+    assert log.count("kda_keep=True mla_attention=chunked balance_rule=qb qb_batch_iters=0") == 1
+    assert kernels[0]["qb_batch_iters"] == 0  # the debug flavor's QB form (the lag form)
     proc = procs["other kernels"]
     _ok(proc)
     assert "kernels differ from the checkpoint's run" in proc.stdout + proc.stderr

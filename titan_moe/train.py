@@ -375,8 +375,8 @@ class IntactCheckpointManager(CheckpointManager):
 def _activate_kernel_choices(job_config) -> dict[str, object]:
     """`[kernels]` resolved for this process's device and made current, before the model is
     built, with the MLA attention path the model resolves on this device (`model.mla_attention`),
-    the model's other path choices (`balance_rule`, with `aux_loss_coef` for the auxiliary loss,
-    `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch,
+    the model's other path choices (`balance_rule`, with `qb_batch_iters` for QB (its form: lag or
+    in-batch) and `aux_loss_coef` for the auxiliary loss, `expert_activation`, `kda_gate`: an unbounded gate resolves `kernels.kda` to torch,
     `moe_token_tile`, `head_chunk_tokens`), in a one-rank run `training.one_device_mixed_precision`
     and, with the fp8 experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in
     one line and returned as the run's record of its choices. A ValueError naming the key for a
@@ -394,11 +394,13 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     record.update(model_choices)
     if model_choices.get("balance_rule") == "aux_loss":
         record["aux_loss_coef"] = args.aux_loss_coef
+    if model_choices.get("balance_rule") == "qb" and hasattr(args, "qb_batch_iters"):
+        record["qb_batch_iters"] = args.qb_batch_iters
     if _world_size(job_config) == 1:  # FSDP or autocast (several ranks: FSDP or DDP)
         record["one_device_mixed_precision"] = job_config.training.one_device_mixed_precision
     line = choices.summary(resolved) + "".join(
-        f" {key}={record[key]}" for key in ("mla_attention", "balance_rule", "aux_loss_coef", "expert_activation",
-                                           "kda_gate", "moe_token_tile", "head_chunk_tokens",
+        f" {key}={record[key]}" for key in ("mla_attention", "balance_rule", "qb_batch_iters", "aux_loss_coef",
+                                           "expert_activation", "kda_gate", "moe_token_tile", "head_chunk_tokens",
                                            "one_device_mixed_precision")
         if key in record)
     if "titan_float8_experts" in (job_config.model.converters or []):
