@@ -64,29 +64,29 @@ def site_of(frames: list[dict], depth: int = 2) -> str:
 
 def summarize(snapshot: dict, top: int = 25, depth: int = 2) -> dict:
     """Totals (GiB) and the in-use blocks grouped by site, largest first."""
-    reserved = allocated = 0
-    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    largest: list[tuple[int, str]] = []
-    for segment in snapshot.get("segments", []):
-        reserved += segment["total_size"]
-        for block in segment.get("blocks", []):
-            if block.get("state") not in _IN_USE:
-                continue
-            allocated += block["size"]
-            site = site_of(block.get("frames", []), depth)
-            by_site[site][0] += block["size"]
-            by_site[site][1] += 1
-            largest.append((block["size"], site))
-    largest.sort(reverse=True)
-    sites = sorted(by_site.items(), key=lambda item: -item[1][0])
+    reserved = sum(segment["total_size"] for segment in snapshot.get("segments", []))
+    blocks = [(block["size"], site_of(block.get("frames", []), depth))
+              for segment in snapshot.get("segments", []) for block in segment.get("blocks", [])
+              if block.get("state") in _IN_USE]
+    allocated = sum(size for size, _ in blocks)
     return {
         "reserved_gib": reserved / GIB,
         "allocated_gib": allocated / GIB,
         "free_in_segments_gib": (reserved - allocated) / GIB,
         "segments": len(snapshot.get("segments", [])),
-        "sites": [{"site": site, "gib": size / GIB, "blocks": count} for site, (size, count) in sites[:top]],
-        "largest_blocks": [{"gib": size / GIB, "site": site} for size, site in largest[:top]],
+        "sites": by_site(blocks, top),
+        "largest_blocks": [{"gib": size / GIB, "site": site} for size, site in sorted(blocks, reverse=True)[:top]],
     }
+
+
+def by_site(blocks: list[tuple[int, str]], top: int) -> list[dict]:
+    """(bytes, site) blocks summed per site, largest first: [{"site", "gib", "blocks"}]."""
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in blocks:
+        sums[site][0] += size
+        sums[site][1] += 1
+    ranked = sorted(sums.items(), key=lambda item: -item[1][0])
+    return [{"site": site, "gib": size / GIB, "blocks": count} for site, (size, count) in ranked[:top]]
 
 
 def trace_peak(snapshot: dict, top: int = 25, depth: int = 2) -> dict | None:
@@ -125,14 +125,10 @@ def trace_peak(snapshot: dict, top: int = 25, depth: int = 2) -> dict | None:
         elif event["action"] == "free_completed":
             frames = freed_frames[i]
             live[event["addr"]] = (event["size"], frames if frames is not None else None)
-    by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, frames in live.values():
-        site = "(allocated before the trace)" if frames is None else site_of(frames, depth)
-        by_site[site][0] += size
-        by_site[site][1] += 1
-    sites = sorted(by_site.items(), key=lambda item: -item[1][0])
+    blocks = [(size, "(allocated before the trace)" if frames is None else site_of(frames, depth))
+              for size, frames in live.values()]
     return {"peak_allocated_gib": peak_total / GIB, "event_index": peak_index, "events": len(events),
-            "sites": [{"site": site, "gib": size / GIB, "blocks": count} for site, (size, count) in sites[:top]]}
+            "sites": by_site(blocks, top)}
 
 
 def render(summary: dict) -> str:

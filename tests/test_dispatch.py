@@ -264,10 +264,8 @@ def _latent_moe(**overrides):
     from titan_moe.model.args import ModelArgs
     from titan_moe.model.moe import LatentMoE
 
-    # qb_batch_iters=0: training routes with the stored bias, so `moe.router(x, moe.expert_bias)`
-    # gives the routes `route_and_sort` used (in-batch QB fits its own bias first)
     base = dict(dim=24, n_routed_experts=6, top_k=2, n_shared_experts=1, moe_latent_dim=20,
-                moe_expert_hidden=16, moe_shared_hidden=8, qb_batch_iters=0)
+                moe_expert_hidden=16, moe_shared_hidden=8)
     torch.manual_seed(0)
     moe = LatentMoE(ModelArgs(**{**base, **overrides}))
     moe.init_weights(0.3)
