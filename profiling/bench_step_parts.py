@@ -85,8 +85,7 @@ def mix_einsum(mixer: AttnResMixer, stream: ResidualStream) -> torch.Tensor:
 
     v_SBTD = torch.stack(stream.sources).float()
     S = v_SBTD.shape[0]
-    valid_S = torch.arange(S, device=v_SBTD.device) < stream.n_sources
-    logit_SBT = logits(v_SBTD).masked_fill(~valid_S[:, None, None], float("-inf"))
+    logit_SBT = logits(v_SBTD)
     cur_BTD = stream.partial_BTD.float()
     logit_BT = logits(cur_BTD).masked_fill(~stream.partial_used, float("-inf"))
     p_SBT = torch.softmax(torch.cat([logit_SBT, logit_BT[None]], dim=0), dim=0)

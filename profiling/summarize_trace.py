@@ -172,6 +172,15 @@ def kernel_category(event: dict) -> str:
     return next((cat for cat, pattern in KERNEL_CATEGORIES if pattern.search(event["name"])), "other")
 
 
+INDUCTOR_KERNEL = re.compile(r"^triton_(poi|red|per|tem)_")
+
+
+def inductor_family(name: str) -> str:
+    """An Inductor kernel's name without its per-graph index (`triton_poi_fused_add_mul_12` ->
+    `triton_poi_fused_add_mul`): the same fusion in every layer graph is one row."""
+    return re.sub(r"_\d+$", "", name)
+
+
 def _union_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
@@ -188,7 +197,8 @@ def gpu_summary(events: list[dict]) -> dict:
     busy is the union of every kernel, memcpy and memset interval (overlapping streams
     counted once), divided by the number of steps. Returns {"step_ms", "n_steps",
     "busy_ms", "busy_pct", "idle_pct", "categories": [{"name", "count", "ms", "pct_of_step"}],
-    "top_kernels": [...]}."""
+    "top_kernels": [...], "inductor_families": [...]} (Inductor's kernels pooled by
+    `inductor_family`)."""
     host = _complete_events(events, "user_annotation")
     steps = [e for e in host if STEP_MARKER.match(e["name"])] or [e for e in host if e["name"] == STEP_RANGE]
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES and "dur" in e]
@@ -202,8 +212,12 @@ def gpu_summary(events: list[dict]) -> dict:
     busy_us = _union_us([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]) / n_steps
     by_cat: dict[str, list[float]] = {}
     by_name: dict[str, list[float]] = {}
+    by_family: dict[str, list[float]] = {}
     for e in gpu:
-        for table, key in ((by_cat, kernel_category(e)), (by_name, e["name"])):
+        keys = [(by_cat, kernel_category(e)), (by_name, e["name"])]
+        if INDUCTOR_KERNEL.match(e["name"]):
+            keys.append((by_family, inductor_family(e["name"])))
+        for table, key in keys:
             row = table.setdefault(key, [0, 0.0])
             row[0] += 1
             row[1] += float(e["dur"])
@@ -215,7 +229,8 @@ def gpu_summary(events: list[dict]) -> dict:
 
     return {"step_ms": step_us / 1e3, "n_steps": len(steps), "busy_ms": busy_us / 1e3,
             "busy_pct": 100.0 * busy_us / step_us, "idle_pct": 100.0 - 100.0 * busy_us / step_us,
-            "categories": rows(by_cat, len(by_cat)), "top_kernels": rows(by_name, 40)}
+            "categories": rows(by_cat, len(by_cat)), "top_kernels": rows(by_name, 40),
+            "inductor_families": rows(by_family, 30)}
 
 
 def format_gpu_table(summary: dict) -> str:
@@ -227,6 +242,9 @@ def format_gpu_table(summary: dict) -> str:
     lines.append("top kernels:")
     lines += [f"  {r['ms']:>8.2f} ms {r['pct_of_step']:>5.1f}%  x{r['count']:<5} {r['name'][:110]}"
               for r in summary["top_kernels"]]
+    lines.append("Inductor kernels by fusion (ops in the name, per-graph index dropped):")
+    lines += [f"  {r['ms']:>8.2f} ms {r['pct_of_step']:>5.1f}%  x{r['count']:<5} {r['name'][:140]}"
+              for r in summary["inductor_families"]]
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 from titan_moe.flavors import FLAVORS
 from titan_moe.model.decoder import Decoder
+from titan_moe.parallelize import layer_graph_variants
 
 ARGS = dataclasses.replace(FLAVORS["debug"], dim=64, kda_head_dim=16, mla_q_lora_rank=32, moe_latent_dim=32)
 
@@ -76,10 +77,10 @@ def test_layers_compile_fullgraph_without_breaks_or_recompiles():
         assert ((out_c - out_e).norm() / out_e.norm()).item() < 1e-5
         graphs_after_step.append(counters["stats"]["unique_graphs"])
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    kinds = {(layer.kind, layer.is_moe) for layer in eager.layers.values()}
-    # One graph per layer kind; the decoder marks the document count (cu_seqlens length)
-    # dynamic, so a new count at every step recompiles nothing.
-    assert graphs_after_step == [len(kinds)] * len(graphs_after_step)
+    # One graph per (layer kind, AttnRes source count); the decoder marks the document count
+    # (cu_seqlens length) dynamic, so a new count at every step recompiles nothing.
+    assert graphs_after_step == [layer_graph_variants(ARGS)] * len(graphs_after_step)
+    assert layer_graph_variants(ARGS) > len({(layer.kind, layer.is_moe) for layer in eager.layers.values()})
     _assert_same_grads(compiled, eager)
 
 
@@ -163,15 +164,17 @@ def test_moe_regions_config_is_checked(tmp_path):
 
 @pytest.mark.parametrize("limit", [None, pytest.param(8, marks=pytest.mark.slow)])
 def test_regions_take_training_evaluation_and_new_lengths(monkeypatch, limit):
-    """The layer regions share one code object, so layer kinds x training / evaluation x new
-    sequence lengths (a ladder's stages and its evaluations) all count against one Dynamo
-    recompile limit; `apply_compile` raises it (at torch's default of 8, the run stops)."""
+    """The layer regions share one code object, so layer kinds x AttnRes source counts x
+    training / evaluation x new sequence lengths (a ladder's stages and its evaluations) all
+    count against one Dynamo recompile limit; `apply_compile` raises it (at torch's default
+    of 8, the run stops)."""
     import types
 
     from titan_moe import parallelize
 
     if limit is not None:
         monkeypatch.setattr(parallelize, "REGION_RECOMPILE_LIMIT", limit)
+        monkeypatch.setattr(parallelize, "layer_graph_variants", lambda args: 1)
     _, model = _seeded_pair(ARGS)
 
     def run_all_lengths():

@@ -108,12 +108,11 @@ def _stream_before(model: Decoder, layer_idx: int, tokens_BT: torch.Tensor, doc_
         )
         for i in range(layer_idx):
             stream = run_layer(model.layers[str(i)], stream, doc_ids_BT=doc_ids_BT, cu_seqlens=cu_seqlens).end_layer(i)
-    # All stream tensors on `device`, as the Decoder keeps them: the source count and the
-    # partial-block flag are 0-dim tensors that mask the mixer's logits.
+    # All stream tensors on `device`, as the Decoder keeps them: the partial-block flag is a
+    # 0-dim tensor that masks the mixer's logit for b_cur.
     return dataclasses.replace(
         stream,
         sources=tuple(v.detach().to(device).requires_grad_() for v in stream.sources),
-        n_sources=stream.n_sources.to(device),
         partial_BTD=stream.partial_BTD.detach().to(device).requires_grad_(),
         partial_used=stream.partial_used.to(device),
     )

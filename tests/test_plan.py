@@ -269,22 +269,23 @@ def test_step_walk_matches_a_hand_computed_two_layer_step(case):
 
 
 def test_block_stream_frees_closed_blocks_of_later_layers_in_backward():
-    """Block mode, 4 layers, blocks of 2: S = 3 slots, b_0 and two zero placeholders from the
-    start, and one [T, D] tensor per closed block. In layer i's backward the blocks closed
-    before i's are alive (none for layers 0-1, one for layers 2-3); the end of the forward
-    holds both (the last one feeds the final mixer). Partial sums: 2 per layer without AC, 1
-    under AC."""
+    """Block mode, 4 layers, blocks of 2: b_0 from the start, and one [T, D] tensor per closed
+    block. In layer i's backward the blocks closed before i's are alive (none for layers 0-1,
+    one for layers 2-3); the end of the forward holds both (the last one feeds the final
+    mixer). Partial sums: 2 per layer without AC, 1 under AC. Full mode: b_0 and two pushed
+    outputs per layer."""
     args = _tiny(n_layers=4, attn_res="block", attn_res_block_size=2)
     D, s = args.dim, 2
-    slots, one = 3 * D * s, D * s
+    b0 = one = D * s
     none, full = ["none"] * 4, ["full"] * 4
     assert [_stream_bytes_per_token(args, s, none, upto=i) for i in range(4)] == [
-        slots + 2 * one, slots + 4 * one, slots + 7 * one, slots + 9 * one]
-    assert _stream_bytes_per_token(args, s, none) == slots + 10 * one
+        b0 + 2 * one, b0 + 4 * one, b0 + 7 * one, b0 + 9 * one]
+    assert _stream_bytes_per_token(args, s, none) == b0 + 10 * one
     assert [_stream_bytes_per_token(args, s, full, upto=i) for i in range(4)] == [
-        slots + one, slots + 2 * one, slots + 4 * one, slots + 5 * one]
-    full_mode = _tiny(n_layers=4, attn_res="full")  # S = 9: the initial set + one per sub-layer
-    assert _stream_bytes_per_token(full_mode, s, none, upto=1) == (1 + 4) * 9 * D * s
+        b0 + one, b0 + 2 * one, b0 + 4 * one, b0 + 5 * one]
+    full_mode = _tiny(n_layers=4, attn_res="full")
+    assert _stream_bytes_per_token(full_mode, s, none, upto=1) == (1 + 4) * D * s
+    assert _stream_bytes_per_token(full_mode, s, none) == (1 + 8) * D * s
 
 
 @pytest.mark.parametrize("n_layers,block_size", [(4, 2), (8, 2), (12, 3)])

@@ -924,12 +924,17 @@ def test_gpu_summary_counts_overlapping_kernels_once_and_groups_by_category():
         ev("nvjet_tst_128x256", 250, 100),     # gemm, overlaps the attention kernel by 50 us
         ev("triton_poi_fused_add_0", 500, 50),  # inductor elementwise
         ev("Memcpy HtoD", 600, 10, cat="gpu_memcpy"),
+        ev("triton_poi_fused_add_7", 700, 30),  # the same fusion in another layer graph
+        ev("triton_per_fused_sum_2", 800, 5),
     ]
     s = summary_tool.gpu_summary(events)
     assert s["step_ms"] == pytest.approx(1.0)
-    assert s["busy_ms"] == pytest.approx(0.31)  # 100..350 once, 500..550, 600..610
-    assert s["idle_pct"] == pytest.approx(69.0)
+    assert s["busy_ms"] == pytest.approx(0.345)  # 100..350 once, 500..550, 600..610, 700..730, 800..805
+    assert s["idle_pct"] == pytest.approx(65.5)
     cats = {r["name"]: r["ms"] for r in s["categories"]}
-    assert cats == pytest.approx({"attention": 0.2, "gemm": 0.1, "triton": 0.05, "gpu_memcpy": 0.01})
+    assert cats == pytest.approx({"attention": 0.2, "gemm": 0.1, "triton": 0.085, "gpu_memcpy": 0.01})
+    families = [(r["name"], r["count"], r["ms"]) for r in s["inductor_families"]]
+    assert families == [("triton_poi_fused_add", 2, pytest.approx(0.08)), ("triton_per_fused_sum", 1, pytest.approx(0.005))]
+    assert "triton_poi_fused_add" in summary_tool.format_gpu_table(s).split("Inductor kernels by fusion")[1]
     with pytest.raises(ValueError, match="no GPU kernel events"):
         summary_tool.gpu_summary(events[:1])

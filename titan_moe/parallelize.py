@@ -49,6 +49,7 @@ from torchtitan.tools import utils as titan_utils
 from torchtitan.tools.logging import logger
 
 from titan_moe.context_parallel import apply_context_parallel, check_context_parallel
+from titan_moe.model.attn_res import sources_before_layer
 from titan_moe.model.moe import LatentMoE, RoutedExperts
 
 
@@ -209,6 +210,16 @@ def compile_backend(compile_config):
 REGION_RECOMPILE_LIMIT = 64
 
 
+def layer_graph_variants(args) -> int:
+    """Distinct decoder-layer graphs in one training forward: (attention kind, MoE or dense
+    FFN, AttnRes source count) over the layers."""
+    kinds = args.layer_kinds()
+    return len({
+        (kinds[i], args.is_moe_layer(i), sources_before_layer(args.attn_res, i, args.attn_res_block_size))
+        for i in range(args.n_layers)
+    })
+
+
 def apply_compile(model: nn.Module, compile_config, ep_enabled: bool, cp_enabled: bool = False) -> None:
     """Regional compile: each layer is one `torch.compile(fullgraph=True)` region.
 
@@ -235,9 +246,12 @@ def apply_compile(model: nn.Module, compile_config, ep_enabled: bool, cp_enabled
     # Every layer region runs one code object (DecoderLayer.forward, or each child's forward),
     # so Dynamo's recompile limit per code object (8) is shared by all variants: layer kinds
     # (KDA / MLA / dense mixers, MoE / dense FFN) x training and evaluation (no grad) x each
-    # new sequence length until it turns dynamic (ladder stages, evaluation lengths). Under
-    # fullgraph=True reaching it stops the run.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
+    # new sequence length until it turns dynamic (ladder stages, evaluation lengths) x the
+    # AttnRes source count (one per block: `titan_moe.model.attn_res`). Under fullgraph=True
+    # reaching it stops the run.
+    torch._dynamo.config.recompile_limit = max(
+        torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT, 4 * layer_graph_variants(model.args)
+    )
     moe_pieces = ep_enabled or getattr(compile_config, "moe_regions", "auto") == "piecewise"
     regions: dict[str, None] = {}  # ordered set of region names, for the start-up line
 

@@ -30,29 +30,29 @@ new, empty partial block after that mix, so the first sub-layer of block ``n+1``
 ``b_n`` into the buffer) and masks the empty ``b_cur`` out, which gives the same source set.
 The very first sub-layer therefore sees ``b_0`` alone and gets ``h = b_0``.
 
-Fixed shapes for compilation. Under regional compile (one compiled region per decoder
-layer, SPEC §4) the number of sources differs from layer to layer. `ResidualStream` keeps
-the finished sources in a fixed number ``S_max`` of slots (one ``[B, T, D]`` tensor each)
-plus a 0-dim count tensor, and ``b_cur`` plus a 0-dim "written" flag, so the same graph
-serves every layer: unused slots are zeros and get logit ``-inf``. Every slot is its own
-tensor, none aliases another or ``b_cur``, and all share one ``requires_grad``: Dynamo
-guards on aliasing and on ``requires_grad``, and a pattern that changed from layer to layer
-would recompile the layer. Nothing that varies per layer may be a Python
-value read inside the compiled region (Dynamo specialises on Python ints and fails a
-``fullgraph=True`` compile after 8 recompiles): closing a block therefore happens in
-`ResidualStream.end_layer`, which the decoder calls between layers, outside the compiled
-layers. All stream methods are functional: they return a new stream and never write into a
-tensor that autograd may have saved.
+Compilation: one graph per source count. Under regional compile (one compiled region per
+decoder layer, SPEC §4) a layer receives exactly the sources that exist before it: ``b_0``
+and the blocks closed so far, as a tuple of ``[B, T, D]`` tensors, plus ``b_cur`` and a 0-dim
+"written" flag. The tuple's length is fixed within a block, so Dynamo compiles one graph per
+(layer kind, block) pair and reuses it for the block's other layers of that kind
+(`titan_moe.parallelize` raises the recompile limit to cover them). An earlier form padded the
+tuple to ``S_max`` zero slots with a device-side count, one graph for every layer: the
+mixers then read, and the backward wrote gradients for, the zero slots, and autograd summed
+those gradients across every layer that took them, work that grew with ``S_max`` rather than
+with the sources that exist (BENCHMARKS.md, "Training step"). Nothing else that varies
+per layer may be a Python value read inside the compiled region: closing a block therefore
+happens in `ResidualStream.end_layer`, which the decoder calls between layers, outside the
+compiled layers, and ``b_cur``'s state is the 0-dim flag (one graph for a block's first layer
+and its others). Every source is its own tensor, none aliases another or ``b_cur``, and all
+share one ``requires_grad`` (Dynamo guards on aliasing and on ``requires_grad``). All stream
+methods are functional: they return a new stream and never write into a tensor that autograd
+may have saved.
 
-Memory: closing a block (outside the compiled layers, where the slot index is a Python
-int) puts ``b_cur`` into its slot and copies nothing, so a block-mode stream holds ``b_0``,
-the ``S_max - 1`` zero placeholders, one empty-``b_cur`` placeholder per closed block and
-the closed blocks beside the layers' own inputs: ``O(S_max)`` extra ``[B, T, D]`` tensors,
-where a stacked ``[S_max, B, T, D]`` buffer copied at each close would be kept once by every
-checkpointed layer that read it (``n_blocks * S_max``). Full mode pushes after every
-sub-layer inside the compiled layer, where the slot index is a tensor: each push rewrites
-every slot (``torch.where``), ``O(L^2)`` tensors in all, fine for the small ablation models
-it is meant for, not for paper scale.
+Memory: closing a block (outside the compiled layers) appends ``b_cur`` to the tuple and
+copies nothing, so a block-mode stream holds ``b_0``, the closed blocks and one
+empty-``b_cur`` placeholder per block beside the layers' own inputs. Full mode pushes after
+every sub-layer inside the compiled layer: every layer sees a new source count, so it
+compiles one graph per layer (an ablation for small models, not for paper scale).
 """
 
 from __future__ import annotations
@@ -68,15 +68,16 @@ from titan_moe.ops.nvtx import nvtx_wrap
 
 _MODES = ("block", "full", "none")
 
-# (sources, n_sources, partial_BTD, partial_used): see ResidualStream.
-StreamTensors = tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor]
+# (sources, partial_BTD, partial_used): see ResidualStream.
+StreamTensors = tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]
 
 
 def max_sources(mode: str, n_layers: int, block_size: int) -> int:
-    """Source slots of the stream: b_0 plus every source that can be pushed.
+    """The most sources a stream holds (the final mixer's count): b_0 plus every source that
+    can be pushed.
 
     block: b_0 and each block that can close (``n_layers // block_size``; a trailing partial
-    block stays in ``b_cur``); full: b_0 and one per sub-layer; none: no buffer.
+    block stays in ``b_cur``); full: b_0 and one per sub-layer; none: no sources.
     """
     if mode == "block":
         return 1 + n_layers // block_size
@@ -85,17 +86,26 @@ def max_sources(mode: str, n_layers: int, block_size: int) -> int:
     return 0
 
 
+def sources_before_layer(mode: str, layer_idx: int, block_size: int) -> int:
+    """The number of sources layer ``layer_idx`` (0-based) receives: block mode b_0 and the
+    blocks closed before it; full mode b_0 and the outputs of the sub-layers before it."""
+    if mode == "block":
+        return 1 + layer_idx // block_size
+    if mode == "full":
+        return 1 + 2 * layer_idx
+    return 0
+
+
 @dataclass
 class ResidualStream:
-    """The residual stream between sub-layers, with fixed-size tensors (see module docstring).
+    """The residual stream between sub-layers (see module docstring).
 
     Fields:
-        sources: S_max tensors [B, T, D], the finished sources (b_0, closed blocks or, in full
-            mode, sub-layer outputs) in slots ``[0, n_sources)``; the other slots are zeros.
-        n_sources: int64 0-dim tensor, number of filled slots.
+        sources: the finished sources [B, T, D] each, in order (b_0, closed blocks or, in full
+            mode, sub-layer outputs); empty in none mode.
         partial_BTD: [B, T, D] b_cur in block mode; the running residual ``x`` in none mode;
             unused in full mode. While ``partial_used`` is False its content is ignored (it
-            then holds a zeros placeholder of its own, never a slot, with the slots'
+            then holds a zeros placeholder of its own, never a source, with the sources'
             ``requires_grad``: Dynamo guards on aliasing and on ``requires_grad``).
         partial_used: bool 0-dim tensor, True once a sub-layer of the current block wrote to
             ``partial_BTD`` (always True in none mode, always False in full mode).
@@ -106,11 +116,14 @@ class ResidualStream:
     """
 
     sources: tuple[torch.Tensor, ...]
-    n_sources: torch.Tensor
     partial_BTD: torch.Tensor
     partial_used: torch.Tensor
     mode: str
     block_size: int
+
+    @property
+    def n_sources(self) -> int:
+        return len(self.sources)
 
     @classmethod
     def start(cls, embed_BTD: torch.Tensor, mode: AttnResMode, n_layers: int, block_size: int) -> ResidualStream:
@@ -121,28 +134,24 @@ class ResidualStream:
             raise ValueError(f"n_layers and block_size must be > 0, got {n_layers} and {block_size}")
         if embed_BTD.dim() != 3:
             raise ValueError(f"embedding must be [B, T, D], got shape {tuple(embed_BTD.shape)}")
-        S = max_sources(mode, n_layers, block_size)
-        device = embed_BTD.device
         if mode == "none":
-            sources, partial_BTD, used, n = (), embed_BTD, True, 0
+            sources, partial_BTD, used = (), embed_BTD, True
         else:
-            sources = (embed_BTD, *(_placeholder(embed_BTD) for _ in range(S - 1)))
-            partial_BTD, used, n = _placeholder(embed_BTD), False, 1
+            sources, partial_BTD, used = (embed_BTD,), _placeholder(embed_BTD), False
         return cls(
             sources=sources,
+            partial_BTD=partial_BTD,
             # torch.full, not torch.tensor: a traced factory call instead of a 0-d constant lifted
             # into exported programs (AOTInductor on CUDA crashed loading such constants).
-            n_sources=torch.full((), n, dtype=torch.int64, device=device),
-            partial_BTD=partial_BTD,
-            partial_used=torch.full((), used, dtype=torch.bool, device=device),
+            partial_used=torch.full((), used, dtype=torch.bool, device=embed_BTD.device),
             mode=mode,
             block_size=block_size,
         )
 
     def tensors(self) -> StreamTensors:
-        """The slots and the three other tensors, the form in which a `DecoderLayer` takes and
+        """The sources and the two other tensors, the form in which a `DecoderLayer` takes and
         returns the stream."""
-        return self.sources, self.n_sources, self.partial_BTD, self.partial_used
+        return self.sources, self.partial_BTD, self.partial_used
 
     def with_tensors(self, tensors: StreamTensors) -> ResidualStream:
         """This stream's mode and block size around `tensors` (as `tensors()` orders them)."""
@@ -151,7 +160,6 @@ class ResidualStream:
     def _replace(self, **changes) -> ResidualStream:
         fields = dict(
             sources=self.sources,
-            n_sources=self.n_sources,
             partial_BTD=self.partial_BTD,
             partial_used=self.partial_used,
             mode=self.mode,
@@ -159,17 +167,6 @@ class ResidualStream:
         )
         fields.update(changes)
         return ResidualStream(**fields)
-
-    def _push(self, source_BTD: torch.Tensor, slot: int | None = None) -> ResidualStream:
-        """``source_BTD`` into slot ``n_sources``. With ``slot`` (that index as a Python int,
-        known outside compiled code) the slot's tensor is replaced and nothing is copied;
-        without it (inside a compiled layer) every slot is rewritten out of place at the
-        tensor index: one graph for every count."""
-        if slot is not None:
-            sources = self.sources[:slot] + (source_BTD,) + self.sources[slot + 1:]
-        else:
-            sources = tuple(torch.where(self.n_sources == s, source_BTD, v) for s, v in enumerate(self.sources))
-        return self._replace(sources=sources, n_sources=self.n_sources + 1)
 
     def add(self, out_BTD: torch.Tensor) -> ResidualStream:
         """Record one sub-layer's output [B, T, D] (cast to the stream dtype).
@@ -179,7 +176,7 @@ class ResidualStream:
         """
         out_BTD = out_BTD.to(self.partial_BTD.dtype)
         if self.mode == "full":
-            return self._push(out_BTD)
+            return self._replace(sources=(*self.sources, out_BTD))
         if self.mode == "none":
             return self._replace(partial_BTD=self.partial_BTD + out_BTD)
         partial_BTD = torch.where(self.partial_used, self.partial_BTD + out_BTD, out_BTD)
@@ -189,18 +186,16 @@ class ResidualStream:
         """True when layer ``layer_idx`` (0-based) is the last layer of a block (block mode)."""
         return self.mode == "block" and (layer_idx + 1) % self.block_size == 0
 
-    def close_block(self, slot: int | None = None) -> ResidualStream:
-        """Block mode: push ``b_cur`` as a finished block ``b_n`` and start an empty one.
-
-        ``slot``: ``n_sources`` as a Python int (`end_layer` knows it from the layer index);
-        without it the count is read from the device (a host sync; tests and tools).
-        """
+    def close_block(self) -> ResidualStream:
+        """Block mode: append ``b_cur`` as a finished block ``b_n`` (no copy) and start an
+        empty one (a placeholder of its own: no aliasing)."""
         if self.mode != "block":
             raise ValueError(f"close_block is only defined in block mode, stream mode is {self.mode!r}")
-        slot = int(self.n_sources) if slot is None else slot
-        # b_cur moves into its slot; the empty b_cur is a placeholder of its own (no aliasing).
-        return self._push(self.partial_BTD, slot)._replace(
-            partial_BTD=_placeholder(self.partial_BTD), partial_used=torch.zeros_like(self.partial_used))
+        return self._replace(
+            sources=(*self.sources, self.partial_BTD),
+            partial_BTD=_placeholder(self.partial_BTD),
+            partial_used=torch.zeros_like(self.partial_used),
+        )
 
     def end_layer(self, layer_idx: int) -> ResidualStream:
         """Call after layer ``layer_idx`` (both sub-layers) has added its outputs.
@@ -211,7 +206,7 @@ class ResidualStream:
         """
         if not self.closes_block_after(layer_idx):
             return self
-        return self.close_block(slot=(layer_idx + 1) // self.block_size)
+        return self.close_block()
 
 
 def _placeholder(like_BTD: torch.Tensor) -> torch.Tensor:
@@ -221,7 +216,7 @@ def _placeholder(like_BTD: torch.Tensor) -> torch.Tensor:
 
 
 def _flatten_stream(stream: ResidualStream):
-    tensors = (*stream.sources, stream.n_sources, stream.partial_BTD, stream.partial_used)
+    tensors = (*stream.sources, stream.partial_BTD, stream.partial_used)
     return tensors, (len(stream.sources), stream.mode, stream.block_size)
 
 
@@ -299,8 +294,6 @@ class AttnResMixer(nn.Module):
         v_BTD = [v.float() for v in stream.sources]
         S = len(v_BTD)
         logit_SBT = torch.stack([logits(v) for v in v_BTD])
-        valid_S = torch.arange(S, device=logit_SBT.device) < stream.n_sources
-        logit_SBT = logit_SBT.masked_fill(~valid_S[:, None, None], float("-inf"))
         if stream.mode == "full":
             p_SBT = torch.softmax(logit_SBT, dim=0)
             h_BTD = _weighted_sum(p_SBT, v_BTD)

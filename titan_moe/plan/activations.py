@@ -7,8 +7,8 @@ g, beta; grouped GEMM: its input); SDPA's q, k, v, output and fp32 logsumexp; ea
 elementwise ops (casts, gates, SiLU, SiTU, conv taps) keeps its input once; norms keep input
 + fp32 rstd; a tensor used twice counts once. Dtypes as the code produces them. This is what
 fused (compiled) layers need to keep; Inductor's partitioner may keep somewhat less. Eager
-PyTorch keeps 2-3x more (measured, below). Per token (D = dim, I = H*dk, S = AttnRes source
-slots = `attn_res.max_sources`):
+PyTorch keeps 2-3x more (measured, below). Per token (D = dim, I = H*dk, S = the most AttnRes
+sources, `attn_res.max_sources`):
   sub-layer prologue (x2 per layer): mixer softmax + key-norm stats `2 (S+1) * 4`; mixer
     output h (pre-norm input) `D s`; rstd 4; normed x (projection input) `D a`.
   KDA: projections wq|wk|wv concatenated, the conv input `3I a`; q, k after L2 norm and v
@@ -30,10 +30,10 @@ slots = `attn_res.max_sources`):
     outputs, unsorted (combine input) `k L a`; u fp32 `L * 4` + rstd; w_latent_up input
     `L a`; shared experts `2 F_s a + F_s a`. Per layer constant: the router weight cast to
     fp32, `n D * 4` (when the weight is not already fp32).
-  AttnRes stream: block mode keeps b_0 and S - 1 zero placeholders `S D s`, one `D s` per
-    closed block, and the partial sum b_cur after each sub-layer `2 D s` per layer (1 per
-    layer under AC: only each layer's input); full mode rewrites all S slots at every push,
-    a new `S D s` per sub-layer; none mode keeps the running sum `2 D s` per layer.
+  AttnRes stream: block mode keeps b_0 `D s`, one `D s` per closed block, and the partial
+    sum b_cur after each sub-layer `2 D s` per layer (1 per layer under AC: only each
+    layer's input); full mode keeps b_0 and every sub-layer's output, `D s` each; none mode
+    keeps the running sum `2 D s` per layer.
   head: a prologue (final mix + norm) and the log-softmax output of the loss `V * 4`.
   transient peaks: head `V * 8`, two more fp32 `[T, V]` tensors (forward: the fp32 logits
     next to the `a` ones; backward: the gradients into and out of log-softmax). One layer in

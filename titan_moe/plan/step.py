@@ -91,25 +91,24 @@ def layer_policies(ac: str, n_layers: int, sac_option: str = "op") -> list[str]:
 
 def _stream_bytes_per_token(args: ModelArgs, s: int, policies: list[str], upto: int | None = None) -> float:
     """AttnRes stream tensors kept: per layer 2 partial sums (1 when the layer is checkpointed:
-    only its input), plus the sources (block: b_0, the S - 1 zero placeholders and one
-    `[T, D]` tensor per closed block, `attn_res.ResidualStream`; full: one `[S, D]` set per
-    push).
+    only its input), plus the sources (block: b_0 and one `[T, D]` tensor per closed block,
+    `attn_res.ResidualStream`; full: b_0 and every sub-layer's output).
 
     `upto`: only what layers 0..upto use, alive while layer `upto` runs backward (the partial
-    sums of layers <= upto; block mode: the blocks closed before upto's; full mode: the
-    initial set and those pushed by layers <= upto); None: all (the end of the forward; block
-    mode: every closed block, the last one read by the final mixer).
+    sums of layers <= upto; block mode: the blocks closed before upto's; full mode: b_0 and
+    the outputs of layers <= upto); None: all (the end of the forward; block mode: every
+    closed block, the last one read by the final mixer).
     """
     D, L = args.dim, args.n_layers
     last = L - 1 if upto is None else upto
     per_layer = sum(2 if p == "none" else 1 for p in policies[: last + 1])
     if args.attn_res == "none":
         return per_layer * D * s
-    S = max_sources(args.attn_res, L, args.attn_res_block_size)
     if args.attn_res == "block":
+        S = max_sources(args.attn_res, L, args.attn_res_block_size)
         closed = S - 1 if upto is None else min(upto // args.attn_res_block_size, S - 1)
-        return (S + closed) * D * s + per_layer * D * s
-    return (1 + per_layer) * S * D * s  # full mode: every sub-layer pushes a new [S, D] buffer
+        return (1 + closed) * D * s + per_layer * D * s
+    return (1 + 2 * (last + 1)) * D * s  # full mode: b_0 and two pushed outputs a layer
 
 
 def _head_kept_per_token(args: ModelArgs, s: int, a: int) -> float:

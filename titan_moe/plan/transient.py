@@ -102,7 +102,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from titan_moe.model.args import ModelArgs
-from titan_moe.model.attn_res import ResidualStream, max_sources
+from titan_moe.model.attn_res import ResidualStream, sources_before_layer
 from titan_moe.model.decoder import DecoderLayer
 
 from titan_moe.plan.context_parallel import CP_ATTENTION_CHUNKS, CPOptions, RankSetting
@@ -410,17 +410,12 @@ class _StreamGradients(torch.autograd.Function):
 
 def _leaf_stream(args: ModelArgs, layer_idx: int, T: int, dtype: torch.dtype) -> ResidualStream:
     """The AttnRes stream as layer `layer_idx` receives it, with leaf tensors (zeros)."""
-    D, L, bs = args.dim, args.n_layers, args.attn_res_block_size
-    S = max_sources(args.attn_res, L, bs)
-    sources = tuple(torch.zeros(1, T, D, dtype=dtype, requires_grad=True) for _ in range(S))
+    D, bs = args.dim, args.attn_res_block_size
+    n = sources_before_layer(args.attn_res, layer_idx, bs)
+    sources = tuple(torch.zeros(1, T, D, dtype=dtype, requires_grad=True) for _ in range(n))
     partial = torch.zeros(1, T, D, dtype=dtype, requires_grad=True)
-    if args.attn_res == "block":
-        n, used = 1 + layer_idx // bs, layer_idx % bs != 0
-    elif args.attn_res == "full":
-        n, used = 1 + 2 * layer_idx, False
-    else:
-        n, used = 0, True
-    return ResidualStream(sources, torch.full((), n, dtype=torch.int64), partial, torch.full((), used), args.attn_res, bs)
+    used = args.attn_res == "none" or (args.attn_res == "block" and layer_idx % bs != 0)
+    return ResidualStream(sources, partial, torch.full((), used), args.attn_res, bs)
 
 
 def layer_counter(
