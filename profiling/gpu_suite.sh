@@ -94,6 +94,9 @@
 #   ablate_recipe  scripts/ablate.py on small_1gpu 8K x 1 compiled, 200 steps, held-out loss every
 #              50: the recipe, Muon, no AttnRes, SwiGLU experts, the unbounded KDA gate
 #              ($SUITE_ABLATE_ARMS: other arms, e.g. adamw@3e-3,muon@3e-3) (not in the default list)
+#   step_profile  small_1gpu compiled at 8K x 4, 14 steps, step 12 under torch.profiler with NVTX
+#              ranges, then profiling/summarize_trace.py --gpu: busy and idle %, kernel time by
+#              category, top kernels, Inductor's kernels pooled by fusion (not in the default list)
 #   long_memory small_1gpu compiled at 64K x 1 with full AC, 2 steps under a memory snapshot:
 #              profiling/memory_snapshot.py's summary (the trace's peak and what was live then,
 #              by allocating code) beside the planner's row; then the same 2 steps with
@@ -331,6 +334,13 @@ torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")
                 --out "$DUMP/long_step" --budget-s "$LIMIT" -- --activation_checkpoint.mode full \
                 --training.one_device_mixed_precision fsdp --model.moe_token_tile 65536 \
                 --model.head_chunk_tokens 16384 ;;
+        step_profile)
+            run step_profile torchrun --standalone --nproc_per_node=1 -m titan_moe.train \
+                --job.config_file configs/small_1gpu.toml --compile.enable --training.local_batch_size 4 \
+                --training.steps 14 --metrics.log_freq 1 --validation.no_enable --checkpoint.no_enable \
+                --profiling.enable_profiling --profiling.profile_freq 12 --profiling.nvtx \
+                --job.dump_folder "$DUMP/step_profile"
+            run step_profile_gpu python profiling/summarize_trace.py --gpu "$DUMP/step_profile/profile_traces" ;;
         long_memory)
             LONG_MEMORY=(--job.config_file configs/small_1gpu.toml --compile.enable --training.seq_len 65536
                          --activation_checkpoint.mode full)

@@ -401,12 +401,16 @@ def test_gpu_suite_plans_every_section_for_two_gpus(tmp_path):
 def test_gpu_suite_plans_the_ladder_balance_and_long_step_sections(tmp_path):
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # `python` with torch
     proc = _gpu_suite(tmp_path, "ladder", "ablate_balance", "long_step", "long_memory", "ladder_compare",
-                      "ablate_recipe", gpus="1", PATH=path, SUITE_LADDER_ARGS="--ladder.stages.1.steps 9")
+                      "ablate_recipe", "step_profile", gpus="1", PATH=path,
+                      SUITE_LADDER_ARGS="--ladder.stages.1.steps 9")
     assert proc.returncode == 0, proc.stderr
     commands = dict(line.split(": ", 1) for line in (tmp_path / "out" / "summary.txt").read_text().splitlines())
     assert list(commands) == ["ladder", "ablate_balance", "long_step", "long_memory", "long_memory_summary",
                               "long_memory_plan", "long_memory_nokeep", "long_memory_table", "ladder_compare",
-                              "ablate_recipe"]
+                              "ablate_recipe", "step_profile", "step_profile_gpu"]
+    assert "--profiling.profile_freq 12" in commands["step_profile"]
+    assert "summarize_trace.py --gpu" in commands["step_profile_gpu"]
+    assert commands["step_profile_gpu"].endswith("step_profile/profile_traces")
     assert "--arms recipe,muon,attn_res_none,swiglu,unbounded_gate" in commands["ablate_recipe"]
     assert "--jobs 2" in commands["ladder_compare"] and commands["ladder_compare"].endswith("--ladder.stages.1.steps 9")
     torch_source = os.path.dirname(torch.__file__)
