@@ -247,10 +247,11 @@ def apply_compile(model: nn.Module, compile_config, ep_enabled: bool, cp_enabled
     # so Dynamo's recompile limit per code object (8) is shared by all variants: layer kinds
     # (KDA / MLA / dense mixers, MoE / dense FFN) x training and evaluation (no grad) x each
     # new sequence length until it turns dynamic (ladder stages, evaluation lengths) x the
-    # AttnRes source count (one per block: `titan_moe.model.attn_res`). Under fullgraph=True
-    # reaching it stops the run.
+    # AttnRes source count (one per block: `titan_moe.model.attn_res`). Each layer graph may
+    # come as training and evaluation, each static and then dynamic in the length: 4 entries,
+    # doubled for margin. Under fullgraph=True reaching the limit stops the run.
     torch._dynamo.config.recompile_limit = max(
-        torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT, 4 * layer_graph_variants(model.args)
+        torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT, 8 * layer_graph_variants(model.args)
     )
     moe_pieces = ep_enabled or getattr(compile_config, "moe_regions", "auto") == "piecewise"
     regions: dict[str, None] = {}  # ordered set of region names, for the start-up line
