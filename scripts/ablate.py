@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,31 +102,45 @@ def run_arm(out: Path, arm: str, seed: int, shared: list[str], steps: int, eval_
            "--debug.seed", str(seed), "--data.seed", str(seed), "--job.dump_folder", str(dump),
            "--validation.enable", "--validation.freq", str(eval_every or steps), "--checkpoint.no_enable"]
     print(" ".join(cmd), flush=True)
-    if not log_to_file:
-        subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ})
-        return dump
-    dump.mkdir(parents=True, exist_ok=True)
-    with open(dump / "train.log", "w") as log:
-        subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ}, stdout=log, stderr=subprocess.STDOUT)
+    train(cmd, dump / "train.log" if log_to_file else None, mode="w")
     return dump
+
+
+def train(cmd: list[str], log: Path | None, mode: str = "a") -> None:
+    """One trainer run from the repository root; its output to `log` (opened with `mode`)
+    when given, else to this stdout. CalledProcessError when it fails."""
+    if log is None:
+        subprocess.run(cmd, cwd=REPO, check=True)
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, mode) as f:
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=f, stderr=subprocess.STDOUT)
+
+
+def run_jobs(tasks: dict, jobs: int, label) -> dict:
+    """Call every task (key -> zero-argument callable), `jobs` at a time; key -> result of
+    those that finished. A task whose run fails (CalledProcessError) is printed with
+    `label(key)` and its return code, and left out."""
+    done = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(task): key for key, task in tasks.items()}
+        for future in concurrent.futures.as_completed(futures):
+            key = futures[future]
+            try:
+                done[key] = future.result()
+            except subprocess.CalledProcessError as e:
+                print(f"{label(key)} failed (exit code {e.returncode}); left out of the table",
+                      file=sys.stderr, flush=True)
+    return done
 
 
 def run_all(out: Path, runs: list[tuple[str, int]], shared: list[str], steps: int, eval_every: int,
             jobs: int) -> dict[tuple[str, int], Path]:
     """Every (arm, seed) run, `jobs` at a time; the ones that finished (a failure is printed
     with its return code and left out)."""
-    done: dict[tuple[str, int], Path] = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run_arm, out, arm, seed, shared, steps, eval_every, jobs > 1): (arm, seed)
-                   for arm, seed in runs}
-        for future in concurrent.futures.as_completed(futures):
-            arm, seed = futures[future]
-            try:
-                done[(arm, seed)] = future.result()
-            except subprocess.CalledProcessError as e:
-                print(f"ablate: arm {arm} seed {seed} failed (exit code {e.returncode}); left out of the table",
-                      file=sys.stderr, flush=True)
-    return done
+    tasks = {(arm, seed): (lambda arm=arm, seed=seed: run_arm(out, arm, seed, shared, steps, eval_every, jobs > 1))
+             for arm, seed in runs}
+    return run_jobs(tasks, jobs, lambda key: f"ablate: arm {key[0]} seed {key[1]}")
 
 
 def summarize(dump: Path, steps: int) -> dict[str, float]:

@@ -26,14 +26,13 @@ and left out; the others still count.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script, also when loaded by path
+from ablate import run_jobs, train  # noqa: E402
+
 BASELINE = "no_synthetic"
 VARIANTS = ("recipe", BASELINE, "all_mla")
 
@@ -115,16 +114,6 @@ def command(out: Path, variant: str, shared: list[str], n_stages: int, exit_at_s
     return cmd + (["--training.exit_at_step", str(exit_at_step)] if exit_at_step else [])
 
 
-def run(cmd: list[str], log: Path | None) -> None:
-    """One variant's run; its output to `log` when given. CalledProcessError when it fails."""
-    if log is None:
-        subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ})
-        return
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f:
-        subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ}, stdout=f, stderr=subprocess.STDOUT)
-
-
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -155,15 +144,9 @@ def main(argv: list[str] | None = None) -> str:
             print(" ".join(command(args.out, variant, shared, n_stages, args.exit_at_step)))
         return ""
     if not args.table_only:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = {pool.submit(run, command(args.out, v, shared, n_stages, args.exit_at_step),
-                                   args.out / v / "train.log" if args.jobs > 1 else None): v for v in todo}
-            for future in concurrent.futures.as_completed(futures):
-                try:
-                    future.result()
-                except subprocess.CalledProcessError as e:
-                    print(f"ladder_compare: {futures[future]} failed (exit code {e.returncode})",
-                          file=sys.stderr, flush=True)
+        tasks = {v: (lambda v=v: train(command(args.out, v, shared, n_stages, args.exit_at_step),
+                                       args.out / v / "train.log" if args.jobs > 1 else None)) for v in todo}
+        run_jobs(tasks, args.jobs, lambda v: f"ladder_compare: {v}")
     args.out.mkdir(parents=True, exist_ok=True)
     text = table(args.out, variants)
     print(text)
