@@ -124,7 +124,7 @@ def trace_peak(snapshot: dict, top: int = 25, depth: int = 2) -> dict | None:
             live.pop(event["addr"], None)
         elif event["action"] == "free_completed":
             frames = freed_frames[i]
-            live[event["addr"]] = (event["size"], frames if frames is not None else None)
+            live[event["addr"]] = (event["size"], frames)
     blocks = [(size, "(allocated before the trace)" if frames is None else site_of(frames, depth))
               for size, frames in live.values()]
     return {"peak_allocated_gib": peak_total / GIB, "event_index": peak_index, "events": len(events),

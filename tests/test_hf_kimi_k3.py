@@ -239,8 +239,8 @@ def test_k3_config_and_name_shape_map_match_the_meta_device_k3():
     args = kimi_k3.args_from_public_config({"model_type": "kimi_k3", "text_config": K3_TEXT_CONFIG})
     assert args.layer_kinds() == k3.layer_kinds() and args.layer_kinds().count("mla") == 24
     shape_fields = [f.name for f in dataclasses.fields(k3)
-                    if f.name not in ("mla_layers", "norm_eps", "qb_bins", "qb_ema", "qb_batch_iters", "balance_rule", "sign_gamma",
-                                      "init_std", "mla_attention")]
+                    if f.name not in ("mla_layers", "norm_eps", "qb_bins", "qb_ema", "qb_batch_iters", "balance_rule",
+                                      "sign_gamma", "init_std", "mla_attention")]
     assert {f: getattr(args, f) for f in shape_fields} == {f: getattr(k3, f) for f in shape_fields}
 
     public = kimi_k3.public_shapes(k3)

@@ -938,7 +938,8 @@ def test_gpu_summary_counts_overlapping_kernels_once_and_groups_by_category():
     cats = {r["name"]: r["ms"] for r in s["categories"]}
     assert cats == pytest.approx({"attention": 0.2, "gemm": 0.1, "triton": 0.085, "gpu_memcpy": 0.01})
     families = [(r["name"], r["count"], r["ms"]) for r in s["inductor_families"]]
-    assert families == [("triton_poi_fused_add", 2, pytest.approx(0.08)), ("triton_per_fused_sum", 1, pytest.approx(0.005))]
+    assert families == [("triton_poi_fused_add", 2, pytest.approx(0.08)),
+                        ("triton_per_fused_sum", 1, pytest.approx(0.005))]
     assert "triton_poi_fused_add" in summary_tool.format_gpu_table(s).split("Inductor kernels by fusion")[1]
     with pytest.raises(ValueError, match="no GPU kernel events"):
         summary_tool.gpu_summary(events[:1])

@@ -35,11 +35,11 @@ decoder layer, SPEC §4) a layer receives exactly the sources that exist before 
 and the blocks closed so far, as a tuple of ``[B, T, D]`` tensors, plus ``b_cur`` and a 0-dim
 "written" flag. The tuple's length is fixed within a block, so Dynamo compiles one graph per
 (layer kind, block) pair and reuses it for the block's other layers of that kind
-(`titan_moe.parallelize` raises the recompile limit to cover them). An earlier form padded the
-tuple to ``S_max`` zero slots with a device-side count, one graph for every layer: the
-mixers then read, and the backward wrote gradients for, the zero slots, and autograd summed
-those gradients across every layer that took them, work that grew with ``S_max`` rather than
-with the sources that exist (BENCHMARKS.md, "Training step"). Nothing else that varies
+(`titan_moe.parallelize` raises the recompile limit to cover them). Padding the tuple to
+``S_max`` zero slots with a device-side count would give one graph for every layer, but the
+mixers would read, and the backward write gradients for, the zero slots, and autograd would
+sum those gradients across every layer that took them: work that grows with ``S_max``
+rather than with the sources that exist (BENCHMARKS.md, "Training step"). Nothing else that varies
 per layer may be a Python value read inside the compiled region: closing a block therefore
 happens in `ResidualStream.end_layer`, which the decoder calls between layers, outside the
 compiled layers, and ``b_cur``'s state is the 0-dim flag (one graph for a block's first layer
