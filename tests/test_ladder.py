@@ -112,6 +112,8 @@ def test_stages_load_override_and_fill_training(tmp_path):
     (["--ladder.stages.2.seq_len", "32"], "shorter than the stage before"),
     (["--ladder.stages.2.decay_type", "step"], "decay_type must be one of"),
     (["--ladder.stages.2.long_fraction", "0.95"], "must stay below 1"),
+    (["--ladder.stages.2.synthetic_max_length", "32"], "ladder.stages.2.synthetic_max_length must be 0 (whole-row"),
+    (["--ladder.eval_lengths", "1024,0"], "ladder.eval_lengths must be lengths >= 1"),
     (["--data.synthetic_tasks", "passkey,needle"], "unknown task 'needle'"),
     (["--ladder.eval_packages_path", "/no/such/folder"], "ladder.eval_packages_path '/no/such/folder' is not a directory"),
     (["--ladder.eval_packages_path", str(REPO), "--data.long_documents", "text", "--data.long_documents_path",
@@ -376,16 +378,17 @@ def corpus(tmp_path_factory):
     return str(root)
 
 
-STAGES = [(0, 48, 2, 0.0, 0.0), (1, 96, 2, 0.3, 0.1), (2, 200, 1, 0.5, 0.1)]
+# (index, seq_len, rows, long_fraction, synthetic_fraction, synthetic_max_length)
+STAGES = [(0, 48, 2, 0.0, 0.0, 0), (1, 96, 2, 0.3, 0.1, 0), (2, 200, 1, 0.5, 0.1, 0), (3, 600, 1, 0.0, 0.2, 150)]
 
 
 def _run(loader, plan):
     """Batches of a staged run: plan = [(stage, batches)]; returns the flat list."""
     out = []
     for stage, n in plan:
-        index, seq_len, batch, long_f, synth_f = STAGES[stage]
+        index, seq_len, batch, long_f, synth_f, synth_max = STAGES[stage]
         loader.set_stage(index, seq_len=seq_len, local_batch_size=batch, long_fraction=long_f,
-                         synthetic_fraction=synth_f)
+                         synthetic_fraction=synth_f, synthetic_max_length=synth_max)
         it = iter(loader)
         out += [next(it) for _ in range(n)]
     return out
@@ -413,11 +416,42 @@ def test_mix_shares_uncut_tasks_and_answer_only_loss(tok, filler, corpus):
     assert tasks_seen >= 3
 
 
+def _tasks_of_row(doc_ids, labels):
+    """[start, end) of each synthetic task of one row: the documents whose labels are mostly
+    IGNORE_INDEX (a corpus document's are all targets)."""
+    starts = [0] + [j for j in range(1, len(doc_ids)) if doc_ids[j] != doc_ids[j - 1]] + [len(doc_ids)]
+    return [(a, b) for a, b in zip(starts, starts[1:]) if (labels[a:b] == IGNORE_INDEX).float().mean() > 0.5]
+
+
+def test_short_tasks_many_to_a_row_uncut_with_the_share_kept(tok, filler, corpus):
+    loader = _mixed_loader(tok, filler, corpus)
+    batches = _run(loader, [(3, 40)])
+    state = loader.state_dict()["dp_rank_0"]
+    total = state["corpus_tokens"] + state["long_tokens"] + state["synth_tokens"]
+    assert abs(state["synth_tokens"] / total - 0.2) < 0.05
+    lengths, rows_with_two = [], 0
+    for x, y in batches:
+        ids, doc_ids, labels = x["input"][0], x["doc_ids"][0], y[0]
+        tasks = _tasks_of_row(doc_ids, labels)
+        for a, b in tasks:
+            # whole inside the row: its bos first, its eos the last input before the next
+            # document or the row's last label (no target)
+            assert ids[a] == tok.bos_id and (ids[b - 1] == tok.eos_id if b < len(ids) else labels[-1] == IGNORE_INDEX)
+            assert (labels[a:b] != IGNORE_INDEX).sum() > 0  # answers to learn
+            lengths.append(b - a + (b == len(ids)))  # the eos is the row's last label at its end
+        rows_with_two += len(tasks) >= 2
+    assert len(lengths) >= 20 and rows_with_two >= 3
+    assert min(lengths) >= 64 and max(lengths) <= 150  # within [shortest task, synthetic_max_length]
+    assert len(set(lengths)) >= 10  # drawn, not one size
+    with pytest.raises(ValueError, match="synthetic_max_length must be 0"):
+        loader.set_stage(4, seq_len=600, local_batch_size=1, synthetic_fraction=0.1, synthetic_max_length=32)
+
+
 def test_mixed_stream_resumes_exactly_across_stages(tok, filler, corpus):
-    plan = [(0, 5), (1, 12), (2, 9)]
+    plan = [(0, 5), (1, 12), (2, 9), (3, 6)]
     reference = _run(_mixed_loader(tok, filler, corpus), plan)
     flat_plan = [s for s, n in plan for _ in range(n)]
-    for cut in (3, 5, 6, 11, 17, 20):
+    for cut in (3, 5, 6, 11, 17, 20, 28):
         first = _mixed_loader(tok, filler, corpus)
         done = []
         k = 0

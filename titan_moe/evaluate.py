@@ -290,7 +290,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--checkpoint", default=None, help="a step-N folder of a DCP checkpoint "
                         "(default: the newest intact one under the config's dump folder)")
     parser.add_argument("--lengths", default=None,
-                        help="comma-separated context lengths (default: every ladder stage's seq_len, or training.seq_len)")
+                        help="comma-separated context lengths (default: every ladder stage's seq_len, or "
+                        "training.seq_len, and ladder.eval_lengths)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="length of the loss-by-position rows (default: the longest of --lengths)")
     parser.add_argument("--samples", type=int, default=None, help="samples per cell (default: ladder.eval_samples)")
@@ -310,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(rest)
         stages = config.ladder.stages
         lengths = ([int(x) for x in ours.lengths.split(",")] if ours.lengths
-                   else sorted({s.seq_len for s in stages}) or [config.training.seq_len])
+                   else sorted(({s.seq_len for s in stages} or {config.training.seq_len})
+                               | set(config.ladder.eval_lengths)))
         seq_len = ours.seq_len or max(lengths)
         checkpoint = ours.checkpoint
         if checkpoint is None:

@@ -8,6 +8,7 @@
     steps = 40
     long_fraction = 0.3               # tokens drawn from long documents
     synthetic_fraction = 0.05         # tokens of passkey / MQAR tasks (loss on the answers only)
+    synthetic_max_length = 1024       # short tasks, many to a row (0: each fills its row)
 
     python -m titan_moe.train --job.config_file configs/ladder_cpu.toml --ladder.stages.2.steps 10
 
@@ -83,6 +84,12 @@ class Stage:
     """Fraction of the stage's tokens from synthetic whole-context tasks (data.synthetic_tasks);
     each task fills the rest of a row, loss only on its answer tokens. Keep it <= 0.1."""
 
+    synthetic_max_length: int = 0
+    """0: each synthetic task fills the rest of its row (at least a quarter of it). > 0: tasks
+    are short documents, their lengths log-uniform between the shortest task (64 tokens) and
+    this bound, several to a row: for the same share of tokens many times more retrieval
+    examples, the skill the evaluations then ask for at the stage's full length."""
+
 
 @dataclass
 class Ladder:
@@ -95,6 +102,11 @@ class Ladder:
 
     eval_samples: int = 4
     """Passkey samples per (length, depth) cell and MQAR samples per length."""
+
+    eval_lengths: list[int] = field(default_factory=list)
+    """Context lengths evaluated at every stage's end besides the stages' own seq_len (those up
+    to the stage's seq_len): a short one, e.g. 1024, tells a model that has not learned to
+    retrieve at all from one that has but not at length."""
 
     eval_mqar_pairs: int = 8
     """Key-value pairs per MQAR sample (each is asked for once)."""
@@ -137,6 +149,7 @@ class ResolvedStage:
     min_lr_factor: float
     long_fraction: float
     synthetic_fraction: float
+    synthetic_max_length: int
     start: int  # global steps done before the stage
     end: int  # the global step that ends it
 
@@ -184,6 +197,13 @@ def resolve_stages(ladder: Ladder, training: Any, optimizer: Any, lr_scheduler: 
         for name in ("long_fraction", "synthetic_fraction"):
             if not 0.0 <= getattr(s, name) < 1.0:
                 raise ValueError(f"{key}.{name} must be in [0, 1), got {getattr(s, name)}")
+        if s.synthetic_max_length:
+            from titan_moe.data.synthetic import MIN_LENGTH
+
+            shortest = max(MIN_LENGTH.values())
+            if s.synthetic_max_length < shortest:
+                raise ValueError(f"{key}.synthetic_max_length must be 0 (whole-row tasks) or >= {shortest} "
+                                 f"(the shortest task), got {s.synthetic_max_length}")
         if s.long_fraction + s.synthetic_fraction >= 1.0:
             raise ValueError(f"{key}: long_fraction + synthetic_fraction must stay below 1 (the corpus needs a share)")
         if out and s.seq_len < out[-1].seq_len:
@@ -192,7 +212,7 @@ def resolve_stages(ladder: Ladder, training: Any, optimizer: Any, lr_scheduler: 
             index=i, name=s.name or short_length(s.seq_len), seq_len=s.seq_len, steps=s.steps,
             local_batch_size=local, global_batch_size=global_, lr=lr, warmup_steps=warmup, decay_type=decay,
             min_lr_factor=min_lr, long_fraction=s.long_fraction, synthetic_fraction=s.synthetic_fraction,
-            start=start, end=start + s.steps))
+            synthetic_max_length=s.synthetic_max_length, start=start, end=start + s.steps))
         start += s.steps
     return out
 
@@ -244,6 +264,8 @@ def apply_to_config(config: Any, set_keys: set[str]) -> None:
             raise ValueError(f"{key} is set by [[ladder.stages]] (each stage's steps and seq_len); remove {key}")
     if ladder.eval_samples < 1 or ladder.eval_mqar_pairs < 1 or ladder.eval_loss_docs < 0:
         raise ValueError("ladder.eval_samples and ladder.eval_mqar_pairs must be >= 1, ladder.eval_loss_docs >= 0")
+    if any(n < 1 for n in ladder.eval_lengths):
+        raise ValueError(f"ladder.eval_lengths must be lengths >= 1, got {ladder.eval_lengths}")
     if any(not 0.0 <= d <= 1.0 for d in ladder.eval_depths) or not ladder.eval_depths:
         raise ValueError(f"ladder.eval_depths must be values in [0, 1], got {ladder.eval_depths}")
     stages = resolve_stages(ladder, config.training, config.optimizer, config.lr_scheduler)

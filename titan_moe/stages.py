@@ -74,14 +74,16 @@ class LadderRun:
         self.config.training.local_batch_size = local
         trainer.gradient_accumulation_steps = global_ // (local * dp)
         loader.set_stage(stage.index, seq_len=stage.seq_len, local_batch_size=local,
-                         long_fraction=stage.long_fraction, synthetic_fraction=stage.synthetic_fraction)
+                         long_fraction=stage.long_fraction, synthetic_fraction=stage.synthetic_fraction,
+                         synthetic_max_length=stage.synthetic_max_length)
         self._iterator = trainer.batch_generator(loader)
         self.current = stage
         logger.info(f"ladder: stage {stage.index + 1}/{len(self.stages)} '{stage.name}': seq_len {stage.seq_len}, "
                     f"steps {stage.start + 1}-{stage.end}, {global_} rows a step ({local} x {dp} ranks x "
                     f"{trainer.gradient_accumulation_steps} microbatches), lr {stage.lr:g} ({stage.decay_type}, "
                     f"warm-up {stage.warmup_steps}), long {stage.long_fraction:.0%}, synthetic "
-                    f"{stage.synthetic_fraction:.0%}")
+                    f"{stage.synthetic_fraction:.0%}"
+                    + (f" (tasks up to {stage.synthetic_max_length} tokens)" if stage.synthetic_max_length else ""))
 
     def after_step(self, step: int) -> None:
         if self._started_at is None:
@@ -119,7 +121,8 @@ class LadderRun:
         if self._filler is None:
             self._filler = Filler(corpus_documents(self.config, "val"), tokenizer)
         held_out = evaluate.loss_documents(self.config, self._filler.documents, tokenizer, stage.seq_len)
-        lengths = sorted({s.seq_len for s in self.stages[: stage.index + 1]})
+        lengths = sorted({s.seq_len for s in self.stages[: stage.index + 1]}
+                         | {n for n in ladder.eval_lengths if n <= stage.seq_len})
         (model,) = trainer.model_parts
         model.eval()
         try:

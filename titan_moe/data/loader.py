@@ -27,7 +27,10 @@ of the stage's tokens. Before each document the stream picks the source whose sh
 furthest behind: a synthetic task while its tokens are below `synthetic_fraction` of the
 stage's tokens so far and at least a quarter of the current row is free (the task then
 fills the row exactly, so it is never cut), else a long document while below
-`long_fraction`, else the corpus. The position then holds every source's place (epoch and
+`long_fraction`, else the corpus. With `synthetic_max_length` > 0 tasks are short documents
+instead: a task starts wherever the row has room for the shortest task, its length drawn
+log-uniformly between that shortest length and min(synthetic_max_length, the room left), so
+many tasks (many retrieval examples for the same share of tokens) share a row, still uncut. The position then holds every source's place (epoch and
 index of its current or next document, the synthetic tasks' count), which source holds
 the next token and the stage's token counts: a resume still continues bit for bit.
 Synthetic tasks carry a loss mask: labels are IGNORE_INDEX (-100) except on their answers.
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from typing import Any, Iterator
 
 import torch
@@ -46,7 +50,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 
 from titan_moe.data.corpus import CorpusError, DocumentSource, build_source, epoch_order
 from titan_moe.data.packing import PackedRow, collate_rows, pack_rows
-from titan_moe.data.synthetic import SyntheticTasks
+from titan_moe.data.synthetic import SyntheticTasks, task_rng
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +115,16 @@ class PackedTextDataLoader(BaseDataLoader):
         self.synthetic = synthetic
         self.long_fraction = 0.0
         self.synthetic_fraction = 0.0
+        self.synthetic_max_length = 0
         self.reset()
         self._order_cache: tuple[int, list[int]] | None = None
         self._long_order_cache: tuple[int, list[int]] | None = None
 
     def set_stage(self, stage: int, *, seq_len: int, local_batch_size: int, long_fraction: float = 0.0,
-                  synthetic_fraction: float = 0.0) -> None:
+                  synthetic_fraction: float = 0.0, synthetic_max_length: int = 0) -> None:
         """Switch to a ladder stage: rows of `seq_len`, `local_batch_size` rows per rank and the
-        stage's data mix. The stream goes on from the current position; entering another stage
+        stage's data mix (`synthetic_max_length` 0: whole-row tasks; > 0: short tasks, see the
+        module docstring). The stream goes on from the current position; entering another stage
         than the position's restarts the mix's token counts. Make a new iterator afterwards."""
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len}, {local_batch_size}")
@@ -126,8 +132,15 @@ class PackedTextDataLoader(BaseDataLoader):
             raise ValueError("long_fraction > 0 needs long documents (data.long_documents)")
         if synthetic_fraction > 0 and self.synthetic is None:
             raise ValueError("synthetic_fraction > 0 needs synthetic tasks (data.synthetic_tasks)")
+        if synthetic_max_length < 0 or (
+                synthetic_max_length > 0 and self.synthetic is not None
+                and synthetic_max_length < self.synthetic.min_length):
+            shortest = self.synthetic.min_length if self.synthetic is not None else 1
+            raise ValueError(f"synthetic_max_length must be 0 (whole-row tasks) or >= {shortest} "
+                             f"(the shortest task), got {synthetic_max_length}")
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.long_fraction, self.synthetic_fraction = long_fraction, synthetic_fraction
+        self.synthetic_max_length = synthetic_max_length
         if self._position["stage"] != stage:
             self._position = {**self._position, "stage": stage, "corpus_tokens": 0, "long_tokens": 0,
                               "synth_tokens": 0}
@@ -237,17 +250,28 @@ class PackedTextDataLoader(BaseDataLoader):
             offset = 0
             source = self._next_source(state, row_len - fill)
             if source == SYNTH:
-                state["synth_len"] = row_len - fill
+                state["synth_len"] = self._synthetic_length(state["synth_index"], row_len - fill)
 
     def _next_source(self, state: dict[str, int], free: int) -> int:
         """The source of the next document (the rule in the module docstring)."""
         total = state["corpus_tokens"] + state["long_tokens"] + state["synth_tokens"]
-        if (self.synthetic_fraction > 0 and state["synth_tokens"] < self.synthetic_fraction * total
-                and free >= max(self.synthetic.min_length, (self.seq_len + 1) // 4)):
-            return SYNTH
+        if self.synthetic_fraction > 0 and state["synth_tokens"] < self.synthetic_fraction * total:
+            room = self.synthetic.min_length if self.synthetic_max_length else (self.seq_len + 1) // 4
+            if free >= max(self.synthetic.min_length, room):
+                return SYNTH
         if self.long_fraction > 0 and state["long_tokens"] < self.long_fraction * total:
             return LONG
         return CORPUS
+
+    def _synthetic_length(self, index: int, free: int) -> int:
+        """Tokens of synthetic task `index` when `free` tokens of its row are left: all of them
+        (whole-row tasks), or log-uniform in [shortest task, min(synthetic_max_length, free)]
+        from the task's own generator (the same on a resumed run)."""
+        if not self.synthetic_max_length:
+            return free
+        low, high = self.synthetic.min_length, min(self.synthetic_max_length, free)
+        u = task_rng(self.seed, index, salt="synthetic_length").random()
+        return min(high, max(low, round(math.exp(math.log(low) + u * (math.log(high) - math.log(low))))))
 
     def __iter__(self) -> Iterator[tuple[TensorDict, torch.Tensor]]:
         pos = dict(self._position)
