@@ -91,9 +91,11 @@
 #              no-synthetic baseline and the all-MLA variant, $SUITE_LADDER_JOBS (default 2) at a
 #              time, the held-out packages as in `ladder`; rerun to resume ($SUITE_LADDER_ARGS: e.g.
 #              --exit-at-step 400) (not in the default list)
-#   ablate_recipe  scripts/ablate.py on small_1gpu 8K x 1 compiled, 200 steps, held-out loss every
-#              50: the recipe, Muon, no AttnRes, SwiGLU experts, the unbounded KDA gate
-#              ($SUITE_ABLATE_ARMS: other arms, e.g. adamw@3e-3,muon@3e-3) (not in the default list)
+#   ablate_recipe  scripts/ablate.py on the ladder_1gpu flavor (~150M) at 8K x 1 compiled, 300 steps,
+#              held-out loss every 50, seeds $SUITE_ABLATE_SEEDS (default 0,1), four arms at once
+#              (six on a GPU over 100 GB): every arm of the recipe's ablation and the LR sweep
+#              ($SUITE_ABLATE_ARMS: others); rerun to go on (finished arms are kept) (not in the
+#              default list)
 #   step_profile  small_1gpu compiled at 8K x 4, 14 steps, step 12 under torch.profiler with NVTX
 #              ranges, then profiling/summarize_trace.py --gpu: busy and idle %, kernel time by
 #              category, top kernels, Inductor's kernels pooled by fusion (not in the default list)
@@ -314,13 +316,13 @@ for section in "${SECTIONS[@]}"; do
                 --jobs "${SUITE_LADDER_JOBS:-2}" --job.config_file configs/ladder_1gpu.toml \
                 --ladder.eval_packages_path "$TORCH_SOURCE" ${SUITE_LADDER_ARGS:-} ;;
         ablate_recipe)
-            # the rest of the recipe's ablation at 8K x 1 (8K tokens a step), 200 steps, the recipe first
-            ABLATE_JOBS=$(python -c "import torch; print(2 if torch.cuda.is_available() and \
-torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")
+            ABLATE_JOBS=$(python -c "import torch; print(6 if torch.cuda.is_available() and \
+torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 4)")
             run ablate_recipe python scripts/ablate.py --out "$DUMP/ablate_recipe" \
-                --arms "${SUITE_ABLATE_ARMS:-recipe,muon,attn_res_none,swiglu,unbounded_gate}" --seeds 0 \
-                --jobs "$ABLATE_JOBS" --eval-every 50 --job.config_file configs/small_1gpu.toml --compile.enable \
-                --training.steps 200 --metrics.log_freq 1 --validation.steps 4 ;;
+                --arms "${SUITE_ABLATE_ARMS:-recipe,qb,sign,aux_loss,attn_res_full,attn_res_none,swiglu,unbounded_gate,muon,adamw@3e-3,muon@3e-3}" \
+                --seeds "${SUITE_ABLATE_SEEDS:-0,1}" --jobs "$ABLATE_JOBS" --eval-every 50 \
+                --job.config_file configs/small_1gpu.toml --model.flavor ladder_1gpu --compile.enable \
+                --training.steps 300 --metrics.log_freq 1 --validation.steps 4 ;;
         ablate_balance)
             # two arms at once on a GPU of more than 100 GB (two small_1gpu 8K x 4 runs fit)
             ABLATE_JOBS=$(python -c "import torch; print(2 if torch.cuda.is_available() and \
