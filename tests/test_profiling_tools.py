@@ -411,7 +411,9 @@ def test_gpu_suite_plans_the_ladder_balance_and_long_step_sections(tmp_path):
     assert "--profiling.profile_freq 12" in commands["step_profile"]
     assert "summarize_trace.py --gpu" in commands["step_profile_gpu"]
     assert commands["step_profile_gpu"].endswith("step_profile/profile_traces")
-    assert "--arms recipe,muon,attn_res_none,swiglu,unbounded_gate" in commands["ablate_recipe"]
+    ablate = commands["ablate_recipe"]
+    assert "--arms recipe,qb,sign,aux_loss,attn_res_full,attn_res_none,swiglu,unbounded_gate,muon," in ablate
+    assert "--seeds 0,1 --jobs 4" in ablate and "--model.flavor ladder_1gpu" in ablate  # no GPU here: four at once
     assert "--jobs 2" in commands["ladder_compare"] and commands["ladder_compare"].endswith("--ladder.stages.1.steps 9")
     torch_source = os.path.dirname(torch.__file__)
     assert f"--ladder.eval_packages_path {torch_source}" in commands["ladder"]
