@@ -30,9 +30,10 @@ fills the row exactly, so it is never cut), else a long document while below
 `long_fraction`, else the corpus. With `synthetic_max_length` > 0 tasks are short documents
 instead: a task starts wherever the row has room for the shortest task, its length drawn
 log-uniformly between that shortest length and min(synthetic_max_length, the room left), so
-many tasks (many retrieval examples for the same share of tokens) share a row, still uncut. The position then holds every source's place (epoch and
-index of its current or next document, the synthetic tasks' count), which source holds
-the next token and the stage's token counts: a resume still continues bit for bit.
+many tasks (many retrieval examples for the same share of tokens) share a row, still uncut.
+The position then holds every source's place (epoch and index of its current or next
+document, the synthetic tasks' count), which source holds the next token and the stage's
+token counts: a resume still continues bit for bit.
 Synthetic tasks carry a loss mask: labels are IGNORE_INDEX (-100) except on their answers.
 """
 
