@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     from titan_moe.generate import load_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=None, help="a step-N folder of a DCP checkpoint (default: initial weights)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a step-N folder of a DCP checkpoint (default: initial weights)")
     parser.add_argument("--val-batches", type=int, default=8, help="held-out batches (split in halves A and B)")
     parser.add_argument("--train-batches", type=int, default=8, help="training batches for train_fit")
     parser.add_argument("--json", default="", help="also write the table and the per-layer numbers here")
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         train = take(dataloader_from_config(config, tokenizer=tokenizer, split="train", dp_rank=0, dp_world_size=1),
                      ours.train_batches)
         if len(val) < 2:
-            raise ValueError(f"the held-out split gives {len(val)} batch(es); need 2 (lower validation.local_batch_size)")
+            raise ValueError(f"the held-out split gives {len(val)} batch(es); need 2 "
+                             "(lower validation.local_batch_size)")
     except (ConfigError, ValueError) as e:
         print(f"balance_bound: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

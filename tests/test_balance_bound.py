@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -53,10 +54,10 @@ def test_command_prints_the_table(tmp_path):
                           cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "| frozen |" in proc.stdout and "| oracle |" in proc.stdout and "(initial weights)" in proc.stdout
-    import json
 
     record = json.loads(out.read_text())
     assert set(record["table"]) == set(bound.CONDITIONS) and len(record["layers"]) >= 1
     bad = subprocess.run([sys.executable, "scripts/balance_bound.py", "--job.config_file", "configs/debug_cpu.toml",
-                          "--val-batches", "1"], cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
+                          "--val-batches", "1"],
+                         cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--val-batches must be >= 2" in bad.stderr
