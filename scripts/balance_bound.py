@@ -107,8 +107,8 @@ def collect_scores(model, batches, device) -> list[list[torch.Tensor]]:
         for inputs, _ in batches:
             model(inputs["input"].to(device), inputs["doc_ids"].to(device))
     finally:
-        for m, fn in zip(moes, originals):
-            m.router.scores = fn
+        for m in moes:
+            del m.router.scores  # the instance attribute set above; the method shows again
     return per_layer
 
 
