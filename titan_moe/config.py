@@ -36,7 +36,7 @@ from typing import Any, Literal
 from torchtitan.config import ConfigManager, JobConfig
 
 from titan_moe.float8.config import QuantizeExtras  # also registers the float8 converters
-from titan_moe.ladder import SYNTHETIC_TASKS, Ladder, apply_to_config as apply_ladder
+from titan_moe.ladder import SYNTHETIC_LOSS, SYNTHETIC_TASKS, Ladder, apply_to_config as apply_ladder
 from titan_moe.model.args import ModelArgs
 from titan_moe.ops.choices import KernelChoices, check as check_kernel_choices
 
@@ -77,6 +77,12 @@ class Data:
     """Synthetic whole-context tasks mixed in by a stage's synthetic_fraction (equal shares):
     "passkey" (a number hidden in filler text, asked for at the end) and "mqar" (key-value
     pairs spread over the context, every key asked for at the end)."""
+
+    synthetic_loss: str = "answers"
+    """Which tokens of a synthetic task are training targets: "answers" (only the answers, the
+    evaluations' targets) or "all" (every token, like any document: the filler, the needle with
+    its near copy of the key, the questions and the answers). A candidate for making retrieval
+    appear sooner; not yet measured on a GPU."""
 
 
 @dataclass
@@ -572,6 +578,8 @@ def _check_moe_token_tile(args: ModelArgs, config: Any) -> None:
 
 
 def _check_data_mix(data: Any) -> None:
+    if data.synthetic_loss not in SYNTHETIC_LOSS:
+        raise ValueError(f"data.synthetic_loss must be one of {list(SYNTHETIC_LOSS)}, got {data.synthetic_loss!r}")
     unknown = [t for t in data.synthetic_tasks if t not in SYNTHETIC_TASKS]
     if unknown:
         raise ValueError(f"data.synthetic_tasks: unknown task {unknown[0]!r}; known: {list(SYNTHETIC_TASKS)}")
