@@ -459,7 +459,7 @@ def test_synthetic_loss_all_makes_every_task_token_a_target(tok, filler, corpus)
         assert torch.equal(y[kept], y_all[kept])
         masked += int((~kept).sum())
     assert masked > 100  # the answers-only stream does hide the tasks' other tokens
-    with pytest.raises(ValueError, match="'answers' or 'all'"):
+    with pytest.raises(ValueError, match="must be one of \\['answers', 'all'\\]"):
         SyntheticTasks(tok, filler, ["passkey"], seed=0, loss="needle")
 
 

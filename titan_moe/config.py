@@ -36,7 +36,8 @@ from typing import Any, Literal
 from torchtitan.config import ConfigManager, JobConfig
 
 from titan_moe.float8.config import QuantizeExtras  # also registers the float8 converters
-from titan_moe.ladder import SYNTHETIC_LOSS, SYNTHETIC_TASKS, Ladder, apply_to_config as apply_ladder
+from titan_moe.data.synthetic import LOSS_TARGETS as SYNTHETIC_LOSS
+from titan_moe.ladder import SYNTHETIC_TASKS, Ladder, apply_to_config as apply_ladder
 from titan_moe.model.args import ModelArgs
 from titan_moe.ops.choices import KernelChoices, check as check_kernel_choices
 
@@ -81,8 +82,8 @@ class Data:
     synthetic_loss: str = "answers"
     """Which tokens of a synthetic task are training targets: "answers" (only the answers, the
     evaluations' targets) or "all" (every token, like any document: the filler, the needle with
-    its near copy of the key, the questions and the answers). A candidate for making retrieval
-    appear sooner; not yet measured on a GPU."""
+    its near copy of the key, the questions and the answers): more signal for learning to
+    copy, at the cost of training on the tasks' random keys and filler."""
 
 
 @dataclass

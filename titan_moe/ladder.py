@@ -43,7 +43,6 @@ from typing import Any
 
 DECAY_TYPES = ("cosine", "linear", "constant")
 SYNTHETIC_TASKS = ("passkey", "mqar")
-SYNTHETIC_LOSS = ("answers", "all")
 
 
 @dataclass

@@ -377,8 +377,9 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
     built, with the MLA attention path the model resolves on this device (`model.mla_attention`),
     the model's other path choices (`balance_rule`, with `qb_batch_iters` for QB (its form: lag or
     in-batch) and `aux_loss_coef` for the auxiliary loss, `expert_activation`, `kda_gate`: an
-    unbounded gate resolves `kernels.kda` to torch, `moe_token_tile`, `head_chunk_tokens`), in a one-rank run `training.one_device_mixed_precision`
-    and, with the fp8 experts converter, its recipe (`[quantize.grouped_mm.float8]`); logged in
+    unbounded gate resolves `kernels.kda` to torch, `moe_token_tile`, `head_chunk_tokens`), in a
+    one-rank run `training.one_device_mixed_precision` and, with the fp8 experts converter, its
+    recipe (`[quantize.grouped_mm.float8]`); logged in
     one line and returned as the run's record of its choices. A ValueError naming the key for a
     value the device or the model cannot run."""
     device_type = accelerator_type()

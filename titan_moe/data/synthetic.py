@@ -149,6 +149,7 @@ def mqar_task(tokenizer, filler: Filler, length: int, rng: random.Random, n_pair
 
 
 MIN_LENGTH = {"passkey": 64, "mqar": 64}
+LOSS_TARGETS = ("answers", "all")  # which task tokens train: `SyntheticTasks` (data.synthetic_loss)
 
 
 class SyntheticTasks:
@@ -160,8 +161,8 @@ class SyntheticTasks:
         unknown = [t for t in tasks if t not in MIN_LENGTH]
         if unknown or not tasks:
             raise ValueError(f"synthetic tasks must be among {sorted(MIN_LENGTH)}, got {list(tasks)}")
-        if loss not in ("answers", "all"):
-            raise ValueError(f"synthetic task loss must be 'answers' or 'all', got {loss!r}")
+        if loss not in LOSS_TARGETS:
+            raise ValueError(f"synthetic task loss must be one of {list(LOSS_TARGETS)}, got {loss!r}")
         self.loss = loss
         self.tokenizer = tokenizer
         self.filler = filler
