@@ -8,12 +8,8 @@ Rows per length: document mixes {T} (one document), {T-1, 1}, {T/2, T/2} and the
 row of the built-in corpus packed at T. Paths: "varlen" (the model's CUDA default: torch's
 varlen_attn, FlashAttention-2, v padded to the qk dim), "dense" (SDPA with the [B, 1, T, T]
 mask; skipped above --dense-max), the bound "causal_sdpa" (SDPA is_causal over one
-document; cuDNN where torch picks it) and the candidate "cudnn_ragged" (not by default: one
-call of cuDNN's ragged attention, `aten::_cudnn_attention_forward` with the documents'
-cumulative lengths, which the nested-tensor SDPA uses; v unpadded; its backward is torch's
-autograd formula; a torch without the op or a cuDNN that rejects the head dims gives an
-error row). Each document-masked path's o and dq are compared with
-the exact chunked op's (err_o, err_dq). With --fresh-rows N: fwd+bwd per batch over N
+document; cuDNN where torch picks it). Each document-masked path's o and dq are compared
+with the exact chunked op's (err_o, err_dq). With --fresh-rows N: fwd+bwd per batch over N
 successive corpus batches, twice (`fresh_rows`). TFLOP/s count the work the mask leaves: per row sum over documents of l^2/2 query-key pairs, times
 2 * (qk + v) FLOPs forward and 2.5x that backward. Peak memory is the allocator's peak
 during forward+backward, minus the inputs.
@@ -99,20 +95,6 @@ def bench_row(name: str, ids_1T: torch.Tensor, H: int, K: int, V: int, dense_max
 
             def run(q, k, v):
                 o = varlen_causal(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max_len, scale)
-                return o.transpose(0, 1)[None]
-
-            return run, fwd_flops, fb_flops
-        if path == "cudnn_ragged":
-            cu = cu_seqlens_from_doc_ids(ids)
-            max_len = max(lengths)
-
-            def run(q, k, v):
-                def thd(x):
-                    return x[0].transpose(0, 1).contiguous()
-
-                lse = torch.is_grad_enabled() and q.requires_grad  # the backward reads the logsumexp
-                o = torch.ops.aten._cudnn_attention_forward(thd(q), thd(k), thd(v), None, cu, cu, max_len, max_len,
-                                                            lse, 0.0, True, False, scale=scale)[0]
                 return o.transpose(0, 1)[None]
 
             return run, fwd_flops, fb_flops
@@ -232,7 +214,7 @@ def main() -> None:
     p.add_argument("--qk-dim", type=int, default=192)
     p.add_argument("--v-dim", type=int, default=128)
     p.add_argument("--paths", nargs="+", default=["causal_sdpa", "varlen", "dense"],
-                   help="of causal_sdpa, varlen, dense, cudnn_ragged (default: the first three)")
+                   help="of causal_sdpa, varlen, dense")
     p.add_argument("--dense-max", type=int, default=32768, help="longest T for the dense-mask path")
     p.add_argument("--json", default="")
     p.add_argument("--fresh-rows", type=int, default=0, metavar="N",

@@ -67,9 +67,8 @@
 #   parts      profiling/bench_step_parts.py: the AttnRes mix, SiTU-GLU forms, the weight refresh
 #              and the fp32 weight gradient at wide_1gpu's shapes (not in the default list)
 #   mla_attention  profiling/bench_attention.py at 32K and 128K: MLA attention over packed documents
-#              per path (varlen, dense, last the candidate cudnn_ragged) beside causal SDPA over one
-#              document, then varlen and dense over 8 successive corpus rows (--fresh-rows) (not in
-#              the default list)
+#              per path (varlen, dense) beside causal SDPA over one document, then the same paths
+#              over 8 successive corpus rows (--fresh-rows) (not in the default list)
 #   mla_step   small_1gpu compiled at 32K x 1, 16 steps, once per CUDA model.mla_attention path
 #              (dense, varlen), each with TORCH_LOGS=recompiles,graph_breaks (in its output file), then
 #              profiling/step_table.py over the two (not in the default list)
@@ -289,7 +288,7 @@ for section in "${SECTIONS[@]}"; do
         parts) run parts python profiling/bench_step_parts.py ;;
         mla_attention)
             run mla_attention python profiling/bench_attention.py --seq-lens 32768 131072 \
-                --paths causal_sdpa varlen dense cudnn_ragged
+                --paths causal_sdpa varlen dense
             run mla_attention_rows python profiling/bench_attention.py --seq-lens 32768 --fresh-rows 8 \
                 --paths varlen dense ;;
         mla_step)
