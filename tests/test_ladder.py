@@ -290,6 +290,20 @@ def test_metrics_table_and_heatmap(tmp_path):
     assert pixels[row + 1 + 12] == 255 and pixels[row + 1 + 24 + 12] == 128
 
 
+def test_evaluation_runs_in_the_training_compute_dtype_on_cuda():
+    # FlashAttention-2 (the CUDA varlen MLA path) rejects fp32: a bf16 run is evaluated in bf16,
+    # an fp32 run on CUDA falls back to the chunked path; the CPU always evaluates in fp32
+    bf16 = load_config(["--job.config_file", str(REPO / "configs" / "ladder_1gpu.toml")])
+    assert evaluate.evaluation_dtype(bf16, "cuda") == torch.bfloat16 and bf16.model.mla_attention is None
+    assert evaluate.evaluation_dtype(bf16, "cpu") == torch.float32
+    fp32 = load_config(["--job.config_file", str(REPO / "configs" / "ladder_cpu.toml")])
+    assert evaluate.evaluation_dtype(fp32, "cpu") == torch.float32 and fp32.model.mla_attention is None
+    assert evaluate.evaluation_dtype(fp32, "cuda") == torch.float32 and fp32.model.mla_attention == "chunked"
+    dense = load_config(["--job.config_file", str(REPO / "configs" / "ladder_cpu.toml"), "--model.mla_attention",
+                         "dense"])
+    assert evaluate.evaluation_dtype(dense, "cuda") == torch.float32 and dense.model.mla_attention == "dense"
+
+
 # ---------------------------------------------------------------- long documents
 def test_import_order_and_package_split(tmp_path):
     files = {"pkg/__init__.py": "from .b import x\nfrom pkg import a\n", "pkg/a.py": "import os\n",

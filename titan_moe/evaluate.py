@@ -282,6 +282,21 @@ def record(dump_folder: str, step: int, seq_len: int, metrics: dict[str, float],
 
 
 # ---------------------------------------------------------------------------- command line
+def evaluation_dtype(config, device: str) -> torch.dtype:
+    """The dtype a checkpoint is evaluated in on `device`: fp32 on the CPU; on CUDA the
+    training's compute dtype (`training.mixed_precision_param`, what FSDP2 casts the parameters
+    to in the forward), since the varlen MLA attention (FlashAttention-2) takes only bf16 or
+    fp16. With an fp32 compute dtype on CUDA, `model.mla_attention` "auto" (or unset) becomes
+    "chunked" in `config`, so the model runs without FlashAttention."""
+    if device != "cuda":
+        return torch.float32
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.training.mixed_precision_param,
+                                                                      torch.float32)
+    if dtype == torch.float32 and config.model.mla_attention in (None, "auto"):
+        config.model.mla_attention = "chunked"
+    return dtype
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m titan_moe.evaluate",
@@ -330,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"titan_moe.evaluate: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(config, checkpoint, device)
+    dtype = evaluation_dtype(config, device)
+    model = load_model(config, checkpoint, device).to(dtype)
     model.eval()
     metrics = run_evals(model_logits_fn(model, device), tokenizer, filler, held_out, lengths=lengths, seq_len=seq_len,
                         depths=config.ladder.eval_depths, samples=ours.samples or config.ladder.eval_samples,
