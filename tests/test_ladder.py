@@ -302,6 +302,10 @@ def test_evaluation_runs_in_the_training_compute_dtype_on_cuda():
     dense = load_config(["--job.config_file", str(REPO / "configs" / "ladder_cpu.toml"), "--model.mla_attention",
                          "dense"])
     assert evaluate.evaluation_dtype(dense, "cuda") == torch.float32 and dense.model.mla_attention == "dense"
+    layer = torch.nn.Linear(2, 2)
+    layer.register_buffer("expert_bias", torch.zeros(2))
+    evaluate.cast_parameters(layer, torch.bfloat16)
+    assert layer.weight.dtype == layer.bias.dtype == torch.bfloat16 and layer.expert_bias.dtype == torch.float32
 
 
 # ---------------------------------------------------------------- long documents

@@ -297,6 +297,15 @@ def evaluation_dtype(config, device: str) -> torch.dtype:
     return dtype
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with its parameters in `dtype` and its buffers as they were (the expert bias stays
+    fp32), as FSDP2's mixed precision computes in training."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    return model
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m titan_moe.evaluate",
@@ -346,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = evaluation_dtype(config, device)
-    model = load_model(config, checkpoint, device).to(dtype)
+    model = cast_parameters(load_model(config, checkpoint, device), dtype)
     model.eval()
     metrics = run_evals(model_logits_fn(model, device), tokenizer, filler, held_out, lengths=lengths, seq_len=seq_len,
                         depths=config.ladder.eval_depths, samples=ours.samples or config.ladder.eval_samples,
