@@ -96,8 +96,8 @@ def build_model(name: str, overrides: list[str], max_len: int, seed: int) -> nn.
 
 
 def copy_batch(generator: torch.Generator, batch: int, half: int, symbols: int, vocab: int) -> torch.Tensor:
-    """[batch, 2 * half] rows: `half` random ids then the same ids again (ids from the top of the
-    vocabulary's first `symbols + 2`, skipping the two special tokens)."""
+    """[batch, 2 * half] rows: `half` random ids then the same ids again; the ids are drawn
+    from 2 .. symbols + 1 (0 and 1 are the tokenizer's special tokens)."""
     if symbols + 2 > vocab:
         raise ValueError(f"--symbols {symbols} needs a vocabulary over {symbols + 2}, the model has {vocab}")
     x_BH = torch.randint(2, 2 + symbols, (batch, half), generator=generator)
