@@ -1,4 +1,4 @@
-"""How many steps does a model need to learn in-context copying? A CPU probe for retrieval.
+"""How much training does a model need to copy from its context? A CPU probe for retrieval.
 
     python scripts/copy_probe.py --model debug                       # our flavor, as configured
     python scripts/copy_probe.py --model debug --set mla_every=1      # a ModelArgs override
@@ -14,8 +14,8 @@ first logged step at which the second half's loss falls below half of ln(symbols
 from step N"), or "does not copy in S steps".
 
 Passkey retrieval in a ladder can only appear once the model copies; this measures, in minutes
-on the CPU, how many optimizer steps that takes for a flavor and an override, against two plain
-causal transformers of the flavor's width, depth and MLA head count (`transformer`: learned
+on the CPU, after how many steps (at `batch` rows a step: the number of rows seen matters, not
+the steps alone) that happens for a flavor and an override, against two plain causal transformers of the flavor's width, depth and MLA head count (`transformer`: learned
 absolute positions; `transformer_nope`: no positional signal at all, like NoPE attention without
 anything before it). The probe calls the model directly (no trainer, one process).
 """
