@@ -336,3 +336,10 @@ def test_attention_choice_is_validated_and_resolved():
     assert resolve_attention("auto", torch.device("cuda")) == "varlen"
     with pytest.raises(ValueError, match="CUDA"):
         resolve_attention("varlen", torch.device("cpu"))
+    # FlashAttention-2 takes bf16/fp16 only: an fp32 run on CUDA is told to pick the chunked path
+    assert resolve_attention("auto", torch.device("cuda"), "bfloat16") == "varlen"
+    assert resolve_attention("chunked", torch.device("cuda"), "float32") == "chunked"
+    assert resolve_attention("auto", torch.device("cpu"), "float32") == "chunked"
+    for choice in ("auto", "varlen"):
+        with pytest.raises(ValueError, match="set model.mla_attention = 'chunked'"):
+            resolve_attention(choice, torch.device("cuda"), "float32")

@@ -34,6 +34,7 @@ import zlib
 from typing import Callable, Sequence
 
 import torch
+from torchtitan.config import TORCH_DTYPE_MAP
 
 from titan_moe.data.synthetic import Filler, mqar_task, passkey_task, task_rng
 from titan_moe.ladder import short_length
@@ -290,8 +291,7 @@ def evaluation_dtype(config, device: str) -> torch.dtype:
     "chunked" in `config`, so the model runs without FlashAttention."""
     if device != "cuda":
         return torch.float32
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.training.mixed_precision_param,
-                                                                      torch.float32)
+    dtype = TORCH_DTYPE_MAP[config.training.mixed_precision_param]
     if dtype == torch.float32 and config.model.mla_attention in (None, "auto"):
         config.model.mla_attention = "chunked"
     return dtype

@@ -391,7 +391,8 @@ def _activate_kernel_choices(job_config) -> dict[str, object]:
                                kda_gate_bounded=model_choices.get("kda_gate", "bounded") == "bounded")
     choices.activate(resolved)
     record: dict[str, object] = dict(dataclasses.asdict(resolved))
-    record["mla_attention"] = resolve_attention(args.mla_attention, torch.device(device_type))
+    record["mla_attention"] = resolve_attention(args.mla_attention, torch.device(device_type),
+                                                job_config.training.mixed_precision_param)
     record.update(model_choices)
     if model_choices.get("balance_rule") == "aux_loss":
         record["aux_loss_coef"] = args.aux_loss_coef

@@ -58,15 +58,20 @@ from titan_moe.ops.attention import (
 from titan_moe.ops.nvtx import nvtx_wrap
 
 
-def resolve_attention(choice: str, device: torch.device) -> str:
+def resolve_attention(choice: str, device: torch.device, compute_dtype: str | None = None) -> str:
     """The path "auto" stands for on `device` ("varlen" on CUDA: the fastest training step
     measured, docs/kernels.md; "chunked" elsewhere); other values unchanged. "varlen" needs
-    CUDA."""
+    CUDA, and FlashAttention-2 takes only bf16/fp16: with `compute_dtype` "float32" (the
+    run's `training.mixed_precision_param`) it is a ValueError naming the way out."""
+    path = choice
     if choice == "auto":
-        return "varlen" if device.type == "cuda" else "chunked"
-    if choice == "varlen" and device.type != "cuda":
+        path = "varlen" if device.type == "cuda" else "chunked"
+    if path == "varlen" and device.type != "cuda":
         raise ValueError(f"model.mla_attention = {choice!r} needs a CUDA device, got {device.type}")
-    return choice
+    if path == "varlen" and compute_dtype == "float32":
+        raise ValueError(f"model.mla_attention = {choice!r} runs FlashAttention-2 (bf16/fp16 only) but "
+                         "training.mixed_precision_param is 'float32': set model.mla_attention = 'chunked'")
+    return path
 
 
 def document_mask(path: str, doc_ids_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
