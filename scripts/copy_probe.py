@@ -1,7 +1,7 @@
 """How much training does a model need to copy from its context? A CPU probe for retrieval.
 
     python scripts/copy_probe.py --model debug                       # our flavor, as configured
-    python scripts/copy_probe.py --model debug --set mla_every=1      # a ModelArgs override
+    python scripts/copy_probe.py --model debug --model.mla_every 1    # any [model] key, as in training
     python scripts/copy_probe.py --model transformer                  # baselines of the same width:
     python scripts/copy_probe.py --model transformer_nope             #   learned positions / none
 
@@ -23,7 +23,6 @@ anything before it). The probe calls the model directly (no trainer, one process
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -36,6 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from titan_moe.config import ConfigError, load_config, model_args_from_config  # noqa: E402
 from titan_moe.flavors import FLAVORS  # noqa: E402
 from titan_moe.model.args import ModelArgs  # noqa: E402
 from titan_moe.model.decoder import Decoder  # noqa: E402
@@ -67,25 +67,15 @@ class PlainTransformer(nn.Module):
         return self.output(self.norm(self.layers(h_BTD, mask=mask_TT, is_causal=True)))
 
 
-def parse_overrides(pairs: list[str], args: ModelArgs) -> dict:
-    """`["mla_every=1", "attn_res=none"]` -> ModelArgs overrides, each value of the field's type."""
-    out = {}
-    names = {f.name: f for f in dataclasses.fields(ModelArgs)}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in names:
-            raise ValueError(f"--set {pair!r}: expected FIELD=VALUE with FIELD a ModelArgs field")
-        current = getattr(args, key)
-        out[key] = value if isinstance(current, str) or current is None else type(current)(value)
-    return out
-
-
-def build_model(name: str, overrides: list[str], max_len: int, seed: int) -> nn.Module:
-    """Flavor `name` (with ModelArgs `overrides`) or a baseline at the debug flavor's shape
-    (the overrides then apply to the shape)."""
+def build_model(name: str, model_keys: list[str], max_len: int, seed: int) -> nn.Module:
+    """Flavor `name` or a baseline at the debug flavor's shape, with `[model]` keys from the
+    command line applied as the trainer applies them (`["--model.attn_res", "none"]`; for a
+    baseline they set its shape: dim, n_layers, mla_n_heads, vocab_size)."""
+    flavor = "debug" if name in BASELINES else name
+    config = load_config(["--job.config_file", os.path.join(REPO, "configs", "debug_cpu.toml"),
+                          "--model.flavor", flavor, *model_keys])
+    args = model_args_from_config(config)
     torch.manual_seed(seed)
-    base = FLAVORS["debug" if name in BASELINES else name]
-    args = dataclasses.replace(base, **parse_overrides(overrides, base))
     if name in BASELINES:
         return PlainTransformer(args, positions=name == "transformer", max_len=max_len)
     with torch.device("meta"):
@@ -135,9 +125,9 @@ def copies_from(rows: list[tuple[int, float, float]], symbols: int) -> int | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="Further --model.KEY VALUE arguments set [model] keys, as for the trainer.")
     parser.add_argument("--model", default="debug", help=f"a flavor ({', '.join(FLAVORS)}) or {' / '.join(BASELINES)}")
-    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="ModelArgs overrides")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--half", type=int, default=32, help="tokens before the repeat")
@@ -146,20 +136,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--every", type=int, default=50, help="log every N steps")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    a = parser.parse_args(argv)
+    a, model_keys = parser.parse_known_args(argv)
+    if any(not key.startswith("--model.") for key in model_keys[::2]):
+        parser.error(f"unrecognized arguments: {' '.join(model_keys)} (only --model.KEY VALUE pass through)")
     if a.model not in FLAVORS and a.model not in BASELINES:
         parser.error(f"--model {a.model!r}: not a flavor ({', '.join(FLAVORS)}) nor {' / '.join(BASELINES)}")
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
-        model = build_model(a.model, a.set, 2 * a.half, a.seed)
+        model = build_model(a.model, model_keys, 2 * a.half, a.seed)
         rows = probe(model, steps=a.steps, batch=a.batch, half=a.half, symbols=a.symbols, lr=a.lr, seed=a.seed,
                      every=a.every)
-    except ValueError as e:
+    except (ConfigError, ValueError) as e:
         print(f"copy_probe: error: {e}", file=sys.stderr)
         return 2
     step = copies_from(rows, a.symbols)
-    label = " ".join([a.model, *a.set])
+    label = " ".join([a.model, *model_keys])
     print(f"{label}: copies from step {step}" if step else f"{label}: does not copy in {a.steps} steps")
     return 0
 

@@ -34,13 +34,13 @@ def test_copies_from_is_the_first_step_below_half_of_chance():
 def test_a_positional_transformer_learns_to_copy_and_an_untrained_one_does_not():
     # 8 symbols, 6 tokens then their repeat: a plain transformer with positions copies within
     # a few hundred steps; after one step it cannot (the measurement can fail)
-    model = copy_probe.build_model("transformer", ["n_layers=2", "dim=64"], max_len=12, seed=0)
+    model = copy_probe.build_model("transformer", ["--model.n_layers", "2", "--model.dim", "64"], max_len=12, seed=0)
     rows = copy_probe.probe(model, steps=300, batch=32, half=6, symbols=8, lr=3e-3, seed=0, every=50,
                             log=lambda _: None)
     step = copy_probe.copies_from(rows, 8)
     assert step is not None and rows[-1][2] < 0.2 * math.log(8), rows
     assert all(first > 0.8 * math.log(8) for _, first, _ in rows), rows  # the first half stays random
-    model = copy_probe.build_model("transformer", ["n_layers=2", "dim=64"], max_len=12, seed=0)
+    model = copy_probe.build_model("transformer", ["--model.n_layers", "2", "--model.dim", "64"], max_len=12, seed=0)
     rows = copy_probe.probe(model, steps=1, batch=32, half=6, symbols=8, lr=3e-3, seed=0, every=1, log=lambda _: None)
     assert copy_probe.copies_from(rows, 8) is None
 
@@ -49,5 +49,7 @@ def test_our_flavor_runs_under_the_probe_and_bad_overrides_are_one_line_errors(c
     assert copy_probe.main(["--model", "debug", "--steps", "2", "--every", "1", "--half", "8", "--batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "step     2" in out and "debug: does not copy in 2 steps" in out
-    assert copy_probe.main(["--model", "debug", "--set", "no_such_field=1", "--steps", "1"]) == 2
-    assert "expected FIELD=VALUE" in capsys.readouterr().err
+    assert copy_probe.main(["--model", "debug", "--model.no_such_field", "1", "--steps", "1"]) == 2
+    assert "unknown key 'model.no_such_field'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        copy_probe.main(["--model", "debug", "--training.steps", "1"])
