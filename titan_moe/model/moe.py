@@ -23,8 +23,8 @@ When that bias applies (``ModelArgs.qb_batch_iters``):
 * N > 0 (in-batch, the GPU flavors' form): in training, each forward routes its tokens with
   the bias fitted to those same tokens (N passes of the quantile above, starting from
   ``expert_bias``, before the top-k); ``expert_bias`` becomes the (``qb_ema``) average of
-  those biases and is what eval mode routes with. A token's route then depends on the other tokens of its batch (later
-  positions included) during training; at inference it does not.
+  those biases and is what eval mode routes with. A token's route then depends on the other
+  tokens of its batch (later positions included) during training; at inference it does not.
 
 At scale the quantile comes from a histogram of ``r`` over ``[min b - 1, max b + 1]``
 (``r`` always lies inside: scores are in (0, 1)), whose integer counts are all-reduced
