@@ -65,7 +65,9 @@ def start_slow_runs(root, ci_runs):
             "--training.steps", "2", "--training.dataset", "text", "--training.dataset_path", str(_corpus(root)),
             "--metrics.enable_tensorboard", "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
             "--validation.local_batch_size", "1", "--validation.seq_len", "64", "--data.val_fraction", "0.2"], None)),
-        "profiler": _chain(root, ("train", "profiled", ["--training.steps", "3", "--profiling.enable_profiling",
+        # stopped by exit_at_step with checkpoints off: nothing to save, a clean stop
+        "profiler": _chain(root, ("train", "profiled", ["--training.steps", "5", "--training.exit_at_step", "3",
+                                                        "--profiling.enable_profiling",
                                                         "--profiling.profile_freq", "2", "--profiling.profiler_warmup",
                                                         "0", "--profiling.profiler_active", "1"], None)),
     })
@@ -194,6 +196,7 @@ def test_generate_cli_samples_from_a_training_checkpoint(slow_runs):
 def test_torch_profiler_traces_on_cpu(slow_runs):
     root, procs = _get(slow_runs, "profiler")
     _ok(procs["train"])
+    assert sorted(procs["train"].after.losses) == [1, 2, 3]
     traces = list((root / "profiled").rglob("rank0_trace.json"))
     assert traces, "torchtitan's profiler wrote no trace"
     assert json.loads(traces[0].read_text())["traceEvents"]

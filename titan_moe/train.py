@@ -302,7 +302,7 @@ class TitanTrainer(Trainer):
             self.ladder_run.after_step(self.step)
         exit_at = self.job_config.training.exit_at_step
         if 0 < exit_at <= self.step < self.job_config.training.steps:
-            if self.step % self.checkpointer.interval:
+            if self.checkpointer.enable and self.step % self.checkpointer.interval:
                 # The regular save after this step only fires on the interval; force one.
                 interval, self.checkpointer.interval = self.checkpointer.interval, 1
                 try:
