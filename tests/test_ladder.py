@@ -20,7 +20,7 @@ from titan_moe.config import ConfigError, load_config
 from titan_moe.data import build_dataloader, load_tokenizer, text_source
 from titan_moe.data.long_documents import import_order, package_documents, unseen_package_documents
 from titan_moe.data.packing import IGNORE_INDEX
-from titan_moe.data.synthetic import Filler, SyntheticTasks, mqar_task, passkey_task, task_rng
+from titan_moe.data.synthetic import Filler, SyntheticTasks, copy_task, mqar_task, passkey_task, task_rng
 from titan_moe.ladder import Ladder, Stage, lr_lambda, resolve_stages, short_length
 
 from tiny import REPO, TINY_CLI, environment, records, start_all, started_runs
@@ -206,7 +206,8 @@ def test_tasks_have_exact_length_and_answer_only_mask(tok, filler):
     for length in (64, 100, 257, 1024):
         for i in range(3):
             rng = task_rng(0, i)
-            for task in (passkey_task(tok, filler, length, rng), mqar_task(tok, filler, length, rng)):
+            for task in (passkey_task(tok, filler, length, rng), mqar_task(tok, filler, length, rng),
+                         copy_task(tok, filler, length, rng)):
                 assert len(task.tokens) == len(task.loss_mask) == length
                 assert task.tokens[0] == tok.bos_id and task.tokens[-1] == tok.eos_id
                 answered = [j for j, m in enumerate(task.loss_mask) if m]
@@ -217,6 +218,25 @@ def test_tasks_have_exact_length_and_answer_only_mask(tok, filler):
     assert tok.decode(task.tokens[task.answers[0][0]:task.answers[0][1]]) == " " + task.info["key"]
     with pytest.raises(ValueError, match="needs at least"):
         passkey_task(tok, filler, 20, task_rng(0, 0))
+
+
+def test_copy_task_repeats_random_words_as_its_answer(tok, filler):
+    for length in (64, 65, 1000):
+        task = copy_task(tok, filler, length, task_rng(1, length))
+        (start, end), = task.answers
+        n = task.info["copied"]
+        assert end - start == n and end == length - 2 and n >= (length - 16) // 2
+        copied = task.tokens[start:end]
+        middle = tok.encode("\n# Again:\n")
+        assert task.tokens[start - len(middle):start] == middle
+        assert task.tokens[start - len(middle) - n:start - len(middle)] == copied
+        words = tok.decode(copied).split()
+        assert all(len(w) <= 4 and w.isalpha() for w in words) and len(set(words)) > len(words) // 2
+    assert copy_task(tok, filler, 200, task_rng(1, 0)).tokens != copy_task(tok, filler, 200, task_rng(1, 1)).tokens
+    with pytest.raises(ValueError, match="needs at least"):
+        copy_task(tok, filler, 10, task_rng(0, 0))
+    tasks = SyntheticTasks(tok, filler, ["copy"], seed=0)
+    assert tasks.task(5, 128).kind == "copy" and tasks.min_length == 64
 
 
 def induction_oracle(vocab: int, max_n: int = 8):

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DECAY_TYPES = ("cosine", "linear", "constant")
-SYNTHETIC_TASKS = ("passkey", "mqar")
+SYNTHETIC_TASKS = ("passkey", "mqar", "copy")
 
 
 @dataclass

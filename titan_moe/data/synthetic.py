@@ -9,6 +9,11 @@ stands), with filler taken from real text (`Filler`: the corpus's own documents)
            "\\n# What is the pass key? The pass key is" -> answer " 71432" | ".\\n"
   mqar     filler with n pair lines "\\nqzvk = 417\\n" at random places | then every key asked
            once, in another random order: "\\nqzvk =" -> answer " 417"
+  copy     "\\n# Copy: qzvk mwpa ..." (random four-letter words filling half the row) |
+           "\\n# Again:\\n" -> answer: the same words, token for token | "\\n"
+
+copy is a training task (no evaluation): every answer token can only be predicted by looking
+back half a row, the densest signal for the copying (induction) that passkey and MQAR need.
 
 `Task.loss_mask[i]` is True where token i is an answer token: training puts its loss only
 there (`titan_moe.data.packing`), and an evaluation counts a question as answered when the
@@ -148,7 +153,26 @@ def mqar_task(tokenizer, filler: Filler, length: int, rng: random.Random, n_pair
     return _assemble(tokenizer, pieces, "mqar", n_pairs=n_pairs)
 
 
-MIN_LENGTH = {"passkey": 64, "mqar": 64}
+def copy_task(tokenizer, filler: Filler, length: int, rng: random.Random) -> Task:
+    """A copy document of exactly `length` tokens: random words, then the same tokens again
+    (the answer). An odd token left over is filler text at the start."""
+    head = tokenizer.encode("\n# Copy:")
+    middle = tokenizer.encode("\n# Again:\n")
+    end = tokenizer.encode("\n")
+    fixed = 2 + len(head) + len(middle) + len(end)
+    n_words = (length - fixed) // 2
+    if n_words < 1:
+        raise ValueError(f"a copy task needs at least {fixed + 2} tokens, got length {length}")
+    words: list[int] = []
+    while len(words) < n_words:
+        words += tokenizer.encode(" " + "".join(rng.choice(_LETTERS) for _ in range(4)))
+    words = words[:n_words]
+    lead = filler.take(rng, length - fixed - 2 * n_words)
+    return _assemble(tokenizer, [(lead, False), (head, False), (words, False), (middle, False), (words, True),
+                                 (end, False)], "copy", copied=n_words)
+
+
+MIN_LENGTH = {"passkey": 64, "mqar": 64, "copy": 64}
 LOSS_TARGETS = ("answers", "all")  # which task tokens train: `SyntheticTasks` (data.synthetic_loss)
 
 
@@ -182,4 +206,6 @@ class SyntheticTasks:
         kind = self.kind(index)
         if kind == "passkey":
             return passkey_task(self.tokenizer, self.filler, length, rng)
+        if kind == "copy":
+            return copy_task(self.tokenizer, self.filler, length, rng)
         return mqar_task(self.tokenizer, self.filler, length, rng)
