@@ -267,6 +267,9 @@ def test_evaluator_oracle_copies_everything_random_model_is_at_chance(tok, fille
     passkey = evaluate.passkey_accuracy(oracle, tok, filler, [128, 384], [0.0, 0.5, 1.0], samples=3)
     assert set(passkey.values()) == {1.0}
     assert evaluate.mqar_accuracy(oracle, tok, filler, [384], samples=3, n_pairs=6) == {384: 1.0}
+    # the oracle matches n-grams, so right after the repeat starts a one-token match can point
+    # at another place of the list where that token also stands: near 1, not 1
+    assert min(evaluate.copy_accuracy(oracle, tok, filler, [64, 384], samples=3).values()) > 0.95
     gen = torch.Generator().manual_seed(0)
 
     def random_model(tokens_BT, doc_ids_BT):
@@ -276,6 +279,7 @@ def test_evaluator_oracle_copies_everything_random_model_is_at_chance(tok, fille
     passkey = evaluate.passkey_accuracy(random_model, tok, filler, [128, 384], [0.0, 0.5, 1.0], samples=3)
     assert set(passkey.values()) == {0.0}
     assert evaluate.mqar_accuracy(random_model, tok, filler, [384], samples=3, n_pairs=6) == {384: 0.0}
+    assert evaluate.copy_accuracy(random_model, tok, filler, [384], samples=3)[384] < 0.01
 
 
 def test_loss_by_position_uniform_model_and_buckets():
@@ -294,9 +298,10 @@ def test_loss_by_position_uniform_model_and_buckets():
 def test_metrics_table_and_heatmap(tmp_path):
     metrics = {"eval/passkey/256/d0.00": 1.0, "eval/passkey/256/d1.00": 0.5, "eval/passkey/256": 0.75,
                "eval/passkey/1K/d0.00": 0.0, "eval/passkey/1K/d1.00": 0.25, "eval/passkey/1K": 0.125,
-               "eval/mqar/1K": 0.5, "eval/loss_by_pos/0-64": 3.0}
+               "eval/mqar/1K": 0.5, "eval/copy/1K": 0.25, "eval/loss_by_pos/0-64": 3.0}
     table = evaluate.format_table(metrics)
     assert "length      256" in table and "[0-64) 3.000" in table
+    assert table.splitlines()[2].endswith("0.12   0.50   0.25") and table.splitlines()[1].endswith("0.75      -      -")
     evaluate.record(str(tmp_path), 7, 1024, metrics, "1K")
     line = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert line["step"] == 7 and line["seq_len"] == 1024 and line["eval/mqar/1K"] == 0.5

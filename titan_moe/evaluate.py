@@ -7,6 +7,9 @@
                `ladder.eval_depths`, asked for at the end; accuracy by context length and depth.
   mqar         `ladder.eval_mqar_pairs` key-value pairs spread over the context, every key
                asked for at the end; accuracy over all questions, by length.
+  copy         random words, then the same words again (the training task "copy"): the share
+               of the repeat's tokens after its first that the argmax predicts, by length.
+               A token-level measure of copying, which retrieval needs and shows before it.
   loss_by_pos  held-out documents of at least `seq_len + 1` tokens (the corpus's and the long
                documents' val split and the packages at `ladder.eval_packages_path`, longest
                first, `ladder.eval_loss_docs` of them), each
@@ -17,7 +20,7 @@ An answer counts when the model's argmax at every answer token is that token, wh
 greedy decoding would write. Tasks are drawn from fixed seeds, so two checkpoints meet the
 same questions. The training run calls `run_evals` at each ladder stage's end; this command
 evaluates any checkpoint. Results: one metrics.jsonl record (keys `eval/passkey/<len>/d<depth>`,
-`eval/passkey/<len>`, `eval/mqar/<len>`, `eval/loss_by_pos/<lo>-<hi>`, with `seq_len` and
+`eval/passkey/<len>`, `eval/mqar/<len>`, `eval/copy/<len>`, `eval/loss_by_pos/<lo>-<hi>`, with `seq_len` and
 `step`), a table on stdout and `passkey_<step>.png`, a heatmap of accuracy by length x depth
 (rows: lengths, columns: depths; black 0 to white 1).
 """
@@ -36,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from titan_moe.data.synthetic import Filler, mqar_task, passkey_task, task_rng
+from titan_moe.data.synthetic import Filler, copy_task, mqar_task, passkey_task, task_rng
 from titan_moe.ladder import short_length
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # tokens [B, T], doc_ids [B, T] -> [B, T, V]
@@ -83,6 +86,25 @@ def mqar_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Seque
                  for i in range(samples)]
         hits = [h for task_hits in _answer_hits(logits_fn, tasks) for h in task_hits]
         out[length] = sum(hits) / len(hits)
+    return out
+
+
+def copy_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Sequence[int], samples: int,
+                  seed: int = EVAL_SEED) -> dict[int, float]:
+    """length -> share of the repeated tokens (all but each repeat's first, which nothing before
+    it announces) whose argmax prediction is right, over `samples` copy tasks."""
+    out = {}
+    for length in lengths:
+        tasks = [copy_task(tokenizer, filler, length, task_rng(seed, i, f"copy:{length}")) for i in range(samples)]
+        tokens_BT = torch.tensor([t.tokens for t in tasks], dtype=torch.int64)
+        with torch.no_grad():
+            pred_BT = logits_fn(tokens_BT, torch.zeros_like(tokens_BT, dtype=torch.int32)).argmax(-1).cpu()
+        hits = total = 0
+        for b, task in enumerate(tasks):
+            (start, end), = task.answers
+            hits += int((pred_BT[b, start : end - 1] == tokens_BT[b, start + 1 : end]).sum())
+            total += end - start - 1
+        out[length] = hits / max(total, 1)
     return out
 
 
@@ -187,6 +209,8 @@ def run_evals(logits_fn: LogitsFn, tokenizer, filler: Filler, held_out: list[lis
     mqar_lengths = [L for L in lengths if _mqar_fits(tokenizer, L, mqar_pairs)]
     for length, acc in mqar_accuracy(logits_fn, tokenizer, filler, mqar_lengths, samples, mqar_pairs).items():
         metrics[f"eval/mqar/{short_length(length)}"] = acc
+    for length, acc in copy_accuracy(logits_fn, tokenizer, filler, lengths, samples).items():
+        metrics[f"eval/copy/{short_length(length)}"] = acc
     if held_out:
         for (lo, hi), (loss, count) in loss_by_position(logits_fn, held_out, seq_len).items():
             if count:
@@ -204,12 +228,12 @@ def format_table(metrics: dict[str, float]) -> str:
     lines = []
     lengths, depths, grid = passkey_grid(metrics)
     if grid:
-        lines.append("passkey accuracy by depth " + " ".join(f"{d:>6}" for d in depths) + "    mean   mqar")
+        lines.append("passkey accuracy by depth " + " ".join(f"{d:>6}" for d in depths) + "    mean   mqar   copy")
         for L, row in zip(lengths, grid):
-            mqar = metrics.get(f"eval/mqar/{L}")
-            mqar_text = f"{mqar:6.2f}" if mqar is not None else "     -"
+            other = [metrics.get(f"eval/{kind}/{L}") for kind in ("mqar", "copy")]
             lines.append(f"  length {L:>8}          " + " ".join(f"{v:6.2f}" for v in row)
-                         + f"  {metrics[f'eval/passkey/{L}']:6.2f} {mqar_text}")
+                         + f"  {metrics[f'eval/passkey/{L}']:6.2f}"
+                         + "".join(f" {v:6.2f}" if v is not None else "      -" for v in other))
     buckets = [(k.split("/")[2], v) for k, v in metrics.items() if k.startswith("eval/loss_by_pos/")]
     if buckets:
         lines.append("held-out loss by position: " + "  ".join(f"[{b}) {v:.3f}" for b, v in buckets))
