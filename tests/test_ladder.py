@@ -462,9 +462,11 @@ def test_mix_shares_uncut_tasks_and_answer_only_loss(tok, filler, corpus):
 
 def _tasks_of_row(doc_ids, labels):
     """[start, end) of each synthetic task of one row: the documents whose labels are mostly
-    IGNORE_INDEX (a corpus document's are all targets)."""
+    IGNORE_INDEX (a corpus document's are all targets), leaving out a row's first piece of one
+    token (a document's eos cut off by the row end, whose label is a task's bos)."""
     starts = [0] + [j for j in range(1, len(doc_ids)) if doc_ids[j] != doc_ids[j - 1]] + [len(doc_ids)]
-    return [(a, b) for a, b in zip(starts, starts[1:]) if (labels[a:b] == IGNORE_INDEX).float().mean() > 0.5]
+    return [(a, b) for a, b in zip(starts, starts[1:])
+            if (labels[a:b] == IGNORE_INDEX).float().mean() > 0.5 and (a, b) != (0, 1)]
 
 
 def test_short_tasks_many_to_a_row_uncut_with_the_share_kept(tok, filler, corpus):
@@ -485,10 +487,28 @@ def test_short_tasks_many_to_a_row_uncut_with_the_share_kept(tok, filler, corpus
             lengths.append(b - a + (b == len(ids)))  # the eos is the row's last label at its end
         rows_with_two += len(tasks) >= 2
     assert len(lengths) >= 20 and rows_with_two >= 3
-    assert min(lengths) >= 64 and max(lengths) <= 150  # within [shortest task, synthetic_max_length]
+    # within [shortest task, synthetic_max_length], or the rest of the row (< a shortest task more)
+    assert min(lengths) >= 64 and max(lengths) <= 150 + 63
     assert len(set(lengths)) >= 10  # drawn, not one size
     with pytest.raises(ValueError, match="synthetic_max_length must be 0"):
         loader.set_stage(4, seq_len=600, local_batch_size=1, synthetic_fraction=0.1, synthetic_max_length=32)
+
+
+def test_short_tasks_keep_a_high_share_beside_long_corpus_documents(tok, filler, corpus):
+    # corpus documents of several rows each: a row left with a gap no task fits must not hand
+    # the stream to the corpus (the share fell to a few percent of 0.8 that way)
+    synthetic = SyntheticTasks(tok, filler, ["copy"], seed=3)
+    loader = build_dataloader(tokenizer=tok, source="text", path=os.path.join(corpus, "long", "l*.txt"), split="train",
+                              seq_len=100, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=3, val_fraction=0.0,
+                              synthetic=synthetic)
+    loader.set_stage(0, seq_len=100, local_batch_size=2, synthetic_fraction=0.8, synthetic_max_length=64)
+    it = iter(loader)  # 300 batches: the first rows are corpus documents, that the tasks then catch up on
+    batches = [next(it) for _ in range(300)]
+    state = loader.state_dict()["dp_rank_0"]
+    assert abs(state["synth_tokens"] / (state["corpus_tokens"] + state["synth_tokens"]) - 0.8) < 0.05
+    lengths = [b - a + (b == 100) for x, y in batches for r in range(2)
+               for a, b in _tasks_of_row(x["doc_ids"][r], y[r])]
+    assert min(lengths) >= 64 and max(lengths) <= 64 + 63 and len(lengths) > 60
 
 
 def test_synthetic_loss_all_makes_every_task_token_a_target(tok, filler, corpus):

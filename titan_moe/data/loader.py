@@ -29,8 +29,9 @@ stage's tokens so far and at least a quarter of the current row is free (the tas
 fills the row exactly, so it is never cut), else a long document while below
 `long_fraction`, else the corpus. With `synthetic_max_length` > 0 tasks are short documents
 instead: a task starts wherever the row has room for the shortest task, its length drawn
-log-uniformly between that shortest length and min(synthetic_max_length, the room left), so
-many tasks (many retrieval examples for the same share of tokens) share a row, still uncut.
+log-uniformly between that shortest length and min(synthetic_max_length, the room left) (a
+task that would leave less room than the shortest task takes the rest of the row), so many
+tasks (many retrieval examples for the same share of tokens) share a row, still uncut.
 The position then holds every source's place (epoch and index of its current or next
 document, the synthetic tasks' count), which source holds the next token and the stage's
 token counts: a resume still continues bit for bit.
@@ -268,12 +269,17 @@ class PackedTextDataLoader(BaseDataLoader):
     def _synthetic_length(self, index: int, free: int) -> int:
         """Tokens of synthetic task `index` when `free` tokens of its row are left: all of them
         (whole-row tasks), or log-uniform in [shortest task, min(synthetic_max_length, free)]
-        from the task's own generator (the same on a resumed run)."""
+        from the task's own generator (the same on a resumed run), all of them again where
+        fewer than the shortest task's would be left (so up to synthetic_max_length + the
+        shortest task's length - 1)."""
         if not self.synthetic_max_length:
             return free
         low, high = self.synthetic.min_length, min(self.synthetic_max_length, free)
         u = task_rng(self.seed, index, salt="synthetic_length").random()
-        return min(high, max(low, round(math.exp(math.log(low) + u * (math.log(high) - math.log(low))))))
+        length = min(high, max(low, round(math.exp(math.log(low) + u * (math.log(high) - math.log(low))))))
+        # A gap too short for any task would start a corpus document, one that may run for many
+        # rows: the synthetic share could then never catch up. The row's last task takes it.
+        return free if free - length < low else length
 
     def __iter__(self) -> Iterator[tuple[TensorDict, torch.Tensor]]:
         pos = dict(self._position)
