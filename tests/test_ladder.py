@@ -115,7 +115,6 @@ def test_stages_load_override_and_fill_training(tmp_path):
     (["--ladder.stages.2.synthetic_max_length", "32"], "ladder.stages.2.synthetic_max_length must be 0 (whole-row"),
     (["--ladder.eval_lengths", "1024,0"], "ladder.eval_lengths must be lengths >= 1"),
     (["--data.synthetic_tasks", "passkey,needle"], "unknown task 'needle'"),
-    (["--data.synthetic_loss", "answer"], "data.synthetic_loss must be one of ['answers', 'all']"),
     (["--ladder.eval_packages_path", "/no/such/folder"], "ladder.eval_packages_path '/no/such/folder' is not a directory"),
     (["--ladder.eval_packages_path", str(REPO), "--data.long_documents", "text", "--data.long_documents_path",
       str(REPO / "titan_moe")], "overlaps data.long_documents_path"),
@@ -401,9 +400,9 @@ def test_unseen_packages_join_the_loss_documents(tmp_path, tok):
 
 
 # ------------------------------------------------------------ mixed data stream
-def _mixed_loader(tok, filler, corpus, seq_len=48, batch=2, loss="answers"):
+def _mixed_loader(tok, filler, corpus, seq_len=48, batch=2):
     long_docs = text_source(os.path.join(corpus, "long"), "train", 0.0)
-    synthetic = SyntheticTasks(tok, filler, ["passkey", "mqar"], seed=3, loss=loss)
+    synthetic = SyntheticTasks(tok, filler, ["passkey", "mqar"], seed=3)
     return build_dataloader(tokenizer=tok, source="text", path=os.path.join(corpus, "d*.txt"), split="train", seq_len=seq_len,
                             local_batch_size=batch, dp_rank=0, dp_world_size=1, seed=3, val_fraction=0.0,
                             long_documents=long_docs, synthetic=synthetic)
@@ -509,21 +508,6 @@ def test_short_tasks_keep_a_high_share_beside_long_corpus_documents(tok, filler,
     lengths = [b - a + (b == 100) for x, y in batches for r in range(2)
                for a, b in _tasks_of_row(x["doc_ids"][r], y[r])]
     assert min(lengths) >= 64 and max(lengths) <= 64 + 63 and len(lengths) > 60
-
-
-def test_synthetic_loss_all_makes_every_task_token_a_target(tok, filler, corpus):
-    answers_only = _run(_mixed_loader(tok, filler, corpus), [(3, 12)])
-    every_token = _run(_mixed_loader(tok, filler, corpus, loss="all"), [(3, 12)])
-    masked = 0
-    for (x, y), (x_all, y_all) in zip(answers_only, every_token, strict=True):
-        assert torch.equal(x["input"], x_all["input"])  # the same stream
-        assert not (y_all == IGNORE_INDEX).any() and torch.equal(y_all[:, :-1], x_all["input"][:, 1:])
-        kept = y != IGNORE_INDEX
-        assert torch.equal(y[kept], y_all[kept])
-        masked += int((~kept).sum())
-    assert masked > 100  # the answers-only stream does hide the tasks' other tokens
-    with pytest.raises(ValueError, match="must be one of \\['answers', 'all'\\]"):
-        SyntheticTasks(tok, filler, ["passkey"], seed=0, loss="needle")
 
 
 def test_mixed_stream_resumes_exactly_across_stages(tok, filler, corpus):

@@ -36,7 +36,6 @@ from typing import Any, Literal
 from torchtitan.config import ConfigManager, JobConfig
 
 from titan_moe.float8.config import QuantizeExtras  # also registers the float8 converters
-from titan_moe.data.synthetic import LOSS_TARGETS as SYNTHETIC_LOSS
 from titan_moe.ladder import SYNTHETIC_TASKS, Ladder, apply_to_config as apply_ladder
 from titan_moe.model.args import ModelArgs
 from titan_moe.ops.choices import KernelChoices, check as check_kernel_choices
@@ -79,12 +78,6 @@ class Data:
     "passkey" (a number hidden in filler text, asked for at the end) and "mqar" (key-value
     pairs spread over the context, every key asked for at the end) are evaluated; "copy" (random
     words, then the same words again) trains only, the densest copying signal."""
-
-    synthetic_loss: str = "answers"
-    """Which tokens of a synthetic task are training targets: "answers" (only the answers, the
-    evaluations' targets) or "all" (every token, like any document: the filler, the needle with
-    its near copy of the key, the questions and the answers): more signal for learning to
-    copy, at the cost of training on the tasks' random keys and filler."""
 
 
 @dataclass
@@ -580,8 +573,6 @@ def _check_moe_token_tile(args: ModelArgs, config: Any) -> None:
 
 
 def _check_data_mix(data: Any) -> None:
-    if data.synthetic_loss not in SYNTHETIC_LOSS:
-        raise ValueError(f"data.synthetic_loss must be one of {list(SYNTHETIC_LOSS)}, got {data.synthetic_loss!r}")
     unknown = [t for t in data.synthetic_tasks if t not in SYNTHETIC_TASKS]
     if unknown:
         raise ValueError(f"data.synthetic_tasks: unknown task {unknown[0]!r}; known: {list(SYNTHETIC_TASKS)}")

@@ -83,7 +83,7 @@ class LadderRun:
                     f"{trainer.gradient_accumulation_steps} microbatches), lr {stage.lr:g} ({stage.decay_type}, "
                     f"warm-up {stage.warmup_steps}), long {stage.long_fraction:.0%}, synthetic "
                     f"{stage.synthetic_fraction:.0%}"
-                    + (f" ({', '.join(self.config.data.synthetic_tasks)}, loss on {self.config.data.synthetic_loss}"
+                    + (f" ({', '.join(self.config.data.synthetic_tasks)}"
                        + (f", up to {stage.synthetic_max_length} tokens" if stage.synthetic_max_length else "") + ")"
                        if stage.synthetic_fraction else ""))
 

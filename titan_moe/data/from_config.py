@@ -56,7 +56,7 @@ def mix_sources(job_config, tokenizer, split: str):
         if not data.synthetic_tasks:
             raise ValueError("a ladder stage sets synthetic_fraction > 0 but data.synthetic_tasks is empty")
         filler = Filler(corpus_documents(job_config, split), tokenizer)
-        synthetic = SyntheticTasks(tokenizer, filler, data.synthetic_tasks, data.seed, loss=data.synthetic_loss)
+        synthetic = SyntheticTasks(tokenizer, filler, data.synthetic_tasks, data.seed)
     return long_docs, synthetic
 
 

@@ -35,8 +35,7 @@ tasks (many retrieval examples for the same share of tokens) share a row, still 
 The position then holds every source's place (epoch and index of its current or next
 document, the synthetic tasks' count), which source holds the next token and the stage's
 token counts: a resume still continues bit for bit.
-Synthetic tasks carry a loss mask: labels are IGNORE_INDEX (-100) except on their answers
-(unless the tasks' `loss` is "all": then every token is a target).
+Synthetic tasks carry a loss mask: labels are IGNORE_INDEX (-100) except on their answers.
 """
 
 from __future__ import annotations
@@ -227,7 +226,7 @@ class PackedTextDataLoader(BaseDataLoader):
             if source == SYNTH:
                 assert self.synthetic is not None
                 task = self.synthetic.task(state["synth_index"], state["synth_len"])
-                tokens, mask = task.tokens, self.synthetic.train_mask(task)
+                tokens, mask = task.tokens, task.loss_mask
             elif source == LONG:
                 assert long_docs is not None
                 state["long_epoch"], state["long_index"], tokens = next(long_docs)

@@ -173,30 +173,23 @@ def copy_task(tokenizer, filler: Filler, length: int, rng: random.Random) -> Tas
 
 
 MIN_LENGTH = {"passkey": 64, "mqar": 64, "copy": 64}
-LOSS_TARGETS = ("answers", "all")  # which task tokens train: `SyntheticTasks` (data.synthetic_loss)
 
 
 class SyntheticTasks:
     """Task `index` of a training stream: the kind cycles through `tasks` (in a shuffled order
-    per round, from `seed`), its content drawn from `task_rng(seed, index)`. `loss` "answers":
-    a task's loss mask marks its answers; "all": `train_mask` is None (every token a target)."""
+    per round, from `seed`), its content drawn from `task_rng(seed, index)`. Training puts the
+    loss on a task's answers only (`Task.loss_mask`): with every token a target (the filler,
+    the random keys) the debug flavor learned to copy far later (docs/LOG.md, 2026-12-07)."""
 
-    def __init__(self, tokenizer, filler: Filler, tasks: Sequence[str], seed: int, loss: str = "answers"):
+    def __init__(self, tokenizer, filler: Filler, tasks: Sequence[str], seed: int):
         unknown = [t for t in tasks if t not in MIN_LENGTH]
         if unknown or not tasks:
             raise ValueError(f"synthetic tasks must be among {sorted(MIN_LENGTH)}, got {list(tasks)}")
-        if loss not in LOSS_TARGETS:
-            raise ValueError(f"synthetic task loss must be one of {list(LOSS_TARGETS)}, got {loss!r}")
-        self.loss = loss
         self.tokenizer = tokenizer
         self.filler = filler
         self.tasks = list(tasks)
         self.seed = seed
         self.min_length = max(MIN_LENGTH[t] for t in self.tasks)
-
-    def train_mask(self, task: Task) -> list[bool] | None:
-        """The loss mask training uses for `task` (None: every token is a target)."""
-        return task.loss_mask if self.loss == "answers" else None
 
     def kind(self, index: int) -> str:
         return self.tasks[index % len(self.tasks)]
