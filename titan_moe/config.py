@@ -76,8 +76,8 @@ class Data:
     synthetic_tasks: list[str] = field(default_factory=lambda: ["passkey", "mqar"])
     """Synthetic whole-context tasks mixed in by a stage's synthetic_fraction (equal shares):
     "passkey" (a number hidden in filler text, asked for at the end) and "mqar" (key-value
-    pairs spread over the context, every key asked for at the end) are evaluated; "copy" (random
-    words, then the same words again) trains only, the densest copying signal."""
+    pairs spread over the context, every key asked for at the end) and "copy" (random words,
+    then the same words again: the densest copying signal). Each is also evaluated."""
 
 
 @dataclass

@@ -20,8 +20,8 @@ An answer counts when the model's argmax at every answer token is that token, wh
 greedy decoding would write. Tasks are drawn from fixed seeds, so two checkpoints meet the
 same questions. The training run calls `run_evals` at each ladder stage's end; this command
 evaluates any checkpoint. Results: one metrics.jsonl record (keys `eval/passkey/<len>/d<depth>`,
-`eval/passkey/<len>`, `eval/mqar/<len>`, `eval/copy/<len>`, `eval/loss_by_pos/<lo>-<hi>`, with `seq_len` and
-`step`), a table on stdout and `passkey_<step>.png`, a heatmap of accuracy by length x depth
+`eval/passkey/<len>`, `eval/mqar/<len>`, `eval/copy/<len>`, `eval/loss_by_pos/<lo>-<hi>`, with
+`seq_len` and `step`), a table on stdout and `passkey_<step>.png`, a heatmap of accuracy by length x depth
 (rows: lengths, columns: depths; black 0 to white 1).
 """
 

@@ -12,8 +12,8 @@ stands), with filler taken from real text (`Filler`: the corpus's own documents)
   copy     "\\n# Copy: qzvk mwpa ..." (random four-letter words filling half the row) |
            "\\n# Again:\\n" -> answer: the same words, token for token | "\\n"
 
-copy is a training task (no evaluation): every answer token can only be predicted by looking
-back half a row, the densest signal for the copying (induction) that passkey and MQAR need.
+Every copy answer token can only be predicted by looking back half a task: the densest signal
+for the copying (induction) that passkey and MQAR need (`titan_moe.evaluate` measures it).
 
 `Task.loss_mask[i]` is True where token i is an answer token: training puts its loss only
 there (`titan_moe.data.packing`), and an evaluation counts a question as answered when the
