@@ -15,8 +15,9 @@ from step N"), or "does not copy in S steps".
 
 Passkey retrieval in a ladder can only appear once the model copies; this measures, in minutes
 on the CPU, after how many steps (at `batch` rows a step: the number of rows seen matters, not
-the steps alone) that happens for a flavor and an override, against two plain causal transformers of the flavor's width, depth and MLA head count (`transformer`: learned
-absolute positions; `transformer_nope`: no positional signal at all, like NoPE attention without
+the steps alone) that happens for a flavor and an override, against two plain causal
+transformers of the flavor's width, depth and MLA head count (`transformer`: learned absolute
+positions; `transformer_nope`: no positional signal at all, like NoPE attention without
 anything before it). The probe calls the model directly (no trainer, one process).
 """
 

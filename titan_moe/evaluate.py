@@ -21,8 +21,8 @@ greedy decoding would write. Tasks are drawn from fixed seeds, so two checkpoint
 same questions. The training run calls `run_evals` at each ladder stage's end; this command
 evaluates any checkpoint. Results: one metrics.jsonl record (keys `eval/passkey/<len>/d<depth>`,
 `eval/passkey/<len>`, `eval/mqar/<len>`, `eval/copy/<len>`, `eval/loss_by_pos/<lo>-<hi>`, with
-`seq_len` and `step`), a table on stdout and `passkey_<step>.png`, a heatmap of accuracy by length x depth
-(rows: lengths, columns: depths; black 0 to white 1).
+`seq_len` and `step`), a table on stdout and `passkey_<step>.png`, a heatmap of accuracy by
+length x depth (rows: lengths, columns: depths; black 0 to white 1).
 """
 
 from __future__ import annotations
@@ -53,11 +53,17 @@ def model_logits_fn(model: torch.nn.Module, device: torch.device | str) -> Logit
     return logits
 
 
-def _answer_hits(logits_fn: LogitsFn, tasks) -> list[list[bool]]:
-    """Per task, per answer span: whether the argmax predicts every answer token."""
+def _predictions(logits_fn: LogitsFn, tasks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens_BT, argmax_BT) of equal-length tasks, each row one document."""
     tokens_BT = torch.tensor([t.tokens for t in tasks], dtype=torch.int64)
     with torch.no_grad():
         pred_BT = logits_fn(tokens_BT, torch.zeros_like(tokens_BT, dtype=torch.int32)).argmax(-1).cpu()
+    return tokens_BT, pred_BT
+
+
+def _answer_hits(logits_fn: LogitsFn, tasks) -> list[list[bool]]:
+    """Per task, per answer span: whether the argmax predicts every answer token."""
+    tokens_BT, pred_BT = _predictions(logits_fn, tasks)
     out = []
     for b, task in enumerate(tasks):
         # the token at position i is predicted at position i - 1
@@ -96,9 +102,7 @@ def copy_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Seque
     out = {}
     for length in lengths:
         tasks = [copy_task(tokenizer, filler, length, task_rng(seed, i, f"copy:{length}")) for i in range(samples)]
-        tokens_BT = torch.tensor([t.tokens for t in tasks], dtype=torch.int64)
-        with torch.no_grad():
-            pred_BT = logits_fn(tokens_BT, torch.zeros_like(tokens_BT, dtype=torch.int32)).argmax(-1).cpu()
+        tokens_BT, pred_BT = _predictions(logits_fn, tasks)
         hits = total = 0
         for b, task in enumerate(tasks):
             (start, end), = task.answers
