@@ -114,6 +114,7 @@ def test_stages_load_override_and_fill_training(tmp_path):
     (["--ladder.stages.2.long_fraction", "0.95"], "must stay below 1"),
     (["--ladder.stages.2.synthetic_max_length", "32"], "ladder.stages.2.synthetic_max_length must be 0 (whole-row"),
     (["--ladder.eval_lengths", "1024,0"], "ladder.eval_lengths must be lengths >= 1"),
+    (["--ladder.eval_every", "-1"], "ladder.eval_every must be >= 0"),
     (["--data.synthetic_tasks", "passkey,needle"], "unknown task 'needle'"),
     (["--ladder.eval_packages_path", "/no/such/folder"], "ladder.eval_packages_path '/no/such/folder' is not a directory"),
     (["--ladder.eval_packages_path", str(REPO), "--data.long_documents", "text", "--data.long_documents_path",
@@ -570,11 +571,13 @@ def _ladder_chain(root, *runs):
 
 
 def start_runs(root):
-    """Queue the uninterrupted ladder run, which CI checks and both resumes compare with, and
-    the run stopped by an unknown key (tests/tiny.py): (root folder, {"full": future of its
-    runs' CompletedProcess, "unknown key": future of (its config, its CompletedProcess)})."""
+    """Queue the uninterrupted ladder run, which CI checks and both resumes compare with (it
+    also evaluates every 2 steps, the resumed runs do not: their equal losses show that the
+    evaluations leave training as it was), and the run stopped by an unknown key
+    (tests/tiny.py): (root folder, {"full": future of its runs' CompletedProcess, "unknown
+    key": future of (its config, its CompletedProcess)})."""
     return root, start_all({"unknown key": lambda: _unknown_key_run(root / "unknown_key"),
-                            "full": _ladder_chain(root, ("full", [], None))})
+                            "full": _ladder_chain(root, ("full", ["--ladder.eval_every", "2"], None))})
 
 
 def start_slow_runs(root, ci_runs):
@@ -600,7 +603,8 @@ def slow_runs(runs, tmp_path_factory):  # after `runs`: the slow chains queue be
 
 def test_ladder_runs_its_stages_with_evaluations_and_checkpoints(runs):
     """Three stages of three steps: each step at its stage's length, the evaluations at each
-    stage's end, a checkpoint at each stage's end (besides the interval's)."""
+    stage's end and every 2 steps inside (`ladder.eval_every`, at the lengths so far), a
+    checkpoint at each stage's end (besides the interval's)."""
     root, futures = runs
     full = root / "full"
     (proc,) = futures["full"].result()
@@ -610,7 +614,9 @@ def test_ladder_runs_its_stages_with_evaluations_and_checkpoints(runs):
     recs = records(full)
     assert [recs[s]["seq_len"] for s in range(1, 10)] == [64] * 3 + [128] * 3 + [256] * 3
     evals = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines() if "eval/passkey" in line]
-    assert [(e["step"], e["seq_len"]) for e in evals] == [(3, 64), (6, 128), (9, 256)]
+    assert [(e["step"], e["seq_len"]) for e in evals] == [(2, 64), (3, 64), (4, 128), (6, 128), (8, 256), (9, 256)]
+    assert "eval/passkey/128" in evals[2] and "eval/passkey/256" not in evals[2]
+    assert "ladder: evaluations inside stage '128' (step 4)" in log
     assert "eval/passkey/256/d0.50" in evals[-1] and "eval/loss_by_pos/0-64" in evals[-1]
     assert all((full / "checkpoint" / f"step-{s}" / ".metadata").is_file() for s in (3, 6, 9))
     assert (full / "passkey_9.png").is_file()

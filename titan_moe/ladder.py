@@ -124,6 +124,11 @@ class Ladder:
     """Evaluate at each stage's end (passkey at every stage's seq_len so far, MQAR, loss by
     position at the stage's seq_len); results go to metrics.jsonl and a table in the log."""
 
+    eval_every: int = 0
+    """Also evaluate every N steps inside a stage (the same evaluations as at its end, at the
+    lengths up to the current stage's seq_len), to follow when retrieval appears. 0: only at
+    stage ends. A resumed run does not repeat the ones before its checkpoint."""
+
 
 def short_length(n: int) -> str:
     """1024 -> "1K", 262144 -> "256K", 1048576 -> "1M", 300 -> "300"."""
@@ -262,6 +267,8 @@ def apply_to_config(config: Any, set_keys: set[str]) -> None:
     for key in ("training.steps", "training.seq_len"):
         if key in set_keys:
             raise ValueError(f"{key} is set by [[ladder.stages]] (each stage's steps and seq_len); remove {key}")
+    if ladder.eval_every < 0:
+        raise ValueError(f"ladder.eval_every must be >= 0 (0: only at stage ends), got {ladder.eval_every}")
     if ladder.eval_samples < 1 or ladder.eval_mqar_pairs < 1 or ladder.eval_loss_docs < 0:
         raise ValueError("ladder.eval_samples and ladder.eval_mqar_pairs must be >= 1, ladder.eval_loss_docs >= 0")
     if any(n < 1 for n in ladder.eval_lengths):

@@ -8,7 +8,8 @@
     batch, data mix) and the gradient accumulation, logs one line, and hands out a new
     iterator that continues the document stream.
   * `after_step(step)` after each step's own save and validation: at a stage's end, a
-    checkpoint (when the interval did not already write one) and the stage's evaluations.
+    checkpoint (when the interval did not already write one) and the stage's evaluations;
+    inside a stage, the same evaluations every `ladder.eval_every` steps.
 """
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ class LadderRun:
             self._finish_interrupted_evaluation(step)
             return
         stage = stage_of_step(self.stages, step)
-        if step != stage.end or step <= self._started_at:
+        if step <= self._started_at:
+            return
+        if step != stage.end:
+            every = self.config.ladder.eval_every
+            if every and step % every == 0:
+                self.evaluate(stage, step)
             return
         checkpointer = self.trainer.checkpointer
         if checkpointer.enable and step % checkpointer.interval and step != self.config.training.steps:
@@ -138,7 +144,8 @@ class LadderRun:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == 0:
             evaluate.record(self.config.job.dump_folder, step, stage.seq_len, metrics, stage.name)
-            logger.info(f"ladder: evaluations at the end of stage '{stage.name}' (step {step}), heatmap "
+            where = "at the end of" if step == stage.end else "inside"
+            logger.info(f"ladder: evaluations {where} stage '{stage.name}' (step {step}), heatmap "
                         f"{os.path.join(self.config.job.dump_folder, f'passkey_{step}.png')}:\n"
                         + evaluate.format_table(metrics))
         return metrics
