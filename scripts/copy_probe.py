@@ -40,6 +40,8 @@ from titan_moe.config import ConfigError, load_config, model_args_from_config  #
 from titan_moe.flavors import FLAVORS  # noqa: E402
 from titan_moe.model.args import ModelArgs  # noqa: E402
 from titan_moe.model.decoder import Decoder  # noqa: E402
+from titan_moe.optim.muon import Muon  # noqa: E402
+from titan_moe.optim.param_groups import muon_param_groups  # noqa: E402
 
 BASELINES = ("transformer", "transformer_nope")
 
@@ -95,14 +97,24 @@ def copy_batch(generator: torch.Generator, batch: int, half: int, symbols: int, 
     return torch.cat([x_BH, x_BH], dim=1)
 
 
+def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
+    """AdamW over every parameter, or the trainer's per-block Muon (AdamW for embeddings,
+    norms, vectors and the head), both with weight decay 0.1 as in the configs."""
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    if name == "muon":
+        return Muon(muon_param_groups(model, weight_decay=0.1), lr=lr)
+    raise ValueError(f"--optimizer {name!r}: use adamw or muon")
+
+
 def probe(model: nn.Module, *, steps: int, batch: int, half: int, symbols: int, lr: float, seed: int, every: int,
-          log=print) -> list[tuple[int, float, float]]:
+          optimizer: str = "adamw", log=print) -> list[tuple[int, float, float]]:
     """Train `model` on copy batches; [(step, first-half loss, second-half loss)] every `every`
     steps (and at the last). The first half's targets are tokens 1..half-1, the second's the
     repeated tokens half+1..2*half-1 (the repeat's first token is not predictable either)."""
     generator = torch.Generator().manual_seed(seed)
     vocab = model.output.weight.shape[0]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    optimizer = make_optimizer(model, optimizer, lr)
     rows = []
     start = time.time()
     for step in range(1, steps + 1):
@@ -134,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--half", type=int, default=32, help="tokens before the repeat")
     parser.add_argument("--symbols", type=int, default=128, help="how many distinct ids the rows draw from")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                        help="AdamW, or the trainer's per-block Muon (AdamW for vectors, embeddings, head)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--every", type=int, default=50, help="log every N steps")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -147,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = build_model(a.model, model_keys, 2 * a.half, a.seed)
         rows = probe(model, steps=a.steps, batch=a.batch, half=a.half, symbols=a.symbols, lr=a.lr, seed=a.seed,
-                     every=a.every)
+                     every=a.every, optimizer=a.optimizer)
     except (ConfigError, ValueError) as e:
         print(f"copy_probe: error: {e}", file=sys.stderr)
         return 2
     step = copies_from(rows, a.symbols)
-    label = " ".join([a.model, *model_keys])
+    label = " ".join([a.model, *model_keys] + ([f"--optimizer {a.optimizer}"] if a.optimizer != "adamw" else []))
     print(f"{label}: copies from step {step}" if step else f"{label}: does not copy in {a.steps} steps")
     return 0
 

@@ -53,3 +53,19 @@ def test_our_flavor_runs_under_the_probe_and_bad_overrides_are_one_line_errors(c
     assert "unknown key 'model.no_such_field'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         copy_probe.main(["--model", "debug", "--training.steps", "1"])
+
+
+def test_muon_option_puts_matrices_under_muon_and_trains_our_flavor(capsys):
+    model = copy_probe.build_model("debug", [], max_len=16, seed=0)
+    optimizer = copy_probe.make_optimizer(model, "muon", 3e-3)
+    muon = [p for g in optimizer.param_groups if g["muon"] for p in g["params"]]
+    adamw = [p for g in optimizer.param_groups if not g["muon"] for p in g["params"]]
+    assert muon and adamw and len(muon) + len(adamw) == len(list(model.parameters()))
+    assert all(p.ndim >= 2 for p in muon) and any(p is model.output.weight for p in adamw)  # head: AdamW
+    before = [p.detach().clone() for p in muon]
+    assert copy_probe.main(["--model", "debug", "--optimizer", "muon", "--steps", "2", "--every", "1", "--half", "8",
+                            "--batch", "2"]) == 0
+    assert "debug --optimizer muon: does not copy in 2 steps" in capsys.readouterr().out
+    rows = copy_probe.probe(model, steps=1, batch=2, half=8, symbols=8, lr=3e-3, seed=0, every=1,
+                            optimizer="muon", log=lambda _: None)
+    assert math.isfinite(rows[0][2]) and any(not torch.equal(b, p) for b, p in zip(before, muon))
