@@ -35,6 +35,7 @@ class LadderRun:
         self._iterator = None
         self._started_at: int | None = None
         self._filler: Filler | None = None
+        self._held_out: dict[int, list[list[int]]] = {}  # seq_len -> tokenized held-out documents
 
     def install(self) -> None:
         base_lr = self.config.optimizer.lr
@@ -128,7 +129,10 @@ class LadderRun:
         tokenizer = trainer.tokenizer
         if self._filler is None:
             self._filler = Filler(corpus_documents(self.config, "val"), tokenizer)
-        held_out = evaluate.loss_documents(self.config, self._filler.documents, tokenizer, stage.seq_len)
+        if stage.seq_len not in self._held_out:  # tokenizing long documents takes seconds: once a stage
+            self._held_out[stage.seq_len] = evaluate.loss_documents(self.config, self._filler.documents, tokenizer,
+                                                                    stage.seq_len)
+        held_out = self._held_out[stage.seq_len]
         lengths = sorted({s.seq_len for s in self.stages[: stage.index + 1]}
                          | {n for n in ladder.eval_lengths if n <= stage.seq_len})
         (model,) = trainer.model_parts
