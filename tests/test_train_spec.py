@@ -11,7 +11,7 @@ from torchtitan.distributed import ParallelDims
 from titan_moe.flavors import FLAVORS
 from titan_moe.model.decoder import Decoder
 from titan_moe.model.moe import balance_metrics
-from titan_moe.train_spec import build_optimizers_with_expert_balance
+from titan_moe.train_spec import build_optimizers_with_expert_balance, optimizer_summary
 
 
 def _model() -> Decoder:
@@ -51,3 +51,19 @@ def test_step_updates_expert_bias_and_reports_balance():
     (stats,) = optimizers.expert_balance_stats  # kept as tensors until a log step reads them
     assert isinstance(stats.stats_L2, torch.Tensor) and len(stats.names) == stats.stats_L2.shape[0]
     assert "moe/max_violation_max" in balance_metrics(optimizers.expert_balance_stats)
+
+
+def test_start_up_line_names_the_optimizer_and_its_groups():
+    model = _model()
+    dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    n = sum(p.numel() for p in model.parameters()) / 1e6
+    adamw = build_optimizers_with_expert_balance([model], OptimizerConfig(lr=1e-3, weight_decay=0.1), dims)
+    line = optimizer_summary("AdamW", adamw)
+    assert "K parameters" in line  # the vectors without weight decay
+    assert line.startswith("optimizer: AdamW, lr 0.001; AdamW (weight decay 0.1): ") and "AdamW (weight decay 0)" in line
+    muon = build_optimizers_with_expert_balance([model], OptimizerConfig(name="Muon", lr=3e-3, weight_decay=0.1), dims)
+    line = optimizer_summary("Muon", muon)
+    assert line.startswith("optimizer: Muon, lr 0.003; ") and "Muon (weight decay 0.1): " in line
+    scale = {"K": 1e-3, "M": 1.0}
+    counts = [float(c[:-1]) * scale[c[-1]] for c in (part.split(", ")[1].split()[0] for part in line.split("; ")[1:])]
+    assert abs(sum(counts) - n) < 0.01 * len(counts)  # every parameter in one group (rounded)

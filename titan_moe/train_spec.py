@@ -16,6 +16,7 @@ from torchtitan.components.loss import build_cross_entropy_loss  # noqa: E402
 from torchtitan.components.lr_scheduler import build_lr_schedulers  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers  # noqa: E402
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
 
 from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config  # noqa: E402
 from titan_moe.flavors import FLAVORS  # noqa: E402
@@ -79,6 +80,26 @@ def build_muon_optimizers(model_parts, optimizer_config, parallel_dims, ft_manag
     return MuonOptimizersContainer(model_parts, kwargs)
 
 
+def optimizer_summary(name: str, optimizers) -> str:
+    """One start-up line: the optimizer, its lr and, per kind of group (Muon blocks, AdamW with
+    and without weight decay), how many tensors and parameters it updates."""
+    kinds: dict[str, list[int]] = {}
+    lr = None
+    for optimizer in optimizers.optimizers:
+        for group in optimizer.param_groups:
+            lr = group["lr"]
+            kind = ("Muon" if group.get("muon") else "AdamW") + f" (weight decay {group['weight_decay']:g})"
+            tensors, numel = kinds.setdefault(kind, [0, 0])
+            kinds[kind] = [tensors + len(group["params"]), numel + sum(p.numel() for p in group["params"])]
+    def count(n: int) -> str:
+        return next((f"{n / size:.2f}{unit}" for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if n >= size),
+                    str(n))
+
+    parts = [f"{kind}: {tensors} tensors, {count(numel)} parameters"
+             for kind, (tensors, numel) in sorted(kinds.items(), key=lambda kv: not kv[0].startswith("Muon"))]
+    return f"optimizer: {name}, lr {lr:g}; " + "; ".join(parts)
+
+
 def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel_dims, ft_manager=None):
     """torchtitan's optimizers (no weight decay on the exempt parameters), or per-head Muon for
     `optimizer.name = "Muon"`, plus the expert-bias update (QB or sign rule) as a step pre-hook.
@@ -93,6 +114,7 @@ def build_optimizers_with_expert_balance(model_parts, optimizer_config, parallel
     else:
         optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
         _split_weight_decay(optimizers, model_parts)
+    logger.info(optimizer_summary(optimizer_config.name, optimizers))
     group = None
     if parallel_dims.dp_cp_enabled:
         group = parallel_dims.get_mesh("loss").get_group()
