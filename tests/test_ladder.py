@@ -282,6 +282,31 @@ def test_evaluator_oracle_copies_everything_random_model_is_at_chance(tok, fille
     assert evaluate.copy_accuracy(random_model, tok, filler, [384], samples=3)[384] < 0.01
 
 
+def test_long_cells_go_through_the_model_a_few_rows_at_a_time(tok, filler, monkeypatch):
+    """Past the token budget a forward holds fewer rows (one at the longest); the results are
+    those of whole-cell forwards."""
+    oracle = induction_oracle(tok.get_vocab_size())
+    seen = []
+
+    def counting(tokens_BT, doc_ids_BT):
+        seen.append(tuple(tokens_BT.shape))
+        return oracle(tokens_BT, doc_ids_BT)
+
+    whole = evaluate.passkey_accuracy(counting, tok, filler, [128, 384], [0.0, 1.0], samples=3)
+    assert {rows for rows, _ in seen} == {3}
+    docs = [list(range(2, 402)), list(range(3, 403)), list(range(4, 404))]
+    loss_whole = evaluate.loss_by_position(counting, docs, 384)
+    monkeypatch.setattr(evaluate, "EVAL_FORWARD_TOKENS", 300)
+    seen.clear()
+    assert evaluate.passkey_accuracy(counting, tok, filler, [128, 384], [0.0, 1.0], samples=3) == whole
+    loss_split = evaluate.loss_by_position(counting, docs, 384)
+    assert loss_split.keys() == loss_whole.keys()
+    for bucket, (loss, count) in loss_whole.items():  # sums in another order: equal to rounding
+        assert loss_split[bucket] == (pytest.approx(loss, rel=1e-6), count)
+    assert max(rows * length for rows, length in seen if length <= 300) <= 300
+    assert {rows for rows, length in seen if length > 300} == {1}
+
+
 def test_loss_by_position_uniform_model_and_buckets():
     assert evaluate.position_buckets(300) == [(0, 64), (64, 128), (128, 256), (256, 300)]
     V = 50

@@ -44,6 +44,13 @@ from titan_moe.ladder import short_length
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # tokens [B, T], doc_ids [B, T] -> [B, T, V]
 EVAL_SEED = 1_000_003  # the evaluation's tasks never coincide with the training stream's
+# Tokens of one evaluation forward: a cell's rows go through the model a few at a time, so the
+# [rows, T, vocab] fp32 logits stay bounded at long T (one row at a time from 128K tokens).
+EVAL_FORWARD_TOKENS = 131_072
+
+
+def rows_per_forward(length: int) -> int:
+    return max(1, EVAL_FORWARD_TOKENS // length)
 
 
 def model_logits_fn(model: torch.nn.Module, device: torch.device | str) -> LogitsFn:
@@ -56,9 +63,11 @@ def model_logits_fn(model: torch.nn.Module, device: torch.device | str) -> Logit
 def _predictions(logits_fn: LogitsFn, tasks) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens_BT, argmax_BT) of equal-length tasks, each row one document."""
     tokens_BT = torch.tensor([t.tokens for t in tasks], dtype=torch.int64)
-    with torch.no_grad():
-        pred_BT = logits_fn(tokens_BT, torch.zeros_like(tokens_BT, dtype=torch.int32)).argmax(-1).cpu()
-    return tokens_BT, pred_BT
+    preds = []
+    for rows_bT in tokens_BT.split(rows_per_forward(tokens_BT.shape[1])):
+        with torch.no_grad():
+            preds.append(logits_fn(rows_bT, torch.zeros_like(rows_bT, dtype=torch.int32)).argmax(-1).cpu())
+    return tokens_BT, torch.cat(preds)
 
 
 def _answer_hits(logits_fn: LogitsFn, tasks) -> list[list[bool]]:
@@ -123,15 +132,17 @@ def position_buckets(seq_len: int, first: int = 64) -> list[tuple[int, int]]:
 
 def loss_by_position(logits_fn: LogitsFn, documents: Sequence[Sequence[int]], seq_len: int,
                      batch: int = 4) -> dict[tuple[int, int], tuple[float, int]]:
-    """bucket -> (mean loss, tokens) over the first seq_len predictions of each document."""
+    """bucket -> (mean loss, tokens) over the first seq_len predictions of each document
+    (`batch` documents a forward at most, fewer past `EVAL_FORWARD_TOKENS`)."""
     buckets = position_buckets(seq_len)
     sums = [0.0] * len(buckets)
     counts = [0] * len(buckets)
     docs = [list(d[: seq_len + 1]) for d in documents if len(d) >= 2]
     for length in sorted({len(d) for d in docs}, reverse=True):
         same = [d for d in docs if len(d) == length]
-        for i in range(0, len(same), batch):
-            rows_BR = torch.tensor(same[i : i + batch], dtype=torch.int64)
+        rows = min(batch, rows_per_forward(length - 1))
+        for i in range(0, len(same), rows):
+            rows_BR = torch.tensor(same[i : i + rows], dtype=torch.int64)
             x_BT, y_BT = rows_BR[:, :-1], rows_BR[:, 1:]
             with torch.no_grad():  # the loss where the logits are: [B, T, vocab] is GiBs at long T
                 logits = logits_fn(x_BT, torch.zeros_like(x_BT, dtype=torch.int32))
