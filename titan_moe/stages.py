@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torchtitan.tools.logging import logger
@@ -124,6 +125,7 @@ class LadderRun:
             self.evaluate(stage, step)
 
     def evaluate(self, stage, step: int) -> dict[str, float]:
+        started = time.perf_counter()
         trainer = self.trainer
         ladder = self.config.ladder
         tokenizer = trainer.tokenizer
@@ -149,7 +151,8 @@ class LadderRun:
         if rank == 0:
             evaluate.record(self.config.job.dump_folder, step, stage.seq_len, metrics, stage.name)
             where = "at the end of" if step == stage.end else "inside"
-            logger.info(f"ladder: evaluations {where} stage '{stage.name}' (step {step}), heatmap "
+            logger.info(f"ladder: evaluations {where} stage '{stage.name}' (step {step}, "
+                        f"{time.perf_counter() - started:.1f} s), heatmap "
                         f"{os.path.join(self.config.job.dump_folder, f'passkey_{step}.png')}:\n"
                         + evaluate.format_table(metrics))
         return metrics
