@@ -980,3 +980,11 @@ def test_cli_notes_that_compiled_counts_at_long_rows_are_lower_bounds(capsys):
     eager, _ = _run(capsys, *base[:-2], "--seq-len", "65536")
     note = "compiled counts past 32,768 tokens a GPU are lower bounds"
     assert not any(note in line for line in short + eager) and any(note in line for line in long)
+
+
+def test_cli_says_that_muon_states_are_counted_as_adamw(capsys):
+    base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141")
+    adamw, _ = _run(capsys, *base)
+    muon, _ = _run(capsys, *base, "--optimizer.name", "Muon")
+    note = "optimizer.name = 'Muon': states and step temporaries are counted as AdamW's"
+    assert not any(note in line for line in adamw) and any(note in line for line in muon)

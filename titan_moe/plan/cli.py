@@ -284,6 +284,9 @@ def run_plan(argv: list[str] | None = None) -> dict:
           f"with AdamW, {optimizer_impl} step), compute {training.mixed_precision_param}, "
           f"reduce {training.mixed_precision_reduce}; one GPU: {one_device} (training.one_device_mixed_precision: "
           f"AttnRes stream in {training.mixed_precision_param if one_device == 'fsdp' else training.dtype})")
+    if config.optimizer.name != "AdamW":
+        print(f"  optimizer.name = {config.optimizer.name!r}: states and step temporaries are counted as AdamW's "
+              "(Muon keeps one buffer, not two, for the matrices it updates: an upper bound on its states)")
     print(f"  tokens per GPU = local_batch {local_batch} x seq_len {seq_len} / cp;  fit: total <= "
           f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
           f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
