@@ -307,6 +307,32 @@ def test_long_cells_go_through_the_model_a_few_rows_at_a_time(tok, filler, monke
     assert {rows for rows, length in seen if length > 300} == {1}
 
 
+def test_ladder_evaluation_runs_compiled_models_eagerly(tmp_path):
+    """The stage's evaluation calls a compiled model without compiling it (every evaluation
+    shape would be a compile), and records its metrics."""
+    import contextlib
+    import types
+
+    from titan_moe.config import model_args_from_config
+    from titan_moe.data.from_config import tokenizer_from_config
+    from titan_moe.model.decoder import Decoder
+    from titan_moe.stages import LadderRun
+
+    config = load_config(["--job.config_file", _write_config(tmp_path), "--ladder.eval_samples", "1"])
+    torch.manual_seed(0)
+    model = Decoder(model_args_from_config(config))
+    model.init_weights()
+    trainer = types.SimpleNamespace(tokenizer=tokenizer_from_config(config), model_parts=[torch.compile(model)],
+                                    device="cpu", maybe_enable_amp=contextlib.nullcontext())
+    run = LadderRun(trainer, config)
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    metrics = run.evaluate(run.stages[0], 3)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+    assert "eval/passkey/64" in metrics and evaluate.recorded(config.job.dump_folder, 3)
+    assert trainer.model_parts[0].training  # back in training mode
+
+
 def test_loss_by_position_uniform_model_and_buckets():
     assert evaluate.position_buckets(300) == [(0, 64), (64, 128), (128, 256), (256, 300)]
     V = 50

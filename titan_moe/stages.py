@@ -140,7 +140,9 @@ class LadderRun:
         (model,) = trainer.model_parts
         model.eval()
         try:
-            with trainer.maybe_enable_amp:
+            # Eager: every (rows, length) of the evaluation is a new shape for compiled layers,
+            # each a compile (and a step toward their recompile limit) for a forward or two.
+            with trainer.maybe_enable_amp, torch.compiler.set_stance("force_eager"):
                 metrics = evaluate.run_evals(
                     evaluate.model_logits_fn(model, trainer.device), tokenizer, self._filler, held_out,
                     lengths=lengths, seq_len=stage.seq_len, depths=ladder.eval_depths,
