@@ -563,7 +563,7 @@ def test_cli_k3_on_2048_gpus_prints_a_json_summary(capsys):
               *(f"{step} layer {i}" for i in range(FLAVORS["k3"].n_layers) for step in ("forward", "backward"))}
     assert all(set(lay["peak_phase"]) == set(AC_MODES) and set(lay["peak_phase"].values()) <= phases
                for lay in summary["layouts"])
-    assert summary["optimizer_implementation"] == "fused"
+    assert summary["optimizer"] == "AdamW" and summary["optimizer_implementation"] == "fused"
     assert set(summary["min_gpus"]) == set(AC_MODES)
     for best in summary["best"]:
         assert best["fits"]["full"] and best["gib"]["total_full"] <= summary["usable_gib"]
@@ -982,9 +982,47 @@ def test_cli_notes_that_compiled_counts_at_long_rows_are_lower_bounds(capsys):
     assert not any(note in line for line in short + eager) and any(note in line for line in long)
 
 
-def test_cli_says_that_muon_states_are_counted_as_adamw(capsys):
+def test_cli_plans_muon_with_one_buffer_for_its_matrices(capsys):
     base = ("--job.config_file", DEBUG_TOML, "--gpus", "1", "--gpu-mem-gib", "141")
     adamw, _ = _run(capsys, *base)
     muon, _ = _run(capsys, *base, "--optimizer.name", "Muon")
-    note = "optimizer.name = 'Muon': states and step temporaries are counted as AdamW's"
+    note = "B per sharded param of the matrices Muon updates"
     assert not any(note in line for line in adamw) and any(note in line for line in muon)
+
+
+def test_muon_states_are_the_bytes_the_optimizer_allocates():
+    """One process: the planner's optimizer bytes equal the state tensors titan_moe's Muon holds
+    after a step (a momentum buffer per Muon matrix, two moments per AdamW parameter)."""
+    from titan_moe.optim import Muon, muon_param_groups
+
+    args = _tiny()
+    torch.manual_seed(0)
+    model = Decoder(args)
+    model.init_weights()
+    optimizer = Muon(muon_param_groups(model, 0.1), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for k, t in state.items()
+               if k != "step")
+    inv = inventory(_meta_model(args), args)
+    plan = param_memory(inv, Layout(1, 1, 1, 1), Precision(param=4, compute=4), "muon")
+    assert plan.optimizer == held
+    assert plan.optimizer < param_memory(inv, Layout(1, 1, 1, 1), Precision(param=4, compute=4)).optimizer
+
+
+def test_muon_blocks_gather_only_where_a_shard_cuts_them():
+    from titan_moe.optim.muon import COLS, EXPERTS, ROWS, WHOLE
+    from titan_moe.plan.params import muon_blocks_local
+
+    assert muon_blocks_local((64, 32), False, ROWS, 8, Layout(1, 4, 1, 1), 8)  # 16 rows a rank: 2 heads
+    assert not muon_blocks_local((64, 32), False, ROWS, 32, Layout(1, 4, 1, 1), 8)  # a head across ranks
+    assert not muon_blocks_local((64, 32), False, COLS, 8, Layout(1, 4, 1, 1), 8)
+    assert not muon_blocks_local((64, 32), False, WHOLE, 0, Layout(1, 2, 1, 1), 8)
+    assert muon_blocks_local((64, 32), False, WHOLE, 0, Layout(1, 1, 1, 1), 8)
+    assert muon_blocks_local((8, 16, 24), True, EXPERTS, 1, Layout(1, 4, 1, 2), 8)  # dim 0: whole experts
+    assert not muon_blocks_local((8, 16, 24), True, EXPERTS, 1, Layout(1, 16, 1, 2), 8)  # efsdp * ep > E: dim 1
+    args = _tiny()
+    inv = inventory(_meta_model(args), args)
+    one, four = (param_memory(inv, layout, FP32_MASTER, "muon") for layout in (Layout(1, 1, 1, 1), Layout(1, 4, 1, 1)))
+    assert 0 < four.optimizer_temp and four.optimizer == one.optimizer / 4  # nothing pads in the tiny model

@@ -254,6 +254,8 @@ def run_plan(argv: list[str] | None = None) -> dict:
     if optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
         raise ConfigError(f"optimizer.implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}, "
                           f"got {optimizer_impl!r}")
+    if config.optimizer.name == "Muon":  # titan_moe's Muon runs its own step, whatever the implementation
+        optimizer_impl = "muon"
     one_device = config.training.one_device_mixed_precision
     balance = config.parallelism.context_parallel_load_balancer
     if balance not in BALANCES:
@@ -280,13 +282,13 @@ def run_plan(argv: list[str] | None = None) -> dict:
           f"params {inv.total:,} (routed experts {inv.routed_experts:,}, other {inv.non_expert:,}); "
           f"buffers {inv.buffer_bytes / GIB:.2f} GiB")
     training = config.training
-    print(f"  bytes: params/grads/optimizer in {training.dtype} ({4 * prec.param} B per sharded param "
-          f"with AdamW, {optimizer_impl} step), compute {training.mixed_precision_param}, "
+    optimizer_bytes = (f"{3 * prec.param} B per sharded param of the matrices Muon updates, {4 * prec.param} B "
+                       "per other (AdamW); Muon's step temporaries estimated" if optimizer_impl == "muon"
+                       else f"{4 * prec.param} B per sharded param with AdamW, {optimizer_impl} step")
+    print(f"  bytes: params/grads/optimizer in {training.dtype} ({optimizer_bytes}), "
+          f"compute {training.mixed_precision_param}, "
           f"reduce {training.mixed_precision_reduce}; one GPU: {one_device} (training.one_device_mixed_precision: "
           f"AttnRes stream in {training.mixed_precision_param if one_device == 'fsdp' else training.dtype})")
-    if config.optimizer.name != "AdamW":
-        print(f"  optimizer.name = {config.optimizer.name!r}: states and step temporaries are counted as AdamW's "
-              "(Muon keeps one buffer, not two, for the matrices it updates: an upper bound on its states)")
     print(f"  tokens per GPU = local_batch {local_batch} x seq_len {seq_len} / cp;  fit: total <= "
           f"{1 - opts.headroom:.2f} x {opts.gpu_mem_gib:g} GiB = {usable / GIB:.1f} GiB "
           f"({opts.headroom:.0%} headroom for CUDA context, NCCL, fragmentation: a guess, not measured)")
@@ -346,7 +348,8 @@ def run_plan(argv: list[str] | None = None) -> dict:
         "ac": ac,
         "selective_ac_option": sac_option,
         "activations": activations,
-        "optimizer_implementation": optimizer_impl,
+        "optimizer": config.optimizer.name,
+        "optimizer_implementation": config.optimizer.implementation,  # not used by Muon's own step
         **({"eager_profiles": _eager_summary(args, prec, plans, cp_options)} if activations == "eager" else {}),
         "context_parallel": {"rank": "worst" if opts.cp_rank is None else opts.cp_rank, "balance": balance,
                              "max_doc_len": opts.max_doc_len, "buffers_mib": cp_buffers_mib},

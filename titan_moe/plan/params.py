@@ -17,6 +17,14 @@
     all parameters (the `_foreach_sqrt(exp_avg_sq)` list; the per-group split into decay and
     no-decay groups is not credited); for-loop `2 P` times the largest parameter shard
     (`exp_avg_sq.sqrt()` and its quotient).
+  * Muon (`optimizer.name = "Muon"`, titan_moe.optim): a momentum buffer `P * shard` for each
+    matrix it updates (`muon_blocks`), AdamW's two moments for the rest. Its step runs one
+    parameter at a time; the temporaries are the largest of: AdamW's for-loop pair of the
+    largest AdamW shard, and for one Muon parameter its update and cast (`2 P * shard`), the
+    all-gathered update (`P * full`) when its blocks are not whole on the rank (column and
+    whole-matrix blocks, row blocks cut by the shard, experts sharded on dim 1), and the bf16
+    Newton-Schulz work (4 copies of the blocks, 2 Gram matrices each). An estimate from the
+    code, not yet checked against a measured peak.
   * buffers (expert bias, token counts, QB histograms) are not sharded: full size on every GPU.
   * FSDP working memory (gathered units). Units: the embedding, each decoder layer (with
     `ep > 1` its routed experts are a second unit of `E/ep` local experts gathered over
@@ -48,6 +56,8 @@ from functools import cached_property
 import torch
 
 from titan_moe.model.args import ModelArgs
+from titan_moe.optim.muon import COLS, EXPERTS, ROWS
+from titan_moe.optim.param_groups import block_layout
 
 from titan_moe.plan.layout import Layout, Phase, Precision, caches_expert_casts
 
@@ -71,6 +81,7 @@ class ParamInventory:
     head_shapes: ShapeCount
     buffer_bytes: int
     n_experts: int
+    muon_blocks: Counter = field(default_factory=Counter)  # (shape, is_expert, block_dim, block_size) -> count
 
     @property
     def non_expert(self) -> int:
@@ -82,6 +93,8 @@ def is_routed_expert(name: str) -> bool:
 
 
 def inventory(model: torch.nn.Module, args: ModelArgs) -> ParamInventory:
+    blocks = block_layout(model)
+    muon_blocks: Counter = Counter()
     shapes: ShapeCount = Counter()
     layer_shapes = [Counter() for _ in range(args.n_layers)]
     head_shapes: ShapeCount = Counter()
@@ -93,13 +106,16 @@ def inventory(model: torch.nn.Module, args: ModelArgs) -> ParamInventory:
         experts += n if expert else 0
         key = (tuple(p.shape), expert)
         shapes[key] += 1
+        if blocks[name] is not None:
+            muon_blocks[(*key, *blocks[name])] += 1
         parts = name.split(".")
         if parts[0] == "layers":
             layer_shapes[int(parts[1])][key] += 1
         elif parts[0] in ("norm", "output"):
             head_shapes[key] += 1
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    return ParamInventory(total, experts, shapes, layer_shapes, head_shapes, buffer_bytes, args.n_routed_experts)
+    return ParamInventory(total, experts, shapes, layer_shapes, head_shapes, buffer_bytes, args.n_routed_experts,
+                          muon_blocks)
 
 
 def fsdp_shard_numel(shape: tuple[int, ...], degree: int, dim: int = 0) -> int:
@@ -138,6 +154,38 @@ def gathered_numel(shapes: ShapeCount, layout: Layout, n_experts: int) -> int:
 
 
 OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")  # torchtitan's optimizer.implementation
+OPTIMIZER_KINDS = (*OPTIMIZER_IMPLEMENTATIONS, "muon")  # "muon": optimizer.name = "Muon" (its own step)
+
+
+def shard_numel(shape: tuple[int, ...], is_expert: bool, layout: Layout, n_experts: int) -> int:
+    return expert_shard_numel(shape, layout, n_experts) if is_expert else fsdp_shard_numel(shape, layout.fsdp, 0)
+
+
+def muon_blocks_local(shape: tuple[int, ...], is_expert: bool, block_dim: int, block_size: int, layout: Layout,
+                      n_experts: int) -> bool:
+    """Whether each rank's shard holds its Muon blocks whole (no all-gather of the update):
+    `titan_moe.optim.muon._local_blocks_whole` on shapes. Shards are `torch.chunk`s on dim 0
+    (experts: of the E/ep local ones, over efsdp; on dim 1 when efsdp * ep > E)."""
+    if is_expert:
+        degree = layout.fsdp if layout.ep == 1 else layout.efsdp
+        on_dim1 = layout.ep > 1 and layout.efsdp * layout.ep > n_experts
+        return degree == 1 or not on_dim1  # whole experts per rank: aligned to the blocks
+    if layout.fsdp == 1:
+        return True
+    if block_dim != ROWS:
+        return False
+    return -(-shape[0] // layout.fsdp) % block_size == 0
+
+
+def muon_step_bytes(shape: tuple[int, ...], is_expert: bool, block_dim: int, block_size: int, layout: Layout,
+                    n_experts: int, P: int) -> float:
+    """Temporaries of one Muon parameter's update (module docstring)."""
+    local = shard_numel(shape, is_expert, layout, n_experts)
+    whole = muon_blocks_local(shape, is_expert, block_dim, block_size, layout, n_experts)
+    n = local if whole else math.prod(shape)
+    m, k = {EXPERTS: shape[-2:], ROWS: (block_size, shape[-1]), COLS: (shape[0], block_size)}.get(block_dim, shape)
+    blocks = n // (m * k)
+    return 2 * P * local + (0 if whole else P * math.prod(shape)) + 4 * 2 * n + blocks * 2 * 2 * min(m, k) ** 2
 
 
 @dataclass
@@ -186,8 +234,8 @@ class ParamMemory:
 
 
 def param_memory(inv: ParamInventory, layout: Layout, prec: Precision, optimizer_impl: str = "fused") -> ParamMemory:
-    if optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
-        raise ValueError(f"optimizer_impl must be one of {OPTIMIZER_IMPLEMENTATIONS}, got {optimizer_impl!r}")
+    if optimizer_impl not in OPTIMIZER_KINDS:
+        raise ValueError(f"optimizer_impl must be one of {OPTIMIZER_KINDS}, got {optimizer_impl!r}")
     expert, other = sharded_numel(inv.shapes, layout, inv.n_experts)
     sharded = expert + other
     a, red, P = prec.compute, prec.reduce, prec.param
@@ -211,12 +259,19 @@ def param_memory(inv: ParamInventory, layout: Layout, prec: Precision, optimizer
         gathered = float(max(layer_peak, head_peak))
     else:
         gathered = 0.0  # one GPU: autocast's weight copies are counted with the activations
-    if optimizer_impl == "foreach":  # one list of temporaries over all parameters at a time
+    muon_sharded = 0
+    if optimizer_impl == "muon":
+        muon_sharded = sum(count * shard_numel(shape, is_expert, layout, inv.n_experts)
+                           for (shape, is_expert, _, _), count in inv.muon_blocks.items())
+        adamw = inv.shapes - Counter({(shape, is_expert): count
+                                      for (shape, is_expert, _, _), count in inv.muon_blocks.items()})
+        temp = float(max([2 * P * shard_numel(shape, is_expert, layout, inv.n_experts) for shape, is_expert in adamw]
+                         + [muon_step_bytes(*key, layout, inv.n_experts, P) for key in inv.muon_blocks], default=0))
+    elif optimizer_impl == "foreach":  # one list of temporaries over all parameters at a time
         temp = float(sharded * P)
     elif optimizer_impl == "for-loop":  # sqrt(exp_avg_sq) and its quotient, of one parameter
-        largest_shard = max((expert_shard_numel(shape, layout, inv.n_experts) if is_expert
-                             else fsdp_shard_numel(shape, layout.fsdp, 0)
-                             for shape, is_expert in inv.shapes), default=0)
+        largest_shard = max((shard_numel(shape, is_expert, layout, inv.n_experts) for shape, is_expert in inv.shapes),
+                            default=0)
         temp = float(2 * largest_shard * P)
     else:
         temp = 0.0  # fused: one kernel updating in place
@@ -225,7 +280,7 @@ def param_memory(inv: ParamInventory, layout: Layout, prec: Precision, optimizer
         sharded_other_numel=other,
         params=float(sharded * P),
         grads=float(sharded * P),
-        optimizer=float(2 * sharded * P),
+        optimizer=float((2 * sharded - muon_sharded) * P),  # Muon: one buffer, AdamW: two moments
         buffers=float(inv.buffer_bytes),
         fsdp_gathered=gathered,
         largest_unit=largest,
