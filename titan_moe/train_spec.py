@@ -91,6 +91,7 @@ def optimizer_summary(name: str, optimizers) -> str:
             kind = ("Muon" if group.get("muon") else "AdamW") + f" (weight decay {group['weight_decay']:g})"
             tensors, numel = kinds.setdefault(kind, [0, 0])
             kinds[kind] = [tensors + len(group["params"]), numel + sum(p.numel() for p in group["params"])]
+
     def count(n: int) -> str:
         return next((f"{n / size:.2f}{unit}" for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if n >= size),
                     str(n))

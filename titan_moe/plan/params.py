@@ -72,6 +72,8 @@ class ParamInventory:
     shapes: (shape, is_expert) -> count over all parameters.
     layer_shapes: the same per decoder layer (its FSDP unit, experts included).
     head_shapes: the `[norm, output]` FSDP unit.
+    muon_blocks: (shape, is_expert, block_dim, block_size) -> count of the parameters per-head
+        Muon updates (`titan_moe.optim.block_layout`), for `optimizer.name = "Muon"`.
     """
 
     total: int
