@@ -211,6 +211,63 @@ def test_fsdp2_shards_match_single_process(tmp_path):
     spawn_gloo(_fsdp_rank, 2, tmp_path, steps, _toy_reference(steps))
 
 
+class _Experts(nn.Module):
+    def __init__(self, n_experts: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n_experts, 6, 10))
+
+
+def _expert_grads(n_experts, step):
+    return torch.randn(n_experts, 6, 10, generator=torch.Generator().manual_seed(200 + step))
+
+
+def _experts_reference(n_experts, steps):
+    torch.manual_seed(0)
+    experts = _Experts(n_experts)
+    opt = Muon([{"params": [experts.w], "muon": True, "block_dim": EXPERTS, "block_size": 1}], lr=LR, weight_decay=WD)
+    for step in range(steps):
+        experts.w.grad = _expert_grads(n_experts, step)
+        opt.step()
+    return experts.w.detach()
+
+
+def _ep_fsdp_rank(rank, world, n_experts, ep, steps, expected, folder):
+    """Experts as the trainer shards them: EP's Shard(0) over "ep", then FSDP2 over "efsdp"
+    (dim 0, FSDP's _StridedShard, while efsdp * ep <= E; else dim 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import titan_moe.optim.muon as muon
+
+    efsdp = world // ep
+    mesh = init_device_mesh("cpu", (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    torch.manual_seed(0)
+    experts = _Experts(n_experts)
+    experts.w = nn.Parameter(distribute_tensor(experts.w.data, mesh["ep"], [Shard(0)]))
+    fully_shard(experts, mesh=mesh["efsdp"],
+                shard_placement_fn=(lambda p: Shard(1)) if efsdp * ep > n_experts else None)
+    seen = []
+    original = muon.block_update
+    muon.block_update = lambda u, *a: seen.append(tuple(u.shape)) or original(u, *a)
+    opt = Muon([{"params": [experts.w], "muon": True, "block_dim": EXPERTS, "block_size": 1}], lr=LR, weight_decay=WD)
+    for step in range(steps):
+        experts.w.grad = distribute_tensor(_expert_grads(n_experts, step), experts.w.device_mesh,
+                                           experts.w.placements)
+        opt.step()
+    muon.block_update = original
+    torch.testing.assert_close(experts.w.full_tensor(), expected, rtol=0, atol=1e-6)
+    # each rank orthogonalizes its own E / ep experts, never the layer's E
+    assert seen == [(n_experts // ep, 6, 10)] * steps, seen
+
+
+@pytest.mark.parametrize("n_experts", [4, 2])  # FSDP on dim 0 (strided over EP) / on dim 1
+def test_ep_and_fsdp_experts_orthogonalize_their_own_experts(tmp_path, n_experts):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    steps = 2
+    spawn_gloo(_ep_fsdp_rank, 4, tmp_path, n_experts, 2, steps, _experts_reference(n_experts, steps), None)
+
+
 # --------------------------------------------------------------------------- through the trainer
 MUON_RESUME = ["--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "3", "--optimizer.name",
                "Muon"]

@@ -37,15 +37,17 @@ buffer and the AdamW moments are elementwise and stay sharded like the parameter
 orthogonalization, a block must be whole on one rank:
 
 * when the parameter is sharded on dim 0 only (FSDP2's ``Shard(0)``, EP's ``Shard(0)`` over
-  experts) and the local shard starts and ends on block boundaries (rows per rank a
-  multiple of the head size; experts are always whole along dim 0), each rank
-  orthogonalizes its own blocks, with no communication;
+  experts, FSDP2's ``_StridedShard(0)`` over EP's experts) and the local shard starts and
+  ends on block boundaries (rows per rank a multiple of the head size; experts are always
+  whole along dim 0), each rank orthogonalizes its own blocks, with no communication;
+* experts that FSDP2 shards on dim 1 (``efsdp x ep > E``): the update is gathered over the
+  FSDP ranks only, so each rank orthogonalizes its E/ep expert-parallel experts;
 * otherwise (column blocks such as ``wo``, whole-matrix blocks, a shard boundary inside a
-  head, ``Shard(1)`` of experts) the update is all-gathered (``full_tensor``), every rank
-  orthogonalizes all blocks of that parameter (redundantly) and keeps its own shard.
-  That costs one all-gather of the parameter's size per step and a world-size-fold
-  repeat of its NS work; it is the simple, exact choice, not the fast one (Moonlight's
-  distributed Muon assigns each whole matrix to one rank instead).
+  head) the update is all-gathered (``full_tensor``), every rank orthogonalizes all blocks
+  of that parameter (redundantly) and keeps its own shard. That costs one all-gather of the
+  parameter's size per step and a world-size-fold repeat of its NS work; it is the simple,
+  exact choice, not the fast one (Moonlight's distributed Muon assigns each whole matrix
+  to one rank instead).
 """
 
 from __future__ import annotations
@@ -121,15 +123,32 @@ def block_update(update: Tensor, block_dim: int, block_size: int) -> Tensor:
     return from_blocks(ortho, update.shape, block_dim)
 
 
+def _shards_dim0(pl) -> bool:
+    """A placement that cuts dim 0 only: ``Shard(0)``, or FSDP2's ``_StridedShard`` on dim 0
+    (FSDP over expert-parallel experts), a subclass of ``Shard``."""
+    return isinstance(pl, Shard) and pl.dim == 0
+
+
 def _local_blocks_whole(p: DTensor, block_dim: int, block_size: int) -> bool:
     """Whether every block of ``p`` lies whole in this rank's shard (dim-0 sharding aligned to blocks)."""
     if block_dim not in (ROWS, EXPERTS):
         return all(isinstance(pl, Replicate) for pl in p.placements)
+    if block_dim == EXPERTS:  # any cut of the expert dim leaves whole experts
+        return all(isinstance(pl, Replicate) or _shards_dim0(pl) for pl in p.placements)
     if not all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0) for pl in p.placements):
         return False
     local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     size = 1 if block_dim == EXPERTS else block_size
     return offset[0] % size == 0 and local_shape[0] % size == 0
+
+
+def _gathered_placements(p: DTensor, block_dim: int) -> list:
+    """The placements the update is redistributed to when its blocks are cut: experts keep
+    their ``Shard(0)`` (expert-parallel) cuts and gather the rest (FSDP's ``Shard(1)``), so a
+    rank orthogonalizes its own E/ep experts, not the layer's E; other blocks gather whole."""
+    if block_dim == EXPERTS:
+        return [pl if type(pl) is Shard and pl.dim == 0 else Replicate() for pl in p.placements]
+    return [Replicate()] * p.device_mesh.ndim
 
 
 class Muon(torch.optim.Optimizer):
@@ -186,10 +205,11 @@ class Muon(torch.optim.Optimizer):
                 if _local_blocks_whole(p, block_dim, block_size):
                     ortho_local = block_update(update.to_local(), block_dim, block_size)
                 else:
-                    full = block_update(update.full_tensor(), block_dim, block_size)
                     mesh = p.device_mesh
+                    kept = _gathered_placements(p, block_dim)
+                    part = block_update(update.redistribute(mesh, kept).to_local(), block_dim, block_size)
                     ortho_local = DTensor.from_local(
-                        full, mesh, [Replicate()] * mesh.ndim, run_check=False
+                        part, mesh, kept, run_check=False, shape=p.shape, stride=p.stride()
                     ).redistribute(mesh, p.placements).to_local()
                 target = p.to_local()
             else:
