@@ -563,7 +563,7 @@ def test_cli_k3_on_2048_gpus_prints_a_json_summary(capsys):
               *(f"{step} layer {i}" for i in range(FLAVORS["k3"].n_layers) for step in ("forward", "backward"))}
     assert all(set(lay["peak_phase"]) == set(AC_MODES) and set(lay["peak_phase"].values()) <= phases
                for lay in summary["layouts"])
-    assert summary["optimizer"] == "AdamW" and summary["optimizer_implementation"] == "fused"
+    assert summary["optimizer"] == "Muon" and summary["optimizer_implementation"] == "fused"
     assert set(summary["min_gpus"]) == set(AC_MODES)
     for best in summary["best"]:
         assert best["fits"]["full"] and best["gib"]["total_full"] <= summary["usable_gib"]
@@ -1022,6 +1022,11 @@ def test_muon_blocks_gather_only_where_a_shard_cuts_them():
     assert muon_blocks_local((64, 32), False, WHOLE, 0, Layout(1, 1, 1, 1), 8)
     assert muon_blocks_local((8, 16, 24), True, EXPERTS, 1, Layout(1, 4, 1, 2), 8)  # dim 0: whole experts
     assert not muon_blocks_local((8, 16, 24), True, EXPERTS, 1, Layout(1, 16, 1, 2), 8)  # efsdp * ep > E: dim 1
+    # cut experts gather over efsdp only: the rank's 8 / ep = 4 experts, not all 8
+    from titan_moe.plan.params import muon_step_bytes, shard_numel
+    local, own = shard_numel((8, 16, 24), True, Layout(1, 16, 1, 2), 8), 4 * 16 * 24
+    assert muon_step_bytes((8, 16, 24), True, EXPERTS, 1, Layout(1, 16, 1, 2), 8, 4) == (
+        2 * 4 * local + 4 * own + 4 * 2 * own + 4 * 2 * 2 * 16 ** 2)
     args = _tiny()
     inv = inventory(_meta_model(args), args)
     one, four = (param_memory(inv, layout, FP32_MASTER, "muon") for layout in (Layout(1, 1, 1, 1), Layout(1, 4, 1, 1)))

@@ -21,8 +21,9 @@
     matrix it updates (`muon_blocks`), AdamW's two moments for the rest. Its step runs one
     parameter at a time; the temporaries are the largest of: AdamW's for-loop pair of the
     largest AdamW shard, and for one Muon parameter its update and cast (`2 P * shard`), the
-    all-gathered update (`P * full`) when its blocks are not whole on the rank (column and
-    whole-matrix blocks, row blocks cut by the shard, experts sharded on dim 1), and the bf16
+    all-gathered update (`P * full`; experts sharded on dim 1: their E/ep expert-parallel
+    experts) when its blocks are not whole on the rank (column and whole-matrix blocks, row
+    blocks cut by the shard, experts sharded on dim 1), and the bf16
     Newton-Schulz work (4 copies of the blocks, 2 Gram matrices each). An estimate from the
     code, not yet checked against a measured peak.
   * buffers (expert bias, token counts, QB histograms) are not sharded: full size on every GPU.
@@ -184,10 +185,12 @@ def muon_step_bytes(shape: tuple[int, ...], is_expert: bool, block_dim: int, blo
     """Temporaries of one Muon parameter's update (module docstring)."""
     local = shard_numel(shape, is_expert, layout, n_experts)
     whole = muon_blocks_local(shape, is_expert, block_dim, block_size, layout, n_experts)
-    n = local if whole else math.prod(shape)
+    # cut experts gather over efsdp only: the rank's E/ep expert-parallel experts
+    gathered = math.prod(shape) // (layout.ep if is_expert else 1)
+    n = local if whole else gathered
     m, k = {EXPERTS: shape[-2:], ROWS: (block_size, shape[-1]), COLS: (shape[0], block_size)}.get(block_dim, shape)
     blocks = n // (m * k)
-    return 2 * P * local + (0 if whole else P * math.prod(shape)) + 4 * 2 * n + blocks * 2 * 2 * min(m, k) ** 2
+    return 2 * P * local + (0 if whole else P * gathered) + 4 * 2 * n + blocks * 2 * 2 * min(m, k) ** 2
 
 
 @dataclass
