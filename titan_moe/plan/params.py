@@ -20,12 +20,13 @@
   * Muon (`optimizer.name = "Muon"`, titan_moe.optim): a momentum buffer `P * shard` for each
     matrix it updates (`muon_blocks`), AdamW's two moments for the rest. Its step runs one
     parameter at a time; the temporaries are the largest of: AdamW's for-loop pair of the
-    largest AdamW shard, and for one Muon parameter its update and cast (`2 P * shard`), the
-    all-gathered update (`P * full`; experts sharded on dim 1: their E/ep expert-parallel
-    experts) when its blocks are not whole on the rank (column and whole-matrix blocks, row
-    blocks cut by the shard, experts sharded on dim 1), and the bf16
-    Newton-Schulz work (4 copies of the blocks, 2 Gram matrices each). An estimate from the
-    code, not yet checked against a measured peak.
+    largest AdamW shard, and for one Muon parameter its update (`P * shard`), the all-gathered
+    update (`P * full`; experts sharded on dim 1: their E/ep expert-parallel experts) when its
+    blocks are not whole on the rank (column and whole-matrix blocks, row blocks cut by the
+    shard, experts sharded on dim 1), and the larger of the bf16 Newton-Schulz work (two
+    copies of the blocks and two Gram matrices each) and the bf16 result beside its cast.
+    Checked in one process on the CPU (the profiler's allocations over a step); the FSDP and
+    EP cases follow the same code but are not measured.
   * buffers (expert bias, token counts, QB histograms) are not sharded: full size on every GPU.
   * FSDP working memory (gathered units). Units: the embedding, each decoder layer (with
     `ep > 1` its routed experts are a second unit of `E/ep` local experts gathered over
@@ -190,7 +191,11 @@ def muon_step_bytes(shape: tuple[int, ...], is_expert: bool, block_dim: int, blo
     n = local if whole else gathered
     m, k = {EXPERTS: shape[-2:], ROWS: (block_size, shape[-1]), COLS: (shape[0], block_size)}.get(block_dim, shape)
     blocks = n // (m * k)
-    return 2 * P * local + (0 if whole else P * gathered) + 4 * 2 * n + blocks * 2 * 2 * min(m, k) ** 2
+    # alive through the step: the update (and its gathered copy); then the larger of the
+    # Newton-Schulz iteration (two bf16 copies of the blocks, the bf16 Gram matrices A and B)
+    # and the scaled bf16 result beside its cast to the parameter's dtype
+    newton_schulz = 2 * 2 * n + 2 * 2 * blocks * min(m, k) ** 2
+    return P * local + (0 if whole else P * gathered) + max(newton_schulz, 2 * n + P * local)
 
 
 @dataclass
