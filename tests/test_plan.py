@@ -990,12 +990,11 @@ def test_cli_plans_muon_with_one_buffer_for_its_matrices(capsys):
     assert not any(note in line for line in adamw) and any(note in line for line in muon)
 
 
-def test_muon_states_are_the_bytes_the_optimizer_allocates():
-    """One process: the planner's optimizer bytes equal the state tensors titan_moe's Muon holds
-    after a step (a momentum buffer per Muon matrix, two moments per AdamW parameter)."""
+def _muon_after_one_step(args: ModelArgs):
+    """titan_moe's Muon over a CPU model of `args`, after one step on random gradients (its
+    states allocated)."""
     from titan_moe.optim import Muon, muon_param_groups
 
-    args = _tiny()
     torch.manual_seed(0)
     model = Decoder(args)
     model.init_weights()
@@ -1003,6 +1002,14 @@ def test_muon_states_are_the_bytes_the_optimizer_allocates():
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
+    return optimizer
+
+
+def test_muon_states_are_the_bytes_the_optimizer_allocates():
+    """One process: the planner's optimizer bytes equal the state tensors titan_moe's Muon holds
+    after a step (a momentum buffer per Muon matrix, two moments per AdamW parameter)."""
+    args = _tiny()
+    optimizer = _muon_after_one_step(args)
     held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for k, t in state.items()
                if k != "step")
     inv = inventory(_meta_model(args), args)
@@ -1039,16 +1046,8 @@ def test_muon_step_temporaries_match_the_allocations_of_a_step(tmp_path):
     memory events. Within 15% (measured: about 8% under, small tensors it does not count)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from titan_moe.optim import Muon, muon_param_groups
-
     args = _tiny(dim=128, moe_latent_dim=64, moe_expert_hidden=96, dense_hidden=256, vocab_size=512)
-    torch.manual_seed(0)
-    model = Decoder(args)
-    model.init_weights()
-    optimizer = Muon(muon_param_groups(model, 0.1), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    optimizer.step()
+    optimizer = _muon_after_one_step(args)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         optimizer.step()
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
