@@ -231,7 +231,7 @@ def _experts_reference(n_experts, steps):
     return experts.w.detach()
 
 
-def _ep_fsdp_rank(rank, world, n_experts, ep, steps, expected, folder):
+def _ep_fsdp_rank(rank, world, n_experts, ep, steps, expected):
     """Experts as the trainer shards them: EP's Shard(0) over "ep", then FSDP2 over "efsdp"
     (dim 0, FSDP's _StridedShard, while efsdp * ep <= E; else dim 1)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -249,13 +249,12 @@ def _ep_fsdp_rank(rank, world, n_experts, ep, steps, expected, folder):
                 shard_placement_fn=(lambda p: Shard(1)) if efsdp * ep > n_experts else None)
     seen = []
     original = muon.block_update
-    muon.block_update = lambda u, *a: seen.append(tuple(u.shape)) or original(u, *a)
+    muon.block_update = lambda u, *a: seen.append(tuple(u.shape)) or original(u, *a)  # this process only
     opt = Muon([{"params": [experts.w], "muon": True, "block_dim": EXPERTS, "block_size": 1}], lr=LR, weight_decay=WD)
     for step in range(steps):
         experts.w.grad = distribute_tensor(_expert_grads(n_experts, step), experts.w.device_mesh,
                                            experts.w.placements)
         opt.step()
-    muon.block_update = original
     torch.testing.assert_close(experts.w.full_tensor(), expected, rtol=0, atol=1e-6)
     # each rank orthogonalizes its own E / ep experts, never the layer's E
     assert seen == [(n_experts // ep, 6, 10)] * steps, seen
@@ -265,7 +264,7 @@ def _ep_fsdp_rank(rank, world, n_experts, ep, steps, expected, folder):
 def test_ep_and_fsdp_experts_orthogonalize_their_own_experts(tmp_path, n_experts):
     os.environ["OMP_NUM_THREADS"] = "1"
     steps = 2
-    spawn_gloo(_ep_fsdp_rank, 4, tmp_path, n_experts, 2, steps, _experts_reference(n_experts, steps), None)
+    spawn_gloo(_ep_fsdp_rank, 4, tmp_path, n_experts, 2, steps, _experts_reference(n_experts, steps))
 
 
 # --------------------------------------------------------------------------- through the trainer
