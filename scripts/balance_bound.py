@@ -144,7 +144,7 @@ def format_table(table: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     from titan_moe.config import ConfigError, load_config
     from titan_moe.data.from_config import dataloader_from_config, tokenizer_from_config
-    from titan_moe.generate import load_model
+    from titan_moe.evaluate import load_for_evaluation
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=None,
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"balance_bound: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(config, ours.checkpoint, device)
+    model = load_for_evaluation(config, ours.checkpoint, device)
     moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
     if not moes:
         print("balance_bound: error: the model has no MoE layer", file=sys.stderr)

@@ -61,3 +61,26 @@ def test_command_prints_the_table(tmp_path):
                           "--val-batches", "1"],
                          cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--val-batches must be >= 2" in bad.stderr
+
+
+def test_the_model_computes_in_the_evaluation_dtype(tmp_path, monkeypatch):
+    # on CUDA the varlen MLA attention takes only bf16 / fp16: the bound must load the model as
+    # the evaluator does (an fp32 model failed there); here the dtype is forced to bf16 on the CPU
+    import titan_moe.evaluate as evaluate
+
+    asked = []
+
+    def bf16_dtype(config, device):
+        asked.append(device)
+        return torch.bfloat16
+
+    monkeypatch.setattr(evaluate, "evaluation_dtype", bf16_dtype)
+    seen = []
+    original = bound.collect_scores
+    monkeypatch.setattr(bound, "collect_scores", lambda model, batches, device: (
+        seen.append({p.dtype for p in model.parameters()}), original(model, batches, device))[1])
+    out = tmp_path / "bound.json"
+    bound.main(["--job.config_file", str(REPO / "configs" / "debug_cpu.toml"), "--val-batches", "2",
+                "--train-batches", "1", "--json", str(out)])
+    assert asked == ["cpu"] and seen and all(dtypes == {torch.bfloat16} for dtypes in seen)
+    assert set(json.loads(out.read_text())["table"]) == set(bound.CONDITIONS)

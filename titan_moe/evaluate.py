@@ -345,6 +345,16 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
     return model
 
 
+def load_for_evaluation(config, checkpoint: str | None, device: str):
+    """`titan_moe.generate.load_model` in eval mode with its parameters in `evaluation_dtype`
+    (the expert bias and other buffers keep theirs): what evaluations of a checkpoint run. The
+    dtype is resolved before the model is built, since it may set the MLA attention path."""
+    from titan_moe.generate import load_model
+
+    dtype = evaluation_dtype(config, device)
+    return cast_parameters(load_model(config, checkpoint, device), dtype).eval()
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m titan_moe.evaluate",
@@ -365,7 +375,6 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     from titan_moe.config import ConfigError, load_config
     from titan_moe.data.from_config import corpus_documents, tokenizer_from_config
-    from titan_moe.generate import load_model
     from titan_moe.runtime import checkpoint as intact
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -393,9 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"titan_moe.evaluate: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = evaluation_dtype(config, device)
-    model = cast_parameters(load_model(config, checkpoint, device), dtype)
-    model.eval()
+    model = load_for_evaluation(config, checkpoint, device)
     metrics = run_evals(model_logits_fn(model, device), tokenizer, filler, held_out, lengths=lengths, seq_len=seq_len,
                         depths=config.ladder.eval_depths, samples=ours.samples or config.ladder.eval_samples,
                         mqar_pairs=config.ladder.eval_mqar_pairs)
