@@ -373,6 +373,18 @@ def test_fp8_host_cost_runs_both_paths_on_the_cpu():
     assert all(float(row[2]) > 0 for row in rows)
 
 
+def test_optimizer_step_times_both_optimizers_built_as_the_trainer_builds_them(capsys):
+    bench = _load("optimizer_step")
+    bench.main(["--job.config_file", str(REPO / "configs" / "debug_cpu.toml"), "--steps", "1", "--warmup", "0"])
+    rows = {line.split("|")[1].strip(): [float(x) for x in line.split("|")[2:5]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| AdamW") or line.startswith("| Muon")}
+    assert set(rows) == {"AdamW", "Muon"} and all(ms > 0 for r in rows.values() for ms in r[:2])
+    # Muon keeps one momentum buffer per matrix where AdamW keeps two moments
+    assert 0 < rows["Muon"][2] < rows["AdamW"][2]
+    with pytest.raises(SystemExit):
+        bench.main(["--job.config_file", str(REPO / "configs" / "debug_cpu.toml"), "--optimizers", "SGD"])
+
+
 def _gpu_suite(tmp_path, *sections, gpus: str | None = None, dry: bool = True, **env_extra: str):
     env = {**os.environ, "SUITE_DRY_RUN": "1" if dry else "0", **env_extra}
     if gpus is not None:
