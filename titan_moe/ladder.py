@@ -227,7 +227,8 @@ def resolve_stages(ladder: Ladder, training: Any, optimizer: Any, lr_scheduler: 
             index=i, name=s.name or short_length(s.seq_len), seq_len=s.seq_len, steps=s.steps,
             local_batch_size=local, global_batch_size=global_, lr=lr, warmup_steps=warmup, decay_type=decay,
             min_lr_factor=min_lr, long_fraction=s.long_fraction, synthetic_fraction=s.synthetic_fraction,
-            synthetic_max_length=s.synthetic_max_length, synthetic_long_every=s.synthetic_long_every, start=start, end=start + s.steps))
+            synthetic_max_length=s.synthetic_max_length, synthetic_long_every=s.synthetic_long_every,
+            start=start, end=start + s.steps))
         start += s.steps
     return out
 

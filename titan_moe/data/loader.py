@@ -130,8 +130,9 @@ class PackedTextDataLoader(BaseDataLoader):
                   synthetic_long_every: int = 0) -> None:
         """Switch to a ladder stage: rows of `seq_len`, `local_batch_size` rows per rank and the
         stage's data mix (`synthetic_max_length` 0: whole-row tasks; > 0: short tasks, every
-        `synthetic_long_every`-th filling the rest of its row; see the module docstring). The stream goes on from the current position; entering another stage
-        than the position's restarts the mix's token counts. Make a new iterator afterwards."""
+        `synthetic_long_every`-th filling the rest of its row; see the module docstring). The
+        stream goes on from the current position; entering another stage than the position's
+        restarts the mix's token counts. Make a new iterator afterwards."""
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len}, {local_batch_size}")
         if long_fraction > 0 and self.long_documents is None:
