@@ -113,7 +113,6 @@ def test_stages_load_override_and_fill_training(tmp_path):
     (["--ladder.stages.2.decay_type", "step"], "decay_type must be one of"),
     (["--ladder.stages.2.long_fraction", "0.95"], "must stay below 1"),
     (["--ladder.stages.2.synthetic_max_length", "32"], "ladder.stages.2.synthetic_max_length must be 0 (whole-row"),
-    (["--ladder.stages.2.synthetic_long_every", "8"], "ladder.stages.2.synthetic_long_every must be 0, or >= 1 with"),
     (["--ladder.eval_lengths", "1024,0"], "ladder.eval_lengths must be lengths >= 1"),
     (["--ladder.eval_every", "-1"], "ladder.eval_every must be >= 0"),
     (["--data.synthetic_tasks", "passkey,needle"], "unknown task 'needle'"),
@@ -474,19 +473,17 @@ def corpus(tmp_path_factory):
     return str(root)
 
 
-# (index, seq_len, rows, long_fraction, synthetic_fraction, synthetic_max_length, synthetic_long_every)
-STAGES = [(0, 48, 2, 0.0, 0.0, 0, 0), (1, 96, 2, 0.3, 0.1, 0, 0), (2, 200, 1, 0.5, 0.1, 0, 0),
-          (3, 600, 1, 0.0, 0.2, 150, 0), (4, 600, 1, 0.0, 0.3, 100, 4)]
+# (index, seq_len, rows, long_fraction, synthetic_fraction, synthetic_max_length)
+STAGES = [(0, 48, 2, 0.0, 0.0, 0), (1, 96, 2, 0.3, 0.1, 0), (2, 200, 1, 0.5, 0.1, 0), (3, 600, 1, 0.0, 0.2, 150)]
 
 
 def _run(loader, plan):
     """Batches of a staged run: plan = [(stage, batches)]; returns the flat list."""
     out = []
     for stage, n in plan:
-        index, seq_len, batch, long_f, synth_f, synth_max, long_every = STAGES[stage]
+        index, seq_len, batch, long_f, synth_f, synth_max = STAGES[stage]
         loader.set_stage(index, seq_len=seq_len, local_batch_size=batch, long_fraction=long_f,
-                         synthetic_fraction=synth_f, synthetic_max_length=synth_max,
-                         synthetic_long_every=long_every)
+                         synthetic_fraction=synth_f, synthetic_max_length=synth_max)
         it = iter(loader)
         out += [next(it) for _ in range(n)]
     return out
@@ -548,25 +545,6 @@ def test_short_tasks_many_to_a_row_uncut_with_the_share_kept(tok, filler, corpus
         loader.set_stage(4, seq_len=600, local_batch_size=1, synthetic_fraction=0.1, synthetic_max_length=32)
 
 
-def test_every_nth_short_task_fills_its_row(tok, filler, corpus):
-    loader = _mixed_loader(tok, filler, corpus)
-    batches = _run(loader, [(4, 60)])
-    state = loader.state_dict()["dp_rank_0"]
-    assert abs(state["synth_tokens"] / (state["corpus_tokens"] + state["synth_tokens"]) - 0.3) < 0.05
-    short, long_ = [], []
-    for x, y in batches:
-        for a, b in _tasks_of_row(x["doc_ids"][0], y[0]):
-            length = b - a + (b == 600)
-            # a long task fills the row from where it starts: it ends the row
-            (long_ if length > 100 + 63 else short).append((length, b == 600))
-    assert len(short) >= 30 and all(n <= 100 + 63 for n, _ in short)
-    # one task in 4 is long where a quarter of the row (150 tokens) is free
-    assert len(long_) >= 6 and all(ends for _, ends in long_) and all(n >= 150 for n, _ in long_)
-    assert len(long_) <= len(short) / 3 + 1
-    with pytest.raises(ValueError, match="synthetic_long_every must be 0"):
-        loader.set_stage(5, seq_len=600, local_batch_size=1, synthetic_fraction=0.1, synthetic_long_every=4)
-
-
 def test_short_tasks_keep_a_high_share_beside_long_corpus_documents(tok, filler, corpus):
     # corpus documents of several rows each: a row left with a gap no task fits must not hand
     # the stream to the corpus (the share fell to a few percent of 0.8 that way)
@@ -585,10 +563,10 @@ def test_short_tasks_keep_a_high_share_beside_long_corpus_documents(tok, filler,
 
 
 def test_mixed_stream_resumes_exactly_across_stages(tok, filler, corpus):
-    plan = [(0, 5), (1, 12), (2, 9), (3, 6), (4, 6)]
+    plan = [(0, 5), (1, 12), (2, 9), (3, 6)]
     reference = _run(_mixed_loader(tok, filler, corpus), plan)
     flat_plan = [s for s, n in plan for _ in range(n)]
-    for cut in (3, 5, 6, 11, 17, 20, 28, 34):
+    for cut in (3, 5, 6, 11, 17, 20, 28):
         first = _mixed_loader(tok, filler, corpus)
         done = []
         k = 0

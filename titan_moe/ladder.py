@@ -90,12 +90,6 @@ class Stage:
     this bound, several to a row: for the same share of tokens many times more retrieval
     examples, the skill the evaluations then ask for at the stage's full length."""
 
-    synthetic_long_every: int = 0
-    """With synthetic_max_length > 0: every N-th task (by its index in the stream) fills the rest
-    of its row instead, when at least a quarter of the row is free; the others stay short. Short
-    tasks teach retrieval in many examples, the long ones its distances up to the stage's
-    length (the evaluations ask at that length). 0: every task short."""
-
 
 @dataclass
 class Ladder:
@@ -161,7 +155,6 @@ class ResolvedStage:
     long_fraction: float
     synthetic_fraction: float
     synthetic_max_length: int
-    synthetic_long_every: int
     start: int  # global steps done before the stage
     end: int  # the global step that ends it
 
@@ -216,9 +209,6 @@ def resolve_stages(ladder: Ladder, training: Any, optimizer: Any, lr_scheduler: 
             if s.synthetic_max_length < shortest:
                 raise ValueError(f"{key}.synthetic_max_length must be 0 (whole-row tasks) or >= {shortest} "
                                  f"(the shortest task), got {s.synthetic_max_length}")
-        if s.synthetic_long_every < 0 or (s.synthetic_long_every and not s.synthetic_max_length):
-            raise ValueError(f"{key}.synthetic_long_every must be 0, or >= 1 with synthetic_max_length > 0 "
-                             f"(short tasks), got {s.synthetic_long_every}")
         if s.long_fraction + s.synthetic_fraction >= 1.0:
             raise ValueError(f"{key}: long_fraction + synthetic_fraction must stay below 1 (the corpus needs a share)")
         if out and s.seq_len < out[-1].seq_len:
@@ -227,8 +217,7 @@ def resolve_stages(ladder: Ladder, training: Any, optimizer: Any, lr_scheduler: 
             index=i, name=s.name or short_length(s.seq_len), seq_len=s.seq_len, steps=s.steps,
             local_batch_size=local, global_batch_size=global_, lr=lr, warmup_steps=warmup, decay_type=decay,
             min_lr_factor=min_lr, long_fraction=s.long_fraction, synthetic_fraction=s.synthetic_fraction,
-            synthetic_max_length=s.synthetic_max_length, synthetic_long_every=s.synthetic_long_every,
-            start=start, end=start + s.steps))
+            synthetic_max_length=s.synthetic_max_length, start=start, end=start + s.steps))
         start += s.steps
     return out
 

@@ -78,8 +78,7 @@ class LadderRun:
         trainer.gradient_accumulation_steps = global_ // (local * dp)
         loader.set_stage(stage.index, seq_len=stage.seq_len, local_batch_size=local,
                          long_fraction=stage.long_fraction, synthetic_fraction=stage.synthetic_fraction,
-                         synthetic_max_length=stage.synthetic_max_length,
-                         synthetic_long_every=stage.synthetic_long_every)
+                         synthetic_max_length=stage.synthetic_max_length)
         self._iterator = trainer.batch_generator(loader)
         self.current = stage
         logger.info(f"ladder: stage {stage.index + 1}/{len(self.stages)} '{stage.name}': seq_len {stage.seq_len}, "
@@ -88,9 +87,7 @@ class LadderRun:
                     f"warm-up {stage.warmup_steps}), long {stage.long_fraction:.0%}, synthetic "
                     f"{stage.synthetic_fraction:.0%}"
                     + (f" ({', '.join(self.config.data.synthetic_tasks)}"
-                       + (f", up to {stage.synthetic_max_length} tokens" if stage.synthetic_max_length else "")
-                       + (f", 1 in {stage.synthetic_long_every} filling its row" if stage.synthetic_long_every else "")
-                       + ")"
+                       + (f", up to {stage.synthetic_max_length} tokens" if stage.synthetic_max_length else "") + ")"
                        if stage.synthetic_fraction else ""))
 
     def after_step(self, step: int) -> None:

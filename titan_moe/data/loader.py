@@ -32,8 +32,6 @@ instead: a task starts wherever the row has room for the shortest task, its leng
 log-uniformly between that shortest length and min(synthetic_max_length, the room left) (a
 task that would leave less room than the shortest task takes the rest of the row), so many
 tasks (many retrieval examples for the same share of tokens) share a row, still uncut.
-With `synthetic_long_every` N > 0 as well, task i with i % N == N - 1 fills the rest of its row
-instead when at least a quarter of the row is free (a whole-context task among the short ones).
 The position then holds every source's place (epoch and index of its current or next
 document, the synthetic tasks' count), which source holds the next token and the stage's
 token counts: a resume still continues bit for bit.
@@ -120,19 +118,16 @@ class PackedTextDataLoader(BaseDataLoader):
         self.long_fraction = 0.0
         self.synthetic_fraction = 0.0
         self.synthetic_max_length = 0
-        self.synthetic_long_every = 0
         self.reset()
         self._order_cache: tuple[int, list[int]] | None = None
         self._long_order_cache: tuple[int, list[int]] | None = None
 
     def set_stage(self, stage: int, *, seq_len: int, local_batch_size: int, long_fraction: float = 0.0,
-                  synthetic_fraction: float = 0.0, synthetic_max_length: int = 0,
-                  synthetic_long_every: int = 0) -> None:
+                  synthetic_fraction: float = 0.0, synthetic_max_length: int = 0) -> None:
         """Switch to a ladder stage: rows of `seq_len`, `local_batch_size` rows per rank and the
-        stage's data mix (`synthetic_max_length` 0: whole-row tasks; > 0: short tasks, every
-        `synthetic_long_every`-th filling the rest of its row; see the module docstring). The
-        stream goes on from the current position; entering another stage than the position's
-        restarts the mix's token counts. Make a new iterator afterwards."""
+        stage's data mix (`synthetic_max_length` 0: whole-row tasks; > 0: short tasks, see the
+        module docstring). The stream goes on from the current position; entering another stage
+        than the position's restarts the mix's token counts. Make a new iterator afterwards."""
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len and local_batch_size must be >= 1, got {seq_len}, {local_batch_size}")
         if long_fraction > 0 and self.long_documents is None:
@@ -145,13 +140,9 @@ class PackedTextDataLoader(BaseDataLoader):
             shortest = self.synthetic.min_length if self.synthetic is not None else 1
             raise ValueError(f"synthetic_max_length must be 0 (whole-row tasks) or >= {shortest} "
                              f"(the shortest task), got {synthetic_max_length}")
-        if synthetic_long_every < 0 or (synthetic_long_every and not synthetic_max_length):
-            raise ValueError(f"synthetic_long_every must be 0, or >= 1 with synthetic_max_length > 0, "
-                             f"got {synthetic_long_every}")
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.long_fraction, self.synthetic_fraction = long_fraction, synthetic_fraction
         self.synthetic_max_length = synthetic_max_length
-        self.synthetic_long_every = synthetic_long_every
         if self._position["stage"] != stage:
             self._position = {**self._position, "stage": stage, "corpus_tokens": 0, "long_tokens": 0,
                               "synth_tokens": 0}
@@ -279,12 +270,8 @@ class PackedTextDataLoader(BaseDataLoader):
         (whole-row tasks), or log-uniform in [shortest task, min(synthetic_max_length, free)]
         from the task's own generator (the same on a resumed run), all of them again where
         fewer than the shortest task's would be left (so up to synthetic_max_length + the
-        shortest task's length - 1). With synthetic_long_every N, task index % N == N - 1 takes
-        all `free` tokens when they are at least a quarter of the row."""
+        shortest task's length - 1)."""
         if not self.synthetic_max_length:
-            return free
-        every = self.synthetic_long_every
-        if every and index % every == every - 1 and free >= (self.seq_len + 1) // 4:
             return free
         low, high = self.synthetic.min_length, min(self.synthetic_max_length, free)
         u = task_rng(self.seed, index, salt="synthetic_length").random()
