@@ -138,8 +138,7 @@ def _local_blocks_whole(p: DTensor, block_dim: int, block_size: int) -> bool:
     if not all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0) for pl in p.placements):
         return False
     local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    size = 1 if block_dim == EXPERTS else block_size
-    return offset[0] % size == 0 and local_shape[0] % size == 0
+    return offset[0] % block_size == 0 and local_shape[0] % block_size == 0
 
 
 def _gathered_placements(p: DTensor, block_dim: int) -> list:
