@@ -114,6 +114,31 @@ def test_decoder_under_context_parallelism_matches_one_process(world, tmp_path):
     spawn_gloo(_worker, world, tmp_path)
 
 
+def _whole_row_logits_worker(rank: int, world: int) -> None:
+    """`context_parallel_logits_fn` on rows of a length the layout does not take (T = 100,
+    padded to 128 at cp 2): the one-process model's logits on every rank, for packed rows
+    and for rows of one document (all ids 0, as the evaluator passes them)."""
+    import torch.distributed as dist
+
+    from titan_moe.context_parallel import apply_context_parallel, context_parallel_logits_fn
+
+    tokens, doc_ids, _ = _batch()
+    tokens, doc_ids = tokens[:, :100], doc_ids[:, :100]
+    reference = _model().eval()
+    model = copy.deepcopy(reference)
+    apply_context_parallel(model, dist.group.WORLD, "headtail")
+    logits_fn = context_parallel_logits_fn(model, "cpu", dist.group.WORLD)
+    with torch.no_grad():
+        for ids in (doc_ids, torch.zeros_like(doc_ids)):
+            got, want = logits_fn(tokens, ids), reference(tokens, ids)
+            assert got.shape == want.shape == (tokens.shape[0], 100, TINY_ARGS.vocab_size)
+            err = rel_err(got, want)
+            assert err <= RTOL, f"rank {rank}: whole-row logits off by {err}"
+
+
+def test_whole_row_logits_under_context_parallelism_match_one_process(tmp_path):
+    spawn_gloo(_whole_row_logits_worker, 2, tmp_path)
+
 
 def test_fake_backend_takes_every_segment_to_hold_this_ranks_ids(monkeypatch):
     """On torch's fake backend (`row_segments(..., fake_backend=True)`) the document ids are

@@ -6,7 +6,8 @@ Layouts: CP2, CP4, CP2 x FSDP2, CP2 x HSDP2 (replicated), CP2 x EP2 and CP2 x FS
 EP2, MLA's queries balanced ("headtail", the default) except under CP2 x EP2 (each rank
 its own queries: `context_parallel_load_balancer = none`); a CP2 checkpoint resumed in one
 process and a one-process checkpoint resumed under CP2 (CI runs CP2 and CP2 x FSDP2 x EP2,
-the other layouts and the resumes are slow tests). The rows of those steps hold
+the other layouts and the resumes are slow tests); the one-process run and the CI layouts
+also validate at steps 1 and 2 (held-out loss and expert balance). The rows of those steps hold
 documents crossing segment boundaries, documents longer than a segment and documents
 starting inside a segment (checked below on the loader's own rows, so that the parity
 runs cannot pass on rows without them).
@@ -54,13 +55,14 @@ def cp(n: int) -> list[str]:
 
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+VAL = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]  # at steps 1 and 2
 LAYOUTS = {  # name: (arguments, processes)
-    "CP2": ([*cp(2), *CKPT], 2),
+    "CP2": ([*cp(2), *CKPT, *VAL], 2),
     "CP4": (cp(4), 4),
     "CP2xFSDP2": (cp(2), 4),
     "CP2xHSDP2": ([*cp(2), "--parallelism.data_parallel_replicate_degree", "2"], 4),
     "CP2xEP2": ([*cp(2), *EP2, "--parallelism.context_parallel_load_balancer", "none"], 2),
-    "CP2xFSDP2xEP2": ([*cp(2), *EP2], 4),
+    "CP2xFSDP2xEP2": ([*cp(2), *EP2, *VAL], 4),
 }
 
 
@@ -95,7 +97,7 @@ def start_runs(root: Path) -> dict:
     folder, "<run name> log": its log}; the fake-backend runs below ("fake <layout>") and the
     refused layout ("bad layout") too. The one-process run and CP2 also save step 2, which the
     slow resume tests resume."""
-    chains = {"one process": lambda: _one(root, "one_process", *CKPT)}
+    chains = {"one process": lambda: _one(root, "one_process", *CKPT, *VAL)}
     for name in CI_LAYOUTS:
         args, nproc = LAYOUTS[name]
         chains[name] = lambda name=name, args=args, nproc=nproc: _one(root, name, *args, nproc=nproc)
@@ -174,6 +176,27 @@ def test_losses_match_one_process(name, runs, one_process, request):
             assert got[step][key] == pytest.approx(ref[step][key], abs=1e-9), (name, step, key)
 
 
+def _eval_records(dump: Path) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out.setdefault(record["step"], {}).update({k: v for k, v in record.items() if k.startswith("eval")})
+    return {step: r for step, r in out.items() if r}
+
+
+@pytest.mark.parametrize("name", CI_LAYOUTS)
+def test_validation_matches_one_process(name, runs, one_process):
+    """Validation under CP: each rank runs its segment of the held-out rows, the loss is
+    normalised by the whole rows' tokens, so `eval_loss` and the held-out expert balance are
+    one process's (up to the fp32 summation order, as the training loss at step 1)."""
+    ref, got = _eval_records(one_process), _eval_records(runs[name].result()[name])
+    assert sorted(ref) == sorted(got) == [1, 2], (sorted(ref), sorted(got))
+    for step in ref:
+        assert got[step]["eval_loss"] == pytest.approx(ref[step]["eval_loss"], rel=STEP1_RTOL), (name, step)
+        for key in ("eval/moe/max_violation_max", "eval/moe/max_violation_mean", "eval/moe/dead_experts_total"):
+            assert got[step][key] == pytest.approx(ref[step][key], abs=1e-9), (name, step, key)
+
+
 @pytest.mark.slow
 def test_cp2_checkpoint_resumes_in_one_process(slow_runs, one_process):
     got = records(slow_runs["resumed in one process"].result()["resumed_in_one_process"])
@@ -191,7 +214,7 @@ def test_one_process_checkpoint_resumes_under_cp2(slow_runs, one_process):
 @pytest.mark.parametrize("args, needle", [
     ([*cp(2), "--training.seq_len", "255"], "training.seq_len = 255 is not divisible by"),
     ([*cp(4), "--training.seq_len", "128"], "shorter than a KDA chunk"),
-    ([*cp(2), "--validation.enable"], "validation.enable with parallelism.context_parallel_degree"),
+    ([*cp(4), "--validation.enable", "--validation.seq_len", "128"], "validation.seq_len = 128 over"),
     ([*cp(2), "--parallelism.context_parallel_load_balancer", "ptrr"], "context_parallel_load_balancer = 'ptrr'"),
     ([*cp(2), "--training.seq_len", "130"], "not divisible by 2 x parallelism.context_parallel_degree"),
 ])
@@ -201,6 +224,17 @@ def test_bad_layouts_are_refused(args, needle):
 
     config = load_config(["--job.config_file", CONFIG, *TINY_CLI, *SEQ, *args])
     with pytest.raises(ConfigError, match=needle):
+        check_context_parallel(config)
+
+
+def test_every_ladder_stage_length_is_checked():
+    """The ladder's `training.seq_len` is its last stage's; a shorter stage must split too."""
+    from titan_moe.config import ConfigError, load_config
+    from titan_moe.context_parallel import check_context_parallel
+
+    config = load_config(["--job.config_file", str(REPO / "configs" / "ladder_cpu.toml"), *cp(8)])
+    assert config.training.seq_len // 8 >= 64  # the last stage alone would pass
+    with pytest.raises(ConfigError, match="ladder.stages.1.seq_len = 256 over parallelism.context_parallel_degree = 8"):
         check_context_parallel(config)
 
 

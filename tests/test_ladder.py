@@ -323,7 +323,8 @@ def test_ladder_evaluation_runs_compiled_models_eagerly(tmp_path):
     model = Decoder(model_args_from_config(config))
     model.init_weights()
     trainer = types.SimpleNamespace(tokenizer=tokenizer_from_config(config), model_parts=[torch.compile(model)],
-                                    device="cpu", maybe_enable_amp=contextlib.nullcontext())
+                                    device="cpu", maybe_enable_amp=contextlib.nullcontext(),
+                                    parallel_dims=types.SimpleNamespace(cp_enabled=False))
     run = LadderRun(trainer, config)
     torch._dynamo.reset()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -700,3 +701,33 @@ def test_ladder_killed_mid_stage_resumes_from_last_checkpoint(runs, slow_runs):
     reference, resumed = records(runs[0] / "full"), records(root / "killed")
     for step in (7, 8, 9):
         assert resumed[step]["loss"] == reference[step]["loss"], step
+
+
+def test_ladder_evaluations_under_context_parallelism_match_one_process(tmp_path):
+    """The first stage (128-token rows, 3 steps, stopped at its end by
+    `training.exit_at_step`) under CP2 evaluates whole rows through
+    `context_parallel_logits_fn`: the stage-end held-out loss by position (and the task
+    accuracies) are the one-process run's, where the whole rows given to the segment layers
+    would be off (tests/test_context_parallel_model.py shows it on logits). The sharded
+    (FSDP2 over the cp ranks) run then saves after the evaluations' forwards, which left the
+    root's parameters gathered and failed the save, and saves step 3 once, not again for
+    the exit."""
+    stage = ["--ladder.stages.1.seq_len", "128", "--training.exit_at_step", "3", "--ladder.eval_loss_docs", "2"]
+    out = {}
+    for name, launcher in (("one", []), ("cp2", ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        cmd = _ladder_cli(folder, "--job.dump_folder", str(folder / "run"), *stage)
+        if launcher:
+            cmd = [cmd[0], *launcher, *cmd[1:], "--parallelism.context_parallel_degree", "2"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**environment(), "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert (proc.stdout + proc.stderr).count("Saving the checkpoint") == 2  # steps 2 (interval) and 3
+        lines = (folder / "run" / "metrics.jsonl").read_text().splitlines()
+        (out[name],) = [json.loads(line) for line in lines if "eval/loss_by_pos/0-64" in line]
+    one, cp2 = out["one"], out["cp2"]
+    assert sorted(one) == sorted(cp2) and one["step"] == 3
+    for key in one:
+        if key.startswith("eval/"):
+            assert cp2[key] == pytest.approx(one[key], rel=1e-5), key

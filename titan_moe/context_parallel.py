@@ -125,25 +125,29 @@ def check_context_parallel(job_config) -> None:
     if cp <= 1:
         return
     key = f"parallelism.context_parallel_degree = {cp}"
-    seq_len = job_config.training.seq_len
-    if seq_len % cp:
-        raise ConfigError(f"training.seq_len = {seq_len} is not divisible by {key}")
     balance = job_config.parallelism.context_parallel_load_balancer
     if balance not in BALANCES:
         raise ConfigError(f"parallelism.context_parallel_load_balancer = {balance!r} is not supported with {key} "
                           "(use 'headtail' or none)")
-    if balance == "headtail" and seq_len % (2 * cp):
-        raise ConfigError(
-            f"training.seq_len = {seq_len} is not divisible by 2 x {key} (the 'headtail' "
-            "parallelism.context_parallel_load_balancer halves each segment; or set it to none)"
-        )
-    if seq_len // cp < KDA_CHUNK:
-        raise ConfigError(
-            f"training.seq_len = {seq_len} over {key} leaves segments of {seq_len // cp} tokens, shorter than "
-            f"a KDA chunk ({KDA_CHUNK}): raise training.seq_len or lower the degree"
-        )
+    lengths = {"training.seq_len": job_config.training.seq_len}
+    ladder = getattr(job_config, "ladder", None)
+    for i, stage in enumerate(ladder.stages if ladder is not None else []):
+        lengths[f"ladder.stages.{i + 1}.seq_len"] = stage.seq_len
     if job_config.validation.enable:
-        raise ConfigError(f"validation.enable with {key} is not supported yet; pass --validation.no_enable")
+        lengths["validation.seq_len"] = job_config.validation.seq_len
+    for name, seq_len in lengths.items():
+        if seq_len % cp:
+            raise ConfigError(f"{name} = {seq_len} is not divisible by {key}")
+        if balance == "headtail" and seq_len % (2 * cp):
+            raise ConfigError(
+                f"{name} = {seq_len} is not divisible by 2 x {key} (the 'headtail' "
+                "parallelism.context_parallel_load_balancer halves each segment; or set it to none)"
+            )
+        if seq_len // cp < KDA_CHUNK:
+            raise ConfigError(
+                f"{name} = {seq_len} over {key} leaves segments of {seq_len // cp} tokens, shorter than "
+                f"a KDA chunk ({KDA_CHUNK}): raise {name} or lower the degree"
+            )
     if getattr(job_config.model, "kda_gate", None) == "unbounded":
         raise ConfigError(f"model.kda_gate = 'unbounded' is not supported with {key} (the context-parallel "
                           "KDA computes the bounded gate)")
@@ -164,6 +168,41 @@ def shard_batch(input_dict, labels_BT: Tensor, group) -> tuple[dict[str, Tensor]
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     sliced = {key: segment_of(value, rank, cp) for key, value in input_dict.items()}
     return sliced, segment_of(labels_BT, rank, cp)
+
+
+def whole_row_length(T: int, cp: int) -> int:
+    """The length a row of T tokens is padded to before it is split over `cp` ranks: a
+    multiple of 2 cp (so either balance halves each segment) with segments of at least one
+    KDA chunk, as `check_context_parallel` asks of training rows."""
+    step = 2 * cp
+    return max(-(-T // step) * step, cp * KDA_CHUNK)
+
+
+def context_parallel_logits_fn(model: nn.Module, device: torch.device | str, group):
+    """Whole-row logits from a model made context-parallel (`apply_context_parallel`), for
+    evaluations that see whole rows (`titan_moe.evaluate`): `(tokens_BT, doc_ids_BT) ->
+    logits [B, T, V]` fp32, on every rank of `group`, the same as the one-device model's.
+
+    Every rank passes the same rows, together (collectives). A row is padded at its end to
+    `whole_row_length` (the padding is a document of its own, and causal attention never
+    reads later tokens, so it changes no logit of the row), each rank runs its segment and
+    the segments' logits are all-gathered along T and cut back to T. Each rank holds the
+    whole `[B, T, V]` logits, as a one-device evaluation does."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+
+    def logits(tokens_BT: Tensor, doc_ids_BT: Tensor) -> Tensor:
+        B, T = tokens_BT.shape
+        pad = whole_row_length(T, cp) - T
+        tokens_BT, doc_ids_BT = tokens_BT.to(device), doc_ids_BT.to(device)
+        if pad:
+            tokens_BT = F.pad(tokens_BT, (0, pad))
+            doc_ids_BT = torch.cat([doc_ids_BT, (doc_ids_BT[:, -1:] + 1).expand(B, pad)], dim=1)
+        local_BLV = model(segment_of(tokens_BT, rank, cp), segment_of(doc_ids_BT, rank, cp)).float().contiguous()
+        parts = [torch.empty_like(local_BLV) for _ in range(cp)]
+        dist.all_gather(parts, local_BLV, group=group)
+        return torch.cat(parts, dim=1)[:, :T]
+
+    return logits
 
 
 @dataclass

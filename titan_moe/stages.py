@@ -18,12 +18,24 @@ import os
 import time
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torchtitan.tools.logging import logger
 
 from titan_moe import evaluate
+from titan_moe.context_parallel import context_parallel_logits_fn
 from titan_moe.data.from_config import corpus_documents
 from titan_moe.data.synthetic import Filler
 from titan_moe.ladder import enter_stage, lr_lambda, resolve_stages, stage_of_step
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the parameters FSDP2 gathered for forwards without a backward: a module that
+    keeps them after its forward (the root, by FSDP2's default) would otherwise stay
+    unsharded, holding its whole parameters, and a checkpoint saved then (a stage's end
+    under `training.exit_at_step`) reads parameters the optimizer does not hold."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class LadderRun:
@@ -37,6 +49,7 @@ class LadderRun:
         self._started_at: int | None = None
         self._filler: Filler | None = None
         self._held_out: dict[int, list[list[int]]] = {}  # seq_len -> tokenized held-out documents
+        self.saved_step: int | None = None  # the last stage end this process checkpointed
 
     def install(self) -> None:
         base_lr = self.config.optimizer.lr
@@ -110,6 +123,7 @@ class LadderRun:
                 checkpointer.save(step)
             finally:
                 checkpointer.interval = interval
+            self.saved_step = step
         if self.config.ladder.eval_at_stage_end:
             self.evaluate(stage, step)
 
@@ -123,6 +137,15 @@ class LadderRun:
             logger.info(f"ladder: the evaluations of stage '{stage.name}' (step {step}) did not finish; "
                         "running them now")
             self.evaluate(stage, step)
+
+    def _logits_fn(self, model):
+        """Whole-row logits for the evaluations: under context parallelism every rank runs
+        its segment of the same rows and the logits are gathered
+        (`context_parallel_logits_fn`), so the numbers are the one-device model's."""
+        trainer = self.trainer
+        if trainer.parallel_dims.cp_enabled:
+            return context_parallel_logits_fn(model, trainer.device, trainer.parallel_dims.get_mesh("cp").get_group())
+        return evaluate.model_logits_fn(model, trainer.device)
 
     def evaluate(self, stage, step: int) -> dict[str, float]:
         started = time.perf_counter()
@@ -144,11 +167,12 @@ class LadderRun:
             # each a compile (and a step toward their recompile limit) for a forward or two.
             with trainer.maybe_enable_amp, torch.compiler.set_stance("force_eager"):
                 metrics = evaluate.run_evals(
-                    evaluate.model_logits_fn(model, trainer.device), tokenizer, self._filler, held_out,
+                    self._logits_fn(model), tokenizer, self._filler, held_out,
                     lengths=lengths, seq_len=stage.seq_len, depths=ladder.eval_depths,
                     samples=ladder.eval_samples, mqar_pairs=ladder.eval_mqar_pairs)
         finally:
             model.train()
+            reshard(model)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == 0:
             evaluate.record(self.config.job.dump_folder, step, stage.seq_len, metrics, stage.name)

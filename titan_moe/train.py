@@ -302,8 +302,10 @@ class TitanTrainer(Trainer):
             self.ladder_run.after_step(self.step)
         exit_at = self.job_config.training.exit_at_step
         if 0 < exit_at <= self.step < self.job_config.training.steps:
-            if self.checkpointer.enable and self.step % self.checkpointer.interval:
-                # The regular save after this step only fires on the interval; force one.
+            saved = self.ladder_run is not None and self.ladder_run.saved_step == self.step
+            if self.checkpointer.enable and self.step % self.checkpointer.interval and not saved:
+                # The regular save after this step only fires on the interval; force one
+                # (not again where a ladder stage's end already saved this step).
                 interval, self.checkpointer.interval = self.checkpointer.interval, 1
                 try:
                     self.checkpointer.save(self.step)

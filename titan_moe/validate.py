@@ -6,7 +6,13 @@ from titan_moe.runtime.optional_packages import provide_datasets_placeholder
 
 provide_datasets_placeholder()  # torchtitan imports `datasets` at module level
 
+import torch  # noqa: E402
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.components.validate import Validator  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.tools import utils  # noqa: E402
+
+from titan_moe.context_parallel import shard_batch  # noqa: E402
 
 from titan_moe.data.from_config import dataloader_from_config  # noqa: E402
 from titan_moe.config import model_args_from_config  # noqa: E402
@@ -42,6 +48,9 @@ class TitanValidator(Validator):
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         # Document boundaries travel as `doc_ids` in input_dict; no attention-mask objects.
+        # Under context parallelism each rank keeps its segment of every row, as in training.
+        if self.parallel_dims.cp_enabled:
+            input_dict, labels = shard_batch(input_dict, labels, self.parallel_dims.get_mesh("cp").get_group())
         inputs = input_dict["input"]
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
         return inputs, labels, with_head_labels(self._model_args, extra_inputs, labels), {}
@@ -52,9 +61,41 @@ class TitanValidator(Validator):
         logged as ``eval/moe/*`` beside ``eval_loss``."""
         group = self.parallel_dims.get_mesh("loss").get_group() if self.parallel_dims.dp_cp_enabled else None
         with recording_eval_load(model_parts, group) as balance:
-            super().validate(model_parts, step)
+            if self.parallel_dims.cp_enabled:
+                self._validate_context_parallel(model_parts, step)
+            else:
+                super().validate(model_parts, step)
         if balance:
             self.metrics_processor.log_eval_balance(step, balance)
+
+    @torch.no_grad()
+    def _validate_context_parallel(self, model_parts, step: int) -> None:
+        """torchtitan's loop for one model part under context parallelism: each rank runs its
+        segment of the rows (`post_dataloading_process`) with our context-parallel layers
+        (torchtitan's own CP context, which rotates RoPE buffers, is not used), and the
+        token count that normalises the loss is taken on the whole rows before slicing, as
+        the trainer does, so the loss summed over dp x cp is the one-device mean."""
+        (model,) = model_parts
+        model.eval()
+        pd, device = self.parallel_dims, utils.device_type
+        losses = []
+        for input_dict, labels in self.validation_dataloader:
+            if 0 <= self.job_config.validation.steps <= len(losses):
+                break
+            input_dict = {k: v.to(device) for k, v in input_dict.items()}
+            labels = labels.to(device)
+            valid = (labels != IGNORE_INDEX).sum()
+            n_tokens = dist_utils.dist_sum(valid, pd.get_mesh("batch"), None) if pd.dp_enabled else valid.float()
+            inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels, model_parts)
+            self.metrics_processor.ntokens_since_last_log += labels.numel()
+            with self.validation_context(), self.maybe_enable_amp:
+                loss_sum = self.loss_fn(model(inputs, **extra_inputs, **extra_kwargs), labels)
+            losses.append(loss_sum.detach() / n_tokens)
+        if not losses:
+            raise ValueError("validation read no batch: the held-out split is empty")
+        loss = torch.stack(losses).sum() / len(losses)
+        self.metrics_processor.log_validation(loss=dist_utils.dist_sum(loss, pd.get_optional_mesh("loss")), step=step)
+        model.train()
 
     @property
     def validation_dataloader(self):
