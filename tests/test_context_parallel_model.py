@@ -114,30 +114,37 @@ def test_decoder_under_context_parallelism_matches_one_process(world, tmp_path):
     spawn_gloo(_worker, world, tmp_path)
 
 
-def _whole_row_logits_worker(rank: int, world: int) -> None:
-    """`context_parallel_logits_fn` on rows of a length the layout does not take (T = 100,
-    padded to 128 at cp 2): the one-process model's logits on every rank, for packed rows
-    and for rows of one document (all ids 0, as the evaluator passes them)."""
+def _whole_row_scores_worker(rank: int, world: int) -> None:
+    """`context_parallel_scores_fn` on rows of a length the layout does not take (T = 100,
+    padded to 128 at cp 2): the one-process model's argmax and cross-entropy on every rank,
+    for packed rows and for rows of one document (all ids 0, as the evaluator passes them)."""
     import torch.distributed as dist
 
-    from titan_moe.context_parallel import apply_context_parallel, context_parallel_logits_fn
+    from titan_moe.context_parallel import apply_context_parallel, context_parallel_scores_fn
+    from titan_moe.evaluate import scores_from_logits
 
     tokens, doc_ids, _ = _batch()
     tokens, doc_ids = tokens[:, :100], doc_ids[:, :100]
+    targets = torch.roll(tokens, -1, dims=1)
+    targets[0, ::7] = -100  # ignored targets score 0
     reference = _model().eval()
     model = copy.deepcopy(reference)
     apply_context_parallel(model, dist.group.WORLD, "headtail")
-    logits_fn = context_parallel_logits_fn(model, "cpu", dist.group.WORLD)
+    scores_fn = context_parallel_scores_fn(model, "cpu", dist.group.WORLD)
     with torch.no_grad():
         for ids in (doc_ids, torch.zeros_like(doc_ids)):
-            got, want = logits_fn(tokens, ids), reference(tokens, ids)
-            assert got.shape == want.shape == (tokens.shape[0], 100, TINY_ARGS.vocab_size)
-            err = rel_err(got, want)
-            assert err <= RTOL, f"rank {rank}: whole-row logits off by {err}"
+            (pred, loss), (pred_ref, loss_ref) = scores_fn(tokens, ids, targets), scores_from_logits(reference)(
+                tokens, ids, targets)
+            assert pred.shape == loss.shape == (tokens.shape[0], 100) and not loss[0, ::7].any()
+            err = rel_err(loss, loss_ref)
+            assert err <= RTOL, f"rank {rank}: whole-row cross-entropy off by {err}"
+            top2 = reference(tokens, ids).topk(2, dim=-1).values
+            clear = (top2[..., 0] - top2[..., 1]) > 1e-3  # argmax not decided by rounding
+            assert clear.float().mean() > 0.9 and torch.equal(pred[clear], pred_ref[clear]), f"rank {rank}: argmax"
 
 
-def test_whole_row_logits_under_context_parallelism_match_one_process(tmp_path):
-    spawn_gloo(_whole_row_logits_worker, 2, tmp_path)
+def test_whole_row_scores_under_context_parallelism_match_one_process(tmp_path):
+    spawn_gloo(_whole_row_scores_worker, 2, tmp_path)
 
 
 def test_fake_backend_takes_every_segment_to_hold_this_ranks_ids(monkeypatch):

@@ -1,4 +1,5 @@
-"""The output head's chunked training loss (`model.head_chunk_tokens`, titan_moe.model.head)."""
+"""The output head's chunked training loss (`model.head_chunk_tokens`, titan_moe.model.head) and
+the evaluations' per-token scores (`OutputHead.token_scores`)."""
 
 from __future__ import annotations
 
@@ -89,11 +90,33 @@ def test_decoder_returns_the_summed_loss_given_labels():
     assert loss_fn(got, labels) is got and loss_fn(logits, labels).item() == -1.0
 
 
+@pytest.mark.parametrize("chunk", [0, 1, 10, 500])
+def test_token_scores_equal_the_whole_logits_argmax_and_cross_entropy(chunk, monkeypatch):
+    h, labels = _inputs()
+    head = OutputHead(16, 50).double()
+    torch.nn.init.normal_(head.weight)
+    logits = head(h)
+    with torch.no_grad():
+        pred, loss = head(h, labels, 0, token_scores=True) if chunk == 0 else head.token_scores(h, labels, chunk)
+    assert pred.shape == loss.shape == labels.shape and pred.dtype == torch.int64 and loss.dtype == torch.float32
+    assert torch.equal(pred, logits.argmax(-1))
+    want = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(loss, want.float(), rtol=1e-6, atol=1e-6)
+    assert not loss[0, :5].any()  # ignored labels score 0
+    seen: list[int] = []  # the default chunk: SCORE_CHUNK_ELEMENTS logits at a time
+    monkeypatch.setattr("titan_moe.model.head.SCORE_CHUNK_ELEMENTS", 50 * 8)
+    monkeypatch.setattr("titan_moe.model.head.F.linear", lambda x, w: seen.append(x.shape[0]) or x @ w.T)
+    head.token_scores(h, labels)
+    assert max(seen) == 8 and sum(seen) == h.shape[0] * h.shape[1]
+
+
 def test_bad_chunk_and_labels_are_refused():
     with pytest.raises(ValueError, match="model.head_chunk_tokens"):
         ModelArgs(head_chunk_tokens=-1)
     with pytest.raises(ValueError, match="labels shape"):
         OutputHead(4, 10)(torch.zeros(1, 6, 4), torch.zeros(1, 5, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="labels shape"):
+        OutputHead(4, 10).token_scores(torch.zeros(1, 6, 4), torch.zeros(1, 5, dtype=torch.long))
 
 
 def _fsdp_head_worker(rank: int, world: int, reshard: str) -> None:

@@ -263,7 +263,7 @@ def induction_oracle(vocab: int, max_n: int = 8):
 
 
 def test_evaluator_oracle_copies_everything_random_model_is_at_chance(tok, filler):
-    oracle = induction_oracle(tok.get_vocab_size())
+    oracle = evaluate.scores_from_logits(induction_oracle(tok.get_vocab_size()))
     passkey = evaluate.passkey_accuracy(oracle, tok, filler, [128, 384], [0.0, 0.5, 1.0], samples=3)
     assert set(passkey.values()) == {1.0}
     assert evaluate.mqar_accuracy(oracle, tok, filler, [384], samples=3, n_pairs=6) == {384: 1.0}
@@ -272,6 +272,7 @@ def test_evaluator_oracle_copies_everything_random_model_is_at_chance(tok, fille
     assert min(evaluate.copy_accuracy(oracle, tok, filler, [64, 384], samples=3).values()) > 0.95
     gen = torch.Generator().manual_seed(0)
 
+    @evaluate.scores_from_logits
     def random_model(tokens_BT, doc_ids_BT):
         return torch.randn(*tokens_BT.shape, tok.get_vocab_size(), generator=gen)
 
@@ -288,6 +289,7 @@ def test_long_cells_go_through_the_model_a_few_rows_at_a_time(tok, filler, monke
     oracle = induction_oracle(tok.get_vocab_size())
     seen = []
 
+    @evaluate.scores_from_logits
     def counting(tokens_BT, doc_ids_BT):
         seen.append(tuple(tokens_BT.shape))
         return oracle(tokens_BT, doc_ids_BT)
@@ -338,6 +340,7 @@ def test_loss_by_position_uniform_model_and_buckets():
     assert evaluate.position_buckets(300) == [(0, 64), (64, 128), (128, 256), (256, 300)]
     V = 50
 
+    @evaluate.scores_from_logits
     def uniform(tokens_BT, doc_ids_BT):
         return torch.zeros(*tokens_BT.shape, V)
 

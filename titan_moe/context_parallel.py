@@ -95,6 +95,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_moe.config import ConfigError
+from titan_moe.model.head import IGNORE_INDEX
 from titan_moe.model.kda import KimiDeltaAttention
 from titan_moe.model.mla import GatedMLA
 from titan_moe.model.short_conv import short_conv_silu
@@ -178,31 +179,37 @@ def whole_row_length(T: int, cp: int) -> int:
     return max(-(-T // step) * step, cp * KDA_CHUNK)
 
 
-def context_parallel_logits_fn(model: nn.Module, device: torch.device | str, group):
-    """Whole-row logits from a model made context-parallel (`apply_context_parallel`), for
-    evaluations that see whole rows (`titan_moe.evaluate`): `(tokens_BT, doc_ids_BT) ->
-    logits [B, T, V]` fp32, on every rank of `group`, the same as the one-device model's.
+def context_parallel_scores_fn(model: nn.Module, device: torch.device | str, group):
+    """The evaluations' scores (`titan_moe.evaluate.ScoresFn`: each token's argmax and
+    cross-entropy) of whole rows from a model made context-parallel (`apply_context_parallel`):
+    `(tokens_BT, doc_ids_BT, targets_BT) -> (pred_BT, loss_BT)` on the CPU, on every rank of
+    `group`, the same as the one-device model's.
 
     Every rank passes the same rows, together (collectives). A row is padded at its end to
-    `whole_row_length` (the padding is a document of its own, and causal attention never
-    reads later tokens, so it changes no logit of the row), each rank runs its segment and
-    the segments' logits are all-gathered along T and cut back to T. Each rank holds the
-    whole `[B, T, V]` logits, as a one-device evaluation does."""
+    `whole_row_length` (the padding is a document of its own with ignored targets, and causal
+    attention never reads later tokens, so it changes nothing of the row), each rank scores
+    its segment (its head a chunk of logits at a time) and the segments' scores, 12 bytes a
+    token, are all-gathered along T and cut back to T."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
 
-    def logits(tokens_BT: Tensor, doc_ids_BT: Tensor) -> Tensor:
+    def scores(tokens_BT: Tensor, doc_ids_BT: Tensor, targets_BT: Tensor) -> tuple[Tensor, Tensor]:
         B, T = tokens_BT.shape
         pad = whole_row_length(T, cp) - T
-        tokens_BT, doc_ids_BT = tokens_BT.to(device), doc_ids_BT.to(device)
+        tokens_BT, doc_ids_BT, targets_BT = (t.to(device) for t in (tokens_BT, doc_ids_BT, targets_BT))
         if pad:
             tokens_BT = F.pad(tokens_BT, (0, pad))
             doc_ids_BT = torch.cat([doc_ids_BT, (doc_ids_BT[:, -1:] + 1).expand(B, pad)], dim=1)
-        local_BLV = model(segment_of(tokens_BT, rank, cp), segment_of(doc_ids_BT, rank, cp)).float().contiguous()
-        parts = [torch.empty_like(local_BLV) for _ in range(cp)]
-        dist.all_gather(parts, local_BLV, group=group)
-        return torch.cat(parts, dim=1)[:, :T]
+            targets_BT = F.pad(targets_BT, (0, pad), value=IGNORE_INDEX)
+        pred_BL, loss_BL = model(segment_of(tokens_BT, rank, cp), segment_of(doc_ids_BT, rank, cp),
+                                 labels=segment_of(targets_BT, rank, cp), token_scores=True)
+        out = []
+        for local in (pred_BL.contiguous(), loss_BL.float().contiguous()):
+            parts = [torch.empty_like(local) for _ in range(cp)]
+            dist.all_gather(parts, local, group=group)
+            out.append(torch.cat(parts, dim=1)[:, :T].cpu())
+        return out[0], out[1]
 
-    return logits
+    return scores
 
 
 @dataclass

@@ -39,13 +39,18 @@ from typing import Callable, Sequence
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
+from titan_moe.data.packing import IGNORE_INDEX
 from titan_moe.data.synthetic import Filler, copy_task, mqar_task, passkey_task, task_rng
 from titan_moe.ladder import short_length
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # tokens [B, T], doc_ids [B, T] -> [B, T, V]
+# (tokens [B, T], doc_ids [B, T], targets [B, T]) -> (argmax prediction [B, T] int64, cross-entropy
+# of the targets [B, T] fp32, 0 where a target is IGNORE_INDEX), on the CPU: all an evaluation
+# reads of the logits, 12 bytes a token where the logits are 4 V.
+ScoresFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 EVAL_SEED = 1_000_003  # the evaluation's tasks never coincide with the training stream's
 # Tokens of one evaluation forward: a cell's rows go through the model a few at a time, so the
-# [rows, T, vocab] fp32 logits stay bounded at long T (one row at a time from 128K tokens).
+# forward's activations stay bounded at long T (one row at a time from 128K tokens).
 EVAL_FORWARD_TOKENS = 131_072
 
 
@@ -53,26 +58,42 @@ def rows_per_forward(length: int) -> int:
     return max(1, EVAL_FORWARD_TOKENS // length)
 
 
-def model_logits_fn(model: torch.nn.Module, device: torch.device | str) -> LogitsFn:
-    def logits(tokens_BT: torch.Tensor, doc_ids_BT: torch.Tensor) -> torch.Tensor:
-        return model(tokens_BT.to(device), doc_ids_BT.to(device)).float()
+def model_scores_fn(model: torch.nn.Module, device: torch.device | str) -> ScoresFn:
+    """The model's scores, its head computing the logits a chunk at a time
+    (`OutputHead.token_scores`): never `[B, T, V]` logits at once."""
+    def scores(tokens_BT: torch.Tensor, doc_ids_BT: torch.Tensor, targets_BT: torch.Tensor):
+        pred_BT, loss_BT = model(tokens_BT.to(device), doc_ids_BT.to(device), labels=targets_BT.to(device),
+                                 token_scores=True)
+        return pred_BT.cpu(), loss_BT.float().cpu()
 
-    return logits
+    return scores
 
 
-def _predictions(logits_fn: LogitsFn, tasks) -> tuple[torch.Tensor, torch.Tensor]:
+def scores_from_logits(logits_fn: LogitsFn) -> ScoresFn:
+    """A `ScoresFn` of a function giving whole logits (test models: oracles, uniform ones)."""
+    def scores(tokens_BT: torch.Tensor, doc_ids_BT: torch.Tensor, targets_BT: torch.Tensor):
+        logits = logits_fn(tokens_BT, doc_ids_BT).float()
+        loss_BT = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets_BT.to(logits.device),
+                                                    reduction="none", ignore_index=IGNORE_INDEX)
+        return logits.argmax(-1).cpu(), loss_BT.cpu()
+
+    return scores
+
+
+def _predictions(scores_fn: ScoresFn, tasks) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens_BT, argmax_BT) of equal-length tasks, each row one document."""
     tokens_BT = torch.tensor([t.tokens for t in tasks], dtype=torch.int64)
     preds = []
     for rows_bT in tokens_BT.split(rows_per_forward(tokens_BT.shape[1])):
         with torch.no_grad():
-            preds.append(logits_fn(rows_bT, torch.zeros_like(rows_bT, dtype=torch.int32)).argmax(-1).cpu())
+            ignored = torch.full_like(rows_bT, IGNORE_INDEX)
+            preds.append(scores_fn(rows_bT, torch.zeros_like(rows_bT, dtype=torch.int32), ignored)[0])
     return tokens_BT, torch.cat(preds)
 
 
-def _answer_hits(logits_fn: LogitsFn, tasks) -> list[list[bool]]:
+def _answer_hits(scores_fn: ScoresFn, tasks) -> list[list[bool]]:
     """Per task, per answer span: whether the argmax predicts every answer token."""
-    tokens_BT, pred_BT = _predictions(logits_fn, tasks)
+    tokens_BT, pred_BT = _predictions(scores_fn, tasks)
     out = []
     for b, task in enumerate(tasks):
         # the token at position i is predicted at position i - 1
@@ -80,7 +101,7 @@ def _answer_hits(logits_fn: LogitsFn, tasks) -> list[list[bool]]:
     return out
 
 
-def passkey_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Sequence[int],
+def passkey_accuracy(scores_fn: ScoresFn, tokenizer, filler: Filler, lengths: Sequence[int],
                      depths: Sequence[float], samples: int, seed: int = EVAL_SEED) -> dict[tuple[int, float], float]:
     """(length, depth) -> fraction of `samples` passkeys retrieved."""
     out = {}
@@ -88,30 +109,30 @@ def passkey_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Se
         for depth in depths:
             tasks = [passkey_task(tokenizer, filler, length, task_rng(seed, i, f"passkey:{length}:{depth}"), depth)
                      for i in range(samples)]
-            out[(length, depth)] = sum(h[0] for h in _answer_hits(logits_fn, tasks)) / samples
+            out[(length, depth)] = sum(h[0] for h in _answer_hits(scores_fn, tasks)) / samples
     return out
 
 
-def mqar_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Sequence[int], samples: int,
+def mqar_accuracy(scores_fn: ScoresFn, tokenizer, filler: Filler, lengths: Sequence[int], samples: int,
                   n_pairs: int, seed: int = EVAL_SEED) -> dict[int, float]:
     """length -> fraction of all MQAR questions answered (`samples` tasks of `n_pairs` keys)."""
     out = {}
     for length in lengths:
         tasks = [mqar_task(tokenizer, filler, length, task_rng(seed, i, f"mqar:{length}"), n_pairs)
                  for i in range(samples)]
-        hits = [h for task_hits in _answer_hits(logits_fn, tasks) for h in task_hits]
+        hits = [h for task_hits in _answer_hits(scores_fn, tasks) for h in task_hits]
         out[length] = sum(hits) / len(hits)
     return out
 
 
-def copy_accuracy(logits_fn: LogitsFn, tokenizer, filler: Filler, lengths: Sequence[int], samples: int,
+def copy_accuracy(scores_fn: ScoresFn, tokenizer, filler: Filler, lengths: Sequence[int], samples: int,
                   seed: int = EVAL_SEED) -> dict[int, float]:
     """length -> share of the repeated tokens (all but each repeat's first, which nothing before
     it announces) whose argmax prediction is right, over `samples` copy tasks."""
     out = {}
     for length in lengths:
         tasks = [copy_task(tokenizer, filler, length, task_rng(seed, i, f"copy:{length}")) for i in range(samples)]
-        tokens_BT, pred_BT = _predictions(logits_fn, tasks)
+        tokens_BT, pred_BT = _predictions(scores_fn, tasks)
         hits = total = 0
         for b, task in enumerate(tasks):
             (start, end), = task.answers
@@ -130,7 +151,7 @@ def position_buckets(seq_len: int, first: int = 64) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def loss_by_position(logits_fn: LogitsFn, documents: Sequence[Sequence[int]], seq_len: int,
+def loss_by_position(scores_fn: ScoresFn, documents: Sequence[Sequence[int]], seq_len: int,
                      batch: int = 4) -> dict[tuple[int, int], tuple[float, int]]:
     """bucket -> (mean loss, tokens) over the first seq_len predictions of each document
     (`batch` documents a forward at most, fewer past `EVAL_FORWARD_TOKENS`)."""
@@ -144,10 +165,8 @@ def loss_by_position(logits_fn: LogitsFn, documents: Sequence[Sequence[int]], se
         for i in range(0, len(same), rows):
             rows_BR = torch.tensor(same[i : i + rows], dtype=torch.int64)
             x_BT, y_BT = rows_BR[:, :-1], rows_BR[:, 1:]
-            with torch.no_grad():  # the loss where the logits are: [B, T, vocab] is GiBs at long T
-                logits = logits_fn(x_BT, torch.zeros_like(x_BT, dtype=torch.int32))
-                loss_BT = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y_BT.to(logits.device),
-                                                            reduction="none").cpu()
+            with torch.no_grad():
+                loss_BT = scores_fn(x_BT, torch.zeros_like(x_BT, dtype=torch.int32), y_BT)[1]
             for j, (lo, hi) in enumerate(buckets):
                 part = loss_BT[:, lo:hi]
                 sums[j] += float(part.sum())
@@ -211,23 +230,23 @@ def loss_documents(config, val_documents, tokenizer, seq_len: int) -> list[list[
     return sorted(pooled, key=len, reverse=True)[:n]
 
 
-def run_evals(logits_fn: LogitsFn, tokenizer, filler: Filler, held_out: list[list[int]], *, lengths: Sequence[int],
+def run_evals(scores_fn: ScoresFn, tokenizer, filler: Filler, held_out: list[list[int]], *, lengths: Sequence[int],
               seq_len: int, depths: Sequence[float], samples: int, mqar_pairs: int) -> dict[str, float]:
     """Every evaluation, as flat metrics (the keys in the module docstring)."""
     metrics: dict[str, float] = {}
-    passkey = passkey_accuracy(logits_fn, tokenizer, filler, lengths, depths, samples)
+    passkey = passkey_accuracy(scores_fn, tokenizer, filler, lengths, depths, samples)
     for length in lengths:
         cells = [passkey[(length, d)] for d in depths]
         for d, acc in zip(depths, cells):
             metrics[f"eval/passkey/{short_length(length)}/d{d:.2f}"] = acc
         metrics[f"eval/passkey/{short_length(length)}"] = sum(cells) / len(cells)
     mqar_lengths = [L for L in lengths if _mqar_fits(tokenizer, L, mqar_pairs)]
-    for length, acc in mqar_accuracy(logits_fn, tokenizer, filler, mqar_lengths, samples, mqar_pairs).items():
+    for length, acc in mqar_accuracy(scores_fn, tokenizer, filler, mqar_lengths, samples, mqar_pairs).items():
         metrics[f"eval/mqar/{short_length(length)}"] = acc
-    for length, acc in copy_accuracy(logits_fn, tokenizer, filler, lengths, samples).items():
+    for length, acc in copy_accuracy(scores_fn, tokenizer, filler, lengths, samples).items():
         metrics[f"eval/copy/{short_length(length)}"] = acc
     if held_out:
-        for (lo, hi), (loss, count) in loss_by_position(logits_fn, held_out, seq_len).items():
+        for (lo, hi), (loss, count) in loss_by_position(scores_fn, held_out, seq_len).items():
             if count:
                 metrics[f"eval/loss_by_pos/{lo}-{hi}"] = loss
     return metrics
@@ -403,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_for_evaluation(config, checkpoint, device)
-    metrics = run_evals(model_logits_fn(model, device), tokenizer, filler, held_out, lengths=lengths, seq_len=seq_len,
+    metrics = run_evals(model_scores_fn(model, device), tokenizer, filler, held_out, lengths=lengths, seq_len=seq_len,
                         depths=config.ladder.eval_depths, samples=ours.samples or config.ladder.eval_samples,
                         mqar_pairs=config.ladder.eval_mqar_pairs)
     print(f"titan_moe.evaluate: {checkpoint}")

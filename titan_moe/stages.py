@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchtitan.tools.logging import logger
 
 from titan_moe import evaluate
-from titan_moe.context_parallel import context_parallel_logits_fn
+from titan_moe.context_parallel import context_parallel_scores_fn
 from titan_moe.data.from_config import corpus_documents
 from titan_moe.data.synthetic import Filler
 from titan_moe.ladder import enter_stage, lr_lambda, resolve_stages, stage_of_step
@@ -138,14 +138,14 @@ class LadderRun:
                         "running them now")
             self.evaluate(stage, step)
 
-    def _logits_fn(self, model):
-        """Whole-row logits for the evaluations: under context parallelism every rank runs
-        its segment of the same rows and the logits are gathered
-        (`context_parallel_logits_fn`), so the numbers are the one-device model's."""
+    def _scores_fn(self, model):
+        """The evaluations' view of the model (`evaluate.ScoresFn`): under context
+        parallelism every rank scores its segment of the same rows and the scores are gathered
+        (`context_parallel_scores_fn`), so the numbers are the one-device model's."""
         trainer = self.trainer
         if trainer.parallel_dims.cp_enabled:
-            return context_parallel_logits_fn(model, trainer.device, trainer.parallel_dims.get_mesh("cp").get_group())
-        return evaluate.model_logits_fn(model, trainer.device)
+            return context_parallel_scores_fn(model, trainer.device, trainer.parallel_dims.get_mesh("cp").get_group())
+        return evaluate.model_scores_fn(model, trainer.device)
 
     def evaluate(self, stage, step: int) -> dict[str, float]:
         started = time.perf_counter()
@@ -167,7 +167,7 @@ class LadderRun:
             # each a compile (and a step toward their recompile limit) for a forward or two.
             with trainer.maybe_enable_amp, torch.compiler.set_stance("force_eager"):
                 metrics = evaluate.run_evals(
-                    self._logits_fn(model), tokenizer, self._filler, held_out,
+                    self._scores_fn(model), tokenizer, self._filler, held_out,
                     lengths=lengths, seq_len=stage.seq_len, depths=ladder.eval_depths,
                     samples=ladder.eval_samples, mqar_pairs=ladder.eval_mqar_pairs)
         finally:

@@ -105,7 +105,9 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """The whole model. `forward(tokens [B,T], doc_ids [B,T] | None) -> logits [B,T,V]` (fp32);
     given `labels [B,T]` it returns the 0-d fp32 sum of the cross-entropy instead, the head run
-    in chunks of `head_chunk_tokens` (`titan_moe.model.head`), never the whole logits."""
+    in chunks of `head_chunk_tokens` (`titan_moe.model.head`), never the whole logits; with
+    `token_scores=True` as well, each token's argmax and cross-entropy `([B,T], [B,T])`, the
+    evaluations' view of the logits (`OutputHead.token_scores`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -124,7 +126,8 @@ class Decoder(nn.Module):
         doc_ids: torch.Tensor | None = None,
         caches: list[LayerCache] | None = None,
         labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        token_scores: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         if doc_ids is not None and doc_ids.shape != tokens.shape:
@@ -154,7 +157,7 @@ class Decoder(nn.Module):
                 ).end_layer(i)
         with nvtx_range("head"):
             h_BTD = self.norm(self.final_mix(stream))
-            return self.output(h_BTD, labels, self.args.head_chunk_tokens)
+            return self.output(h_BTD, labels, self.args.head_chunk_tokens, token_scores)
 
     def new_caches(self, batch_size: int, max_len: int) -> list[LayerCache]:
         """Empty decode caches, one per layer (constant size for KDA, `max_len` tokens for MLA)."""
