@@ -672,6 +672,8 @@ def test_ladder_runs_its_stages_with_evaluations_and_checkpoints(runs):
     assert [(e["step"], e["seq_len"]) for e in evals] == [(2, 64), (3, 64), (4, 128), (6, 128), (8, 256), (9, 256)]
     assert "eval/passkey/128" in evals[2] and "eval/passkey/256" not in evals[2]
     assert "ladder: evaluations inside stage '128' (step 4, " in log
+    assert "ladder: evaluations of stage '256': passkey at 64, 128, 256 done (" in log  # progress lines
+    assert "ladder: evaluations of stage '256': held-out loss by position over 1 documents done (" in log
     assert "eval/passkey/256/d0.50" in evals[-1] and "eval/loss_by_pos/0-64" in evals[-1]
     assert all((full / "checkpoint" / f"step-{s}" / ".metadata").is_file() for s in (3, 6, 9))
     assert (full / "passkey_9.png").is_file()

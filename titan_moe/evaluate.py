@@ -33,6 +33,7 @@ import math
 import os
 import struct
 import sys
+import time
 import zlib
 from typing import Callable, Sequence
 
@@ -231,24 +232,36 @@ def loss_documents(config, val_documents, tokenizer, seq_len: int) -> list[list[
 
 
 def run_evals(scores_fn: ScoresFn, tokenizer, filler: Filler, held_out: list[list[int]], *, lengths: Sequence[int],
-              seq_len: int, depths: Sequence[float], samples: int, mqar_pairs: int) -> dict[str, float]:
-    """Every evaluation, as flat metrics (the keys in the module docstring)."""
+              seq_len: int, depths: Sequence[float], samples: int, mqar_pairs: int,
+              progress: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Every evaluation, as flat metrics (the keys in the module docstring). `progress` gets a
+    line after each of the four (long contexts take minutes)."""
     metrics: dict[str, float] = {}
+    started = time.perf_counter()
+
+    def done(what: str) -> None:
+        if progress is not None:
+            progress(f"{what} done ({time.perf_counter() - started:.1f} s)")
+
     passkey = passkey_accuracy(scores_fn, tokenizer, filler, lengths, depths, samples)
     for length in lengths:
         cells = [passkey[(length, d)] for d in depths]
         for d, acc in zip(depths, cells):
             metrics[f"eval/passkey/{short_length(length)}/d{d:.2f}"] = acc
         metrics[f"eval/passkey/{short_length(length)}"] = sum(cells) / len(cells)
+    done(f"passkey at {', '.join(short_length(n) for n in lengths)}")
     mqar_lengths = [L for L in lengths if _mqar_fits(tokenizer, L, mqar_pairs)]
     for length, acc in mqar_accuracy(scores_fn, tokenizer, filler, mqar_lengths, samples, mqar_pairs).items():
         metrics[f"eval/mqar/{short_length(length)}"] = acc
+    done("mqar")
     for length, acc in copy_accuracy(scores_fn, tokenizer, filler, lengths, samples).items():
         metrics[f"eval/copy/{short_length(length)}"] = acc
+    done("copy")
     if held_out:
         for (lo, hi), (loss, count) in loss_by_position(scores_fn, held_out, seq_len).items():
             if count:
                 metrics[f"eval/loss_by_pos/{lo}-{hi}"] = loss
+        done(f"held-out loss by position over {len(held_out)} documents")
     return metrics
 
 
@@ -424,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
     model = load_for_evaluation(config, checkpoint, device)
     metrics = run_evals(model_scores_fn(model, device), tokenizer, filler, held_out, lengths=lengths, seq_len=seq_len,
                         depths=config.ladder.eval_depths, samples=ours.samples or config.ladder.eval_samples,
-                        mqar_pairs=config.ladder.eval_mqar_pairs)
+                        mqar_pairs=config.ladder.eval_mqar_pairs,
+                        progress=lambda line: print(f"titan_moe.evaluate: {line}", file=sys.stderr, flush=True))
     print(f"titan_moe.evaluate: {checkpoint}")
     print(format_table(metrics))
     if not ours.no_record:

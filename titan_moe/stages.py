@@ -161,6 +161,12 @@ class LadderRun:
         lengths = sorted({s.seq_len for s in self.stages[: stage.index + 1]}
                          | {n for n in ladder.eval_lengths if n <= stage.seq_len})
         (model,) = trainer.model_parts
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+        def progress(line: str) -> None:
+            if rank == 0:
+                logger.info(f"ladder: evaluations of stage '{stage.name}': {line}")
+
         model.eval()
         try:
             # Eager: every (rows, length) of the evaluation is a new shape for compiled layers,
@@ -169,11 +175,11 @@ class LadderRun:
                 metrics = evaluate.run_evals(
                     self._scores_fn(model), tokenizer, self._filler, held_out,
                     lengths=lengths, seq_len=stage.seq_len, depths=ladder.eval_depths,
-                    samples=ladder.eval_samples, mqar_pairs=ladder.eval_mqar_pairs)
+                    samples=ladder.eval_samples, mqar_pairs=ladder.eval_mqar_pairs,
+                    progress=progress)
         finally:
             model.train()
             reshard(model)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == 0:
             evaluate.record(self.config.job.dump_folder, step, stage.seq_len, metrics, stage.name)
             where = "at the end of" if step == stage.end else "inside"
