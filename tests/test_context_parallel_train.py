@@ -104,6 +104,11 @@ def start_runs(root: Path) -> dict:
     for name in FAKE_LAYOUTS:
         chains[f"fake {name}"] = lambda name=name: _fake_backend_run(root / f"fake_{name}", name)
     chains["bad layout"] = lambda: _run_train(root / "bad_layout", *cp(2), "--training.seq_len", "255")
+    # validation's forwards right before the save that training.exit_at_step forces (step 2,
+    # off the interval): FSDP2 over the cp ranks must have resharded the root by then
+    chains["exit after validation"] = lambda: _run_train(
+        root / "exit_after_validation", "--training.steps", str(STEPS), *SEQ, *cp(2), *VAL,
+        "--training.exit_at_step", "2", "--checkpoint.enable", "--checkpoint.interval", "3", nproc=2)
     return start_all(chains)
 
 
@@ -225,6 +230,13 @@ def test_bad_layouts_are_refused(args, needle):
     config = load_config(["--job.config_file", CONFIG, *TINY_CLI, *SEQ, *args])
     with pytest.raises(ConfigError, match=needle):
         check_context_parallel(config)
+
+
+def test_a_save_right_after_validation_finds_the_parameters_resharded(runs):
+    proc = runs["exit after validation"].result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training.exit_at_step = 2: stopping after step 2" in proc.stdout + proc.stderr
+    assert "validate step:  2" in proc.stdout + proc.stderr
 
 
 def test_every_ladder_stage_length_is_checked():

@@ -38,7 +38,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -344,6 +344,16 @@ def apply_fsdp(
     for layer, prev in zip(layers[::-1], layers[-2::-1]):
         layer.set_modules_to_backward_prefetch(with_experts(prev))
     layers[0].set_modules_to_backward_prefetch([model.tok_embeddings])
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the parameters FSDP2 gathered for forwards without a backward (evaluations): a
+    module that keeps them after its forward (the root, by FSDP2's default) would otherwise
+    stay unsharded, holding its whole parameters, and a checkpoint saved then (the one
+    `training.exit_at_step` forces) reads parameters the optimizer does not hold."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 # =========================================================================== one device

@@ -18,7 +18,6 @@ import os
 import time
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torchtitan.tools.logging import logger
 
 from titan_moe import evaluate
@@ -26,16 +25,7 @@ from titan_moe.context_parallel import context_parallel_scores_fn
 from titan_moe.data.from_config import corpus_documents
 from titan_moe.data.synthetic import Filler
 from titan_moe.ladder import enter_stage, lr_lambda, resolve_stages, stage_of_step
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Free the parameters FSDP2 gathered for forwards without a backward: a module that
-    keeps them after its forward (the root, by FSDP2's default) would otherwise stay
-    unsharded, holding its whole parameters, and a checkpoint saved then (a stage's end
-    under `training.exit_at_step`) reads parameters the optimizer does not hold."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+from titan_moe.parallelize import reshard
 
 
 class LadderRun:

@@ -13,6 +13,7 @@ from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.tools import utils  # noqa: E402
 
 from titan_moe.context_parallel import shard_batch  # noqa: E402
+from titan_moe.parallelize import reshard  # noqa: E402
 
 from titan_moe.data.from_config import dataloader_from_config  # noqa: E402
 from titan_moe.config import model_args_from_config  # noqa: E402
@@ -61,10 +62,14 @@ class TitanValidator(Validator):
         logged as ``eval/moe/*`` beside ``eval_loss``."""
         group = self.parallel_dims.get_mesh("loss").get_group() if self.parallel_dims.dp_cp_enabled else None
         with recording_eval_load(model_parts, group) as balance:
-            if self.parallel_dims.cp_enabled:
-                self._validate_context_parallel(model_parts, step)
-            else:
-                super().validate(model_parts, step)
+            try:
+                if self.parallel_dims.cp_enabled:
+                    self._validate_context_parallel(model_parts, step)
+                else:
+                    super().validate(model_parts, step)
+            finally:
+                for model in model_parts:
+                    reshard(model)
         if balance:
             self.metrics_processor.log_eval_balance(step, balance)
 
