@@ -233,6 +233,8 @@ def test_bad_layouts_are_refused(args, needle):
 
 
 def test_a_save_right_after_validation_finds_the_parameters_resharded(runs):
+    """Validation at step 2, then the save `training.exit_at_step` forces: it failed with a
+    KeyError while validation's forwards left FSDP2's root unsharded."""
     proc = runs["exit after validation"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training.exit_at_step = 2: stopping after step 2" in proc.stdout + proc.stderr

@@ -711,7 +711,7 @@ def test_ladder_killed_mid_stage_resumes_from_last_checkpoint(runs, slow_runs):
 def test_ladder_evaluations_under_context_parallelism_match_one_process(tmp_path):
     """The first stage (128-token rows, 3 steps, stopped at its end by
     `training.exit_at_step`) under CP2 evaluates whole rows through
-    `context_parallel_logits_fn`: the stage-end held-out loss by position (and the task
+    `context_parallel_scores_fn`: the stage-end held-out loss by position (and the task
     accuracies) are the one-process run's, where the whole rows given to the segment layers
     would be off (tests/test_context_parallel_model.py shows it on logits). The sharded
     (FSDP2 over the cp ranks) run then saves after the evaluations' forwards, which left the
